@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Idempotent set-up for a Debian 12 machine: installs the Debian packages scaped
+# needs to build and test, and says what it installs.  Safe to run again.
+set -euo pipefail
+
+PKGS=(
+  build-essential cmake pkg-config
+  libzmq3-dev libprotobuf-c-dev protobuf-c-compiler
+  libyaml-dev check libsubunit-dev
+  python3
+)
+
+missing=()
+for p in "${PKGS[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "setup: all ${#PKGS[@]} Debian packages already present"
+else
+  echo "setup: installing ${#missing[@]} Debian package(s): ${missing[*]}"
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ]; then
+    command -v sudo >/dev/null || { echo "setup: need root or sudo to install packages" >&2; exit 1; }
+    SUDO="sudo"
+  fi
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  echo "setup: installed ${missing[*]}"
+fi
+
+if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
+  echo "setup: CUDA toolkit found ($(command -v nvcc || echo /usr/local/cuda/bin/nvcc)); CUDA twins will be built"
+else
+  echo "setup: no CUDA toolkit; building the CPU-only configuration"
+fi

@@ -1,0 +1,156 @@
+/* cpu_adam.c - CPU reference of the AdamS and AdamW updates.
+ * The scalar formulas live in one inline function each, so the masked and
+ * dense variants compute identical bits. */
+#include "kern_internal.h"
+
+static inline void adams_one(float *theta, float *m, float g, float b1, float b2,
+                             float eps, float wd, float lr)
+{
+    float mi = *m, th = *theta;
+    float b = b1 * mi + (1.0f - b1) * g;
+    float v = b2 * (mi * mi) + (1.0f - b2) * (g * g);
+    *m = b;
+    *theta = th - lr * (b / (sqrtf(v) + eps) + wd * th);
+}
+
+static inline void adamw_one(float *theta, float *m, float *v, float g, float b1,
+                             float b2, float eps, float wd, float lr, float bc1,
+                             float bc2)
+{
+    float th = *theta;
+    float mi = b1 * *m + (1.0f - b1) * g;
+    float vi = b2 * *v + (1.0f - b2) * (g * g);
+    *m = mi;
+    *v = vi;
+    *theta = th - lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) + wd * th);
+}
+
+/* Shared validation of theta/m/(v)/sum/mask for the update kernels. */
+static scape_rc check_update(const char *fn, const float *theta, const float *m,
+                             const float *v, int need_v, const float *sum,
+                             size_t k, const uint32_t *mask, size_t n,
+                             const kern_hyper *h, float div, float lr)
+{
+    KERN_NONNULL(fn, theta);
+    KERN_NONNULL(fn, m);
+    KERN_NONNULL(fn, sum);
+    if (need_v)
+        KERN_NONNULL(fn, v);
+    KERN_MAXN(fn, n);
+    scape_rc rc = kern_check_hyper(fn, h);
+    if (rc == SCAPE_OK)
+        rc = kern_check_div_lr(fn, div, lr);
+    if (rc != SCAPE_OK)
+        return rc;
+    KERN_DISJOINT(fn, theta, n * 4, m, n * 4);
+    KERN_DISJOINT(fn, theta, n * 4, sum, k * 4);
+    KERN_DISJOINT(fn, m, n * 4, sum, k * 4);
+    if (need_v) {
+        KERN_DISJOINT(fn, v, n * 4, theta, n * 4);
+        KERN_DISJOINT(fn, v, n * 4, m, n * 4);
+        KERN_DISJOINT(fn, v, n * 4, sum, k * 4);
+    }
+    if (mask) {
+        size_t mb = kern_mask_words(n) * 4;
+        KERN_DISJOINT(fn, mask, mb, theta, n * 4);
+        KERN_DISJOINT(fn, mask, mb, m, n * 4);
+        if (need_v)
+            KERN_DISJOINT(fn, mask, mb, v, n * 4);
+    }
+    return SCAPE_OK;
+}
+
+static size_t masked_count(const uint32_t *mask, size_t n)
+{
+    size_t k = 0;
+    kern_mask_popcount(mask, n, &k);
+    return k;
+}
+
+scape_rc kern_adams_masked(float *theta, float *m, const float *sum, float div,
+                           const uint32_t *mask, size_t n, const kern_hyper *h,
+                           float lr)
+{
+    static const char fn[] = "kern_adams_masked";
+    KERN_NONNULL(fn, mask);
+    scape_rc rc = check_update(fn, theta, m, NULL, 0, sum, masked_count(mask, n),
+                               mask, n, h, div, lr);
+    if (rc != SCAPE_OK)
+        return rc;
+    const float b1 = h->beta1, b2 = h->beta2, eps = h->eps, wd = h->wd;
+    size_t nw = kern_mask_words(n), j = 0;
+    for (size_t w = 0; w < nw; w++) {
+        uint32_t bits = mask[w];
+        if (w + 1 == nw && (n & 31))
+            bits &= (1u << (n & 31)) - 1u;
+        size_t base = w * 32;
+        while (bits) {
+            unsigned i = (unsigned)__builtin_ctz(bits);
+            adams_one(theta + base + i, m + base + i, sum[j++] / div, b1, b2,
+                      eps, wd, lr);
+            bits &= bits - 1;
+        }
+    }
+    return SCAPE_OK;
+}
+
+scape_rc kern_adams_dense(float *theta, float *m, const float *sum, float div,
+                          size_t n, const kern_hyper *h, float lr)
+{
+    scape_rc rc = check_update("kern_adams_dense", theta, m, NULL, 0, sum, n,
+                               NULL, n, h, div, lr);
+    if (rc != SCAPE_OK)
+        return rc;
+    const float b1 = h->beta1, b2 = h->beta2, eps = h->eps, wd = h->wd;
+    for (size_t i = 0; i < n; i++)
+        adams_one(theta + i, m + i, sum[i] / div, b1, b2, eps, wd, lr);
+    return SCAPE_OK;
+}
+
+scape_rc kern_adamw_dense(float *theta, float *m, float *v, const float *sum,
+                          float div, size_t n, const kern_hyper *h, float lr,
+                          uint64_t t)
+{
+    static const char fn[] = "kern_adamw_dense";
+    scape_rc rc = check_update(fn, theta, m, v, 1, sum, n, NULL, n, h, div, lr);
+    if (rc != SCAPE_OK)
+        return rc;
+    if (t == 0)
+        return scape_set_error(SCAPE_INVALID, "%s: step t must be >= 1", fn);
+    const float b1 = h->beta1, b2 = h->beta2, eps = h->eps, wd = h->wd;
+    const float bc1 = kern_bias_correction(b1, t), bc2 = kern_bias_correction(b2, t);
+    for (size_t i = 0; i < n; i++)
+        adamw_one(theta + i, m + i, v + i, sum[i] / div, b1, b2, eps, wd, lr,
+                  bc1, bc2);
+    return SCAPE_OK;
+}
+
+scape_rc kern_adamw_masked(float *theta, float *m, float *v, const float *sum,
+                           float div, const uint32_t *mask, size_t n,
+                           const kern_hyper *h, float lr, uint64_t t)
+{
+    static const char fn[] = "kern_adamw_masked";
+    KERN_NONNULL(fn, mask);
+    scape_rc rc = check_update(fn, theta, m, v, 1, sum, masked_count(mask, n),
+                               mask, n, h, div, lr);
+    if (rc != SCAPE_OK)
+        return rc;
+    if (t == 0)
+        return scape_set_error(SCAPE_INVALID, "%s: step t must be >= 1", fn);
+    const float b1 = h->beta1, b2 = h->beta2, eps = h->eps, wd = h->wd;
+    const float bc1 = kern_bias_correction(b1, t), bc2 = kern_bias_correction(b2, t);
+    size_t nw = kern_mask_words(n), j = 0;
+    for (size_t w = 0; w < nw; w++) {
+        uint32_t bits = mask[w];
+        if (w + 1 == nw && (n & 31))
+            bits &= (1u << (n & 31)) - 1u;
+        size_t base = w * 32;
+        while (bits) {
+            unsigned i = (unsigned)__builtin_ctz(bits);
+            adamw_one(theta + base + i, m + base + i, v + base + i,
+                      sum[j++] / div, b1, b2, eps, wd, lr, bc1, bc2);
+            bits &= bits - 1;
+        }
+    }
+    return SCAPE_OK;
+}

@@ -1,0 +1,165 @@
+/* cpu_mask.c - CPU reference of the pack and the mask bit helpers. */
+#include <string.h>
+
+#include "kern_internal.h"
+
+/* Bits of the last, partial word that belong to a segment of n elements. */
+static uint32_t tail_bits(size_t n)
+{
+    size_t r = n & 31;
+    return r ? ((1u << r) - 1u) : 0xffffffffu;
+}
+
+/* Set bits among the first n bits; the tail of the last word is ignored. */
+static size_t popcount_n(const uint32_t *mask, size_t n)
+{
+    size_t nw = kern_mask_words(n), c = 0;
+    for (size_t w = 0; w + 1 < nw; w++)
+        c += (size_t)__builtin_popcount(mask[w]);
+    if (nw)
+        c += (size_t)__builtin_popcount(mask[nw - 1] & tail_bits(n));
+    return c;
+}
+
+scape_rc kern_mask_popcount(const uint32_t *mask, size_t n, size_t *count)
+{
+    KERN_NONNULL("kern_mask_popcount", mask);
+    KERN_NONNULL("kern_mask_popcount", count);
+    KERN_MAXN("kern_mask_popcount", n);
+    *count = popcount_n(mask, n);
+    return SCAPE_OK;
+}
+
+scape_rc kern_mask_prefix(const uint32_t *mask, size_t nwords, uint32_t *prefix)
+{
+    KERN_NONNULL("kern_mask_prefix", mask);
+    KERN_NONNULL("kern_mask_prefix", prefix);
+    KERN_MAXN("kern_mask_prefix", nwords * 32);
+    KERN_DISJOINT("kern_mask_prefix", mask, nwords * 4, prefix, (nwords + 1) * 4);
+    uint32_t acc = 0;
+    for (size_t w = 0; w < nwords; w++) {
+        prefix[w] = acc;
+        acc += (uint32_t)__builtin_popcount(mask[w]);
+    }
+    prefix[nwords] = acc;
+    return SCAPE_OK;
+}
+
+scape_rc kern_mask_or(uint32_t *dst, const uint32_t *src, size_t nwords)
+{
+    KERN_NONNULL("kern_mask_or", dst);
+    KERN_NONNULL("kern_mask_or", src);
+    KERN_DISJOINT("kern_mask_or", dst, nwords * 4, src, nwords * 4);
+    for (size_t w = 0; w < nwords; w++)
+        dst[w] |= src[w];
+    return SCAPE_OK;
+}
+
+scape_rc kern_pack_ef(const float *g, float *e, const uint32_t *mask, size_t n,
+                      float *out, size_t *k_out)
+{
+    static const char fn[] = "kern_pack_ef";
+    KERN_NONNULL(fn, g);
+    KERN_NONNULL(fn, e);
+    KERN_NONNULL(fn, mask);
+    KERN_NONNULL(fn, out);
+    KERN_NONNULL(fn, k_out);
+    KERN_MAXN(fn, n);
+    size_t k = popcount_n(mask, n), nw = kern_mask_words(n);
+    KERN_DISJOINT(fn, g, n * 4, e, n * 4);
+    KERN_DISJOINT(fn, out, k * 4, e, n * 4);
+    KERN_DISJOINT(fn, out, k * 4, g, n * 4);
+    KERN_DISJOINT(fn, mask, nw * 4, e, n * 4);
+    KERN_DISJOINT(fn, mask, nw * 4, out, k * 4);
+
+    size_t j = 0;
+    for (size_t w = 0; w < nw; w++) {
+        size_t base = w * 32, len = n - base < 32 ? n - base : 32;
+        const float *gw = g + base;
+        float *ew = e + base;
+        uint32_t bits = mask[w] & (len == 32 ? 0xffffffffu : tail_bits(n));
+        /* a = g + e for the whole word, then move the set bits out. */
+        for (size_t i = 0; i < len; i++)
+            ew[i] = gw[i] + ew[i];
+        if (bits == 0xffffffffu) {
+            memcpy(out + j, ew, 32 * sizeof(float));
+            memset(ew, 0, 32 * sizeof(float));
+            j += 32;
+            continue;
+        }
+        while (bits) {
+            unsigned i = (unsigned)__builtin_ctz(bits);
+            out[j++] = ew[i];
+            ew[i] = 0.0f;
+            bits &= bits - 1;
+        }
+    }
+    *k_out = j;
+    return SCAPE_OK;
+}
+
+scape_rc kern_mask_compact(const float *dense, const uint32_t *mask, size_t n,
+                           float *packed, size_t *k_out)
+{
+    static const char fn[] = "kern_mask_compact";
+    KERN_NONNULL(fn, dense);
+    KERN_NONNULL(fn, mask);
+    KERN_NONNULL(fn, packed);
+    KERN_NONNULL(fn, k_out);
+    KERN_MAXN(fn, n);
+    size_t k = popcount_n(mask, n), nw = kern_mask_words(n);
+    KERN_DISJOINT(fn, packed, k * 4, dense, n * 4);
+    KERN_DISJOINT(fn, packed, k * 4, mask, nw * 4);
+
+    size_t j = 0;
+    for (size_t w = 0; w < nw; w++) {
+        uint32_t bits = mask[w] & (w + 1 == nw ? tail_bits(n) : 0xffffffffu);
+        const float *dw = dense + w * 32;
+        while (bits) {
+            unsigned i = (unsigned)__builtin_ctz(bits);
+            packed[j++] = dw[i];
+            bits &= bits - 1;
+        }
+    }
+    *k_out = j;
+    return SCAPE_OK;
+}
+
+scape_rc kern_mask_expand(const float *packed, const uint32_t *mask, size_t n,
+                          void *dense, kern_dtype dt)
+{
+    static const char fn[] = "kern_mask_expand";
+    KERN_NONNULL(fn, packed);
+    KERN_NONNULL(fn, mask);
+    KERN_NONNULL(fn, dense);
+    KERN_MAXN(fn, n);
+    scape_rc rc = kern_check_dtype(fn, dt);
+    if (rc != SCAPE_OK)
+        return rc;
+    size_t k = popcount_n(mask, n), nw = kern_mask_words(n);
+    size_t dbytes = n * kern_dtype_size(dt);
+    KERN_DISJOINT(fn, packed, k * 4, dense, dbytes);
+    KERN_DISJOINT(fn, mask, nw * 4, dense, dbytes);
+
+    size_t j = 0;
+    for (size_t w = 0; w < nw; w++) {
+        uint32_t bits = mask[w] & (w + 1 == nw ? tail_bits(n) : 0xffffffffu);
+        size_t base = w * 32;
+        if (dt == KERN_F32) {
+            float *d = (float *)dense + base;
+            while (bits) {
+                unsigned i = (unsigned)__builtin_ctz(bits);
+                d[i] = packed[j++];
+                bits &= bits - 1;
+            }
+        } else {
+            uint16_t *d = (uint16_t *)dense + base;
+            while (bits) {
+                unsigned i = (unsigned)__builtin_ctz(bits);
+                d[i] = kern_bf16_from_f32(packed[j++]);
+                bits &= bits - 1;
+            }
+        }
+    }
+    return SCAPE_OK;
+}

@@ -1,0 +1,224 @@
+/* scape_kernels.h - the numerical operations of SCAPE.
+ *
+ * Every operation has a CPU reference (plain C, kern_*) and a CUDA twin
+ * (kern_cuda_*, device pointers, enqueued on a caller stream) with the same
+ * semantics.  Masks are packed bits in uint32_t words: element i of a segment
+ * is bit (i & 31) of word (i >> 5), LSB first.  A segment's mask always starts
+ * on a word boundary; bits past n in its last word are zero after any kernel
+ * that writes a mask, and are ignored by kernels that read one.
+ *
+ * Every function returns a scape_rc and, on failure, leaves a message in the
+ * calling thread's last-error buffer (scape_last_error()).  Nothing aborts.
+ * n == 0 is a valid, empty segment; null pointers never are.
+ *
+ * Arithmetic is spelled out in the order of algorithm.md and compiled without
+ * FMA contraction on both CPU and GPU, so the twins agree to the last bit on
+ * the update kernels and on the masks.
+ */
+#ifndef SCAPE_KERNELS_H
+#define SCAPE_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- result codes and the per-thread last error ------------------------ */
+
+typedef enum scape_rc {
+    SCAPE_OK = 0,
+    SCAPE_INVALID,     /* bad argument or input; nothing was changed */
+    SCAPE_NOMEM,       /* allocation failed */
+    SCAPE_SYSTEM,      /* a libc/system call failed (errno in the message) */
+    SCAPE_CUDA,        /* a CUDA runtime call failed */
+    SCAPE_NCCL,        /* an NCCL call failed */
+    SCAPE_ZMQ,         /* a ZeroMQ call failed */
+    SCAPE_PROTO,       /* a malformed or unexpected message */
+    SCAPE_REMOTE,      /* a peer reported an error */
+    SCAPE_TIMEOUT,     /* a peer did not answer in time */
+    SCAPE_UNSUPPORTED, /* not available in this build or on this machine */
+    SCAPE_RC_COUNT
+} scape_rc;
+
+/* Short stable name of a result code ("OK", "INVALID", ...). */
+const char *scape_rc_name(scape_rc rc);
+/* The calling thread's last error message ("" if none). */
+const char *scape_last_error(void);
+/* Format a message into the last-error buffer and return rc. */
+scape_rc scape_set_error(scape_rc rc, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+/* Clear the calling thread's last error. */
+void scape_clear_error(void);
+
+/* ---- shared types ------------------------------------------------------- */
+
+typedef enum kern_dtype { KERN_F32 = 0, KERN_BF16 = 1 } kern_dtype;
+
+typedef struct kern_hyper {
+    float beta1;  /* first-moment decay (0.9) */
+    float beta2;  /* normaliser decay (0.95) */
+    float eps;    /* denominator guard (1e-8) */
+    float wd;     /* decoupled weight decay lambda (0.0) */
+} kern_hyper;
+
+/* Number of uint32_t words that hold n mask bits. */
+static inline size_t kern_mask_words(size_t n) { return (n + 31) / 32; }
+/* Bytes of one element of dtype dt. */
+static inline size_t kern_dtype_size(kern_dtype dt) { return dt == KERN_BF16 ? 2 : 4; }
+
+/* ---- CPU reference ------------------------------------------------------ */
+
+/* Error-compensated pack, one pass: a = g + e; out[j] = a_i for the j-th set
+ * bit i (coordinate order); e_i = 0 where the bit is set, a_i elsewhere.
+ * *k_out receives the number of values written.  out must hold popcount. */
+scape_rc kern_pack_ef(const float *g, float *e, const uint32_t *mask, size_t n,
+                      float *out, size_t *k_out);
+
+/* SCAPE mask statistic: stat_i = |beta1*m_i + (1-beta1)*((g_i+e_i)/t_r)|,
+ * with t_r the number of local trainers (a_r / T_r is their mean). */
+scape_rc kern_mask_stat(const float *m, const float *g, const float *e, size_t n,
+                        float beta1, float t_r, float *stat);
+
+/* Raw-gradient statistic for the top-k baseline: stat_i = |g_i + e_i|. */
+scape_rc kern_abs_stat(const float *g, const float *e, size_t n, float *stat);
+
+/* Scratch bytes kern_topk_mask needs for a segment of n elements. */
+size_t kern_topk_scratch_bytes(size_t n);
+
+/* Exact top-k by radix select on the float bits of |stat| (O(n)): sets exactly
+ * k bits, those of the k largest values; among equal values the lower index
+ * wins.  NaN ranks above +inf.  Requires k <= n. */
+scape_rc kern_topk_mask(const float *stat, size_t n, size_t k, uint32_t *mask,
+                        void *scratch, size_t scratch_bytes);
+
+/* Number of set bits among the first n bits. */
+scape_rc kern_mask_popcount(const uint32_t *mask, size_t n, size_t *count);
+
+/* Exclusive prefix over words: prefix[w] = set bits in words [0, w);
+ * prefix[nwords] = total.  prefix holds nwords + 1 entries.  Bits past the
+ * segment are the caller's to keep zero. */
+scape_rc kern_mask_prefix(const uint32_t *mask, size_t nwords, uint32_t *prefix);
+
+/* Compact: packed[j] = dense[i] for the j-th set bit i; *k_out = count. */
+scape_rc kern_mask_compact(const float *dense, const uint32_t *mask, size_t n,
+                           float *packed, size_t *k_out);
+
+/* Expand: dense[i] = packed[j] for the j-th set bit i, converted to dt;
+ * positions whose bit is clear are left untouched. */
+scape_rc kern_mask_expand(const float *packed, const uint32_t *mask, size_t n,
+                          void *dense, kern_dtype dt);
+
+/* dst |= src over nwords words (union of masks). */
+scape_rc kern_mask_or(uint32_t *dst, const uint32_t *src, size_t nwords);
+
+/* Masked AdamS with the single-buffer reconstruction.  For the j-th set bit i,
+ * with g = sum[j] / div:
+ *   b = beta1*m + (1-beta1)*g;   v = beta2*m*m + (1-beta2)*g*g;   m = b;
+ *   theta -= lr * (b / (sqrt(v) + eps) + wd*theta).
+ * Clear bits leave theta and m untouched. */
+scape_rc kern_adams_masked(float *theta, float *m, const float *sum, float div,
+                           const uint32_t *mask, size_t n, const kern_hyper *h,
+                           float lr);
+
+/* Dense AdamS: the update above on every coordinate, g = sum[i] / div. */
+scape_rc kern_adams_dense(float *theta, float *m, const float *sum, float div,
+                          size_t n, const kern_hyper *h, float lr);
+
+/* Dense AdamW with bias correction at step t >= 1, g = sum[i] / div:
+ *   m = beta1*m + (1-beta1)*g;  v = beta2*v + (1-beta2)*g*g;
+ *   theta -= lr * ((m/bc1) / (sqrt(v/bc2) + eps) + wd*theta),
+ * bc1 = 1 - beta1^t, bc2 = 1 - beta2^t (computed in double, rounded once). */
+scape_rc kern_adamw_dense(float *theta, float *m, float *v, const float *sum,
+                          float div, size_t n, const kern_hyper *h, float lr,
+                          uint64_t t);
+
+/* Masked AdamW (the topk-adamw baseline): the AdamW update for the j-th set
+ * bit i with g = sum[j] / div; clear bits leave theta, m and v untouched. */
+scape_rc kern_adamw_masked(float *theta, float *m, float *v, const float *sum,
+                           float div, const uint32_t *mask, size_t n,
+                           const kern_hyper *h, float lr, uint64_t t);
+
+/* Gradient intake: dst = src (overwrite != 0) or dst += src, src in dtype dt. */
+scape_rc kern_grad_accum(float *dst, const void *src, kern_dtype dt, size_t n,
+                         int overwrite);
+
+/* fp32 -> bf16, round to nearest even; NaN stays NaN (quiet). */
+scape_rc kern_f32_to_bf16(const float *src, uint16_t *dst, size_t n);
+/* bf16 -> fp32 (exact). */
+scape_rc kern_bf16_to_f32(const uint16_t *src, float *dst, size_t n);
+
+/* Scalar conversions shared by the CPU code paths. */
+static inline uint16_t kern_bf16_from_f32(float x)
+{
+    union { float f; uint32_t u; } c = { .f = x };
+    if ((c.u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((c.u >> 16) | 0x0040u); /* quiet NaN, sign kept */
+    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+}
+static inline float kern_f32_from_bf16(uint16_t x)
+{
+    union { uint32_t u; float f; } c = { .u = (uint32_t)x << 16 };
+    return c.f;
+}
+
+/* ---- CUDA twins ----------------------------------------------------------
+ * Same semantics as the CPU functions of the same name, on device pointers,
+ * enqueued on `stream` (a cudaStream_t; NULL is the legacy default stream).
+ * Functions that count return the count through a host pointer and therefore
+ * synchronise the stream.  Scratch is device memory of at least
+ * kern_cuda_scratch_bytes(n) bytes.  Declared always; defined only in builds
+ * with SCAPE_HAVE_CUDA (check kern_cuda_available() at run time).
+ */
+
+/* 1 when this build has the CUDA twins and a device is visible, else 0;
+ * *why (if non-null) says why not. */
+int kern_cuda_available(const char **why);
+/* Device scratch bytes any single twin below needs for n elements. */
+size_t kern_cuda_scratch_bytes(size_t n);
+
+scape_rc kern_cuda_pack_ef(const float *g, float *e, const uint32_t *mask, size_t n,
+                           float *out, void *scratch, size_t scratch_bytes,
+                           void *stream);
+scape_rc kern_cuda_mask_stat(const float *m, const float *g, const float *e, size_t n,
+                             float beta1, float t_r, float *stat, void *stream);
+scape_rc kern_cuda_abs_stat(const float *g, const float *e, size_t n, float *stat,
+                            void *stream);
+scape_rc kern_cuda_topk_mask(const float *stat, size_t n, size_t k, uint32_t *mask,
+                             void *scratch, size_t scratch_bytes, void *stream);
+scape_rc kern_cuda_mask_popcount(const uint32_t *mask, size_t n, size_t *count,
+                                 void *scratch, size_t scratch_bytes, void *stream);
+scape_rc kern_cuda_mask_prefix(const uint32_t *mask, size_t nwords, uint32_t *prefix,
+                               void *scratch, size_t scratch_bytes, void *stream);
+scape_rc kern_cuda_mask_compact(const float *dense, const uint32_t *mask, size_t n,
+                                float *packed, void *scratch, size_t scratch_bytes,
+                                void *stream);
+scape_rc kern_cuda_mask_expand(const float *packed, const uint32_t *mask, size_t n,
+                               void *dense, kern_dtype dt, void *scratch,
+                               size_t scratch_bytes, void *stream);
+scape_rc kern_cuda_mask_or(uint32_t *dst, const uint32_t *src, size_t nwords,
+                           void *stream);
+scape_rc kern_cuda_adams_masked(float *theta, float *m, const float *sum, float div,
+                                const uint32_t *mask, size_t n, const kern_hyper *h,
+                                float lr, void *scratch, size_t scratch_bytes,
+                                void *stream);
+scape_rc kern_cuda_adams_dense(float *theta, float *m, const float *sum, float div,
+                               size_t n, const kern_hyper *h, float lr, void *stream);
+scape_rc kern_cuda_adamw_dense(float *theta, float *m, float *v, const float *sum,
+                               float div, size_t n, const kern_hyper *h, float lr,
+                               uint64_t t, void *stream);
+scape_rc kern_cuda_adamw_masked(float *theta, float *m, float *v, const float *sum,
+                                float div, const uint32_t *mask, size_t n,
+                                const kern_hyper *h, float lr, uint64_t t,
+                                void *scratch, size_t scratch_bytes, void *stream);
+scape_rc kern_cuda_grad_accum(float *dst, const void *src, kern_dtype dt, size_t n,
+                              int overwrite, void *stream);
+scape_rc kern_cuda_f32_to_bf16(const float *src, uint16_t *dst, size_t n, void *stream);
+scape_rc kern_cuda_bf16_to_f32(const uint16_t *src, float *dst, size_t n, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* SCAPE_KERNELS_H */
