@@ -1,0 +1,149 @@
+/* comm.c - argument checks and byte/call counting around the backend table. */
+#include <stdlib.h>
+
+#include "comm.h"
+
+static scape_rc check_comm(const char *fn, const comm_t *c)
+{
+    if (c == NULL || c->ops == NULL)
+        return scape_set_error(SCAPE_INVALID, "%s: comm is NULL", fn);
+    return SCAPE_OK;
+}
+
+static uint64_t sum_counts(const size_t *counts, int n)
+{
+    uint64_t s = 0;
+    for (int r = 0; r < n; r++)
+        s += counts[r];
+    return s;
+}
+
+static void count(comm_t *c, comm_op op, uint64_t bytes, uint64_t wire)
+{
+    c->stats.calls[op]++;
+    c->stats.bytes[op] += bytes;
+    c->stats.wire_bytes[op] += wire;
+}
+
+scape_rc comm_allreduce_sum(comm_t *c, float *buf, size_t n)
+{
+    scape_rc rc = check_comm("comm_allreduce_sum", c);
+    if (rc != SCAPE_OK)
+        return rc;
+    if (buf == NULL && n > 0)
+        return scape_set_error(SCAPE_INVALID, "comm_allreduce_sum: buf is NULL");
+    rc = c->ops->allreduce_sum(c, buf, n);
+    if (rc == SCAPE_OK) {
+        uint64_t b = (uint64_t)n * 4;
+        count(c, COMM_ALLREDUCE, b, 2 * b * (uint64_t)(c->size - 1) / (uint64_t)c->size);
+    }
+    return rc;
+}
+
+scape_rc comm_reduce_scatter_sum(comm_t *c, const float *send, float *recv,
+                                 const size_t *counts)
+{
+    scape_rc rc = check_comm("comm_reduce_scatter_sum", c);
+    if (rc != SCAPE_OK)
+        return rc;
+    if (counts == NULL)
+        return scape_set_error(SCAPE_INVALID, "comm_reduce_scatter_sum: counts is NULL");
+    uint64_t total = sum_counts(counts, c->size);
+    if ((send == NULL && total > 0) || (recv == NULL && counts[c->rank] > 0))
+        return scape_set_error(SCAPE_INVALID, "comm_reduce_scatter_sum: NULL buffer");
+    rc = c->ops->reduce_scatter_sum(c, send, recv, counts);
+    if (rc == SCAPE_OK)
+        count(c, COMM_REDUCE_SCATTER, total * 4, (total - counts[c->rank]) * 4);
+    return rc;
+}
+
+static scape_rc check_gather(const char *fn, const comm_t *c, const void *send,
+                             const void *recv, const size_t *counts)
+{
+    scape_rc rc = check_comm(fn, c);
+    if (rc != SCAPE_OK)
+        return rc;
+    if (counts == NULL)
+        return scape_set_error(SCAPE_INVALID, "%s: counts is NULL", fn);
+    if ((send == NULL && counts[c->rank] > 0) ||
+        (recv == NULL && sum_counts(counts, c->size) > 0))
+        return scape_set_error(SCAPE_INVALID, "%s: NULL buffer", fn);
+    return SCAPE_OK;
+}
+
+scape_rc comm_allgather(comm_t *c, const void *send, void *recv, const size_t *counts)
+{
+    scape_rc rc = check_gather("comm_allgather", c, send, recv, counts);
+    if (rc != SCAPE_OK)
+        return rc;
+    rc = c->ops->allgather(c, send, recv, counts);
+    if (rc == SCAPE_OK) {
+        uint64_t total = sum_counts(counts, c->size);
+        count(c, COMM_ALLGATHER, total, total - counts[c->rank]);
+    }
+    return rc;
+}
+
+scape_rc comm_iallgather(comm_t *c, const void *send, void *recv, const size_t *counts)
+{
+    scape_rc rc = check_gather("comm_iallgather", c, send, recv, counts);
+    if (rc != SCAPE_OK)
+        return rc;
+    if (c->pending)
+        return scape_set_error(SCAPE_INVALID,
+                               "comm_iallgather: one is already outstanding");
+    rc = c->ops->iallgather(c, send, recv, counts);
+    if (rc == SCAPE_OK) {
+        uint64_t total = sum_counts(counts, c->size);
+        count(c, COMM_IALLGATHER, total, total - counts[c->rank]);
+        c->pending = 1;
+    }
+    return rc;
+}
+
+scape_rc comm_iallgather_wait(comm_t *c)
+{
+    scape_rc rc = check_comm("comm_iallgather_wait", c);
+    if (rc != SCAPE_OK)
+        return rc;
+    if (!c->pending)
+        return scape_set_error(SCAPE_INVALID,
+                               "comm_iallgather_wait: nothing outstanding");
+    c->pending = 0;
+    return c->ops->iallgather_wait(c);
+}
+
+scape_rc comm_broadcast(comm_t *c, void *buf, size_t bytes, int root)
+{
+    scape_rc rc = check_comm("comm_broadcast", c);
+    if (rc != SCAPE_OK)
+        return rc;
+    if (root < 0 || root >= c->size)
+        return scape_set_error(SCAPE_INVALID, "comm_broadcast: root %d not in [0,%d)",
+                               root, c->size);
+    if (buf == NULL && bytes > 0)
+        return scape_set_error(SCAPE_INVALID, "comm_broadcast: buf is NULL");
+    rc = c->ops->broadcast(c, buf, bytes, root);
+    if (rc == SCAPE_OK)
+        count(c, COMM_BROADCAST, bytes, c->rank == root ? 0 : bytes);
+    return rc;
+}
+
+scape_rc comm_barrier(comm_t *c)
+{
+    scape_rc rc = check_comm("comm_barrier", c);
+    if (rc != SCAPE_OK)
+        return rc;
+    rc = c->ops->barrier(c);
+    if (rc == SCAPE_OK)
+        count(c, COMM_BARRIER, 0, 0);
+    return rc;
+}
+
+void comm_destroy(comm_t **c)
+{
+    if (c == NULL || *c == NULL)
+        return;
+    (*c)->ops->destroy(*c);
+    *c = NULL;
+}

@@ -1,0 +1,94 @@
+/* comm.h - the interface between the engine and the other ranks.
+ *
+ * A comm is one rank's handle on a group of R ranks.  Backends (local threads
+ * now; host TCP and NCCL later) fill in a table of function pointers and keep
+ * everything else static.  The engine calls only the comm_* wrappers below,
+ * which count calls and bytes per operation.  All collectives are called by
+ * every rank of the group in the same order.  Sums are computed in rank order
+ * 0, 1, ..., R-1 on every backend, so all-reduce and reduce-scatter give the
+ * same bits for the same inputs.
+ */
+#ifndef SCAPE_COMM_H
+#define SCAPE_COMM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "scape_kernels.h"
+
+typedef enum comm_op {
+    COMM_ALLREDUCE = 0,   /* sum of fp32 vectors, result on every rank */
+    COMM_REDUCE_SCATTER,  /* sum of fp32 vectors, rank r keeps segment r */
+    COMM_ALLGATHER,       /* blocking all-gather of byte segments */
+    COMM_IALLGATHER,      /* the asynchronous (mask) all-gather */
+    COMM_BROADCAST,       /* bytes from a root to every rank */
+    COMM_BARRIER,
+    COMM_OP_COUNT
+} comm_op;
+
+typedef struct comm_stats {
+    uint64_t calls[COMM_OP_COUNT];
+    uint64_t bytes[COMM_OP_COUNT];      /* payload: the size of the collective's result */
+    uint64_t wire_bytes[COMM_OP_COUNT]; /* received by this rank (ring schedule) */
+} comm_stats;
+
+typedef struct comm comm_t;
+
+typedef struct comm_ops {
+    const char *name;
+    /* In-place sum of n floats across ranks. */
+    scape_rc (*allreduce_sum)(comm_t *c, float *buf, size_t n);
+    /* send holds sum(counts) floats, segment r at offset sum(counts[0..r));
+     * recv receives the sum of segment `rank` (counts[rank] floats). */
+    scape_rc (*reduce_scatter_sum)(comm_t *c, const float *send, float *recv,
+                                   const size_t *counts);
+    /* recv receives the concatenation of every rank's bytes (counts[r] from
+     * rank r); send holds counts[rank] bytes. */
+    scape_rc (*allgather)(comm_t *c, const void *send, void *recv,
+                          const size_t *counts);
+    /* Start an all-gather as above that completes at iallgather_wait; send
+     * may be reused at once, recv must stay untouched until the wait.  At most
+     * one is outstanding per comm. */
+    scape_rc (*iallgather)(comm_t *c, const void *send, void *recv,
+                           const size_t *counts);
+    scape_rc (*iallgather_wait)(comm_t *c);
+    scape_rc (*broadcast)(comm_t *c, void *buf, size_t bytes, int root);
+    scape_rc (*barrier)(comm_t *c);
+    void (*destroy)(comm_t *c);
+} comm_ops;
+
+struct comm {
+    const comm_ops *ops;
+    int rank;
+    int size;
+    comm_stats stats;
+    int pending;  /* an iallgather is outstanding */
+    void *impl;   /* backend state */
+};
+
+/* Sum of n floats across ranks, in place. */
+scape_rc comm_allreduce_sum(comm_t *c, float *buf, size_t n);
+/* Reduce-scatter with per-rank segment counts (floats). */
+scape_rc comm_reduce_scatter_sum(comm_t *c, const float *send, float *recv,
+                                 const size_t *counts);
+/* All-gather with per-rank segment sizes in bytes. */
+scape_rc comm_allgather(comm_t *c, const void *send, void *recv, const size_t *counts);
+/* Start the asynchronous all-gather; finish it with comm_iallgather_wait. */
+scape_rc comm_iallgather(comm_t *c, const void *send, void *recv, const size_t *counts);
+/* Wait for the outstanding asynchronous all-gather. */
+scape_rc comm_iallgather_wait(comm_t *c);
+/* Broadcast bytes from root. */
+scape_rc comm_broadcast(comm_t *c, void *buf, size_t bytes, int root);
+/* Wait until every rank has arrived. */
+scape_rc comm_barrier(comm_t *c);
+/* Free one rank's handle and set *c to NULL. */
+void comm_destroy(comm_t **c);
+
+/* The `local` backend: R ranks as threads of one process.  Fills comms[0..R)
+ * with one handle per rank; each is used by one thread. */
+scape_rc comm_local_create(int nranks, comm_t **comms);
+/* As comm_local_create, with the longest barrier wait in milliseconds (the
+ * default is two minutes); a wait past it fails with SCAPE_TIMEOUT. */
+scape_rc comm_local_create_timeout(int nranks, int timeout_ms, comm_t **comms);
+
+#endif /* SCAPE_COMM_H */

@@ -1,0 +1,131 @@
+/* engine.h - one rank's optimizer: the SCAPE step of algorithm.md and the
+ * dense/top-k baselines behind the same interface.
+ *
+ * An engine holds the first moment m, the fp32 master parameters (the whole
+ * vector when replicated, its shard when sharded), the error-feedback residual
+ * and the packed masks.  It talks to other ranks only through a comm_t.
+ * eng_create, eng_init_params and eng_step are collective: every rank of the
+ * comm calls them in the same order.  Any failure leaves a message in
+ * scape_last_error(); a failure inside a step after a collective has begun
+ * marks the engine broken, and later steps are refused.
+ */
+#ifndef SCAPE_ENGINE_H
+#define SCAPE_ENGINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "comm.h"
+#include "scape_kernels.h"
+
+typedef enum eng_optimizer {
+    ENG_OPT_SCAPE = 0,  /* AdamS, lagged partitioned first-moment masks */
+    ENG_OPT_ADAMS,      /* dense AdamS */
+    ENG_OPT_ADAMW,      /* dense AdamW with bias correction */
+    ENG_OPT_TOPK_ADAMW, /* raw-gradient top-k per rank, union mask, AdamW */
+    ENG_OPT_COUNT
+} eng_optimizer;
+
+typedef enum eng_mode {
+    ENG_MODE_REPLICATED = 0, /* all-reduce; every rank keeps all state */
+    ENG_MODE_SHARDED,        /* reduce-scatter to owners, all-gather back */
+    ENG_MODE_COUNT
+} eng_mode;
+
+typedef struct eng_config {
+    eng_optimizer optimizer;
+    eng_mode mode;
+    double rho;       /* density in (0, 1] */
+    uint32_t warmup;  /* dense warm-up steps W >= 1 */
+    kern_hyper hyper; /* beta1, beta2, eps, weight decay */
+} eng_config;
+
+typedef struct eng_tensor {
+    const char *name; /* may be NULL; used in messages */
+    size_t offset;    /* first coordinate in the flat vector */
+    size_t length;    /* >= 1 */
+} eng_tensor;
+
+typedef struct eng_layout {
+    const eng_tensor *tensors; /* must tile [0, N) exactly, any order */
+    size_t ntensors;
+    kern_dtype param_dtype;    /* trainers' parameter buffers */
+    kern_dtype grad_dtype;     /* trainers' gradient buffers */
+} eng_layout;
+
+/* Seconds spent in each phase of the last step. */
+typedef enum eng_phase {
+    ENG_PH_INTAKE = 0, /* intra-node gradient reduction */
+    ENG_PH_MASK_WAIT,  /* waiting for the lagged mask all-gather */
+    ENG_PH_SELECT,     /* statistics and top-k of the next mask */
+    ENG_PH_PACK,       /* error-compensated pack */
+    ENG_PH_REDUCE,     /* the reduction collective */
+    ENG_PH_UPDATE,     /* the optimizer update */
+    ENG_PH_GATHER,     /* sharded: all-gather of updated values */
+    ENG_PH_WRITEBACK,  /* parameters into the trainers' buffers */
+    ENG_PH_COUNT
+} eng_phase;
+
+typedef struct eng_step_stats {
+    uint64_t step;
+    size_t n;             /* coordinates */
+    size_t k;             /* values reduced this step (K_t) */
+    double density;       /* k / n */
+    double mask_churn;    /* fraction of this mask's bits not set in the last one */
+    double phase_s[ENG_PH_COUNT];
+    comm_stats comm;      /* this step's collectives only */
+} eng_step_stats;
+
+typedef struct eng eng_t;
+
+/* Defaults of algorithm.md: scape, replicated, rho 0.01, W 1, 0.9/0.95/1e-8/0. */
+void eng_config_default(eng_config *cfg);
+/* Names as used in configuration files ("scape", "topk-adamw", "sharded"...). */
+const char *eng_optimizer_name(eng_optimizer opt);
+const char *eng_mode_name(eng_mode mode);
+scape_rc eng_optimizer_parse(const char *s, eng_optimizer *out);
+scape_rc eng_mode_parse(const char *s, eng_mode *out);
+
+/* Create this rank's engine (collective).  local_trainers >= 1 is T_r; the
+ * ranks exchange T_r, and a hash of config and layout that must agree. */
+scape_rc eng_create(eng_t **out, const eng_config *cfg, const eng_layout *layout,
+                    comm_t *comm, int local_trainers);
+/* Broadcast the parameters of trainer 0 of rank 0 into every trainer's buffer
+ * and initialise the master copy from them (collective, before step 1). */
+scape_rc eng_init_params(eng_t *e, void *const *params);
+/* Step t (t = last step + 1): grads[j] and params[j] are trainer j's buffers
+ * of N elements in the layout's dtypes.  Writes the new parameters into every
+ * params[j] (collective). */
+scape_rc eng_step(eng_t *e, uint64_t t, float lr, const void *const *grads,
+                  void *const *params);
+/* Statistics of the last completed step. */
+scape_rc eng_last_stats(const eng_t *e, eng_step_stats *out);
+/* Finish any outstanding mask all-gather and free; sets *e to NULL. */
+void eng_destroy(eng_t **e);
+
+/* ---- inspection (tests, status, checkpoints) --------------------------- */
+
+size_t eng_n(const eng_t *e);
+/* T, the trainers of all ranks. */
+int eng_total_trainers(const eng_t *e);
+/* k_l of tensor l (layout index) and its owning rank. */
+size_t eng_tensor_k(const eng_t *e, size_t l);
+int eng_tensor_owner(const eng_t *e, size_t l);
+/* L2 norm of this rank's residual. */
+double eng_residual_norm(const eng_t *e);
+/* This rank's residual, coordinate order (N floats). */
+scape_rc eng_get_residual(const eng_t *e, float *out);
+
+typedef enum eng_state_vec { ENG_VEC_M = 0, ENG_VEC_V, ENG_VEC_THETA } eng_state_vec;
+/* m, v or the master parameters in coordinate order; have[i] = 1 where this
+ * rank holds coordinate i (all of them when replicated), else out[i] = 0. */
+scape_rc eng_get_state(const eng_t *e, eng_state_vec which, float *out,
+                       unsigned char *have);
+/* The mask used by the last step, one byte (0/1) per coordinate. */
+scape_rc eng_get_mask(const eng_t *e, unsigned char *bits);
+/* The last step's g_hat = S / T at the coordinates this rank reduced (all
+ * mask coordinates when replicated, its shard's when sharded); have[i] marks
+ * them, elsewhere out[i] = 0. */
+scape_rc eng_get_ghat(const eng_t *e, float *out, unsigned char *have);
+
+#endif /* SCAPE_ENGINE_H */

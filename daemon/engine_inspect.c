@@ -1,0 +1,99 @@
+/* engine_inspect.c - read-only views of an engine's state in coordinate
+ * order, for tests, the status plane and checkpoints. */
+#include <math.h>
+#include <string.h>
+
+#include "engine_internal.h"
+
+size_t eng_n(const eng_t *e) { return e ? e->p->n : 0; }
+
+int eng_total_trainers(const eng_t *e) { return e ? e->t_total : 0; }
+
+size_t eng_tensor_k(const eng_t *e, size_t l)
+{
+    return e && l < e->p->ntensors ? e->p->t[l].k : 0;
+}
+
+int eng_tensor_owner(const eng_t *e, size_t l)
+{
+    return e && l < e->p->ntensors ? e->p->t[l].owner : -1;
+}
+
+double eng_residual_norm(const eng_t *e)
+{
+    double s = 0.0;
+    for (size_t i = 0; e && i < e->p->n; i++)
+        s += (double)e->e[i] * (double)e->e[i];
+    return sqrt(s);
+}
+
+scape_rc eng_get_residual(const eng_t *e, float *out)
+{
+    if (e == NULL || out == NULL)
+        return scape_set_error(SCAPE_INVALID, "eng_get_residual: NULL argument");
+    memcpy(out, e->e, e->p->n * sizeof *out);
+    return SCAPE_OK;
+}
+
+static int holds(const eng_t *e, const plan_tensor *t)
+{
+    return t->pos >= e->state_base && t->pos < e->state_base + e->state_len;
+}
+
+scape_rc eng_get_state(const eng_t *e, eng_state_vec which, float *out, unsigned char *have)
+{
+    if (e == NULL || out == NULL || have == NULL)
+        return scape_set_error(SCAPE_INVALID, "eng_get_state: NULL argument");
+    const float *src = which == ENG_VEC_M ? e->m : which == ENG_VEC_V ? e->v
+                     : which == ENG_VEC_THETA ? e->theta : NULL;
+    if (src == NULL)
+        return scape_set_error(SCAPE_INVALID, "eng_get_state: this optimizer keeps no such vector");
+    memset(out, 0, e->p->n * sizeof *out);
+    memset(have, 0, e->p->n);
+    for (size_t i = 0; i < e->p->ntensors; i++) {
+        const plan_tensor *t = &e->p->t[i];
+        if (!holds(e, t))
+            continue;
+        memcpy(out + t->off, src + (t->pos - e->state_base), t->len * sizeof *out);
+        memset(have + t->off, 1, t->len);
+    }
+    return SCAPE_OK;
+}
+
+scape_rc eng_get_mask(const eng_t *e, unsigned char *bits)
+{
+    if (e == NULL || bits == NULL)
+        return scape_set_error(SCAPE_INVALID, "eng_get_mask: NULL argument");
+    for (size_t l = 0; l < e->p->ntensors; l++) {
+        const plan_tensor *t = &e->p->t[l];
+        const uint32_t *w = e->mask_cur + t->word;
+        for (size_t i = 0; i < t->len; i++)
+            bits[t->off + i] = (unsigned char)((w[i >> 5] >> (i & 31)) & 1u);
+    }
+    return SCAPE_OK;
+}
+
+scape_rc eng_get_ghat(const eng_t *e, float *out, unsigned char *have)
+{
+    if (e == NULL || out == NULL || have == NULL)
+        return scape_set_error(SCAPE_INVALID, "eng_get_ghat: NULL argument");
+    if (e->last_step == 0)
+        return scape_set_error(SCAPE_INVALID, "eng_get_ghat: no step has run");
+    memset(out, 0, e->p->n * sizeof *out);
+    memset(have, 0, e->p->n);
+    int sharded = e->cfg.mode == ENG_MODE_SHARDED;
+    for (size_t l = 0; l < e->p->ntensors; l++) {
+        const plan_tensor *t = &e->p->t[l];
+        if (sharded && t->owner != e->rank)
+            continue;
+        const uint32_t *w = e->mask_cur + t->word;
+        size_t j = e->prefix[t->word] - e->sum_base;
+        for (size_t i = 0; i < t->len; i++) {
+            if (!((w[i >> 5] >> (i & 31)) & 1u))
+                continue;
+            out[t->off + i] = e->sum[j++] / (float)e->t_total;
+            have[t->off + i] = 1;
+        }
+    }
+    return SCAPE_OK;
+}

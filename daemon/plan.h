@@ -1,0 +1,50 @@
+/* plan.h - what a layout means for R ranks: per-tensor k_l, owners (greedy
+ * balance by length), and the comm order in which masks, packed values and
+ * sharded state are laid out.
+ *
+ * Comm order lists the tensors of rank 0's shard, then rank 1's, ... and each
+ * shard's tensors by offset.  Every tensor's mask bits start on a fresh
+ * uint32_t word, so a shard is a contiguous run of words, its packed values a
+ * contiguous run of the send buffer, and kernels never see unaligned masks.
+ */
+#ifndef SCAPE_PLAN_H
+#define SCAPE_PLAN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "engine.h"
+
+typedef struct plan_tensor {
+    const char *name;
+    size_t off;  /* coordinate offset in the flat vector */
+    size_t len;
+    size_t k;    /* k_l = max(1, ceil(rho * len)) */
+    int owner;
+    size_t word; /* first mask word, comm space */
+    size_t pos;  /* first element in comm-order state vectors */
+} plan_tensor;
+
+typedef struct plan_shard {
+    size_t first, count; /* range of plan.order */
+    size_t word0, words; /* mask words */
+    size_t pos0, len;    /* comm-order elements */
+} plan_shard;
+
+typedef struct plan {
+    size_t n, ntensors, nwords, max_len, k_total;
+    int nranks;
+    plan_tensor *t;      /* layout order */
+    size_t *order;       /* comm order: indices into t */
+    plan_shard *shard;   /* per rank */
+    uint64_t hash;       /* of offsets, lengths and names */
+} plan;
+
+/* k_l for a tensor of len coordinates at density rho. */
+size_t plan_k(double rho, size_t len);
+/* Validate the tensors (they must tile [0, N)) and build the plan. */
+scape_rc plan_build(plan **out, const eng_tensor *ts, size_t nt, int nranks, double rho);
+/* Free; sets *p to NULL. */
+void plan_destroy(plan **p);
+
+#endif /* SCAPE_PLAN_H */
