@@ -1,0 +1,931 @@
+/* test_engine.c - the invariants of algorithm.md, checked step by step
+ * against a float64 reference written here.
+ *
+ * R ranks run as threads on the local comm backend.  After every step all
+ * ranks publish their state; rank 0 then checks, in double precision:
+ *   - the residual, g_hat, m, theta (and v) against a one-step reference
+ *     computed from the state before the step (teacher forcing, so fp32 and
+ *     fp64 trajectories never drift apart and tolerances stay tight);
+ *   - the mask: all ranks agree, popcount == sum k_l (no fill-in), and it is
+ *     the per-tensor top-k of the statistics of the previous step (lag);
+ *   - conservation: sum_r e_r + T sum_tau [M] g_hat == sum_tau sum_r G_r;
+ *   - one reduction collective of exactly K values and one mask all-gather;
+ *   - every trainer's parameters equal the master copy (replica agreement).
+ * Whole runs are compared bitwise across modes, and against a dense float64
+ * AdamS / AdamW run for rho = 1.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <check.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "engine.h"
+#include "rank_threads.h"
+
+#define MAX_R 8
+#define MAX_TR 4
+
+/* Lengths include 1, non-multiples of 32 and one exact multiple. */
+static const size_t s_lens[] = { 1, 31, 33, 64, 100, 257, 1, 7, 500, 190 };
+#define NT (sizeof s_lens / sizeof s_lens[0])
+
+static uint64_t s_seed;
+
+/* ---- the run description and shared per-step publication ------------- */
+
+typedef struct spec {
+    eng_config cfg;
+    int R;
+    int tr[MAX_R];
+    kern_dtype pdt, gdt;
+    int steps;
+    int check;      /* run the per-step reference checks */
+    int ties;       /* gradients from a tiny set of values */
+    float lr;
+} spec;
+
+typedef struct published {
+    float *e_before, *e_after;
+    float *m_before, *m_after, *v_before, *v_after, *th_before, *th_after;
+    unsigned char *have, *mask, *ghave;
+    float *ghat;
+    float *params[MAX_TR]; /* as float */
+    eng_step_stats st;
+} published;
+
+typedef struct ctx {
+    const spec *sp;
+    eng_tensor ts[NT];
+    size_t n;
+    int T;
+    pthread_barrier_t bar;
+    published pub[MAX_R];
+    /* reference accumulators (rank 0 only) */
+    double *sum_g, *sum_sent, *sum_abs, *stat_prev;
+    int have_stat_prev;
+    float *final_params;     /* rank 0 trainer 0 after the run */
+    size_t *k_hist;          /* K per step */
+    char fail[1024];
+    int failed;
+} ctx;
+
+static void note_fail(ctx *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void note_fail(ctx *c, const char *fmt, ...)
+{
+    if (c->failed)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(c->fail, sizeof c->fail, fmt, ap);
+    va_end(ap);
+    c->failed = 1;
+}
+
+static void build_layout(ctx *c)
+{
+    static const char *names[NT] = { "bias0", "w31", "w33", "w64", "w100",
+                                     "w257", "bias1", "w7", "w500", "w190" };
+    size_t off = 0;
+    /* Registered in a shuffled order: the layout need not be sorted. */
+    static const int perm[NT] = { 3, 0, 9, 1, 5, 2, 8, 4, 7, 6 };
+    size_t offs[NT];
+    for (size_t i = 0; i < NT; i++) {
+        offs[i] = off;
+        off += s_lens[i];
+    }
+    for (size_t j = 0; j < NT; j++)
+        c->ts[j] = (eng_tensor){ names[perm[j]], offs[perm[j]], s_lens[perm[j]] };
+    c->n = off;
+}
+
+static size_t tensor_of(const ctx *c, size_t i)
+{
+    for (size_t l = 0; l < NT; l++)
+        if (i >= c->ts[l].offset && i < c->ts[l].offset + c->ts[l].length)
+            return l;
+    return 0;
+}
+
+/* ---- gradients ---------------------------------------------------------- */
+
+static uint64_t mix(uint64_t x)
+{
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdull;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ull;
+    x ^= x >> 33;
+    return x;
+}
+
+static double unit(uint64_t h) { return (double)(h >> 11) / 9007199254740992.0 * 2.0 - 1.0; }
+
+/* Trainer j of rank r at step t: a persistent per-coordinate signal (so the
+ * first moment has structure and masks are stable) plus fresh noise. */
+static float grad_val(const ctx *c, int r, int j, uint64_t t, size_t i)
+{
+    uint64_t base = mix(s_seed ^ (i * 0x9e3779b97f4a7c15ull));
+    uint64_t h = mix(base ^ mix(((uint64_t)r << 40) ^ ((uint64_t)j << 32) ^ t));
+    if (c->sp->ties)
+        return (float)((int)(h % 3) - 1);
+    double scale = 0.01 + 0.1 * (double)(tensor_of(c, i) % 4);
+    return (float)(scale * (0.6 * unit(base) + unit(h)));
+}
+
+/* Fill trainer buffers of rank r for step t in the gradient dtype. */
+static void fill_grads(const ctx *c, int r, uint64_t t, void **grads)
+{
+    for (int j = 0; j < c->sp->tr[r]; j++)
+        for (size_t i = 0; i < c->n; i++) {
+            float g = grad_val(c, r, j, t, i);
+            if (c->sp->gdt == KERN_F32)
+                ((float *)grads[j])[i] = g;
+            else
+                ((uint16_t *)grads[j])[i] = kern_bf16_from_f32(g);
+        }
+}
+
+/* G_r,i in double from the values the trainers actually handed over. */
+static double grad_sum(const ctx *c, int r, uint64_t t, size_t i, double *abs_sum)
+{
+    double s = 0.0;
+    *abs_sum = 0.0;
+    for (int j = 0; j < c->sp->tr[r]; j++) {
+        float g = grad_val(c, r, j, t, i);
+        if (c->sp->gdt == KERN_BF16)
+            g = kern_f32_from_bf16(kern_bf16_from_f32(g));
+        s += g;
+        *abs_sum += fabs(g);
+    }
+    return s;
+}
+
+/* ---- per-step checks (rank 0, after every rank has published) ---------- */
+
+static int holder_of(const ctx *c, size_t i, int owner)
+{
+    (void)i;
+    return c->sp->cfg.mode == ENG_MODE_SHARDED ? owner : 0;
+}
+
+static int dense_at(const spec *sp, uint64_t t)
+{
+    return sp->cfg.optimizer == ENG_OPT_ADAMS || sp->cfg.optimizer == ENG_OPT_ADAMW ||
+           t <= sp->cfg.warmup;
+}
+
+static int uses_v(const spec *sp)
+{
+    return sp->cfg.optimizer == ENG_OPT_ADAMW || sp->cfg.optimizer == ENG_OPT_TOPK_ADAMW;
+}
+
+/* Residual and g_hat of coordinate i; accumulates the conservation sums. */
+static void check_residual(ctx *c, uint64_t t, size_t i, int on_mask, int holder)
+{
+    double sent = 0.0, abs_all = 0.0, g_all = 0.0;
+    for (int r = 0; r < c->sp->R; r++) {
+        double ga;
+        double g = grad_sum(c, r, t, i, &ga);
+        double a = g + (double)c->pub[r].e_before[i];
+        double want = on_mask ? 0.0 : a;
+        double tol = 4e-7 * (ga + fabs((double)c->pub[r].e_before[i])) + 1e-30;
+        if (fabs((double)c->pub[r].e_after[i] - want) > tol)
+            note_fail(c, "step %llu coord %zu rank %d: residual %.9g, want %.9g",
+                 (unsigned long long)t, i, r, (double)c->pub[r].e_after[i], want);
+        sent += on_mask ? a : 0.0;
+        abs_all += ga + fabs((double)c->pub[r].e_before[i]); /* magnitudes before cancellation */
+        g_all += g;
+        c->sum_abs[i] += ga;
+    }
+    c->sum_g[i] += g_all;
+    if (!on_mask)
+        return;
+    const published *h = &c->pub[holder];
+    if (!h->ghave[i])
+        note_fail(c, "step %llu coord %zu: holder %d has no g_hat", (unsigned long long)t, i, holder);
+    double ghat = (double)h->ghat[i];
+    if (fabs(ghat - sent / c->T) > 1e-6 * abs_all / c->T * (c->sp->R + 1) + 1e-30)
+        note_fail(c, "step %llu coord %zu: g_hat %.9g, want %.9g", (unsigned long long)t, i, ghat,
+             sent / c->T);
+    c->sum_sent[i] += c->T * ghat;
+}
+
+/* The optimizer update of coordinate i from the holder's state before. */
+static void check_update(ctx *c, uint64_t t, size_t i, int on_mask, int holder)
+{
+    const published *h = &c->pub[holder];
+    const kern_hyper *hp = &c->sp->cfg.hyper;
+    double th0 = h->th_before[i], m0 = h->m_before[i], lr = c->sp->lr;
+    if (!on_mask) {
+        if (h->th_after[i] != h->th_before[i] || h->m_after[i] != h->m_before[i])
+            note_fail(c, "step %llu coord %zu: off-mask state changed", (unsigned long long)t, i);
+        return;
+    }
+    double g = h->ghat[i], b1 = hp->beta1, b2 = hp->beta2, m1, th1, v1 = 0.0;
+    if (uses_v(c->sp)) {
+        double bc1 = 1.0 - pow(b1, (double)t), bc2 = 1.0 - pow(b2, (double)t);
+        m1 = b1 * m0 + (1 - b1) * g;
+        v1 = b2 * h->v_before[i] + (1 - b2) * g * g;
+        th1 = th0 - lr * ((m1 / bc1) / (sqrt(v1 / bc2) + hp->eps) + hp->wd * th0);
+        if (fabs(h->v_after[i] - v1) > 2e-6 * v1 + 1e-30)
+            note_fail(c, "step %llu coord %zu: v %.9g, want %.9g", (unsigned long long)t, i,
+                 (double)h->v_after[i], v1);
+    } else {
+        m1 = b1 * m0 + (1 - b1) * g;
+        double v = b2 * m0 * m0 + (1 - b2) * g * g;
+        th1 = th0 - lr * (m1 / (sqrt(v) + hp->eps) + hp->wd * th0);
+    }
+    if (fabs(h->m_after[i] - m1) > 1e-6 * (fabs(m0) + fabs(g)) + 1e-30)
+        note_fail(c, "step %llu coord %zu: m %.9g, want %.9g", (unsigned long long)t, i,
+             (double)h->m_after[i], m1);
+    if (fabs(h->th_after[i] - th1) > 1e-6 * fabs(th0) + 2e-5 * lr)
+        note_fail(c, "step %llu coord %zu: theta %.9g, want %.9g", (unsigned long long)t, i,
+             (double)h->th_after[i], th1);
+}
+
+/* Every trainer of every rank holds exactly the master copy (in its dtype),
+ * and all holders agree bitwise. */
+static void check_replicas(ctx *c, uint64_t t, size_t i, int holder)
+{
+    float th = c->pub[holder].th_after[i];
+    float want = c->sp->pdt == KERN_F32 ? th : kern_f32_from_bf16(kern_bf16_from_f32(th));
+    for (int r = 0; r < c->sp->R; r++) {
+        for (int j = 0; j < c->sp->tr[r]; j++)
+            if (memcmp(&c->pub[r].params[j][i], &want, sizeof want) != 0)
+                note_fail(c, "step %llu coord %zu: rank %d trainer %d param %.9g != master %.9g",
+                     (unsigned long long)t, i, r, j, (double)c->pub[r].params[j][i],
+                     (double)want);
+        if (c->pub[r].mask[i] != c->pub[0].mask[i])
+            note_fail(c, "step %llu coord %zu: ranks 0 and %d use different masks",
+                 (unsigned long long)t, i, r);
+        if (c->pub[r].have[i] && memcmp(&c->pub[r].th_after[i], &th, sizeof th) != 0)
+            note_fail(c, "step %llu coord %zu: rank %d master differs", (unsigned long long)t, i, r);
+    }
+}
+
+/* SCAPE statistic of coordinate i at this step, from the owner's view. */
+static double scape_stat(const ctx *c, uint64_t t, size_t i, int owner, int holder)
+{
+    double ga, b1 = c->sp->cfg.hyper.beta1;
+    double a = grad_sum(c, owner, t, i, &ga) + (double)c->pub[owner].e_before[i];
+    return fabs(b1 * c->pub[holder].m_before[i] + (1 - b1) * a / c->sp->tr[owner]);
+}
+
+/* The mask used now is, per tensor, exactly k_l of the largest statistics of
+ * the previous step (ties within fp32 rounding may go either way). */
+static void check_lagged_selection(ctx *c, uint64_t t, eng_t *e0)
+{
+    for (size_t l = 0; l < NT; l++) {
+        const eng_tensor *ts = &c->ts[l];
+        size_t k = 0;
+        double min_in = INFINITY, max_out = 0.0, top = 0.0;
+        for (size_t i = ts->offset; i < ts->offset + ts->length; i++) {
+            double s = c->stat_prev[i];
+            top = fmax(top, s);
+            if (c->pub[0].mask[i]) {
+                k++;
+                min_in = fmin(min_in, s);
+            } else {
+                max_out = fmax(max_out, s);
+            }
+        }
+        if (k != eng_tensor_k(e0, l))
+            note_fail(c, "step %llu tensor %s: %zu mask bits, want k=%zu", (unsigned long long)t,
+                 ts->name, k, eng_tensor_k(e0, l));
+        if (min_in < max_out - 1e-6 * top - 1e-30)
+            note_fail(c, "step %llu tensor %s: selected stat %.9g below unselected %.9g",
+                 (unsigned long long)t, ts->name, min_in, max_out);
+    }
+}
+
+static size_t expected_mask_bytes(const ctx *c)
+{
+    size_t words = 0;
+    for (size_t l = 0; l < NT; l++)
+        words += (c->ts[l].length + 31) / 32;
+    return words * 4;
+}
+
+/* One reduction collective of K values; one (lagged) mask all-gather. */
+static void check_collectives(ctx *c, uint64_t t, size_t K)
+{
+    const spec *sp = c->sp;
+    int sharded = sp->cfg.mode == ENG_MODE_SHARDED;
+    int scape = sp->cfg.optimizer == ENG_OPT_SCAPE;
+    int topk_sparse = sp->cfg.optimizer == ENG_OPT_TOPK_ADAMW && !dense_at(sp, t);
+    for (int r = 0; r < sp->R; r++) {
+        const comm_stats *s = &c->pub[r].st.comm;
+        comm_op red = sharded ? COMM_REDUCE_SCATTER : COMM_ALLREDUCE;
+        uint64_t reductions = s->calls[COMM_ALLREDUCE] + s->calls[COMM_REDUCE_SCATTER];
+        if (reductions != 1 || s->bytes[red] != 4 * K)
+            note_fail(c, "step %llu rank %d: %llu reductions of %llu bytes, want 1 of %zu",
+                 (unsigned long long)t, r, (unsigned long long)reductions,
+                 (unsigned long long)s->bytes[red], 4 * K);
+        uint64_t want_ag = (uint64_t)sharded + (uint64_t)topk_sparse;
+        uint64_t want_ag_bytes = (sharded ? 4 * K : 0) +
+                                 (topk_sparse ? (uint64_t)sp->R * expected_mask_bytes(c) : 0);
+        if (s->calls[COMM_ALLGATHER] != want_ag || s->bytes[COMM_ALLGATHER] != want_ag_bytes)
+            note_fail(c, "step %llu rank %d: %llu all-gathers of %llu bytes, want %llu of %llu",
+                 (unsigned long long)t, r, (unsigned long long)s->calls[COMM_ALLGATHER],
+                 (unsigned long long)s->bytes[COMM_ALLGATHER], (unsigned long long)want_ag,
+                 (unsigned long long)want_ag_bytes);
+        uint64_t want_iag = scape && t + 1 > sp->cfg.warmup;
+        if (s->calls[COMM_IALLGATHER] != want_iag ||
+            s->bytes[COMM_IALLGATHER] != want_iag * expected_mask_bytes(c))
+            note_fail(c, "step %llu rank %d: %llu mask all-gathers of %llu bytes",
+                 (unsigned long long)t, r, (unsigned long long)s->calls[COMM_IALLGATHER],
+                 (unsigned long long)s->bytes[COMM_IALLGATHER]);
+    }
+}
+
+static void check_step(ctx *c, uint64_t t, eng_t *e0)
+{
+    const spec *sp = c->sp;
+    size_t K = 0, k_sum = 0;
+    for (size_t i = 0; i < c->n; i++)
+        K += c->pub[0].mask[i];
+    for (size_t l = 0; l < NT; l++)
+        k_sum += eng_tensor_k(e0, l);
+    if (c->pub[0].st.k != K)
+        note_fail(c, "step %llu: stats say K=%zu, mask has %zu", (unsigned long long)t,
+             c->pub[0].st.k, K);
+    if (dense_at(sp, t) && K != c->n)
+        note_fail(c, "step %llu: dense step with K=%zu of %zu", (unsigned long long)t, K, c->n);
+    if (sp->cfg.optimizer == ENG_OPT_SCAPE && !dense_at(sp, t)) {
+        if (K != k_sum)
+            note_fail(c, "step %llu: popcount %zu != sum k_l %zu (fill-in)", (unsigned long long)t,
+                 K, k_sum);
+        if (c->have_stat_prev)
+            check_lagged_selection(c, t, e0);
+    }
+    if (sp->cfg.optimizer == ENG_OPT_TOPK_ADAMW && !dense_at(sp, t) &&
+        (K < k_sum || K > (size_t)sp->R * k_sum))
+        note_fail(c, "step %llu: union mask K=%zu outside [%zu, %zu]", (unsigned long long)t, K,
+             k_sum, (size_t)sp->R * k_sum);
+    check_collectives(c, t, K);
+    for (size_t i = 0; i < c->n && !c->failed; i++) {
+        int owner = eng_tensor_owner(e0, tensor_of(c, i));
+        int holder = holder_of(c, i, owner);
+        check_residual(c, t, i, c->pub[0].mask[i], holder);
+        check_update(c, t, i, c->pub[0].mask[i], holder);
+        check_replicas(c, t, i, holder);
+        if (sp->cfg.optimizer == ENG_OPT_SCAPE)
+            c->stat_prev[i] = scape_stat(c, t, i, owner, holder);
+    }
+    c->have_stat_prev = 1;
+}
+
+/* Conservation: nothing is lost, only delayed in the residuals. */
+static void check_conservation(ctx *c)
+{
+    for (size_t i = 0; i < c->n; i++) {
+        double e_sum = 0.0;
+        for (int r = 0; r < c->sp->R; r++)
+            e_sum += c->pub[r].e_after[i];
+        double lhs = e_sum + c->sum_sent[i], rhs = c->sum_g[i];
+        if (fabs(lhs - rhs) > 2e-6 * c->sum_abs[i] * (c->sp->R + 1) + 1e-30)
+            note_fail(c, "conservation coord %zu: sum e + T sum g_hat = %.12g, sum G = %.12g", i,
+                 lhs, rhs);
+    }
+}
+
+/* ---- the rank thread ------------------------------------------------------ */
+
+static void publish(eng_t *e, published *p, int before, void *const *params, const ctx *c,
+                    int tr)
+{
+    if (before) {
+        eng_get_residual(e, p->e_before);
+        eng_get_state(e, ENG_VEC_M, p->m_before, p->have);
+        eng_get_state(e, ENG_VEC_THETA, p->th_before, p->have);
+        if (uses_v(c->sp))
+            eng_get_state(e, ENG_VEC_V, p->v_before, p->have);
+        return;
+    }
+    eng_get_residual(e, p->e_after);
+    eng_get_state(e, ENG_VEC_M, p->m_after, p->have);
+    eng_get_state(e, ENG_VEC_THETA, p->th_after, p->have);
+    if (uses_v(c->sp))
+        eng_get_state(e, ENG_VEC_V, p->v_after, p->have);
+    eng_get_mask(e, p->mask);
+    eng_get_ghat(e, p->ghat, p->ghave);
+    eng_last_stats(e, &p->st);
+    for (int j = 0; j < tr; j++)
+        for (size_t i = 0; i < c->n; i++)
+            p->params[j][i] = c->sp->pdt == KERN_F32
+                                  ? ((float *)params[j])[i]
+                                  : kern_f32_from_bf16(((uint16_t *)params[j])[i]);
+}
+
+/* Initial parameters: trainer 0 of rank 0 has the real ones; every other
+ * trainer starts with garbage that the broadcast must overwrite. */
+static void fill_params(const ctx *c, int r, void **params)
+{
+    for (int j = 0; j < c->sp->tr[r]; j++)
+        for (size_t i = 0; i < c->n; i++) {
+            float v = r == 0 && j == 0 ? (float)(0.5 * unit(mix(i + 77))) : 1e6f * (float)(r + j);
+            if (c->sp->pdt == KERN_F32)
+                ((float *)params[j])[i] = v;
+            else
+                ((uint16_t *)params[j])[i] = kern_bf16_from_f32(v);
+        }
+}
+
+static scape_rc train(rank_arg *a, eng_t *e, void **grads, void **params)
+{
+    ctx *c = a->ctx;
+    int tr = c->sp->tr[a->rank];
+    published *p = &c->pub[a->rank];
+    for (int t = 1; t <= c->sp->steps; t++) {
+        fill_grads(c, a->rank, (uint64_t)t, grads);
+        if (c->sp->check)
+            publish(e, p, 1, params, c, tr);
+        scape_rc rc = eng_step(e, (uint64_t)t, c->sp->lr, (const void *const *)grads, params);
+        if (rc != SCAPE_OK)
+            return rc;
+        if (!c->sp->check)
+            continue;
+        publish(e, p, 0, params, c, tr);
+        pthread_barrier_wait(&c->bar);
+        if (a->rank == 0) {
+            c->k_hist[t - 1] = p->st.k;
+            check_step(c, (uint64_t)t, e);
+            if (t == c->sp->steps || t % 50 == 0)
+                check_conservation(c);
+        }
+        pthread_barrier_wait(&c->bar);
+        if (c->failed)
+            break;
+    }
+    return SCAPE_OK;
+}
+
+static scape_rc rank_run(rank_arg *a)
+{
+    ctx *c = a->ctx;
+    int tr = c->sp->tr[a->rank];
+    size_t pb = c->n * kern_dtype_size(c->sp->pdt), gb = c->n * kern_dtype_size(c->sp->gdt);
+    void *grads[MAX_TR], *params[MAX_TR];
+    for (int j = 0; j < tr; j++) {
+        grads[j] = malloc(gb);
+        params[j] = malloc(pb);
+    }
+    fill_params(c, a->rank, params);
+    eng_layout lay = { c->ts, NT, c->sp->pdt, c->sp->gdt };
+    eng_t *e = NULL;
+    scape_rc rc = eng_create(&e, &c->sp->cfg, &lay, a->comm, tr);
+    if (rc == SCAPE_OK)
+        rc = eng_init_params(e, params);
+    if (rc == SCAPE_OK)
+        rc = train(a, e, grads, params);
+    if (rc == SCAPE_OK && a->rank == 0)
+        for (size_t i = 0; i < c->n; i++)
+            c->final_params[i] = c->sp->pdt == KERN_F32
+                                     ? ((float *)params[0])[i]
+                                     : kern_f32_from_bf16(((uint16_t *)params[0])[i]);
+    eng_destroy(&e);
+    for (int j = 0; j < tr; j++) {
+        free(grads[j]);
+        free(params[j]);
+    }
+    return rc;
+}
+
+/* ---- running a spec --------------------------------------------------------- */
+
+static float *fvec(size_t n) { return calloc(n, sizeof(float)); }
+
+static void ctx_init(ctx *c, const spec *sp)
+{
+    memset(c, 0, sizeof *c);
+    c->sp = sp;
+    build_layout(c);
+    for (int r = 0; r < sp->R; r++) {
+        published *p = &c->pub[r];
+        c->T += sp->tr[r];
+        p->e_before = fvec(c->n); p->e_after = fvec(c->n);
+        p->m_before = fvec(c->n); p->m_after = fvec(c->n);
+        p->v_before = fvec(c->n); p->v_after = fvec(c->n);
+        p->th_before = fvec(c->n); p->th_after = fvec(c->n);
+        p->ghat = fvec(c->n);
+        p->have = calloc(c->n, 1); p->mask = calloc(c->n, 1); p->ghave = calloc(c->n, 1);
+        for (int j = 0; j < sp->tr[r]; j++)
+            p->params[j] = fvec(c->n);
+    }
+    c->sum_g = calloc(c->n, sizeof(double));
+    c->sum_sent = calloc(c->n, sizeof(double));
+    c->sum_abs = calloc(c->n, sizeof(double));
+    c->stat_prev = calloc(c->n, sizeof(double));
+    c->final_params = fvec(c->n);
+    c->k_hist = calloc((size_t)sp->steps, sizeof(size_t));
+    pthread_barrier_init(&c->bar, NULL, (unsigned)sp->R);
+}
+
+static void ctx_free(ctx *c)
+{
+    for (int r = 0; r < c->sp->R; r++) {
+        published *p = &c->pub[r];
+        void *bufs[] = { p->e_before, p->e_after, p->m_before, p->m_after, p->v_before,
+                         p->v_after, p->th_before, p->th_after, p->ghat, p->have,
+                         p->mask, p->ghave };
+        for (size_t b = 0; b < sizeof bufs / sizeof bufs[0]; b++)
+            free(bufs[b]);
+        for (int j = 0; j < c->sp->tr[r]; j++)
+            free(p->params[j]);
+    }
+    free(c->sum_g);
+    free(c->sum_sent);
+    free(c->sum_abs);
+    free(c->stat_prev);
+    free(c->final_params);
+    free(c->k_hist);
+    pthread_barrier_destroy(&c->bar);
+}
+
+/* Run sp; on success the caller owns *final (N floats) and *k_hist. */
+static void run_spec(const spec *sp, float **final, size_t **k_hist, size_t *n)
+{
+    ctx *c = malloc(sizeof *c);
+    ctx_init(c, sp);
+    rank_arg args[MAX_R];
+    ck_assert_int_eq(run_ranks(sp->R, rank_run, c, args), 0);
+    for (int r = 0; r < sp->R; r++)
+        ck_assert_msg(args[r].rc == SCAPE_OK, "%s %s R=%d rho=%g rank %d: %s",
+                      eng_optimizer_name(sp->cfg.optimizer), eng_mode_name(sp->cfg.mode),
+                      sp->R, sp->cfg.rho, r, args[r].err);
+    ck_assert_msg(!c->failed, "%s %s R=%d rho=%g W=%u: %s",
+                  eng_optimizer_name(sp->cfg.optimizer), eng_mode_name(sp->cfg.mode), sp->R,
+                  sp->cfg.rho, sp->cfg.warmup, c->fail);
+    *final = c->final_params;
+    *k_hist = c->k_hist;
+    *n = c->n;
+    c->final_params = NULL;
+    c->k_hist = NULL;
+    ctx_free(c);
+    free(c);
+}
+
+static const int s_R[] = { 1, 2, 3, 4, 8 };
+/* Uneven trainers per rank. */
+static const int s_tr[MAX_R] = { 2, 1, 3, 1, 2, 4, 1, 2 };
+
+static spec make_spec(eng_optimizer opt, eng_mode mode, int R, double rho, int steps)
+{
+    spec sp = { .R = R, .pdt = KERN_F32, .gdt = KERN_F32, .steps = steps, .check = 1,
+                .lr = 1e-3f };
+    eng_config_default(&sp.cfg);
+    sp.cfg.optimizer = opt;
+    sp.cfg.mode = mode;
+    sp.cfg.rho = rho;
+    sp.cfg.warmup = 3;
+    sp.cfg.hyper.wd = 0.01f;
+    memcpy(sp.tr, s_tr, sizeof sp.tr);
+    return sp;
+}
+
+static void expect_same(const float *a, const float *b, size_t n, const char *what)
+{
+    for (size_t i = 0; i < n; i++)
+        ck_assert_msg(memcmp(&a[i], &b[i], sizeof a[i]) == 0,
+                      "%s: coordinate %zu differs (%.9g vs %.9g)", what, i, (double)a[i],
+                      (double)b[i]);
+}
+
+/* Every invariant, both modes, R in {1,2,3,4,8}, at density _i. */
+static void run_scape_density(double rho, int steps)
+{
+    for (size_t ri = 0; ri < sizeof s_R / sizeof s_R[0]; ri++) {
+        float *fin[2];
+        size_t *kh[2], n = 0;
+        for (int mode = 0; mode < 2; mode++) {
+            spec sp = make_spec(ENG_OPT_SCAPE, (eng_mode)mode, s_R[ri], rho, steps);
+            run_spec(&sp, &fin[mode], &kh[mode], &n);
+        }
+        char what[96];
+        snprintf(what, sizeof what, "replicated vs sharded, R=%d rho=%g", s_R[ri], rho);
+        expect_same(fin[0], fin[1], n, what);
+        for (int mode = 0; mode < 2; mode++) {
+            free(fin[mode]);
+            free(kh[mode]);
+        }
+    }
+}
+
+START_TEST(scape_rho_1)    { run_scape_density(1.0, 60); }
+END_TEST
+START_TEST(scape_rho_0_5)  { run_scape_density(0.5, 100); }
+END_TEST
+START_TEST(scape_rho_0_1)  { run_scape_density(0.1, 300); }
+END_TEST
+START_TEST(scape_rho_0_01) { run_scape_density(0.01, 300); }
+END_TEST
+
+START_TEST(ties_keep_exact_k)
+{
+    /* Gradients in {-1, 0, 1}: statistics tie massively; masks must still
+     * hold exactly k_l bits per tensor (checked every step). */
+    for (size_t ri = 0; ri < sizeof s_R / sizeof s_R[0]; ri++) {
+        spec sp = make_spec(ENG_OPT_SCAPE, ENG_MODE_SHARDED, s_R[ri], 0.1, 40);
+        sp.ties = 1;
+        float *fin;
+        size_t *kh, n;
+        run_spec(&sp, &fin, &kh, &n);
+        free(fin);
+        free(kh);
+    }
+}
+END_TEST
+
+START_TEST(bf16_buffers)
+{
+    float *fin[2];
+    size_t *kh[2], n;
+    for (int mode = 0; mode < 2; mode++) {
+        spec sp = make_spec(ENG_OPT_SCAPE, (eng_mode)mode, 3, 0.1, 80);
+        sp.pdt = KERN_BF16;
+        sp.gdt = KERN_BF16;
+        run_spec(&sp, &fin[mode], &kh[mode], &n);
+    }
+    expect_same(fin[0], fin[1], n, "bf16 replicated vs sharded");
+    for (int mode = 0; mode < 2; mode++) {
+        free(fin[mode]);
+        free(kh[mode]);
+    }
+}
+END_TEST
+
+/* A dense float64 run of AdamS (or AdamW) on the mean gradient, from the
+ * start, without teacher forcing. */
+static void dense_reference(const spec *sp, int adamw, double *theta)
+{
+    ctx c;
+    memset(&c, 0, sizeof c);
+    c.sp = sp;
+    build_layout(&c);
+    int T = 0;
+    for (int r = 0; r < sp->R; r++)
+        T += sp->tr[r];
+    double *m = calloc(c.n, sizeof *m), *v = calloc(c.n, sizeof *v);
+    const kern_hyper *h = &sp->cfg.hyper;
+    for (size_t i = 0; i < c.n; i++)
+        theta[i] = (float)(0.5 * unit(mix(i + 77)));
+    for (int t = 1; t <= sp->steps; t++)
+        for (size_t i = 0; i < c.n; i++) {
+            double g = 0.0, ga;
+            for (int r = 0; r < sp->R; r++)
+                g += grad_sum(&c, r, (uint64_t)t, i, &ga);
+            g /= T;
+            if (adamw) {
+                m[i] = h->beta1 * m[i] + (1 - h->beta1) * g;
+                v[i] = h->beta2 * v[i] + (1 - h->beta2) * g * g;
+                double mh = m[i] / (1 - pow(h->beta1, t)), vh = v[i] / (1 - pow(h->beta2, t));
+                theta[i] -= sp->lr * (mh / (sqrt(vh) + h->eps) + h->wd * theta[i]);
+            } else {
+                double b = h->beta1 * m[i] + (1 - h->beta1) * g;
+                double vv = h->beta2 * m[i] * m[i] + (1 - h->beta2) * g * g;
+                m[i] = b;
+                theta[i] -= sp->lr * (b / (sqrt(vv) + h->eps) + h->wd * theta[i]);
+            }
+        }
+    free(m);
+    free(v);
+}
+
+static void expect_near_dense(const spec *sp, int adamw, const float *got, size_t n)
+{
+    double *ref = calloc(n, sizeof *ref);
+    dense_reference(sp, adamw, ref);
+    for (size_t i = 0; i < n; i++)
+        ck_assert_msg(fabs(got[i] - ref[i]) <= 1e-6 * fabs(ref[i]) + 1e-4 * sp->lr * sp->steps,
+                      "%s R=%d coord %zu: %.9g vs float64 dense %.9g",
+                      eng_optimizer_name(sp->cfg.optimizer), sp->R, i, (double)got[i], ref[i]);
+    free(ref);
+}
+
+START_TEST(dense_equivalence)
+{
+    /* rho = 1 SCAPE equals dense AdamS bitwise in the engine and the float64
+     * dense AdamS to fp32 rounding, for any R and split of trainers. */
+    for (size_t ri = 0; ri < sizeof s_R / sizeof s_R[0]; ri++) {
+        float *fs, *fa;
+        size_t *k1, *k2, n;
+        spec s1 = make_spec(ENG_OPT_SCAPE, ENG_MODE_SHARDED, s_R[ri], 1.0, 60);
+        spec s2 = make_spec(ENG_OPT_ADAMS, ENG_MODE_REPLICATED, s_R[ri], 1.0, 60);
+        s1.check = 0;
+        run_spec(&s1, &fs, &k1, &n);
+        run_spec(&s2, &fa, &k2, &n);
+        expect_same(fs, fa, n, "scape rho=1 vs adams");
+        expect_near_dense(&s2, 0, fa, n);
+        free(fs);
+        free(fa);
+        free(k1);
+        free(k2);
+    }
+}
+END_TEST
+
+START_TEST(adamw_dense)
+{
+    for (size_t ri = 0; ri < sizeof s_R / sizeof s_R[0]; ri++) {
+        float *f[2];
+        size_t *kh[2], n;
+        for (int mode = 0; mode < 2; mode++) {
+            spec sp = make_spec(ENG_OPT_ADAMW, (eng_mode)mode, s_R[ri], 1.0, 60);
+            run_spec(&sp, &f[mode], &kh[mode], &n);
+            if (mode == 0)
+                expect_near_dense(&sp, 1, f[0], n);
+        }
+        expect_same(f[0], f[1], n, "adamw replicated vs sharded");
+        for (int mode = 0; mode < 2; mode++) {
+            free(f[mode]);
+            free(kh[mode]);
+        }
+    }
+}
+END_TEST
+
+START_TEST(topk_adamw_fills_in)
+{
+    /* Per-rank raw-gradient masks and their union: K grows with R. */
+    size_t k_at[MAX_R + 1] = { 0 };
+    for (size_t ri = 0; ri < sizeof s_R / sizeof s_R[0]; ri++) {
+        float *f[2];
+        size_t *kh[2], n;
+        for (int mode = 0; mode < 2; mode++) {
+            spec sp = make_spec(ENG_OPT_TOPK_ADAMW, (eng_mode)mode, s_R[ri], 0.01, 100);
+            run_spec(&sp, &f[mode], &kh[mode], &n);
+        }
+        expect_same(f[0], f[1], n, "topk-adamw replicated vs sharded");
+        k_at[s_R[ri]] = kh[0][99];
+        for (int mode = 0; mode < 2; mode++) {
+            free(f[mode]);
+            free(kh[mode]);
+        }
+    }
+    ck_assert_msg(k_at[8] > k_at[2] && k_at[2] > k_at[1],
+                  "no fill-in: K = %zu (R=1), %zu (R=2), %zu (R=8)", k_at[1], k_at[2], k_at[8]);
+}
+END_TEST
+
+/* ---- bad arguments ------------------------------------------------------- */
+
+typedef struct bad_ctx {
+    int variant;
+} bad_ctx;
+
+/* Rank 1 registers a layout with different tensor boundaries. */
+static scape_rc rank_mismatch(rank_arg *a)
+{
+    eng_tensor t0[] = { { "a", 0, 10 }, { "b", 10, 10 } };
+    eng_tensor t1[] = { { "a", 0, 12 }, { "b", 12, 8 } };
+    eng_layout lay = { a->rank == 1 ? t1 : t0, 2, KERN_F32, KERN_F32 };
+    eng_config cfg;
+    eng_config_default(&cfg);
+    if (((bad_ctx *)a->ctx)->variant == 1 && a->rank == 1) {
+        lay.tensors = t0;
+        cfg.rho = 0.5;
+    }
+    eng_t *e = NULL;
+    scape_rc rc = eng_create(&e, &cfg, &lay, a->comm, 1);
+    eng_destroy(&e);
+    return rc;
+}
+
+START_TEST(ranks_disagree)
+{
+    for (int variant = 0; variant < 2; variant++) {
+        bad_ctx bc = { variant };
+        rank_arg args[3];
+        ck_assert_int_eq(run_ranks(3, rank_mismatch, &bc, args), 0);
+        for (int r = 0; r < 3; r++) {
+            ck_assert_int_eq(args[r].rc, SCAPE_INVALID);
+            ck_assert_msg(strstr(args[r].err, variant ? "config" : "layout") != NULL, "%s",
+                          args[r].err);
+        }
+    }
+}
+END_TEST
+
+static void expect_invalid(scape_rc rc, const char *needle)
+{
+    ck_assert_int_eq(rc, SCAPE_INVALID);
+    ck_assert_msg(strstr(scape_last_error(), needle) != NULL, "message '%s' lacks '%s'",
+                  scape_last_error(), needle);
+}
+
+START_TEST(bad_create_arguments)
+{
+    comm_t *c[1];
+    ck_assert_int_eq(comm_local_create(1, c), SCAPE_OK);
+    eng_tensor ts[] = { { "a", 0, 40 }, { "b", 40, 1 } };
+    eng_tensor gap[] = { { "a", 0, 40 }, { "b", 41, 1 } };
+    eng_layout lay = { ts, 2, KERN_F32, KERN_F32 }, bad_lay = lay;
+    eng_config cfg, bad;
+    eng_config_default(&cfg);
+    eng_t *e = NULL;
+    expect_invalid(eng_create(NULL, &cfg, &lay, c[0], 1), "NULL");
+    expect_invalid(eng_create(&e, NULL, &lay, c[0], 1), "NULL");
+    expect_invalid(eng_create(&e, &cfg, NULL, c[0], 1), "NULL");
+    expect_invalid(eng_create(&e, &cfg, &lay, NULL, 1), "NULL");
+    expect_invalid(eng_create(&e, &cfg, &lay, c[0], 0), "local_trainers");
+    bad = cfg; bad.rho = 0.0;
+    expect_invalid(eng_create(&e, &bad, &lay, c[0], 1), "rho");
+    bad = cfg; bad.warmup = 0;
+    expect_invalid(eng_create(&e, &bad, &lay, c[0], 1), "warmup");
+    bad = cfg; bad.hyper.beta1 = 1.0f;
+    expect_invalid(eng_create(&e, &bad, &lay, c[0], 1), "beta1");
+    bad = cfg; bad.hyper.eps = 0.0f;
+    expect_invalid(eng_create(&e, &bad, &lay, c[0], 1), "eps");
+    bad = cfg; bad.optimizer = ENG_OPT_COUNT;
+    expect_invalid(eng_create(&e, &bad, &lay, c[0], 1), "optimizer");
+    bad_lay.tensors = gap;
+    expect_invalid(eng_create(&e, &cfg, &bad_lay, c[0], 1), "tile");
+    bad_lay = lay; bad_lay.ntensors = 0;
+    expect_invalid(eng_create(&e, &cfg, &bad_lay, c[0], 1), "no tensors");
+    bad_lay = lay; bad_lay.tensors = NULL;
+    expect_invalid(eng_create(&e, &cfg, &bad_lay, c[0], 1), "NULL");
+    bad_lay = lay; bad_lay.grad_dtype = (kern_dtype)7;
+    expect_invalid(eng_create(&e, &cfg, &bad_lay, c[0], 1), "dtype");
+    ck_assert_ptr_null(e);
+    eng_optimizer o;
+    eng_mode m;
+    expect_invalid(eng_optimizer_parse("sgd", &o), "sgd");
+    expect_invalid(eng_mode_parse(NULL, &m), "mode");
+    ck_assert_int_eq(eng_optimizer_parse("topk-adamw", &o), SCAPE_OK);
+    ck_assert_int_eq(o, ENG_OPT_TOPK_ADAMW);
+    comm_destroy(&c[0]);
+}
+END_TEST
+
+START_TEST(bad_step_arguments)
+{
+    comm_t *c[1];
+    ck_assert_int_eq(comm_local_create(1, c), SCAPE_OK);
+    eng_tensor ts[] = { { "a", 0, 40 }, { "b", 40, 1 } };
+    eng_layout lay = { ts, 2, KERN_F32, KERN_F32 };
+    eng_config cfg;
+    eng_config_default(&cfg);
+    eng_t *e = NULL;
+    ck_assert_int_eq(eng_create(&e, &cfg, &lay, c[0], 2), SCAPE_OK);
+    float p0[41] = { 0 }, p1[41], g0[41] = { 0 }, g1[41] = { 0 }, big[82];
+    void *params[2] = { p0, p1 };
+    const void *grads[2] = { g0, g1 };
+    expect_invalid(eng_step(e, 1, 1e-3f, grads, params), "eng_init_params");
+    expect_invalid(eng_init_params(e, NULL), "params");
+    ck_assert_int_eq(eng_init_params(e, params), SCAPE_OK);
+    expect_invalid(eng_init_params(e, params), "already");
+    expect_invalid(eng_step(e, 2, 1e-3f, grads, params), "out of order");
+    expect_invalid(eng_step(e, 1, NAN, grads, params), "lr");
+    expect_invalid(eng_step(e, 1, 1e-3f, NULL, params), "grads");
+    const void *grads_null[2] = { g0, NULL };
+    expect_invalid(eng_step(e, 1, 1e-3f, grads_null, params), "grads[1]");
+    void *overlap[2] = { big, big + 20 };
+    expect_invalid(eng_step(e, 1, 1e-3f, grads, overlap), "overlaps params");
+    const void *grads_alias[2] = { g0, p1 };
+    expect_invalid(eng_step(e, 1, 1e-3f, grads_alias, params), "overlaps grads");
+    ck_assert_int_eq(eng_step(e, 1, 1e-3f, grads, params), SCAPE_OK);
+    expect_invalid(eng_step(NULL, 2, 1e-3f, grads, params), "NULL");
+    expect_invalid(eng_last_stats(e, NULL), "NULL");
+    eng_destroy(&e);
+    ck_assert_ptr_null(e);
+    eng_destroy(NULL);
+    comm_destroy(&c[0]);
+}
+END_TEST
+
+int main(void)
+{
+    const char *env = getenv("SCAPE_TEST_SEED");
+    s_seed = env ? strtoull(env, NULL, 0) : (uint64_t)time(NULL) ^ ((uint64_t)clock() << 20);
+    printf("test_engine: seed %llu (set SCAPE_TEST_SEED to reproduce)\n",
+           (unsigned long long)s_seed);
+    fflush(stdout);
+    Suite *s = suite_create("engine");
+    TCase *inv = tcase_create("invariants");
+    tcase_set_timeout(inv, 1800);
+    tcase_add_test(inv, scape_rho_1);
+    tcase_add_test(inv, scape_rho_0_5);
+    tcase_add_test(inv, scape_rho_0_1);
+    tcase_add_test(inv, scape_rho_0_01);
+    tcase_add_test(inv, ties_keep_exact_k);
+    tcase_add_test(inv, bf16_buffers);
+    tcase_add_test(inv, dense_equivalence);
+    tcase_add_test(inv, adamw_dense);
+    tcase_add_test(inv, topk_adamw_fills_in);
+    suite_add_tcase(s, inv);
+    TCase *bad = tcase_create("bad arguments");
+    tcase_add_test(bad, ranks_disagree);
+    tcase_add_test(bad, bad_create_arguments);
+    tcase_add_test(bad, bad_step_arguments);
+    suite_add_tcase(s, bad);
+    SRunner *sr = srunner_create(s);
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
