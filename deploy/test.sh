@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The README's test command: set up, build, and run every test twice -- once
+# in the normal build (warnings are errors) and once under ASan+UBSan.
+# Usage: deploy/test.sh            (from anywhere inside the repository)
+# Env:   SCAPE_CUDA=AUTO|ON|OFF    (default AUTO: build the CUDA twins when nvcc+NCCL exist)
+#        JOBS=N                    (parallel build jobs, default: nproc)
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+jobs=${JOBS:-$(nproc)}
+cuda=${SCAPE_CUDA:-AUTO}
+
+bash deploy/setup.sh
+
+run_suite() {  # name, build dir, extra cmake args...
+  local name=$1 dir=$2
+  shift 2
+  echo "==> [$name] configure ($dir)"
+  cmake -S . -B "$dir" -DSCAPE_WERROR=ON -DSCAPE_CUDA="$cuda" "$@" >"$dir.configure.log" 2>&1 ||
+    { cat "$dir.configure.log"; exit 1; }
+  grep -E "scaped: CUDA" "$dir.configure.log" || true
+  echo "==> [$name] build"
+  cmake --build "$dir" -j"$jobs"
+  echo "==> [$name] test"
+  (cd "$dir" && ctest --output-on-failure --timeout 1200)
+}
+
+mkdir -p build-test
+run_suite release build-test/release -DCMAKE_BUILD_TYPE=RelWithDebInfo
+run_suite sanitize build-test/asan -DCMAKE_BUILD_TYPE=Debug -DSCAPE_SANITIZE=ON
+echo "==> all tests passed (release and ASan+UBSan builds)"
