@@ -1,0 +1,11 @@
+/* gpu_check.h - the parts of gpu_check that live in separate files. */
+#ifndef SCAPE_GPU_CHECK_H
+#define SCAPE_GPU_CHECK_H
+
+#include "gpu_common.h"
+
+/* Call every CUDA twin with bad arguments and expect SCAPE_INVALID with a
+ * message naming the function; also the valid empty-segment calls. */
+void check_bad_args(gc_tally *t);
+
+#endif /* SCAPE_GPU_CHECK_H */

@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# tests/gpu/run.sh - the whole GPU check in one call, from any directory:
+# build the GPU programs (CMake when it can configure the project, otherwise
+# nvcc + cc directly, so a machine without CMake, Check or ZeroMQ still
+# works), run gpu_check (CUDA twins against the CPU reference), gpu_bench
+# (GB/s against a device copy) and, when PyTorch with CUDA is importable, the
+# torch.topk timing; print a short summary table last.
+#
+#   tests/gpu/run.sh [--quick]     --quick: sizes up to 2^20+7 / 1e7 only
+#
+# Exit 0 when gpu_check passes or when there is nothing to run on (no GPU or
+# no nvcc: "SKIP: <reason>"); 1 when a check fails or a step breaks.
+set -u -o pipefail
+
+cd "$(dirname "$0")/../.." || exit 1
+BUILD=build-gpu
+LOGS=$BUILD/logs
+CHECK_ARGS=()
+BENCH_ARGS=(--sizes "1e6,1e7,1e8")
+TORCH_SIZES=(1e6 1e7 1e8)
+if [ "${1:-}" = "--quick" ]; then
+    CHECK_ARGS=(--max-n 1048583)
+    BENCH_ARGS=(--sizes "1e6,1e7")
+    TORCH_SIZES=(1e6 1e7)
+fi
+
+skip() {
+    echo "SKIP: $*"
+    exit 0
+}
+
+die() {
+    echo "run.sh: $*" >&2
+    exit 1
+}
+
+find_tools() {
+    command -v nvidia-smi >/dev/null 2>&1 || skip "nvidia-smi not found (no NVIDIA driver)"
+    nvidia-smi -L 2>/dev/null | grep -q '^GPU ' || skip "nvidia-smi lists no GPU"
+    NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+    [ -x "$NVCC" ] || skip "nvcc not found (set NVCC or put it on PATH)"
+    CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(readlink -f "$NVCC")")")}
+    CC=${CC:-$(command -v cc || command -v gcc || true)}
+}
+
+build_cmake() {
+    command -v cmake >/dev/null 2>&1 || return 1
+    if ! cmake -S . -B "$BUILD" -DSCAPE_CUDA=ON -DCMAKE_BUILD_TYPE=Release \
+        -DCMAKE_CUDA_COMPILER="$NVCC" >"$LOGS/cmake.txt" 2>&1 ||
+        ! cmake --build "$BUILD" -j "$(nproc)" --target gpu_check gpu_bench \
+            >>"$LOGS/cmake.txt" 2>&1; then
+        echo "run.sh: CMake build failed, falling back to nvcc + cc (see $LOGS/cmake.txt)"
+        tail -n 5 "$LOGS/cmake.txt"
+        return 1
+    fi
+    BIN=$BUILD/tests/gpu
+    HOW="cmake (Release)"
+}
+
+# Compile one C file into $OBJ; echo the object's path.
+cc_one() {
+    local obj
+    obj="$OBJ/$(basename "${1%.c}").o"
+    "$CC" -std=c11 -O2 -Wall -Wextra -ffp-contract=off -DSCAPE_HAVE_CUDA=1 \
+        -Ikernels -Itests/gpu -I"$CUDA_HOME/include" -c "$1" -o "$obj" || return 1
+    echo "$obj"
+}
+
+build_direct() {
+    [ -n "$CC" ] || die "no C compiler (cc or gcc) for the direct build"
+    OBJ=$BUILD/direct
+    mkdir -p "$OBJ"
+    local lib=() check=() bench=() src
+    for src in kernels/error.c kernels/cpu_*.c tests/gpu/gpu_common.c; do
+        lib+=("$(cc_one "$src")") || die "compiling $src failed"
+    done
+    for src in tests/gpu/gpu_check.c tests/gpu/gpu_args.c; do
+        check+=("$(cc_one "$src")") || die "compiling $src failed"
+    done
+    bench+=("$(cc_one tests/gpu/gpu_bench.c)") || die "compiling gpu_bench.c failed"
+    "$NVCC" -std=c++17 -O3 --fmad=false -Xcompiler=-Wall -Ikernels \
+        -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90 \
+        -c kernels/cuda_kernels.cu -o "$OBJ/cuda_kernels.o" || die "nvcc failed"
+    lib+=("$OBJ/cuda_kernels.o")
+    "$NVCC" -o "$OBJ/gpu_check" "${check[@]}" "${lib[@]}" -lm || die "linking gpu_check failed"
+    "$NVCC" -o "$OBJ/gpu_bench" "${bench[@]}" "${lib[@]}" -lm || die "linking gpu_bench failed"
+    BIN=$OBJ
+    HOW="direct (nvcc + $(basename "$CC"))"
+}
+
+run_check() {
+    "$BIN/gpu_check" ${CHECK_ARGS[@]+"${CHECK_ARGS[@]}"} | tee "$LOGS/gpu_check.txt"
+    CHECK_RC=$?
+    # gpu_check has printed "SKIP: <reason>" (e.g. the driver is too old)
+    [ "$CHECK_RC" -eq 77 ] && exit 0
+}
+
+run_bench() {
+    "$BIN/gpu_bench" "${BENCH_ARGS[@]}" | tee "$LOGS/gpu_bench.txt"
+    BENCH_RC=$?
+    echo "# torch not run" >"$LOGS/torch.txt"
+    if command -v python3 >/dev/null 2>&1; then
+        python3 tests/gpu/torch_topk.py "${TORCH_SIZES[@]}" | tee "$LOGS/torch.txt"
+    fi
+}
+
+print_summary() {
+    local gpu status
+    gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -n 1)
+    status=$(grep -E '^gpu_check: (PASS|FAIL)' "$LOGS/gpu_check.txt" | tail -n 1)
+    echo
+    echo "==================== scaped GPU check summary ===================="
+    echo "date      : $(date -u '+%Y-%m-%d %H:%M UTC')"
+    echo "host      : $(uname -n)"
+    echo "gpu       : $gpu (nvcc $("$NVCC" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'))"
+    echo "build     : $HOW"
+    echo "check     : ${status:-gpu_check exited with status $CHECK_RC}"
+    awk '$1 != "BENCH" { next }
+         !($2 in seen) { seen[$2] = 1; order[++nops] = $2 }
+         { gbs[$3, $2] = $5; pct[$3, $2] = $6; if ($3 > max) max = $3 }
+         END {
+             if (!max) { print "bench     : no results"; exit }
+             printf "bench     : n = %d, GB/s and %% of a device-to-device copy\n", max
+             printf "    %-16s %9s %7s\n", "op", "GB/s", "%copy"
+             for (i = 1; i <= nops; i++)
+                 if (order[i] !~ /^topk/ && (max, order[i]) in gbs)
+                     printf "    %-16s %9.1f %7.1f\n", order[i], gbs[max, order[i]],
+                            pct[max, order[i]]
+         }' "$LOGS/gpu_bench.txt"
+    echo "top-k     : k = 1% of n; torch.topk on the same GPU, same timing rules"
+    awk 'FNR == NR { if ($1 == "TORCH") t[$2, $3] = $4; next }
+         FNR == 1 { printf "    %10s %10s %14s %8s %12s %8s\n", "n", "scaped ms",
+                           "torch unsorted", "speedup", "torch sorted", "speedup" }
+         $1 == "BENCH" && $2 ~ /^topk/ {
+             u = t["topk_unsorted", $3]; s = t["topk_sorted", $3]
+             printf "    %10d %10.4f %14s %8s %12s %8s\n", $3, $4,
+                    u == "" ? "-" : u, u == "" ? "-" : sprintf("%.2fx", u / $4),
+                    s == "" ? "-" : s, s == "" ? "-" : sprintf("%.2fx", s / $4)
+         }' "$LOGS/torch.txt" "$LOGS/gpu_bench.txt"
+    [ "$BENCH_RC" -eq 0 ] || echo "bench     : gpu_bench exited with status $BENCH_RC"
+}
+
+find_tools
+mkdir -p "$LOGS"
+build_cmake || build_direct
+run_check
+run_bench
+print_summary
+[ "$CHECK_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ]
