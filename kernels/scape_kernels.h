@@ -52,7 +52,8 @@ scape_rc kern_pack_ef(const float *g, float *e, const uint32_t *mask, size_t n,
                       float *out, size_t *k_out);
 
 /* SCAPE mask statistic: stat_i = |beta1*m_i + (1-beta1)*((g_i+e_i)/t_r)|,
- * with t_r the number of local trainers (a_r / T_r is their mean). */
+ * with t_r >= 1 the number of local trainers (a_r / T_r is their mean).
+ * stat must not overlap the inputs. */
 scape_rc kern_mask_stat(const float *m, const float *g, const float *e, size_t n,
                         float beta1, float t_r, float *stat);
 
@@ -85,12 +86,12 @@ scape_rc kern_mask_compact(const float *dense, const uint32_t *mask, size_t n,
 scape_rc kern_mask_expand(const float *packed, const uint32_t *mask, size_t n,
                           void *dense, kern_dtype dt);
 
-/* dst |= src over nwords words (union of masks). */
+/* dst |= src over nwords words (union of masks); dst and src are disjoint. */
 scape_rc kern_mask_or(uint32_t *dst, const uint32_t *src, size_t nwords);
 
 /* Masked AdamS with the single-buffer reconstruction.  For the j-th set bit i,
  * with g = sum[j] / div:
- *   b = beta1*m + (1-beta1)*g;   v = beta2*m*m + (1-beta2)*g*g;   m = b;
+ *   b = beta1*m + (1-beta1)*g;   v = beta2*(m*m) + (1-beta2)*(g*g);   m = b;
  *   theta -= lr * (b / (sqrt(v) + eps) + wd*theta).
  * Clear bits leave theta and m untouched. */
 scape_rc kern_adams_masked(float *theta, float *m, const float *sum, float div,
