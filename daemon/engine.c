@@ -173,6 +173,7 @@ static scape_rc alloc_state(eng_t *e)
 /* Exchange T_r and the hashes of config and layout; all ranks must agree. */
 static scape_rc handshake(eng_t *e)
 {
+    e->t_total = 0;
     int R = e->comm->size;
     uint64_t mine[3] = { (uint64_t)e->tr, e->p->hash, config_hash(&e->cfg) };
     uint64_t *all = calloc((size_t)R * 3, sizeof *all);
@@ -248,6 +249,23 @@ void eng_destroy(eng_t **ep)
     *ep = NULL;
 }
 
+scape_rc eng_set_local_trainers(eng_t *e, int local_trainers)
+{
+    if (e == NULL)
+        return scape_set_error(SCAPE_INVALID, "eng_set_local_trainers: engine is NULL");
+    if (local_trainers < 1 || local_trainers > ENG_MAX_TRAINERS)
+        return scape_set_error(SCAPE_INVALID,
+                               "eng_set_local_trainers: %d not in [1, %d]", local_trainers,
+                               ENG_MAX_TRAINERS);
+    if ((local_trainers > 1 || e->gdt != KERN_F32) && e->g == NULL) {
+        e->g = calloc(e->p->n, sizeof(float));
+        if (e->g == NULL)
+            return scape_set_error(SCAPE_NOMEM, "engine: cannot allocate the intake buffer");
+    }
+    e->tr = local_trainers;
+    return handshake(e);
+}
+
 /* ---- parameters in and out --------------------------------------------- */
 
 static scape_rc check_buffers(const eng_t *e, const void *const *bufs, const char *what)
@@ -290,7 +308,7 @@ scape_rc eng_init_params(eng_t *e, void *const *params)
 /* G_r: the sum of the local trainers' gradients, in trainer order. */
 static scape_rc intake(eng_t *e, const void *const *grads, const float **g_out)
 {
-    if (e->g == NULL) {
+    if (e->tr == 1 && e->gdt == KERN_F32) {
         *g_out = grads[0];
         return SCAPE_OK;
     }

@@ -98,6 +98,9 @@ scape_rc eng_init_params(eng_t *e, void *const *params);
  * params[j] (collective). */
 scape_rc eng_step(eng_t *e, uint64_t t, float lr, const void *const *grads,
                   void *const *params);
+/* Change T_r when trainers come or go between steps (collective: the ranks
+ * exchange their counts again).  Takes effect from the next step. */
+scape_rc eng_set_local_trainers(eng_t *e, int local_trainers);
 /* Statistics of the last completed step. */
 scape_rc eng_last_stats(const eng_t *e, eng_step_stats *out);
 /* Finish any outstanding mask all-gather and free; sets *e to NULL. */

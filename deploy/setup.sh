@@ -7,7 +7,7 @@ PKGS=(
   build-essential cmake pkg-config
   libzmq3-dev libprotobuf-c-dev protobuf-c-compiler
   libyaml-dev check libsubunit-dev
-  python3
+  python3 python3-pytest python3-numpy python3-zmq
 )
 
 missing=()

@@ -1,0 +1,112 @@
+/* scape.h - libscape, the trainer's side of scaped.
+ *
+ * A trainer attaches to its node's daemon with the tensor layout of its
+ * model.  libscape allocates one flat parameter buffer and one flat gradient
+ * buffer that the daemon maps (POSIX shared memory on the host, CUDA IPC on a
+ * GPU), so the trainer reads parameters from and writes gradients into plain
+ * pointers.  After attaching, the trainer writes its initial parameters and
+ * calls scape_sync, which replaces them with those of trainer 0 on rank 0.
+ * Each step, the trainer fills the gradients and calls scape_step; when it
+ * returns, the parameter buffer holds the updated parameters, the same bits on
+ * every trainer of every node.
+ *
+ * Every function returns a scape_rc and, on failure, leaves a message for
+ * scape_last_error() (per thread).  A session is used by one thread at a time.
+ */
+#ifndef SCAPE_SCAPE_H
+#define SCAPE_SCAPE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "scape_rc.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define SCAPE_PROTOCOL_VERSION 1
+
+typedef enum scape_dtype { SCAPE_DTYPE_F32 = 0, SCAPE_DTYPE_BF16 = 1 } scape_dtype;
+
+typedef enum scape_memory {
+    SCAPE_MEMORY_HOST = 0, /* POSIX shared memory */
+    SCAPE_MEMORY_CUDA = 1  /* cudaMalloc + cudaIpcGetMemHandle */
+} scape_memory;
+
+typedef struct scape_tensor {
+    const char *name;
+    size_t offset; /* first element in the flat buffers */
+    size_t length; /* elements, >= 1 */
+} scape_tensor;
+
+typedef struct scape_options {
+    scape_dtype param_dtype; /* default F32 */
+    scape_dtype grad_dtype;  /* default F32 */
+    scape_memory memory;     /* default HOST */
+    int device;              /* CUDA device ordinal for SCAPE_MEMORY_CUDA */
+    int index;               /* wanted trainer slot, -1 (default): lowest free */
+    int timeout_ms;          /* longest wait for any reply, default 600000 */
+} scape_options;
+
+/* Per-step figures the daemon returns. */
+typedef struct scape_step_info {
+    uint64_t step;
+    uint64_t k;              /* values reduced this step */
+    double density;          /* k / numel */
+    uint64_t bytes;          /* collective payload bytes */
+    uint64_t wire_bytes;     /* bytes this node received */
+    double residual_norm;
+    double mask_churn;
+    double step_seconds;     /* the daemon's engine step */
+    double wait_seconds;     /* first trainer's post to the last's */
+} scape_step_info;
+
+typedef struct scape_session scape_session;
+
+/* Fill opts with the defaults above. */
+void scape_options_default(scape_options *opts);
+
+/* Attach to the daemon at endpoint (e.g. "ipc:///tmp/scape-1234/control"; NULL
+ * means $SCAPE_ENDPOINT, else the default runtime directory's control socket),
+ * register the layout, and allocate the shared buffers.  opts may be NULL. */
+scape_rc scape_attach(const char *endpoint, const scape_tensor *layout, size_t ntensors,
+                      const scape_options *opts, scape_session **out);
+
+/* The flat parameter and gradient buffers (host or device pointers). */
+void *scape_params(const scape_session *s);
+void *scape_grads(const scape_session *s);
+/* Elements in each buffer (N), and this trainer's slot. */
+size_t scape_numel(const scape_session *s);
+int scape_index(const scape_session *s);
+/* The step the daemon expects next (1 for a fresh job; later when a trainer
+ * re-attaches to a running one). */
+uint64_t scape_next_step(const scape_session *s);
+
+/* Call once the parameter buffer holds this trainer's initial parameters, and
+ * before the first step.  Blocks until the buffer holds the job's parameters:
+ * those of trainer 0 when the job starts (the daemon waits for every trainer
+ * it expects), or the current ones when joining a running job.  Afterwards
+ * scape_next_step() is the step to post next. */
+scape_rc scape_sync(scape_session *s);
+
+/* Hand step `step` over (gradients must be in place) and wait for the new
+ * parameters.  loss may be NULL; info may be NULL. */
+scape_rc scape_step(scape_session *s, uint64_t step, float lr, const float *loss,
+                    scape_step_info *info);
+/* The same, split: begin posts the step and returns at once; wait blocks until
+ * the parameters are updated.  One step may be outstanding. */
+scape_rc scape_step_begin(scape_session *s, uint64_t step, float lr, const float *loss);
+scape_rc scape_step_wait(scape_session *s, scape_step_info *info);
+
+/* Tell the daemon goodbye, free the buffers, and set *s to NULL. */
+scape_rc scape_detach(scape_session **s);
+
+/* The library's version string. */
+const char *scape_version(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* SCAPE_SCAPE_H */

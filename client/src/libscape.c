@@ -1,0 +1,439 @@
+/* libscape.c - the trainer's side: attach, shared buffers, steps, detach.
+ *
+ * The trainer's buffers are POSIX shared-memory objects that this library
+ * creates and the daemon maps by name; only small protobuf messages cross
+ * the DEALER socket.  Replies are matched to requests by order: a DEALER
+ * sees exactly one reply per request, except for the daemon's unsolicited
+ * farewell, which is an error reply and ends the session.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "scape.pb-c.h"
+#include "scape/scape.h"
+#include "scape_wire.h"
+
+#define LIBSCAPE_VERSION "0.1.0"
+
+typedef struct shm_buf {
+    char name[64];
+    void *addr;
+    size_t bytes;
+} shm_buf;
+
+struct scape_session {
+    void *zctx, *sock;
+    char endpoint[300];
+    scape_options opts;
+    size_t numel;
+    int index;
+    uint64_t next_step;
+    shm_buf params, grads;
+    int in_flight;  /* a step was begun and not yet waited for */
+    int dead;       /* the daemon said goodbye */
+};
+
+static atomic_uint s_counter;
+
+void scape_options_default(scape_options *o)
+{
+    memset(o, 0, sizeof *o);
+    o->param_dtype = SCAPE_DTYPE_F32;
+    o->grad_dtype = SCAPE_DTYPE_F32;
+    o->memory = SCAPE_MEMORY_HOST;
+    o->index = -1;
+    o->timeout_ms = 600000;
+}
+
+const char *scape_version(void) { return LIBSCAPE_VERSION; }
+
+void *scape_params(const scape_session *s) { return s ? s->params.addr : NULL; }
+void *scape_grads(const scape_session *s) { return s ? s->grads.addr : NULL; }
+size_t scape_numel(const scape_session *s) { return s ? s->numel : 0; }
+int scape_index(const scape_session *s) { return s ? s->index : -1; }
+uint64_t scape_next_step(const scape_session *s) { return s ? s->next_step : 0; }
+
+/* ---- shared memory ---------------------------------------------------------- */
+
+static scape_rc shm_create(shm_buf *b, const char *tag, size_t bytes)
+{
+    snprintf(b->name, sizeof b->name, "/scape-%d-%u-%s", (int)getpid(),
+             atomic_fetch_add(&s_counter, 1), tag);
+    int fd = shm_open(b->name, O_RDWR | O_CREAT | O_EXCL, 0600);
+    if (fd < 0)
+        return scape_set_error(SCAPE_SYSTEM, "shm_open('%s'): %s", b->name, strerror(errno));
+    scape_rc rc = SCAPE_OK;
+    if (ftruncate(fd, (off_t)bytes) != 0) {
+        rc = scape_set_error(SCAPE_SYSTEM, "ftruncate('%s', %zu): %s", b->name, bytes,
+                             strerror(errno));
+    } else {
+        b->addr = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (b->addr == MAP_FAILED) {
+            b->addr = NULL;
+            rc = scape_set_error(SCAPE_SYSTEM, "mmap('%s', %zu): %s", b->name, bytes,
+                                 strerror(errno));
+        }
+    }
+    close(fd);
+    if (rc != SCAPE_OK)
+        shm_unlink(b->name);
+    else
+        b->bytes = bytes;
+    return rc;
+}
+
+static void shm_free(shm_buf *b)
+{
+    if (b->addr) {
+        munmap(b->addr, b->bytes);
+        shm_unlink(b->name);
+    }
+    memset(b, 0, sizeof *b);
+}
+
+/* ---- messages ----------------------------------------------------------------- */
+
+static scape_rc send_request(scape_session *s, const Scape__Request *q)
+{
+    size_t len = scape__request__get_packed_size(q);
+    uint8_t *buf = malloc(len ? len : 1);
+    if (buf == NULL)
+        return scape_set_error(SCAPE_NOMEM, "out of memory");
+    scape__request__pack(q, buf);
+    int n = zmq_send(s->sock, buf, len, 0);
+    free(buf);
+    if (n < 0)
+        return scape_set_error(SCAPE_ZMQ, "send to %s: %s", s->endpoint,
+                               zmq_strerror(zmq_errno()));
+    return SCAPE_OK;
+}
+
+/* Receive one Reply; an error reply becomes its code and message. */
+static scape_rc recv_reply(scape_session *s, Scape__Reply **out)
+{
+    zmq_msg_t msg;
+    zmq_msg_init(&msg);
+    if (zmq_msg_recv(&msg, s->sock, 0) < 0) {
+        int e = zmq_errno();
+        zmq_msg_close(&msg);
+        if (e == EAGAIN)
+            return scape_set_error(SCAPE_TIMEOUT, "no reply from scaped at %s within %d ms",
+                                   s->endpoint, s->opts.timeout_ms);
+        return scape_set_error(SCAPE_ZMQ, "receive from %s: %s", s->endpoint, zmq_strerror(e));
+    }
+    Scape__Reply *r = scape__reply__unpack(NULL, zmq_msg_size(&msg), zmq_msg_data(&msg));
+    zmq_msg_close(&msg);
+    if (r == NULL)
+        return scape_set_error(SCAPE_PROTO, "undecodable reply from %s", s->endpoint);
+    if (r->status != SCAPE__STATUS__OK) {
+        scape_rc rc = wire_rc(r->status);
+        scape_set_error(rc, "scaped: %s",
+                        r->body_case == SCAPE__REPLY__BODY_ERROR && r->error->message
+                            ? r->error->message : scape_rc_name(rc));
+        if (strstr(scape_last_error(), "shutting down"))
+            s->dead = 1;
+        scape__reply__free_unpacked(r, NULL);
+        return rc;
+    }
+    *out = r;
+    return SCAPE_OK;
+}
+
+/* Send q and wait for a reply whose body is `want` (or none if want is 0). */
+static scape_rc call(scape_session *s, const Scape__Request *q, Scape__Reply__BodyCase want,
+                     Scape__Reply **out)
+{
+    if (s->dead)
+        return scape_set_error(SCAPE_REMOTE, "scaped has shut down this session");
+    Scape__Reply *r = NULL;
+    scape_rc rc = send_request(s, q);
+    if (rc == SCAPE_OK)
+        rc = recv_reply(s, &r);
+    if (rc == SCAPE_OK && want && r->body_case != want) {
+        rc = scape_set_error(SCAPE_PROTO, "unexpected reply (body %d, wanted %d)",
+                             (int)r->body_case, (int)want);
+        scape__reply__free_unpacked(r, NULL);
+        r = NULL;
+    }
+    if (out)
+        *out = r;
+    else if (r)
+        scape__reply__free_unpacked(r, NULL);
+    return rc;
+}
+
+/* ---- attach ----------------------------------------------------------------------- */
+
+static scape_rc check_attach(const scape_tensor *layout, size_t nt, const scape_options *o,
+                             scape_session **out, size_t *numel)
+{
+    if (out == NULL || layout == NULL || nt == 0)
+        return scape_set_error(SCAPE_INVALID, "scape_attach: need a layout and an out pointer");
+    if (o->memory != SCAPE_MEMORY_HOST)
+        return scape_set_error(SCAPE_UNSUPPORTED,
+                               "scape_attach: CUDA buffers are not supported yet; use "
+                               "SCAPE_MEMORY_HOST");
+    if ((unsigned)o->param_dtype > SCAPE_DTYPE_BF16 || (unsigned)o->grad_dtype > SCAPE_DTYPE_BF16)
+        return scape_set_error(SCAPE_INVALID, "scape_attach: unknown dtype");
+    if (o->timeout_ms < 1)
+        return scape_set_error(SCAPE_INVALID, "scape_attach: timeout_ms must be >= 1");
+    size_t end = 0;
+    for (size_t i = 0; i < nt; i++) {
+        if (layout[i].name == NULL || layout[i].length == 0)
+            return scape_set_error(SCAPE_INVALID, "scape_attach: tensor %zu needs a name and "
+                                   "a length", i);
+        size_t e = layout[i].offset + layout[i].length;
+        end = e > end ? e : end;
+    }
+    *numel = end;
+    return SCAPE_OK;
+}
+
+static scape_rc connect_socket(scape_session *s, const char *endpoint)
+{
+    char dir[256];
+    const char *env = getenv("SCAPE_ENDPOINT");
+    scape_rc rc = SCAPE_OK;
+    if (endpoint)
+        snprintf(s->endpoint, sizeof s->endpoint, "%s", endpoint);
+    else if (env && *env)
+        snprintf(s->endpoint, sizeof s->endpoint, "%s", env);
+    else if ((rc = wire_runtime_dir(dir, sizeof dir)) == SCAPE_OK)
+        rc = wire_endpoint(s->endpoint, sizeof s->endpoint, dir, "control");
+    if (rc != SCAPE_OK)
+        return rc;
+    s->zctx = zmq_ctx_new();
+    s->sock = s->zctx ? zmq_socket(s->zctx, ZMQ_DEALER) : NULL;
+    int linger = 0;
+    if (s->sock == NULL ||
+        zmq_setsockopt(s->sock, ZMQ_LINGER, &linger, sizeof linger) != 0 ||
+        zmq_setsockopt(s->sock, ZMQ_RCVTIMEO, &s->opts.timeout_ms, sizeof(int)) != 0 ||
+        zmq_connect(s->sock, s->endpoint) != 0)
+        return scape_set_error(SCAPE_ZMQ, "connect to %s: %s", s->endpoint,
+                               zmq_strerror(zmq_errno()));
+    return SCAPE_OK;
+}
+
+static scape_rc hello(scape_session *s)
+{
+    char ident[96], host[64] = "?";
+    gethostname(host, sizeof host - 1);
+    snprintf(ident, sizeof ident, "%s:%d", host, (int)getpid());
+    Scape__Hello h = SCAPE__HELLO__INIT;
+    h.protocol = SCAPE_PROTOCOL_VERSION;
+    h.trainer = ident;
+    h.pid = (uint32_t)getpid();
+    h.has_index = 1;
+    h.index = s->opts.index;
+    Scape__Request q = SCAPE__REQUEST__INIT;
+    q.body_case = SCAPE__REQUEST__BODY_HELLO;
+    q.hello = &h;
+    Scape__Reply *r = NULL;
+    scape_rc rc = call(s, &q, SCAPE__REPLY__BODY_WELCOME, &r);
+    if (rc != SCAPE_OK)
+        return rc;
+    s->index = (int)r->welcome->index;
+    s->next_step = r->welcome->next_step;
+    scape__reply__free_unpacked(r, NULL);
+    return SCAPE_OK;
+}
+
+static scape_rc register_layout(scape_session *s, const scape_tensor *layout, size_t nt)
+{
+    Scape__Tensor *ts = calloc(nt, sizeof *ts);
+    Scape__Tensor **tp = calloc(nt, sizeof *tp);
+    if (!ts || !tp) {
+        free(ts);
+        free(tp);
+        return scape_set_error(SCAPE_NOMEM, "out of memory");
+    }
+    for (size_t i = 0; i < nt; i++) {
+        scape__tensor__init(&ts[i]);
+        ts[i].name = (char *)layout[i].name;
+        ts[i].offset = layout[i].offset;
+        ts[i].length = layout[i].length;
+        tp[i] = &ts[i];
+    }
+    Scape__MemHandle mp = SCAPE__MEM_HANDLE__INIT, mg = SCAPE__MEM_HANDLE__INIT;
+    mp.shm_name = s->params.name;
+    mp.bytes = s->params.bytes;
+    mg.shm_name = s->grads.name;
+    mg.bytes = s->grads.bytes;
+    Scape__Register g = SCAPE__REGISTER__INIT;
+    g.n_tensors = nt;
+    g.tensors = tp;
+    g.param_dtype = (Scape__DType)s->opts.param_dtype;
+    g.grad_dtype = (Scape__DType)s->opts.grad_dtype;
+    g.params = &mp;
+    g.grads = &mg;
+    Scape__Request q = SCAPE__REQUEST__INIT;
+    q.body_case = SCAPE__REQUEST__BODY_REGISTER;
+    q.register_ = &g;
+    scape_rc rc = call(s, &q, SCAPE__REPLY__BODY_REGISTERED, NULL);
+    free(ts);
+    free(tp);
+    return rc;
+}
+
+static void session_free(scape_session *s)
+{
+    if (s->sock)
+        zmq_close(s->sock);
+    if (s->zctx)
+        zmq_ctx_term(s->zctx);
+    shm_free(&s->params);
+    shm_free(&s->grads);
+    free(s);
+}
+
+scape_rc scape_attach(const char *endpoint, const scape_tensor *layout, size_t ntensors,
+                      const scape_options *opts, scape_session **out)
+{
+    scape_options o;
+    if (opts)
+        o = *opts;
+    else
+        scape_options_default(&o);
+    size_t numel = 0;
+    scape_rc rc = check_attach(layout, ntensors, &o, out, &numel);
+    if (rc != SCAPE_OK)
+        return rc;
+    scape_session *s = calloc(1, sizeof *s);
+    if (s == NULL)
+        return scape_set_error(SCAPE_NOMEM, "out of memory");
+    s->opts = o;
+    s->numel = numel;
+    size_t pb = numel * (o.param_dtype == SCAPE_DTYPE_BF16 ? 2 : 4);
+    size_t gb = numel * (o.grad_dtype == SCAPE_DTYPE_BF16 ? 2 : 4);
+    rc = shm_create(&s->params, "p", pb);
+    if (rc == SCAPE_OK)
+        rc = shm_create(&s->grads, "g", gb);
+    if (rc == SCAPE_OK)
+        rc = connect_socket(s, endpoint);
+    if (rc == SCAPE_OK)
+        rc = hello(s);
+    if (rc == SCAPE_OK)
+        rc = register_layout(s, layout, ntensors);
+    if (rc != SCAPE_OK) {
+        session_free(s);
+        return rc;
+    }
+    *out = s;
+    return SCAPE_OK;
+}
+
+/* ---- sync, steps and detach ---------------------------------------------------------- */
+
+scape_rc scape_sync(scape_session *s)
+{
+    if (s == NULL)
+        return scape_set_error(SCAPE_INVALID, "scape_sync: session is NULL");
+    if (s->in_flight)
+        return scape_set_error(SCAPE_INVALID, "scape_sync: a step is in flight");
+    Scape__Sync y = SCAPE__SYNC__INIT;
+    Scape__Request q = SCAPE__REQUEST__INIT;
+    q.body_case = SCAPE__REQUEST__BODY_SYNC;
+    q.sync = &y;
+    Scape__Reply *r = NULL;
+    scape_rc rc = call(s, &q, SCAPE__REPLY__BODY_SYNCED, &r);
+    if (rc != SCAPE_OK)
+        return rc;
+    s->next_step = r->synced->next_step;
+    scape__reply__free_unpacked(r, NULL);
+    return SCAPE_OK;
+}
+
+scape_rc scape_step_begin(scape_session *s, uint64_t step, float lr, const float *loss)
+{
+    if (s == NULL)
+        return scape_set_error(SCAPE_INVALID, "scape_step_begin: session is NULL");
+    if (s->in_flight)
+        return scape_set_error(SCAPE_INVALID, "scape_step_begin: a step is already in flight");
+    if (s->dead)
+        return scape_set_error(SCAPE_REMOTE, "scaped has shut down this session");
+    Scape__Step st = SCAPE__STEP__INIT;
+    st.step = step;
+    st.lr = lr;
+    st.has_loss = loss != NULL;
+    st.loss = loss ? *loss : 0.0f;
+    Scape__Request q = SCAPE__REQUEST__INIT;
+    q.body_case = SCAPE__REQUEST__BODY_STEP;
+    q.step = &st;
+    scape_rc rc = send_request(s, &q);
+    if (rc == SCAPE_OK)
+        s->in_flight = 1;
+    return rc;
+}
+
+static void fill_info(const Scape__StepDone *d, scape_step_info *info)
+{
+    memset(info, 0, sizeof *info);
+    info->step = d->step;
+    info->k = d->k;
+    info->density = d->density;
+    info->bytes = d->bytes;
+    info->wire_bytes = d->wire_bytes;
+    info->residual_norm = d->residual_norm;
+    info->mask_churn = d->mask_churn;
+    info->step_seconds = d->phases ? d->phases->total : 0.0;
+    info->wait_seconds = d->phases ? d->phases->wait : 0.0;
+}
+
+scape_rc scape_step_wait(scape_session *s, scape_step_info *info)
+{
+    if (s == NULL)
+        return scape_set_error(SCAPE_INVALID, "scape_step_wait: session is NULL");
+    if (!s->in_flight)
+        return scape_set_error(SCAPE_INVALID, "scape_step_wait: no step in flight");
+    Scape__Reply *r = NULL;
+    scape_rc rc = recv_reply(s, &r);
+    if (rc == SCAPE_TIMEOUT)
+        return rc; /* still in flight: the caller may wait again */
+    s->in_flight = 0;
+    if (rc != SCAPE_OK)
+        return rc;
+    if (r->body_case != SCAPE__REPLY__BODY_STEP_DONE)
+        rc = scape_set_error(SCAPE_PROTO, "unexpected reply to a step (body %d)",
+                             (int)r->body_case);
+    else if (info)
+        fill_info(r->step_done, info);
+    scape__reply__free_unpacked(r, NULL);
+    return rc;
+}
+
+scape_rc scape_step(scape_session *s, uint64_t step, float lr, const float *loss,
+                    scape_step_info *info)
+{
+    scape_rc rc = scape_step_begin(s, step, lr, loss);
+    return rc == SCAPE_OK ? scape_step_wait(s, info) : rc;
+}
+
+scape_rc scape_detach(scape_session **sp)
+{
+    if (sp == NULL || *sp == NULL)
+        return scape_set_error(SCAPE_INVALID, "scape_detach: session is NULL");
+    scape_session *s = *sp;
+    scape_rc rc = SCAPE_OK;
+    if (s->in_flight)
+        rc = scape_step_wait(s, NULL);
+    if (!s->dead) {
+        Scape__Detach d = SCAPE__DETACH__INIT;
+        Scape__Request q = SCAPE__REQUEST__INIT;
+        q.body_case = SCAPE__REQUEST__BODY_DETACH;
+        q.detach = &d;
+        scape_rc drc = call(s, &q, 0, NULL);
+        rc = rc == SCAPE_OK ? drc : rc;
+    }
+    session_free(s);
+    *sp = NULL;
+    return rc;
+}

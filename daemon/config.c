@@ -1,0 +1,562 @@
+/* config.c - the key table and the ways of filling it.
+ *
+ * s_keys declares every key once.  Defaults, parsing, bounds, the SCAPE_*
+ * environment, printing and --help walk it; nothing outside it knows a key.
+ * The YAML reader only tokenises: it walks libyaml's events over one
+ * top-level mapping of scalars and hands each pair to set_key, the setter
+ * behind cfg_set, so a value means the same wherever it is written.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <ctype.h>
+#include <errno.h>
+#include <float.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <yaml.h>
+
+#include "config.h"
+
+#define TRY(call)                                                              \
+    do {                                                                       \
+        scape_rc rc_ = (call);                                                 \
+        if (rc_ != SCAPE_OK)                                                   \
+            return rc_;                                                        \
+    } while (0)
+
+#define VALUE_BYTES 1100  /* a printed value: runtime_dir fully escaped, quoted */
+#define PRINT_COLUMN 30   /* where cfg_print starts the doc comments */
+#define MAX_KEY_CHARS 64  /* longest key edit_distance compares against */
+
+typedef enum key_type {
+    KT_STRING, /* char array of .size bytes */
+    KT_DOUBLE,
+    KT_FLOAT,  /* bounds apply after rounding to float, the precision kept */
+    KT_U32,    /* uint32_t */
+    KT_INT,    /* int; read as an unsigned integer, so bounds must be >= 0 */
+    KT_ENUM    /* text <-> value through .parse and .name_of */
+} key_type;
+
+typedef struct cfg_key {
+    const char *name;
+    key_type type;
+    size_t offset;                                 /* of the field in scaped_config */
+    size_t size;                                   /* KT_STRING: capacity with the NUL */
+    double min, max;                               /* numbers: bounds */
+    int min_open, max_open;                        /* the bound itself is excluded */
+    scape_rc (*parse)(const char *s, void *field); /* KT_ENUM; writes only on success */
+    const char *(*name_of)(const void *field);     /* KT_ENUM */
+    const char *def;                               /* the default, as written in a file */
+    const char *doc;
+} cfg_key;
+
+static scape_rc parse_log_level(const char *s, void *f) { return log_level_parse(s, f); }
+static scape_rc parse_optimizer(const char *s, void *f) { return eng_optimizer_parse(s, f); }
+static scape_rc parse_mode(const char *s, void *f) { return eng_mode_parse(s, f); }
+
+static const char *name_log_level(const void *f)
+{
+    return log_level_name(*(const log_level *)f);
+}
+static const char *name_optimizer(const void *f)
+{
+    return eng_optimizer_name(*(const eng_optimizer *)f);
+}
+static const char *name_mode(const void *f) { return eng_mode_name(*(const eng_mode *)f); }
+
+#define OFF(field) offsetof(scaped_config, field)
+
+static const cfg_key s_keys[] = {
+    { .name = "runtime_dir", .type = KT_STRING, .offset = OFF(runtime_dir),
+      .size = sizeof ((scaped_config *)0)->runtime_dir, .def = "",
+      .doc = "directory of the control socket and shared memory (\"\" = daemon default)" },
+    { .name = "log_level", .type = KT_ENUM, .offset = OFF(log_level),
+      .parse = parse_log_level, .name_of = name_log_level, .def = "info",
+      .doc = "error, warn, info or debug" },
+    { .name = "optimizer", .type = KT_ENUM, .offset = OFF(engine.optimizer),
+      .parse = parse_optimizer, .name_of = name_optimizer, .def = "scape",
+      .doc = "scape, adams, adamw or topk-adamw" },
+    { .name = "mode", .type = KT_ENUM, .offset = OFF(engine.mode), .parse = parse_mode,
+      .name_of = name_mode, .def = "replicated",
+      .doc = "replicated (all-reduce) or sharded (reduce-scatter, all-gather)" },
+    { .name = "rho", .type = KT_DOUBLE, .offset = OFF(engine.rho), .min = 0, .min_open = 1,
+      .max = 1, .def = "0.01", .doc = "density: fraction of each tensor reduced per step" },
+    { .name = "warmup", .type = KT_U32, .offset = OFF(engine.warmup), .min = 1,
+      .max = UINT32_MAX, .def = "1", .doc = "dense warm-up steps before masking starts" },
+    { .name = "beta1", .type = KT_FLOAT, .offset = OFF(engine.hyper.beta1), .min = 0,
+      .max = 1, .max_open = 1, .def = "0.9", .doc = "first-moment decay" },
+    { .name = "beta2", .type = KT_FLOAT, .offset = OFF(engine.hyper.beta2), .min = 0,
+      .max = 1, .max_open = 1, .def = "0.95", .doc = "normaliser decay" },
+    { .name = "eps", .type = KT_FLOAT, .offset = OFF(engine.hyper.eps), .min = 0,
+      .min_open = 1, .max = HUGE_VAL, .max_open = 1, .def = "1e-08",
+      .doc = "denominator guard" },
+    { .name = "weight_decay", .type = KT_FLOAT, .offset = OFF(engine.hyper.wd), .min = 0,
+      .max = HUGE_VAL, .max_open = 1, .def = "0", .doc = "decoupled weight decay lambda" },
+    { .name = "max_trainers", .type = KT_INT, .offset = OFF(max_trainers), .min = 1,
+      .max = 64, .def = "64", .doc = "trainer processes this daemon accepts" },
+    { .name = "max_message_bytes", .type = KT_U32, .offset = OFF(max_message_bytes),
+      .min = 1024, .max = 64 << 20, .def = "1048576",
+      .doc = "largest control message accepted, bytes" },
+    { .name = "liveness_ms", .type = KT_INT, .offset = OFF(liveness_ms), .min = 10,
+      .max = 60000, .def = "200", .doc = "period of the trainer pid liveness check, ms" },
+    { .name = "trainers", .type = KT_INT, .offset = OFF(trainers), .min = 0, .max = 64,
+      .def = "0", .doc = "trainers that must register before step 1 (0: those attached)" },
+};
+
+#define KEY_COUNT (sizeof s_keys / sizeof s_keys[0])
+
+static const cfg_key *find_key(const char *name)
+{
+    for (size_t i = 0; i < KEY_COUNT; i++)
+        if (strcmp(name, s_keys[i].name) == 0)
+            return &s_keys[i];
+    return NULL;
+}
+
+/* ---- messages ----------------------------------------------------------- */
+
+/* Prefix the message a failed step left with "where: " and, given a key,
+ * "key 'name': "; returns rc. */
+static scape_rc blame(scape_rc rc, const char *where, const char *key)
+{
+    char msg[512];
+    snprintf(msg, sizeof msg, "%s", scape_last_error());
+    if (key)
+        return scape_set_error(rc, "%s: key '%s': %s", where, key, msg);
+    return scape_set_error(rc, "%s: %s", where, msg);
+}
+
+/* Levenshtein distance; key is a table key, at most MAX_KEY_CHARS long. */
+static size_t edit_distance(const char *s, const char *key)
+{
+    size_t row[MAX_KEY_CHARS + 1], lk = strlen(key);
+    if (lk > MAX_KEY_CHARS)
+        return SIZE_MAX;
+    for (size_t j = 0; j <= lk; j++)
+        row[j] = j;
+    for (size_t i = 1; s[i - 1]; i++) {
+        size_t diag = row[0];
+        row[0] = i;
+        for (size_t j = 1; j <= lk; j++) {
+            size_t up = row[j], best = diag + (s[i - 1] != key[j - 1]);
+            if (up + 1 < best)
+                best = up + 1;
+            if (row[j - 1] + 1 < best)
+                best = row[j - 1] + 1;
+            row[j] = best;
+            diag = up;
+        }
+    }
+    return row[lk];
+}
+
+static scape_rc unknown_key(const char *name)
+{
+    const char *best = NULL;
+    size_t best_d = SIZE_MAX;
+    for (size_t i = 0; i < KEY_COUNT; i++) {
+        size_t d = edit_distance(name, s_keys[i].name);
+        /* A typo is a few edits; more than that suggests an unrelated key. */
+        if (d < best_d && d <= 1 + strlen(s_keys[i].name) / 4) {
+            best = s_keys[i].name;
+            best_d = d;
+        }
+    }
+    if (best)
+        return scape_set_error(SCAPE_INVALID, "unknown key '%s' (did you mean '%s'?)", name,
+                               best);
+    return scape_set_error(SCAPE_INVALID, "unknown key '%s'", name);
+}
+
+/* ---- values ------------------------------------------------------------- */
+
+/* Fewest significant digits that read back as v (in float for KT_FLOAT), so
+ * printed values round-trip exactly yet read as written ("0.9", not
+ * "0.89999997615814209"). */
+static void shortest(double v, key_type t, char *buf, size_t len)
+{
+    /* %g would write 10 as "1e+01". */
+    if (v == floor(v) && fabs(v) < 1e15) {
+        snprintf(buf, len, "%.0f", v);
+        return;
+    }
+    for (int prec = 1; prec <= 17; prec++) {
+        snprintf(buf, len, "%.*g", prec, v);
+        double back = strtod(buf, NULL);
+        if (t == KT_FLOAT ? (float)back == (float)v : back == v)
+            return;
+    }
+}
+
+static void format_range(const cfg_key *k, char *buf, size_t len)
+{
+    char lo[32], hi[32];
+    shortest(k->min, KT_DOUBLE, lo, sizeof lo);
+    shortest(k->max, KT_DOUBLE, hi, sizeof hi);
+    snprintf(buf, len, "%c%s, %s%c", k->min_open ? '(' : '[', lo, hi, k->max_open ? ')' : ']');
+}
+
+static int in_range(const cfg_key *k, double v)
+{
+    int lo = k->min_open ? v > k->min : v >= k->min;
+    int hi = k->max_open ? v < k->max : v <= k->max;
+    return lo && hi;
+}
+
+static scape_rc parse_uint(const char *s, double *out)
+{
+    char *end;
+    /* strtoull would take "-1" as ULLONG_MAX and skip leading blanks. */
+    if (!isdigit((unsigned char)s[0]))
+        return scape_set_error(SCAPE_INVALID, "'%s' is not a non-negative integer", s);
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (*end)
+        return scape_set_error(SCAPE_INVALID, "'%s' is not a non-negative integer", s);
+    *out = errno == ERANGE ? HUGE_VAL : (double)v; /* then out of range */
+    return SCAPE_OK;
+}
+
+static scape_rc parse_real(const char *s, key_type t, double *out)
+{
+    char *end = NULL;
+    /* strtod would skip leading blanks and read "" as 0. */
+    double v = s[0] && !isspace((unsigned char)s[0]) ? strtod(s, &end) : 0.0;
+    if (!end || *end)
+        return scape_set_error(SCAPE_INVALID, "'%s' is not a number", s);
+    if (!isfinite(v))
+        return scape_set_error(SCAPE_INVALID, "'%s' is not a finite number", s);
+    if (t == KT_FLOAT && fabs(v) > FLT_MAX)
+        return scape_set_error(SCAPE_INVALID, "'%s' is too large for a float", s);
+    *out = t == KT_FLOAT ? (double)(float)v : v;
+    return SCAPE_OK;
+}
+
+static void store_number(const cfg_key *k, void *f, double v)
+{
+    switch (k->type) {
+    case KT_DOUBLE: *(double *)f = v; break;
+    case KT_FLOAT: *(float *)f = (float)v; break;
+    case KT_U32: *(uint32_t *)f = (uint32_t)v; break;
+    case KT_INT: *(int *)f = (int)v; break;
+    case KT_STRING:
+    case KT_ENUM: break;
+    }
+}
+
+static scape_rc set_number(const cfg_key *k, void *f, const char *s)
+{
+    double v = 0.0;
+    int integer = k->type == KT_U32 || k->type == KT_INT;
+    TRY(integer ? parse_uint(s, &v) : parse_real(s, k->type, &v));
+    if (!in_range(k, v)) {
+        char range[80];
+        format_range(k, range, sizeof range);
+        return scape_set_error(SCAPE_INVALID, "%s is out of range %s", s, range);
+    }
+    store_number(k, f, v);
+    return SCAPE_OK;
+}
+
+static scape_rc set_string(const cfg_key *k, char *f, const char *s)
+{
+    size_t n = strlen(s);
+    if (n >= k->size)
+        return scape_set_error(SCAPE_INVALID, "value is %zu bytes long, at most %zu allowed", n,
+                               k->size - 1);
+    memcpy(f, s, n + 1);
+    return SCAPE_OK;
+}
+
+/* Set k in c from text s; on failure c is unchanged and the message names
+ * only the value (callers prefix where it came from). */
+static scape_rc set_key(scaped_config *c, const cfg_key *k, const char *s)
+{
+    void *f = (char *)c + k->offset;
+    switch (k->type) {
+    case KT_STRING: return set_string(k, f, s);
+    case KT_ENUM: return k->parse(s, f);
+    default: return set_number(k, f, s);
+    }
+}
+
+/* A YAML double-quoted scalar, so any path survives cfg_print -> load. */
+static void yaml_quote(const char *s, char *buf, size_t len)
+{
+    size_t n = 0;
+    buf[n++] = '"';
+    for (; *s && n + 6 < len; s++) {
+        unsigned char ch = (unsigned char)*s;
+        if (ch == '"' || ch == '\\') {
+            buf[n++] = '\\';
+            buf[n++] = (char)ch;
+        } else if (ch < 0x20 || ch == 0x7f) {
+            n += (size_t)snprintf(buf + n, len - n, "\\x%02X", ch);
+        } else {
+            buf[n++] = (char)ch;
+        }
+    }
+    buf[n++] = '"';
+    buf[n] = '\0';
+}
+
+static void format_value(const cfg_key *k, const void *f, char *buf, size_t len)
+{
+    switch (k->type) {
+    case KT_STRING: yaml_quote(f, buf, len); break;
+    case KT_ENUM: snprintf(buf, len, "%s", k->name_of(f)); break;
+    case KT_DOUBLE: shortest(*(const double *)f, KT_DOUBLE, buf, len); break;
+    case KT_FLOAT: shortest(*(const float *)f, KT_FLOAT, buf, len); break;
+    case KT_U32: snprintf(buf, len, "%" PRIu32, *(const uint32_t *)f); break;
+    case KT_INT: snprintf(buf, len, "%d", *(const int *)f); break;
+    }
+}
+
+/* ---- the YAML file ------------------------------------------------------ */
+
+typedef struct loader {
+    yaml_parser_t parser;
+    const char *path;
+    scaped_config *cfg;            /* a copy, committed only when all is well */
+    size_t first_line[KEY_COUNT];  /* where each key was set, 0 = not yet */
+} loader;
+
+/* blame() with "path:line:col" from a 0-based libyaml mark. */
+static scape_rc blame_at(const loader *ld, yaml_mark_t m, const char *key, scape_rc rc)
+{
+    char where[512];
+    snprintf(where, sizeof where, "%s:%zu:%zu", ld->path, m.line + 1, m.column + 1);
+    return blame(rc, where, key);
+}
+
+static scape_rc yaml_failed(const loader *ld)
+{
+    const yaml_parser_t *p = &ld->parser;
+    if (p->error == YAML_MEMORY_ERROR)
+        return scape_set_error(SCAPE_NOMEM, "%s: out of memory reading YAML", ld->path);
+    /* Reader errors (bad encoding, read failure) carry an offset, not a mark. */
+    if (p->error == YAML_READER_ERROR)
+        return scape_set_error(SCAPE_INVALID, "%s: YAML error: %s at byte %zu", ld->path,
+                               p->problem, p->problem_offset);
+    if (p->context)
+        scape_set_error(SCAPE_INVALID, "YAML error: %s (%s)", p->problem, p->context);
+    else
+        scape_set_error(SCAPE_INVALID, "YAML error: %s", p->problem);
+    return blame_at(ld, p->problem_mark, NULL, SCAPE_INVALID);
+}
+
+static scape_rc next_event(loader *ld, yaml_event_t *ev)
+{
+    return yaml_parser_parse(&ld->parser, ev) ? SCAPE_OK : yaml_failed(ld);
+}
+
+/* Consume one event, keeping only its type and position. */
+static scape_rc next_type(loader *ld, yaml_event_type_t *t, yaml_mark_t *m)
+{
+    yaml_event_t ev;
+    TRY(next_event(ld, &ev));
+    *t = ev.type;
+    *m = ev.start_mark;
+    yaml_event_delete(&ev);
+    return SCAPE_OK;
+}
+
+static const char *event_noun(yaml_event_type_t t)
+{
+    switch (t) {
+    case YAML_SEQUENCE_START_EVENT: return "a sequence";
+    case YAML_MAPPING_START_EVENT: return "a mapping";
+    case YAML_ALIAS_EVENT: return "an alias";
+    default: return "a scalar";
+    }
+}
+
+static scape_rc load_value(loader *ld, const cfg_key *k, const yaml_event_t *v)
+{
+    scape_rc rc;
+    if (v->type != YAML_SCALAR_EVENT)
+        rc = scape_set_error(SCAPE_INVALID, "expected a scalar, found %s", event_noun(v->type));
+    else if (strlen((const char *)v->data.scalar.value) != v->data.scalar.length)
+        rc = scape_set_error(SCAPE_INVALID, "the value contains a NUL character");
+    else
+        rc = set_key(ld->cfg, k, (const char *)v->data.scalar.value);
+    return rc == SCAPE_OK ? SCAPE_OK : blame_at(ld, v->start_mark, k->name, rc);
+}
+
+static scape_rc load_pair(loader *ld, const yaml_event_t *key)
+{
+    if (key->type != YAML_SCALAR_EVENT)
+        return blame_at(ld, key->start_mark, NULL,
+                        scape_set_error(SCAPE_INVALID, "expected a key, found %s",
+                                        event_noun(key->type)));
+    const char *name = (const char *)key->data.scalar.value;
+    const cfg_key *k = find_key(name);
+    if (!k)
+        return blame_at(ld, key->start_mark, NULL, unknown_key(name));
+    size_t i = (size_t)(k - s_keys);
+    if (ld->first_line[i])
+        return blame_at(ld, key->start_mark, NULL,
+                        scape_set_error(SCAPE_INVALID, "duplicate key '%s' (first on line %zu)",
+                                        name, ld->first_line[i]));
+    ld->first_line[i] = key->start_mark.line + 1;
+    yaml_event_t v;
+    TRY(next_event(ld, &v));
+    scape_rc rc = load_value(ld, k, &v);
+    yaml_event_delete(&v);
+    return rc;
+}
+
+/* The pairs of the top-level mapping, through its end. */
+static scape_rc load_pairs(loader *ld)
+{
+    for (;;) {
+        yaml_event_t key;
+        TRY(next_event(ld, &key));
+        int end = key.type == YAML_MAPPING_END_EVENT;
+        scape_rc rc = end ? SCAPE_OK : load_pair(ld, &key);
+        yaml_event_delete(&key);
+        if (end || rc != SCAPE_OK)
+            return rc;
+    }
+}
+
+/* After DOCUMENT-START: the mapping, then DOCUMENT-END. */
+static scape_rc load_document(loader *ld)
+{
+    yaml_event_t ev;
+    TRY(next_event(ld, &ev));
+    yaml_event_type_t t = ev.type;
+    yaml_mark_t m = ev.start_mark;
+    /* A "---" with nothing under it is an empty (null) document. */
+    int empty = t == YAML_SCALAR_EVENT && ev.data.scalar.length == 0 &&
+                ev.data.scalar.style == YAML_PLAIN_SCALAR_STYLE;
+    yaml_event_delete(&ev);
+    if (t != YAML_MAPPING_START_EVENT && !empty)
+        return blame_at(ld, m, NULL,
+                        scape_set_error(SCAPE_INVALID,
+                                        "expected a mapping of key: value pairs, found %s",
+                                        event_noun(t)));
+    if (!empty)
+        TRY(load_pairs(ld));
+    return next_type(ld, &t, &m);
+}
+
+static scape_rc load_stream(loader *ld)
+{
+    yaml_event_type_t t;
+    yaml_mark_t m;
+    TRY(next_type(ld, &t, &m)); /* STREAM-START */
+    TRY(next_type(ld, &t, &m));
+    if (t == YAML_STREAM_END_EVENT)
+        return SCAPE_OK; /* nothing but comments, or nothing at all */
+    TRY(load_document(ld));
+    TRY(next_type(ld, &t, &m));
+    if (t != YAML_STREAM_END_EVENT)
+        return blame_at(ld, m, NULL,
+                        scape_set_error(SCAPE_INVALID, "only one YAML document is allowed"));
+    return SCAPE_OK;
+}
+
+static scape_rc load_open_file(scaped_config *c, const char *path, FILE *f)
+{
+    struct stat st;
+    if (fstat(fileno(f), &st) != 0)
+        return scape_set_error(SCAPE_SYSTEM, "%s: %s", path, strerror(errno));
+    /* fopen accepts a directory; reading it would fail as a vague YAML error. */
+    if (S_ISDIR(st.st_mode))
+        return scape_set_error(SCAPE_SYSTEM, "%s: %s", path, strerror(EISDIR));
+    scaped_config next = *c;
+    loader ld = { .path = path, .cfg = &next };
+    if (!yaml_parser_initialize(&ld.parser))
+        return scape_set_error(SCAPE_NOMEM, "%s: out of memory reading YAML", path);
+    yaml_parser_set_input_file(&ld.parser, f);
+    scape_rc rc = load_stream(&ld);
+    yaml_parser_delete(&ld.parser);
+    if (rc == SCAPE_OK)
+        *c = next;
+    return rc;
+}
+
+/* ---- public ------------------------------------------------------------- */
+
+void cfg_defaults(scaped_config *c)
+{
+    /* Zero first so string tails and padding are defined too, and the
+     * struct can be compared or hashed whole. */
+    memset(c, 0, sizeof *c);
+    /* The table's defaults are valid text for their keys; test_config checks
+     * every one of them. */
+    for (size_t i = 0; i < KEY_COUNT; i++)
+        (void)set_key(c, &s_keys[i], s_keys[i].def);
+}
+
+scape_rc cfg_load_file(scaped_config *c, const char *path)
+{
+    if (!c || !path)
+        return scape_set_error(SCAPE_INVALID, "cfg_load_file: NULL argument");
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return scape_set_error(SCAPE_SYSTEM, "%s: %s", path, strerror(errno));
+    scape_rc rc = load_open_file(c, path, f);
+    fclose(f);
+    return rc;
+}
+
+scape_rc cfg_apply_env(scaped_config *c)
+{
+    if (!c)
+        return scape_set_error(SCAPE_INVALID, "cfg_apply_env: NULL argument");
+    scaped_config next = *c;
+    for (size_t i = 0; i < KEY_COUNT; i++) {
+        char var[MAX_KEY_CHARS + 8];
+        snprintf(var, sizeof var, "SCAPE_%s", s_keys[i].name);
+        for (char *p = var; *p; p++)
+            *p = (char)toupper((unsigned char)*p);
+        /* An empty variable counts as unset, as "SCAPE_RHO= scaped" intends. */
+        const char *v = getenv(var);
+        if (v && *v && set_key(&next, &s_keys[i], v) != SCAPE_OK)
+            return blame(SCAPE_INVALID, var, s_keys[i].name);
+    }
+    *c = next;
+    return SCAPE_OK;
+}
+
+scape_rc cfg_set(scaped_config *c, const char *key, const char *value, const char *origin)
+{
+    const char *where = origin ? origin : "cfg_set";
+    if (!c || !key || !value)
+        return scape_set_error(SCAPE_INVALID, "%s: NULL argument", where);
+    const cfg_key *k = find_key(key);
+    if (!k)
+        return blame(unknown_key(key), where, NULL);
+    scape_rc rc = set_key(c, k, value);
+    return rc == SCAPE_OK ? SCAPE_OK : blame(rc, where, k->name);
+}
+
+scape_rc cfg_print(const scaped_config *c, FILE *out)
+{
+    if (!c || !out)
+        return scape_set_error(SCAPE_INVALID, "cfg_print: NULL argument");
+    for (size_t i = 0; i < KEY_COUNT; i++) {
+        const cfg_key *k = &s_keys[i];
+        char val[VALUE_BYTES];
+        format_value(k, (const char *)c + k->offset, val, sizeof val);
+        int used = (int)(strlen(k->name) + 2 + strlen(val));
+        int pad = used + 2 < PRINT_COLUMN ? PRINT_COLUMN - used : 2;
+        fprintf(out, "%s: %s%*s# %s\n", k->name, val, pad, "", k->doc);
+    }
+    if (fflush(out) != 0 || ferror(out))
+        return scape_set_error(SCAPE_SYSTEM, "cfg_print: %s", strerror(errno));
+    return SCAPE_OK;
+}
+
+const char *cfg_key_doc(size_t i, const char **name)
+{
+    if (i >= KEY_COUNT)
+        return NULL;
+    if (name)
+        *name = s_keys[i].name;
+    return s_keys[i].doc;
+}

@@ -1,0 +1,48 @@
+/* config.h - scaped's configuration (docs/configuration.md).
+ *
+ * Every key is declared once, in config.c's key table, with its type, bounds,
+ * default and doc.  A key can be set, in rising precedence, by its default,
+ * the YAML file, its SCAPE_<KEY> environment variable and a command-line flag
+ * (the daemon applies them in that order).  Errors leave a message in
+ * scape_last_error() that names where the value came from and the key, e.g.
+ * "scaped.yaml:3:6: key 'rho': 1.5 is out of range (0, 1]"; a failed call
+ * leaves the configuration as it was.
+ */
+#ifndef SCAPE_CONFIG_H
+#define SCAPE_CONFIG_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "engine.h"
+#include "log.h"
+
+typedef struct scaped_config {
+    char runtime_dir[256];      /* "" = default (resolved later by the daemon) */
+    log_level log_level;        /* default info */
+    eng_config engine;          /* optimizer, mode, rho, warmup, hyper */
+    int max_trainers;           /* 1..64, default 64 */
+    uint32_t max_message_bytes; /* 1024..64 MiB, default 1 MiB */
+    int liveness_ms;            /* trainer pid check period, 10..60000, default 200 */
+    int trainers;               /* wait for this many before step 1; 0..64, default 0 */
+} scaped_config;
+
+/* Every key at its default. */
+void cfg_defaults(scaped_config *c);
+/* Apply the YAML file at path: a mapping of key: value scalars (empty file
+ * allowed).  SYSTEM if it cannot be read, INVALID on any bad content. */
+scape_rc cfg_load_file(scaped_config *c, const char *path);
+/* Apply every non-empty SCAPE_<KEY> environment variable (SCAPE_RHO,
+ * SCAPE_WEIGHT_DECAY, ...); the only place the daemon reads the environment
+ * for configuration. */
+scape_rc cfg_apply_env(scaped_config *c);
+/* Set key from its text; origin names the source in messages ("--rho"). */
+scape_rc cfg_set(scaped_config *c, const char *key, const char *value, const char *origin);
+/* Write c as YAML, one "key: value  # doc" line per key, that cfg_load_file
+ * reads back to the same configuration. */
+scape_rc cfg_print(const scaped_config *c, FILE *out);
+/* Key i's one-line doc and, in *name, its name; NULL past the last key. */
+const char *cfg_key_doc(size_t i, const char **name);
+
+#endif /* SCAPE_CONFIG_H */

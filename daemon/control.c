@@ -1,0 +1,595 @@
+/* control.c - trainer requests on the control socket: hello, register, step,
+ * detach; and the step itself once every registered trainer has posted it.
+ * Every refusal is an error reply with a message; nothing a trainer sends
+ * can stop the daemon serving the others. */
+#define _POSIX_C_SOURCE 200809L
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "log.h"
+#include "plan.h"
+#include "scape_wire.h"
+#include "server_internal.h"
+
+#define SCAPED_VERSION "0.1.0"
+#define MAX_TENSORS (1u << 20)
+
+static trainer *find(server *s, const unsigned char *rid, size_t rid_len)
+{
+    for (int i = 0; i < SRV_MAX_SLOTS; i++) {
+        trainer *t = &s->slots[i];
+        if (t->used && t->rid_len == rid_len && memcmp(t->rid, rid, rid_len) == 0)
+            return t;
+    }
+    return NULL;
+}
+
+int ctl_registered(const server *s)
+{
+    int n = 0;
+    for (int i = 0; i < SRV_MAX_SLOTS; i++)
+        n += s->slots[i].used && s->slots[i].registered;
+    return n;
+}
+
+int ctl_synced(const server *s)
+{
+    int n = 0;
+    for (int i = 0; i < SRV_MAX_SLOTS; i++)
+        n += s->slots[i].used && s->slots[i].synced;
+    return n;
+}
+
+static void reply_ok(server *s, const trainer *t, Scape__Reply *r)
+{
+    r->status = SCAPE__STATUS__OK;
+    srv_reply(s, t->rid, t->rid_len, r);
+}
+
+/* ---- hello ------------------------------------------------------------- */
+
+static scape_rc pick_slot(server *s, int want, int *out)
+{
+    if (want < -1 || want >= s->cfg.max_trainers)
+        return scape_set_error(SCAPE_INVALID, "slot %d is outside [0, %d) (max_trainers)",
+                               want, s->cfg.max_trainers);
+    if (want >= 0) {
+        if (s->slots[want].used)
+            return scape_set_error(SCAPE_INVALID, "slot %d is taken by %s", want,
+                                   s->slots[want].identity);
+        *out = want;
+        return SCAPE_OK;
+    }
+    for (int i = 0; i < s->cfg.max_trainers; i++)
+        if (!s->slots[i].used) {
+            *out = i;
+            return SCAPE_OK;
+        }
+    return scape_set_error(SCAPE_INVALID, "all %d trainer slots are taken", s->cfg.max_trainers);
+}
+
+static scape_rc on_hello(server *s, const unsigned char *rid, size_t rid_len,
+                         const Scape__Hello *h)
+{
+    if (find(s, rid, rid_len))
+        return scape_set_error(SCAPE_INVALID, "this connection already said hello");
+    if (h->protocol != 1)
+        return scape_set_error(SCAPE_PROTO,
+                               "protocol version %u is not supported (scaped speaks 1)",
+                               h->protocol);
+    if (h->pid == 0 || h->pid > (uint32_t)INT32_MAX)
+        return scape_set_error(SCAPE_INVALID, "hello: pid %u is not a process id", h->pid);
+    if (rid_len > SRV_RID_MAX)
+        return scape_set_error(SCAPE_PROTO, "routing id of %zu bytes is too long", rid_len);
+    int slot = -1;
+    scape_rc rc = pick_slot(s, h->index, &slot);
+    if (rc != SCAPE_OK)
+        return rc;
+    trainer *t = &s->slots[slot];
+    memset(t, 0, sizeof *t);
+    t->used = 1;
+    t->index = slot;
+    t->pid = (pid_t)h->pid;
+    memcpy(t->rid, rid, rid_len);
+    t->rid_len = rid_len;
+    snprintf(t->identity, sizeof t->identity, "%.80s", h->trainer);
+    Scape__Welcome w = SCAPE__WELCOME__INIT;
+    w.protocol = 1;
+    w.index = (uint32_t)slot;
+    w.rank = 0;
+    w.world = 1;
+    w.version = SCAPED_VERSION;
+    w.next_step = s->next_step;
+    Scape__Reply r = SCAPE__REPLY__INIT;
+    r.body_case = SCAPE__REPLY__BODY_WELCOME;
+    r.welcome = &w;
+    reply_ok(s, t, &r);
+    LOG_INFO(SUB_CTRL, "trainer %d attached: %s (pid %d)", slot, t->identity, (int)t->pid);
+    return SCAPE_OK;
+}
+
+/* ---- register ------------------------------------------------------------ */
+
+static scape_rc parse_dtype(Scape__DType d, kern_dtype *out)
+{
+    if (d != SCAPE__DTYPE__F32 && d != SCAPE__DTYPE__BF16)
+        return scape_set_error(SCAPE_INVALID, "register: unknown dtype %d", (int)d);
+    *out = d == SCAPE__DTYPE__F32 ? KERN_F32 : KERN_BF16;
+    return SCAPE_OK;
+}
+
+/* Validate the registered tensors by planning them; fills ts (names borrowed). */
+static scape_rc parse_layout(const Scape__Register *g, eng_tensor *ts, size_t *numel)
+{
+    for (size_t i = 0; i < g->n_tensors; i++) {
+        const Scape__Tensor *x = g->tensors[i];
+        if (x->name == NULL || x->name[0] == '\0')
+            return scape_set_error(SCAPE_INVALID, "register: tensor %zu has no name", i);
+        ts[i] = (eng_tensor){ x->name, (size_t)x->offset, (size_t)x->length };
+    }
+    plan *p = NULL;
+    scape_rc rc = plan_build(&p, ts, g->n_tensors, 1, 1.0);
+    if (rc == SCAPE_OK)
+        *numel = p->n;
+    plan_destroy(&p);
+    return rc;
+}
+
+/* The first registration fixes the layout; later ones must match it. */
+static scape_rc agree_layout(server *s, const eng_tensor *ts, size_t nt, kern_dtype pdt,
+                             kern_dtype gdt)
+{
+    if (s->layout == NULL) {
+        s->layout = calloc(nt, sizeof *s->layout);
+        if (s->layout == NULL)
+            return scape_set_error(SCAPE_NOMEM, "register: out of memory");
+        for (size_t i = 0; i < nt; i++) {
+            s->layout[i] = ts[i];
+            s->layout[i].name = strdup(ts[i].name);
+        }
+        s->ntensors = nt;
+        s->pdt = pdt;
+        s->gdt = gdt;
+        return SCAPE_OK;
+    }
+    if (nt != s->ntensors)
+        return scape_set_error(SCAPE_INVALID,
+                               "register: %zu tensors, but the node's layout has %zu", nt,
+                               s->ntensors);
+    for (size_t i = 0; i < nt; i++)
+        if (strcmp(ts[i].name, s->layout[i].name) != 0 || ts[i].offset != s->layout[i].offset ||
+            ts[i].length != s->layout[i].length)
+            return scape_set_error(SCAPE_INVALID,
+                                   "register: tensor %zu is %s@%zu+%zu, but the node's layout "
+                                   "has %s@%zu+%zu",
+                                   i, ts[i].name, ts[i].offset, ts[i].length,
+                                   s->layout[i].name, s->layout[i].offset, s->layout[i].length);
+    if (pdt != s->pdt || gdt != s->gdt)
+        return scape_set_error(SCAPE_INVALID, "register: dtypes differ from the node's layout");
+    return SCAPE_OK;
+}
+
+static scape_rc map_buffers(const Scape__Register *g, size_t numel, kern_dtype pdt,
+                            kern_dtype gdt, trainer *t)
+{
+    const Scape__MemHandle *h[2] = { g->params, g->grads };
+    for (int i = 0; i < 2; i++)
+        if (h[i]->kind != SCAPE__MEM_KIND__SHM)
+            return scape_set_error(SCAPE_UNSUPPORTED,
+                                   "register: CUDA IPC buffers are not supported by this "
+                                   "scaped (host shared memory only)");
+    scape_rc rc = shm_map_open(&t->params, g->params->shm_name, (size_t)g->params->bytes,
+                               numel * kern_dtype_size(pdt), "params");
+    if (rc == SCAPE_OK)
+        rc = shm_map_open(&t->grads, g->grads->shm_name, (size_t)g->grads->bytes,
+                          numel * kern_dtype_size(gdt), "grads");
+    if (rc != SCAPE_OK)
+        shm_map_close(&t->params, 0);
+    return rc;
+}
+
+/* A trainer joining a running job gets the current parameters. */
+static scape_rc seed_params(server *s, trainer *t)
+{
+    for (int i = 0; i < SRV_MAX_SLOTS; i++) {
+        const trainer *o = &s->slots[i];
+        if (o != t && o->used && o->synced) {
+            memcpy(t->params.addr, o->params.addr, s->numel * kern_dtype_size(s->pdt));
+            return SCAPE_OK;
+        }
+    }
+    float *theta = malloc(s->numel * sizeof *theta);
+    unsigned char *have = malloc(s->numel);
+    scape_rc rc = theta && have ? eng_get_state(s->eng, ENG_VEC_THETA, theta, have)
+                                : scape_set_error(SCAPE_NOMEM, "register: out of memory");
+    if (rc == SCAPE_OK && s->pdt == KERN_F32)
+        memcpy(t->params.addr, theta, s->numel * sizeof *theta);
+    else if (rc == SCAPE_OK)
+        rc = kern_f32_to_bf16(theta, t->params.addr, s->numel);
+    free(theta);
+    free(have);
+    return rc;
+}
+
+static scape_rc on_register(server *s, trainer *t, const Scape__Register *g)
+{
+    if (t->registered)
+        return scape_set_error(SCAPE_INVALID, "trainer %d is already registered", t->index);
+    if (g->n_tensors == 0 || g->n_tensors > MAX_TENSORS)
+        return scape_set_error(SCAPE_INVALID, "register: %zu tensors (1..%u allowed)",
+                               g->n_tensors, MAX_TENSORS);
+    kern_dtype pdt = KERN_F32, gdt = KERN_F32;
+    scape_rc rc = parse_dtype(g->param_dtype, &pdt);
+    if (rc == SCAPE_OK)
+        rc = parse_dtype(g->grad_dtype, &gdt);
+    eng_tensor *ts = calloc(g->n_tensors, sizeof *ts);
+    size_t numel = 0;
+    if (rc == SCAPE_OK)
+        rc = ts ? parse_layout(g, ts, &numel) : scape_set_error(SCAPE_NOMEM, "out of memory");
+    int had_layout = s->layout != NULL;
+    if (rc == SCAPE_OK)
+        rc = agree_layout(s, ts, g->n_tensors, pdt, gdt);
+    free(ts);
+    if (rc == SCAPE_OK) {
+        s->numel = numel;
+        rc = map_buffers(g, numel, pdt, gdt, t);
+    }
+    if (rc != SCAPE_OK) {
+        if (!had_layout && s->layout && ctl_registered(s) == 0 && s->eng == NULL) {
+            for (size_t i = 0; i < s->ntensors; i++)
+                free((char *)s->layout[i].name);
+            free(s->layout);
+            s->layout = NULL;
+        }
+        shm_map_close(&t->grads, 0);
+        shm_map_close(&t->params, 0);
+        return rc;
+    }
+    t->registered = 1;
+    Scape__Registered rg = SCAPE__REGISTERED__INIT;
+    rg.numel = numel;
+    rg.trainers = (uint32_t)ctl_registered(s);
+    Scape__Reply r = SCAPE__REPLY__INIT;
+    r.body_case = SCAPE__REPLY__BODY_REGISTERED;
+    r.registered = &rg;
+    reply_ok(s, t, &r);
+    LOG_INFO(SUB_CTRL, "trainer %d registered %zu tensors, N=%zu", t->index, s->ntensors, numel);
+    return SCAPE_OK;
+}
+
+/* ---- step ---------------------------------------------------------------- */
+
+static scape_rc on_step(server *s, trainer *t, const Scape__Step *st)
+{
+    if (!t->synced)
+        return scape_set_error(SCAPE_INVALID, "step: trainer %d has not synced its parameters "
+                               "(scape_sync) yet", t->index);
+    if (s->broken)
+        return scape_set_error(SCAPE_INVALID,
+                               "step: the optimizer failed part-way through a step; restart "
+                               "the daemon from a checkpoint");
+    if (t->posted)
+        return scape_set_error(SCAPE_INVALID, "step %llu: already posted by trainer %d",
+                               (unsigned long long)st->step, t->index);
+    if (st->step != s->next_step)
+        return scape_set_error(SCAPE_INVALID, "step %llu is out of order: expected step %llu",
+                               (unsigned long long)st->step,
+                               (unsigned long long)s->next_step);
+    if (!isfinite(st->lr) || st->lr < 0.0f)
+        return scape_set_error(SCAPE_INVALID, "step: lr=%g must be finite and >= 0",
+                               (double)st->lr);
+    t->posted = 1;
+    t->lr = st->lr;
+    t->has_loss = st->has_loss;
+    t->loss = st->loss;
+    t->last_step = st->step;
+    t->posted_at = srv_now();
+    ctl_maybe_step(s);
+    return SCAPE_OK;
+}
+
+/* Trainers with flag set (synced, or registered), by slot index: trainer 0
+ * is the lowest. */
+static int collect(server *s, trainer **ts, int synced)
+{
+    int n = 0;
+    for (int i = 0; i < SRV_MAX_SLOTS; i++) {
+        trainer *t = &s->slots[i];
+        if (t->used && (synced ? t->synced : t->registered))
+            ts[n++] = t;
+    }
+    return n;
+}
+
+/* Start the job: the engine, with trainer 0's parameters in every buffer. */
+static scape_rc start_job(server *s, trainer **ts, int n)
+{
+    eng_layout lay = { s->layout, s->ntensors, s->pdt, s->gdt };
+    void *params[SRV_MAX_SLOTS];
+    for (int i = 0; i < n; i++)
+        params[i] = ts[i]->params.addr;
+    scape_rc rc = eng_create(&s->eng, &s->cfg.engine, &lay, s->comm, n);
+    if (rc == SCAPE_OK)
+        rc = eng_init_params(s->eng, params);
+    if (rc != SCAPE_OK) {
+        eng_destroy(&s->eng);
+        return rc;
+    }
+    s->eng_trainers = n;
+    LOG_INFO(SUB_ENGINE, "job started: %s, %s, rho=%g, N=%zu, %d trainer(s), parameters of "
+             "trainer %d", eng_optimizer_name(s->cfg.engine.optimizer),
+             eng_mode_name(s->cfg.engine.mode), s->cfg.engine.rho, s->numel, n, ts[0]->index);
+    return SCAPE_OK;
+}
+
+/* Trainers come and go between steps: keep T_r in step with them. */
+static scape_rc follow_trainers(server *s, int n)
+{
+    if (n == s->eng_trainers)
+        return SCAPE_OK;
+    scape_rc rc = eng_set_local_trainers(s->eng, n);
+    if (rc != SCAPE_OK)
+        return rc;
+    LOG_INFO(SUB_ENGINE, "now %d trainer(s) (was %d)", n, s->eng_trainers);
+    s->eng_trainers = n;
+    return SCAPE_OK;
+}
+
+static void fill_step_done(server *s, const eng_step_stats *st, double wait, double total)
+{
+    Scape__Phases *ph = &s->last_phases;
+    scape__phases__init(ph);
+    double v[] = { wait, st->phase_s[ENG_PH_INTAKE], st->phase_s[ENG_PH_MASK_WAIT],
+                   st->phase_s[ENG_PH_SELECT], st->phase_s[ENG_PH_PACK],
+                   st->phase_s[ENG_PH_REDUCE], st->phase_s[ENG_PH_UPDATE],
+                   st->phase_s[ENG_PH_GATHER], st->phase_s[ENG_PH_WRITEBACK], total };
+    double *f[] = { &ph->wait, &ph->intake, &ph->mask_wait, &ph->select, &ph->pack,
+                    &ph->reduce, &ph->update, &ph->gather, &ph->writeback, &ph->total };
+    protobuf_c_boolean *has[] = { &ph->has_wait, &ph->has_intake, &ph->has_mask_wait,
+                                  &ph->has_select, &ph->has_pack, &ph->has_reduce,
+                                  &ph->has_update, &ph->has_gather, &ph->has_writeback,
+                                  &ph->has_total };
+    for (size_t i = 0; i < sizeof v / sizeof v[0]; i++) {
+        *f[i] = v[i];
+        *has[i] = 1;
+    }
+    Scape__StepDone *d = &s->last;
+    scape__step_done__init(d);
+    d->step = st->step;
+    d->phases = ph;
+    d->k = st->k;
+    d->density = st->density;
+    for (int op = 0; op < COMM_OP_COUNT; op++) {
+        d->bytes += st->comm.bytes[op];
+        d->wire_bytes += st->comm.wire_bytes[op];
+    }
+    d->has_residual_norm = 1;
+    d->residual_norm = eng_residual_norm(s->eng);
+    d->has_mask_churn = 1;
+    d->mask_churn = st->mask_churn;
+    d->has_handover_copy_bytes = 1; /* gradients are read in place from shared memory */
+    d->handover_copy_bytes = 0;
+    s->have_last = 1;
+}
+
+static void finish_step(server *s, trainer **ts, int n, scape_rc rc)
+{
+    Scape__Reply r = SCAPE__REPLY__INIT;
+    if (rc == SCAPE_OK) {
+        r.status = SCAPE__STATUS__OK;
+        r.body_case = SCAPE__REPLY__BODY_STEP_DONE;
+        r.step_done = &s->last;
+    }
+    for (int i = 0; i < n; i++) {
+        ts[i]->posted = 0;
+        if (rc == SCAPE_OK)
+            srv_reply(s, ts[i]->rid, ts[i]->rid_len, &r);
+        else
+            srv_reply_error(s, ts[i]->rid, ts[i]->rid_len, rc);
+    }
+}
+
+static void run_step(server *s, trainer **ts, int n)
+{
+    uint64_t t = s->next_step;
+    double first = ts[0]->posted_at, loss = 0.0;
+    int nloss = 0;
+    for (int i = 0; i < n; i++) {
+        first = ts[i]->posted_at < first ? ts[i]->posted_at : first;
+        if (ts[i]->has_loss) {
+            loss += ts[i]->loss;
+            nloss++;
+        }
+        if (ts[i]->lr != ts[0]->lr)
+            LOG_WARN(SUB_CTRL, "step %llu: trainer %d posted lr=%g, trainer %d lr=%g; using %g",
+                     (unsigned long long)t, ts[i]->index, (double)ts[i]->lr, ts[0]->index,
+                     (double)ts[0]->lr, (double)ts[0]->lr);
+    }
+    double t0 = srv_now();
+    const void *grads[SRV_MAX_SLOTS];
+    void *params[SRV_MAX_SLOTS];
+    for (int i = 0; i < n; i++) {
+        grads[i] = ts[i]->grads.addr;
+        params[i] = ts[i]->params.addr;
+    }
+    scape_rc rc = follow_trainers(s, n);
+    if (rc == SCAPE_OK) {
+        rc = eng_step(s->eng, t, ts[0]->lr, grads, params);
+        if (rc != SCAPE_OK) {
+            s->broken = 1;
+            LOG_ERROR(SUB_ENGINE, "step %llu failed: %s", (unsigned long long)t,
+                      scape_last_error());
+        }
+    }
+    if (rc == SCAPE_OK) {
+        eng_step_stats st;
+        eng_last_stats(s->eng, &st);
+        fill_step_done(s, &st, t0 - first, srv_now() - t0);
+        s->have_loss = nloss > 0;
+        s->last_loss = nloss ? loss / nloss : 0.0;
+        s->next_step = t + 1;
+    }
+    finish_step(s, ts, n, rc);
+    if (rc == SCAPE_OK) {
+        status_publish(s);
+        LOG_DEBUG(SUB_ENGINE, "step %llu done: K=%llu in %.3f ms", (unsigned long long)t,
+                  (unsigned long long)s->last.k, 1e3 * s->last_phases.total);
+    }
+}
+
+void ctl_maybe_step(server *s)
+{
+    trainer *ts[SRV_MAX_SLOTS];
+    int n = collect(s, ts, 1);
+    if (n == 0)
+        return;
+    for (int i = 0; i < n; i++)
+        if (!ts[i]->posted)
+            return;
+    run_step(s, ts, n);
+}
+
+/* ---- sync ------------------------------------------------------------------------ */
+
+static void reply_synced(server *s, trainer *t)
+{
+    Scape__Synced y = SCAPE__SYNCED__INIT;
+    y.next_step = s->next_step;
+    Scape__Reply r = SCAPE__REPLY__INIT;
+    r.body_case = SCAPE__REPLY__BODY_SYNCED;
+    r.synced = &y;
+    t->wants_sync = 0;
+    t->synced = 1;
+    reply_ok(s, t, &r);
+}
+
+/* Answer pending syncs: at once in a running job (with its current
+ * parameters); at the start once every registered trainer, and at least the
+ * configured number, has asked. */
+void ctl_maybe_sync(server *s)
+{
+    trainer *ts[SRV_MAX_SLOTS];
+    int n = collect(s, ts, 0);
+    if (s->eng) {
+        for (int i = 0; i < n; i++) {
+            if (!ts[i]->wants_sync)
+                continue;
+            scape_rc rc = seed_params(s, ts[i]);
+            if (rc == SCAPE_OK)
+                reply_synced(s, ts[i]);
+            else
+                srv_reply_error(s, ts[i]->rid, ts[i]->rid_len, rc);
+        }
+        return;
+    }
+    if (n == 0 || n < s->cfg.trainers)
+        return;
+    for (int i = 0; i < n; i++)
+        if (!ts[i]->wants_sync)
+            return;
+    scape_rc rc = start_job(s, ts, n);
+    for (int i = 0; i < n; i++) {
+        if (rc == SCAPE_OK) {
+            reply_synced(s, ts[i]);
+        } else {
+            ts[i]->wants_sync = 0;
+            srv_reply_error(s, ts[i]->rid, ts[i]->rid_len, rc);
+        }
+    }
+}
+
+static scape_rc on_sync(server *s, trainer *t)
+{
+    if (!t->registered)
+        return scape_set_error(SCAPE_INVALID, "sync: trainer %d has not registered", t->index);
+    if (t->synced || t->wants_sync)
+        return scape_set_error(SCAPE_INVALID, "sync: trainer %d has already synced", t->index);
+    t->wants_sync = 1;
+    ctl_maybe_sync(s);
+    return SCAPE_OK;
+}
+
+/* ---- detach and death ------------------------------------------------------- */
+
+void ctl_drop(server *s, trainer *t, int died)
+{
+    int was_registered = t->registered;
+    LOG_INFO(SUB_CTRL, "trainer %d (%s, pid %d) %s", t->index, t->identity, (int)t->pid,
+             died ? "died" : "detached");
+    shm_map_close(&t->params, died);
+    shm_map_close(&t->grads, died);
+    int idx = t->index;
+    memset(t, 0, sizeof *t);
+    if (!was_registered)
+        return;
+    if (died) {
+        /* The others' step can no longer be the step of every trainer: abandon
+         * it; the engine still holds the state of the last completed step. */
+        for (int i = 0; i < SRV_MAX_SLOTS; i++) {
+            trainer *o = &s->slots[i];
+            if (!o->used || !o->posted)
+                continue;
+            o->posted = 0;
+            scape_set_error(SCAPE_REMOTE,
+                            "step %llu abandoned: trainer %d died mid-step; the optimizer "
+                            "kept the state after step %llu, post step %llu again",
+                            (unsigned long long)s->next_step, idx,
+                            (unsigned long long)s->next_step - 1,
+                            (unsigned long long)s->next_step);
+            srv_reply_error(s, o->rid, o->rid_len, SCAPE_REMOTE);
+        }
+        ctl_maybe_sync(s);
+        return;
+    }
+    ctl_maybe_sync(s);
+    ctl_maybe_step(s);
+}
+
+static scape_rc on_detach(server *s, trainer *t)
+{
+    if (t->posted)
+        return scape_set_error(SCAPE_INVALID,
+                               "detach: trainer %d has a step in flight; wait for it first",
+                               t->index);
+    Scape__Reply r = SCAPE__REPLY__INIT;
+    reply_ok(s, t, &r);
+    ctl_drop(s, t, 0);
+    return SCAPE_OK;
+}
+
+/* ---- dispatch ----------------------------------------------------------------- */
+
+void ctl_handle(server *s, const unsigned char *rid, size_t rid_len, const Scape__Request *q)
+{
+    scape_rc rc;
+    trainer *t = find(s, rid, rid_len);
+    if (q->body_case == SCAPE__REQUEST__BODY_HELLO) {
+        rc = on_hello(s, rid, rid_len, q->hello);
+    } else if (t == NULL) {
+        rc = scape_set_error(SCAPE_INVALID, "say hello first (request type %d)",
+                             (int)q->body_case);
+    } else if (s->stopping) {
+        rc = scape_set_error(SCAPE_REMOTE, "scaped is shutting down");
+    } else {
+        switch (q->body_case) {
+        case SCAPE__REQUEST__BODY_REGISTER: rc = on_register(s, t, q->register_); break;
+        case SCAPE__REQUEST__BODY_STEP: rc = on_step(s, t, q->step); break;
+        case SCAPE__REQUEST__BODY_SYNC: rc = on_sync(s, t); break;
+        case SCAPE__REQUEST__BODY_DETACH: rc = on_detach(s, t); break;
+        case SCAPE__REQUEST__BODY_STATUS:
+        case SCAPE__REQUEST__BODY_METRICS:
+        case SCAPE__REQUEST__BODY_SHUTDOWN:
+            rc = scape_set_error(SCAPE_INVALID,
+                                 "status, metrics and shutdown go to the status endpoint");
+            break;
+        default:
+            rc = scape_set_error(SCAPE_PROTO, "unknown request type");
+        }
+    }
+    if (rc != SCAPE_OK) {
+        LOG_WARN(SUB_CTRL, "refused a request from %s: %s", t ? t->identity : "a new peer",
+                 scape_last_error());
+        srv_reply_error(s, rid, rid_len, rc);
+    }
+}

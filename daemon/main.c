@@ -1,0 +1,147 @@
+/* main.c - the scaped command line: configuration (defaults < YAML file <
+ * SCAPE_* environment < flags), logging, signals, and the server. */
+#define _POSIX_C_SOURCE 200809L
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "config.h"
+#include "log.h"
+#include "server.h"
+
+static void usage(FILE *out)
+{
+    fprintf(out,
+            "usage: scaped [--config FILE] [--print-config] [--KEY VALUE | --KEY=VALUE ...]\n"
+            "\n"
+            "The per-node SCAPE optimizer daemon.  Trainers attach over\n"
+            "ipc://<runtime_dir>/control; scapectl reads ipc://<runtime_dir>/status.\n"
+            "\n"
+            "  --config FILE     read a YAML configuration file\n"
+            "  --print-config    print the effective configuration and exit\n"
+            "  --help            this text\n"
+            "\n"
+            "Every configuration key is also a flag (underscores or dashes), and an\n"
+            "environment variable SCAPE_<KEY>:\n");
+    const char *name;
+    for (size_t i = 0;; i++) {
+        const char *doc = cfg_key_doc(i, &name);
+        if (doc == NULL)
+            break;
+        fprintf(out, "  --%-20s %s\n", name, doc);
+    }
+}
+
+/* "--max-trainers" -> "max_trainers" in key (size len). */
+static void flag_to_key(const char *flag, char *key, size_t len)
+{
+    size_t i = 0;
+    for (; flag[i] && flag[i] != '=' && i + 1 < len; i++)
+        key[i] = flag[i] == '-' ? '_' : flag[i];
+    key[i] = '\0';
+}
+
+/* Apply every --KEY VALUE flag; --config, --print-config and --help are
+ * handled by the caller.  Returns 0, or 2 on a usage error. */
+static int apply_flags(scaped_config *cfg, int argc, char **argv)
+{
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (strcmp(a, "--print-config") == 0 || strcmp(a, "--help") == 0)
+            continue;
+        if (strncmp(a, "--", 2) != 0) {
+            fprintf(stderr, "scaped: unexpected argument '%s' (see --help)\n", a);
+            return 2;
+        }
+        char key[64];
+        flag_to_key(a + 2, key, sizeof key);
+        const char *eq = strchr(a, '=');
+        const char *val = eq ? eq + 1 : (i + 1 < argc ? argv[++i] : NULL);
+        if (val == NULL) {
+            fprintf(stderr, "scaped: %s needs a value\n", a);
+            return 2;
+        }
+        if (strcmp(key, "config") == 0)
+            continue;
+        if (cfg_set(cfg, key, val, a) != SCAPE_OK) {
+            fprintf(stderr, "scaped: %s\n", scape_last_error());
+            return 2;
+        }
+    }
+    return 0;
+}
+
+static const char *config_path(int argc, char **argv)
+{
+    const char *path = NULL;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--config") == 0 && i + 1 < argc)
+            path = argv[++i];
+        else if (strncmp(argv[i], "--config=", 9) == 0)
+            path = argv[i] + 9;
+    }
+    return path;
+}
+
+static int has_flag(int argc, char **argv, const char *flag)
+{
+    for (int i = 1; i < argc; i++)
+        if (strcmp(argv[i], flag) == 0)
+            return 1;
+    return 0;
+}
+
+static void on_signal(int sig)
+{
+    (void)sig;
+    srv_request_stop();
+}
+
+static int install_signals(void)
+{
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    struct sigaction ign = sa;
+    ign.sa_handler = SIG_IGN;
+    return sigaction(SIGTERM, &sa, NULL) | sigaction(SIGINT, &sa, NULL) |
+           sigaction(SIGPIPE, &ign, NULL);
+}
+
+int main(int argc, char **argv)
+{
+    if (has_flag(argc, argv, "--help")) {
+        usage(stdout);
+        return 0;
+    }
+    scaped_config cfg;
+    cfg_defaults(&cfg);
+    const char *path = config_path(argc, argv);
+    if ((path && cfg_load_file(&cfg, path) != SCAPE_OK) || cfg_apply_env(&cfg) != SCAPE_OK) {
+        fprintf(stderr, "scaped: %s\n", scape_last_error());
+        return 2;
+    }
+    int urc = apply_flags(&cfg, argc, argv);
+    if (urc)
+        return urc;
+    if (has_flag(argc, argv, "--print-config"))
+        return cfg_print(&cfg, stdout) == SCAPE_OK ? 0 : 1;
+    log_init(0, cfg.log_level, NULL);
+    if (install_signals() != 0) {
+        LOG_ERROR(SUB_MAIN, "cannot install signal handlers");
+        return 1;
+    }
+    server *s = NULL;
+    if (srv_create(&s, &cfg) != SCAPE_OK) {
+        LOG_ERROR(SUB_MAIN, "%s", scape_last_error());
+        return 1;
+    }
+    scape_rc rc = srv_run(s);
+    if (rc != SCAPE_OK)
+        LOG_ERROR(SUB_MAIN, "%s", scape_last_error());
+    srv_destroy(&s);
+    LOG_INFO(SUB_MAIN, "stopped");
+    return rc == SCAPE_OK ? 0 : 1;
+}

@@ -1,0 +1,306 @@
+/* server.c - scaped's lifecycle and event loop.
+ *
+ * One thread polls three ZeroMQ sockets: the control ROUTER (trainers), the
+ * status REP (scapectl) and, outbound only, the events PUB.  Between polls it
+ * checks that every attached trainer's process is still alive; a trainer that
+ * died is dropped and a step it left half-posted is abandoned for the others.
+ * Steps run on this thread as soon as every registered trainer has posted.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "log.h"
+#include "scape_wire.h"
+#include "server_internal.h"
+
+static volatile sig_atomic_t s_stop;
+
+void srv_request_stop(void) { s_stop = 1; }
+
+double srv_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* ---- replies ------------------------------------------------------------- */
+
+scape_rc srv_reply(server *s, const unsigned char *rid, size_t rid_len, const Scape__Reply *r)
+{
+    size_t len = scape__reply__get_packed_size(r);
+    uint8_t *buf = malloc(len ? len : 1);
+    if (buf == NULL)
+        return scape_set_error(SCAPE_NOMEM, "reply: out of memory");
+    scape__reply__pack(r, buf);
+    scape_rc rc = SCAPE_OK;
+    /* A peer that is gone makes these fail; that is not the daemon's error. */
+    if (zmq_send(s->ctrl, rid, rid_len, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0 ||
+        zmq_send(s->ctrl, buf, len, ZMQ_DONTWAIT) < 0) {
+        rc = scape_set_error(SCAPE_ZMQ, "reply: %s", zmq_strerror(zmq_errno()));
+        LOG_DEBUG(SUB_CTRL, "%s", scape_last_error());
+    }
+    free(buf);
+    return rc;
+}
+
+void srv_reply_error(server *s, const unsigned char *rid, size_t rid_len, scape_rc rc)
+{
+    Scape__Error e = SCAPE__ERROR__INIT;
+    e.code = wire_status(rc);
+    e.message = (char *)scape_last_error();
+    Scape__Reply r = SCAPE__REPLY__INIT;
+    r.status = e.code;
+    r.body_case = SCAPE__REPLY__BODY_ERROR;
+    r.error = &e;
+    srv_reply(s, rid, rid_len, &r);
+}
+
+/* ---- set-up ---------------------------------------------------------------- */
+
+/* mkdir the runtime directory (mode 0700) and refuse one we do not own or
+ * that others can enter. */
+static scape_rc make_runtime_dir(const char *dir)
+{
+    if (mkdir(dir, 0700) != 0 && errno != EEXIST)
+        return scape_set_error(SCAPE_SYSTEM, "mkdir('%s'): %s", dir, strerror(errno));
+    struct stat st;
+    if (stat(dir, &st) != 0)
+        return scape_set_error(SCAPE_SYSTEM, "stat('%s'): %s", dir, strerror(errno));
+    if (!S_ISDIR(st.st_mode))
+        return scape_set_error(SCAPE_INVALID, "runtime dir '%s' is not a directory", dir);
+    if (st.st_uid != geteuid())
+        return scape_set_error(SCAPE_INVALID, "runtime dir '%s' belongs to uid %d, not us",
+                               dir, (int)st.st_uid);
+    if ((st.st_mode & 0777) != 0700 && chmod(dir, 0700) != 0)
+        return scape_set_error(SCAPE_SYSTEM, "chmod('%s', 0700): %s", dir, strerror(errno));
+    return SCAPE_OK;
+}
+
+/* One daemon per runtime directory: a write lock on scaped.pid. */
+static scape_rc lock_dir(server *s)
+{
+    char path[320];
+    snprintf(path, sizeof path, "%s/scaped.pid", s->dir);
+    s->lock_fd = open(path, O_RDWR | O_CREAT, 0600);
+    if (s->lock_fd < 0)
+        return scape_set_error(SCAPE_SYSTEM, "open('%s'): %s", path, strerror(errno));
+    struct flock fl = { .l_type = F_WRLCK, .l_whence = SEEK_SET };
+    if (fcntl(s->lock_fd, F_SETLK, &fl) != 0) {
+        char pid[32] = "";
+        ssize_t n = pread(s->lock_fd, pid, sizeof pid - 1, 0);
+        pid[n > 0 ? n : 0] = '\0';
+        return scape_set_error(SCAPE_INVALID,
+                               "another scaped (pid %s) is serving '%s'; stop it or pick "
+                               "another runtime_dir",
+                               strtok(pid, "\n") ? pid : "?", s->dir);
+    }
+    s->locked = 1;
+    char buf[32];
+    int len = snprintf(buf, sizeof buf, "%d\n", (int)getpid());
+    if (ftruncate(s->lock_fd, 0) != 0 || pwrite(s->lock_fd, buf, (size_t)len, 0) != len)
+        return scape_set_error(SCAPE_SYSTEM, "write('%s'): %s", path, strerror(errno));
+    return SCAPE_OK;
+}
+
+static scape_rc open_socket(server *s, void **sock, int type, const char *name, char *ep,
+                            size_t eplen)
+{
+    scape_rc rc = wire_endpoint(ep, eplen, s->dir, name);
+    if (rc != SCAPE_OK)
+        return rc;
+    *sock = zmq_socket(s->zctx, type);
+    if (*sock == NULL)
+        return scape_set_error(SCAPE_ZMQ, "zmq_socket(%s): %s", name, zmq_strerror(zmq_errno()));
+    int linger = 0;
+    int64_t maxmsg = SRV_HARD_MAX_MESSAGE;
+    if (zmq_setsockopt(*sock, ZMQ_LINGER, &linger, sizeof linger) != 0 ||
+        zmq_setsockopt(*sock, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg) != 0)
+        return scape_set_error(SCAPE_ZMQ, "zmq_setsockopt(%s): %s", name,
+                               zmq_strerror(zmq_errno()));
+    if (zmq_bind(*sock, ep) != 0)
+        return scape_set_error(SCAPE_ZMQ, "zmq_bind(%s): %s", ep, zmq_strerror(zmq_errno()));
+    return SCAPE_OK;
+}
+
+scape_rc srv_create(server **out, const scaped_config *cfg)
+{
+    server *s = calloc(1, sizeof *s);
+    if (s == NULL)
+        return scape_set_error(SCAPE_NOMEM, "server: out of memory");
+    s->cfg = *cfg;
+    s->lock_fd = -1;
+    s->next_step = 1;
+    s->started_at = srv_now();
+    scape_rc rc = cfg->runtime_dir[0]
+                      ? (snprintf(s->dir, sizeof s->dir, "%s", cfg->runtime_dir), SCAPE_OK)
+                      : wire_runtime_dir(s->dir, sizeof s->dir);
+    if (rc == SCAPE_OK)
+        rc = make_runtime_dir(s->dir);
+    if (rc == SCAPE_OK)
+        rc = lock_dir(s);
+    if (rc == SCAPE_OK && (s->zctx = zmq_ctx_new()) == NULL)
+        rc = scape_set_error(SCAPE_ZMQ, "zmq_ctx_new: %s", zmq_strerror(zmq_errno()));
+    if (rc == SCAPE_OK)
+        rc = open_socket(s, &s->ctrl, ZMQ_ROUTER, "control", s->ep_control, sizeof s->ep_control);
+    if (rc == SCAPE_OK)
+        rc = open_socket(s, &s->status, ZMQ_REP, "status", s->ep_status, sizeof s->ep_status);
+    if (rc == SCAPE_OK)
+        rc = open_socket(s, &s->events, ZMQ_PUB, "events", s->ep_events, sizeof s->ep_events);
+    if (rc == SCAPE_OK)
+        rc = comm_local_create(1, &s->comm);
+    if (rc != SCAPE_OK) {
+        srv_destroy(&s);
+        return rc;
+    }
+    *out = s;
+    return SCAPE_OK;
+}
+
+/* ---- the loop ------------------------------------------------------------- */
+
+/* Receive one control message: [routing id][payload].  Anything else gets a
+ * PROTO error; nothing is trusted before it is decoded and checked. */
+static void control_recv(server *s)
+{
+    unsigned char rid[SRV_RID_MAX];
+    int rlen = zmq_recv(s->ctrl, rid, sizeof rid, ZMQ_DONTWAIT);
+    if (rlen < 0)
+        return;
+    size_t rid_len = (size_t)rlen > sizeof rid ? sizeof rid : (size_t)rlen;
+    zmq_msg_t msg;
+    zmq_msg_init(&msg);
+    int n = zmq_msg_recv(&msg, s->ctrl, ZMQ_DONTWAIT);
+    int extra = 0;
+    while (n >= 0 && zmq_msg_more(&msg)) { /* more frames than one payload */
+        extra++;
+        zmq_msg_close(&msg);
+        zmq_msg_init(&msg);
+        n = zmq_msg_recv(&msg, s->ctrl, ZMQ_DONTWAIT);
+    }
+    Scape__Request *q = NULL;
+    if (n < 0)
+        scape_set_error(SCAPE_PROTO, "a message without a payload frame");
+    else if (extra)
+        scape_set_error(SCAPE_PROTO, "a message of %d frames; one request per message", extra + 1);
+    else if ((size_t)n > s->cfg.max_message_bytes)
+        scape_set_error(SCAPE_PROTO, "a message of %d bytes exceeds the limit of %u bytes", n,
+                        s->cfg.max_message_bytes);
+    else if ((q = scape__request__unpack(NULL, (size_t)n, zmq_msg_data(&msg))) == NULL)
+        scape_set_error(SCAPE_PROTO, "undecodable request of %d bytes (truncated or not a "
+                        "scape.Request)", n);
+    else if (q->body_case == SCAPE__REQUEST__BODY__NOT_SET)
+        scape_set_error(SCAPE_PROTO, "unknown or empty request type");
+    zmq_msg_close(&msg);
+    if (q && q->body_case != SCAPE__REQUEST__BODY__NOT_SET) {
+        ctl_handle(s, rid, rid_len, q);
+    } else {
+        LOG_WARN(SUB_CTRL, "refused: %s", scape_last_error());
+        srv_reply_error(s, rid, rid_len, SCAPE_PROTO);
+    }
+    if (q)
+        scape__request__free_unpacked(q, NULL);
+}
+
+/* A pid that is gone, or a zombie nobody has reaped yet. */
+static int pid_dead(pid_t pid)
+{
+    if (kill(pid, 0) != 0 && errno == ESRCH)
+        return 1;
+    char path[64], buf[256];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (f == NULL)
+        return 0;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    const char *close_paren = strrchr(buf, ')');
+    return close_paren && close_paren[1] == ' ' && close_paren[2] == 'Z';
+}
+
+static void check_liveness(server *s)
+{
+    for (int i = 0; i < SRV_MAX_SLOTS; i++)
+        if (s->slots[i].used && pid_dead(s->slots[i].pid))
+            ctl_drop(s, &s->slots[i], 1);
+}
+
+/* Tell every attached trainer, then forget them and unlink their memory. */
+static void farewell(server *s)
+{
+    for (int i = 0; i < SRV_MAX_SLOTS; i++) {
+        trainer *t = &s->slots[i];
+        if (!t->used)
+            continue;
+        scape_set_error(SCAPE_REMOTE, "scaped is shutting down");
+        srv_reply_error(s, t->rid, t->rid_len, SCAPE_REMOTE);
+        shm_map_close(&t->params, 1);
+        shm_map_close(&t->grads, 1);
+        t->used = 0;
+    }
+}
+
+scape_rc srv_run(server *s)
+{
+    LOG_INFO(SUB_MAIN, "serving %s (status %s, events %s)", s->ep_control, s->ep_status,
+             s->ep_events);
+    double next_check = srv_now();
+    while (!s_stop && !s->stopping) {
+        zmq_pollitem_t items[] = { { s->ctrl, 0, ZMQ_POLLIN, 0 },
+                                   { s->status, 0, ZMQ_POLLIN, 0 } };
+        int rc = zmq_poll(items, 2, s->cfg.liveness_ms);
+        if (rc < 0 && zmq_errno() != EINTR)
+            return scape_set_error(SCAPE_ZMQ, "zmq_poll: %s", zmq_strerror(zmq_errno()));
+        if (rc > 0 && (items[0].revents & ZMQ_POLLIN))
+            control_recv(s);
+        if (rc > 0 && (items[1].revents & ZMQ_POLLIN))
+            status_serve(s);
+        if (srv_now() >= next_check) {
+            check_liveness(s);
+            next_check = srv_now() + 1e-3 * s->cfg.liveness_ms;
+        }
+    }
+    s->stopping = 1;
+    LOG_INFO(SUB_MAIN, "stopping after step %llu", (unsigned long long)s->next_step - 1);
+    farewell(s);
+    return SCAPE_OK;
+}
+
+void srv_destroy(server **sp)
+{
+    if (sp == NULL || *sp == NULL)
+        return;
+    server *s = *sp;
+    farewell(s);
+    eng_destroy(&s->eng);
+    comm_destroy(&s->comm);
+    void *socks[] = { s->ctrl, s->status, s->events };
+    for (size_t i = 0; i < 3; i++)
+        if (socks[i])
+            zmq_close(socks[i]);
+    if (s->zctx)
+        zmq_ctx_term(s->zctx);
+    const char *names[] = { "control", "status", "events", "scaped.pid" };
+    for (size_t i = 0; s->locked && i < 4; i++) {
+        char path[320];
+        snprintf(path, sizeof path, "%s/%s", s->dir, names[i]);
+        unlink(path);
+    }
+    if (s->lock_fd >= 0)
+        close(s->lock_fd);
+    for (size_t i = 0; s->layout && i < s->ntensors; i++)
+        free((char *)s->layout[i].name);
+    free(s->layout);
+    free(s);
+    *sp = NULL;
+}

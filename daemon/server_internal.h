@@ -1,0 +1,92 @@
+/* server_internal.h - state shared by server.c (lifecycle, loop, steps),
+ * control.c (trainer requests) and status.c (the status plane). */
+#ifndef SCAPE_SERVER_INTERNAL_H
+#define SCAPE_SERVER_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "config.h"
+#include "engine.h"
+#include "scape.pb-c.h"
+#include "server.h"
+#include "shm.h"
+
+#define SRV_MAX_SLOTS 64
+#define SRV_RID_MAX 256
+#define SRV_HARD_MAX_MESSAGE (64u << 20) /* ZeroMQ drops peers past this */
+
+typedef struct trainer {
+    int used;
+    int registered;
+    int wants_sync;                 /* sent Sync, not yet answered */
+    int synced;                     /* holds the job's parameters; may step */
+    unsigned char rid[SRV_RID_MAX]; /* ZeroMQ routing id */
+    size_t rid_len;
+    char identity[96];
+    pid_t pid;
+    int index;
+    shm_map params, grads;
+    int posted;                     /* has posted the pending step */
+    float lr;
+    int has_loss;
+    float loss;
+    uint64_t last_step;             /* last step it posted */
+    double posted_at;
+} trainer;
+
+struct server {
+    scaped_config cfg;
+    char dir[256];
+    char ep_control[300], ep_status[300], ep_events[300];
+    int lock_fd;
+    int locked;                     /* we own the runtime directory */
+    void *zctx, *ctrl, *status, *events;
+    double started_at;
+
+    trainer slots[SRV_MAX_SLOTS];
+
+    /* The layout every trainer must register (set by the first). */
+    eng_tensor *layout;
+    size_t ntensors;
+    size_t numel;
+    kern_dtype pdt, gdt;
+
+    comm_t *comm;
+    eng_t *eng;
+    int eng_trainers;               /* T_r the engine runs with */
+    uint64_t next_step;
+    int broken;                     /* the engine failed mid-step */
+    int stopping;
+
+    /* The last step's figures, for status and metrics. */
+    int have_last;
+    Scape__StepDone last;
+    Scape__Phases last_phases;
+    double last_loss;
+    int have_loss;
+};
+
+double srv_now(void);
+/* Send an encoded Reply to the trainer with routing id rid. */
+scape_rc srv_reply(server *s, const unsigned char *rid, size_t rid_len, const Scape__Reply *r);
+/* Send an error reply with code rc and the current last-error message. */
+void srv_reply_error(server *s, const unsigned char *rid, size_t rid_len, scape_rc rc);
+/* Handle one decoded request from the control socket. */
+void ctl_handle(server *s, const unsigned char *rid, size_t rid_len, const Scape__Request *q);
+/* Drop a trainer (it died or detached); abandons a partly posted step. */
+void ctl_drop(server *s, trainer *t, int died);
+/* Answer the syncs that can be answered now. */
+void ctl_maybe_sync(server *s);
+/* Run the pending step if every synced trainer has posted it. */
+void ctl_maybe_step(server *s);
+/* Number of registered trainers, and of those that may step. */
+int ctl_registered(const server *s);
+int ctl_synced(const server *s);
+/* Answer one request on the status socket. */
+void status_serve(server *s);
+/* Publish the last step's Metrics on the events socket. */
+void status_publish(server *s);
+
+#endif /* SCAPE_SERVER_INTERNAL_H */

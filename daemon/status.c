@@ -1,0 +1,194 @@
+/* status.c - the status plane: a REP socket answering status, metrics and
+ * shutdown requests, and a PUB socket with one Metrics message per step. */
+#define _POSIX_C_SOURCE 200809L
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "log.h"
+#include "scape_wire.h"
+#include "server_internal.h"
+
+#define SCAPED_VERSION "0.1.0"
+
+static uint64_t rss_bytes(void)
+{
+    FILE *f = fopen("/proc/self/statm", "r");
+    unsigned long long size = 0, resident = 0;
+    if (f == NULL)
+        return 0;
+    if (fscanf(f, "%llu %llu", &size, &resident) != 2)
+        resident = 0;
+    fclose(f);
+    return resident * (uint64_t)sysconf(_SC_PAGESIZE);
+}
+
+/* Bytes of optimizer state and residual this daemon holds. */
+static uint64_t state_bytes(const server *s)
+{
+    if (s->eng == NULL)
+        return 0;
+    uint64_t n = s->numel;
+    int v = s->cfg.engine.optimizer == ENG_OPT_ADAMW ||
+            s->cfg.engine.optimizer == ENG_OPT_TOPK_ADAMW;
+    return 4 * n * (uint64_t)(3 + v); /* m, theta, (v), residual */
+}
+
+static const char *state_name(const server *s)
+{
+    if (s->stopping)
+        return "stopping";
+    if (s->broken)
+        return "broken";
+    return ctl_registered(s) ? "ready" : "waiting";
+}
+
+typedef struct status_buf {
+    Scape__StatusReply st;
+    Scape__TrainerInfo info[SRV_MAX_SLOTS];
+    Scape__TrainerInfo *ptrs[SRV_MAX_SLOTS];
+} status_buf;
+
+static void fill_status(server *s, status_buf *b)
+{
+    Scape__StatusReply *st = &b->st;
+    scape__status_reply__init(st);
+    st->version = SCAPED_VERSION;
+    st->rank = 0;
+    st->world = 1;
+    st->state = (char *)state_name(s);
+    st->optimizer = (char *)eng_optimizer_name(s->cfg.engine.optimizer);
+    st->mode = (char *)eng_mode_name(s->cfg.engine.mode);
+    st->rho = s->cfg.engine.rho;
+    st->step = s->next_step - 1;
+    st->numel = s->numel;
+    st->uptime_ms = (uint64_t)(1e3 * (srv_now() - s->started_at));
+    st->rss_bytes = rss_bytes();
+    st->state_bytes = state_bytes(s);
+    st->runtime_dir = s->dir;
+    st->last = s->have_last ? &s->last : NULL;
+    st->has_loss = s->have_loss;
+    st->loss = s->last_loss;
+    for (int i = 0; i < SRV_MAX_SLOTS; i++) {
+        const trainer *t = &s->slots[i];
+        if (!t->used)
+            continue;
+        Scape__TrainerInfo *ti = &b->info[st->n_trainers];
+        scape__trainer_info__init(ti);
+        ti->index = (uint32_t)t->index;
+        ti->identity = (char *)t->identity;
+        ti->pid = (uint32_t)t->pid;
+        ti->last_step = t->last_step;
+        b->ptrs[st->n_trainers++] = ti;
+    }
+    st->trainers = b->ptrs;
+}
+
+static void send_reply(server *s, const Scape__Reply *r)
+{
+    size_t len = scape__reply__get_packed_size(r);
+    uint8_t *buf = malloc(len ? len : 1);
+    if (buf == NULL) {
+        LOG_ERROR(SUB_STATUS, "out of memory for a %zu-byte status reply", len);
+        zmq_send(s->status, "", 0, 0); /* a REP must answer to stay usable */
+        return;
+    }
+    scape__reply__pack(r, buf);
+    if (zmq_send(s->status, buf, len, 0) < 0)
+        LOG_WARN(SUB_STATUS, "status reply: %s", zmq_strerror(zmq_errno()));
+    free(buf);
+}
+
+static void send_error(server *s, scape_rc rc)
+{
+    Scape__Error e = SCAPE__ERROR__INIT;
+    e.code = wire_status(rc);
+    e.message = (char *)scape_last_error();
+    Scape__Reply r = SCAPE__REPLY__INIT;
+    r.status = e.code;
+    r.body_case = SCAPE__REPLY__BODY_ERROR;
+    r.error = &e;
+    send_reply(s, &r);
+}
+
+static void answer(server *s, const Scape__Request *q)
+{
+    Scape__Reply r = SCAPE__REPLY__INIT;
+    status_buf *b = malloc(sizeof *b);
+    if (b == NULL) {
+        send_error(s, scape_set_error(SCAPE_NOMEM, "out of memory"));
+        return;
+    }
+    switch (q->body_case) {
+    case SCAPE__REQUEST__BODY_STATUS:
+    case SCAPE__REQUEST__BODY_METRICS:
+        fill_status(s, b);
+        r.body_case = SCAPE__REPLY__BODY_STATUS_REPLY;
+        r.status_reply = &b->st;
+        send_reply(s, &r);
+        break;
+    case SCAPE__REQUEST__BODY_SHUTDOWN:
+        LOG_INFO(SUB_STATUS, "shutdown requested on the status socket");
+        s->stopping = 1;
+        send_reply(s, &r);
+        break;
+    default:
+        send_error(s, scape_set_error(SCAPE_INVALID,
+                                      "the status endpoint answers status, metrics and "
+                                      "shutdown only (got request type %d)",
+                                      (int)q->body_case));
+    }
+    free(b);
+}
+
+void status_serve(server *s)
+{
+    zmq_msg_t msg;
+    zmq_msg_init(&msg);
+    int n = zmq_msg_recv(&msg, s->status, ZMQ_DONTWAIT);
+    if (n < 0) {
+        zmq_msg_close(&msg);
+        return;
+    }
+    int more = zmq_msg_more(&msg);
+    Scape__Request *q = NULL;
+    if (more || (size_t)n > s->cfg.max_message_bytes)
+        scape_set_error(SCAPE_PROTO, "status request of %d bytes%s refused", n,
+                        more ? " in several frames" : "");
+    else if ((q = scape__request__unpack(NULL, (size_t)n, zmq_msg_data(&msg))) == NULL)
+        scape_set_error(SCAPE_PROTO, "undecodable status request (%d bytes)", n);
+    zmq_msg_close(&msg);
+    while (more) { /* drain the rest so the REP state machine stays in step */
+        zmq_msg_init(&msg);
+        zmq_msg_recv(&msg, s->status, 0);
+        more = zmq_msg_more(&msg);
+        zmq_msg_close(&msg);
+    }
+    if (q == NULL) {
+        LOG_WARN(SUB_STATUS, "%s", scape_last_error());
+        send_error(s, SCAPE_PROTO);
+        return;
+    }
+    answer(s, q);
+    scape__request__free_unpacked(q, NULL);
+}
+
+void status_publish(server *s)
+{
+    Scape__Metrics m = SCAPE__METRICS__INIT;
+    m.rank = 0;
+    m.step = &s->last;
+    m.has_loss = s->have_loss;
+    m.loss = s->last_loss;
+    m.trainers = (uint32_t)ctl_registered(s);
+    size_t len = scape__metrics__get_packed_size(&m);
+    uint8_t *buf = malloc(len ? len : 1);
+    if (buf == NULL)
+        return;
+    scape__metrics__pack(&m, buf);
+    if (zmq_send(s->events, buf, len, ZMQ_DONTWAIT) < 0 && zmq_errno() != EAGAIN)
+        LOG_WARN(SUB_STATUS, "publish: %s", zmq_strerror(zmq_errno()));
+    free(buf);
+}

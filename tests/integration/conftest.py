@@ -1,0 +1,112 @@
+"""Fixtures for the integration tests: the real scaped binary started in a
+private runtime directory, and helpers to run trainers and the reference."""
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+
+import pytest
+
+BUILD = os.environ.get("SCAPE_BUILD_DIR")
+SOURCE = os.environ.get("SCAPE_SOURCE_DIR",
+                        os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+
+
+def binary(*parts):
+    if not BUILD:
+        pytest.fail("SCAPE_BUILD_DIR is not set (run through ctest)")
+    path = os.path.join(BUILD, *parts)
+    if not os.path.exists(path):
+        pytest.fail("missing build output %s" % path)
+    return path
+
+
+class Daemon:
+    def __init__(self, args=()):
+        # ipc:// paths must stay short (108 bytes), so not under tmp_path.
+        self.dir = tempfile.mkdtemp(prefix="scape-it-")
+        self.rt = os.path.join(self.dir, "rt")
+        self.log_path = os.path.join(self.dir, "scaped.log")
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [binary("daemon", "scaped"), "--runtime-dir", self.rt, *args],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        self.endpoint = "ipc://%s/control" % self.rt
+        self.status_endpoint = "ipc://%s/status" % self.rt
+        deadline = time.time() + 15
+        while not os.path.exists(os.path.join(self.rt, "control")):
+            if self.proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError("scaped did not start:\n" + self.output())
+            time.sleep(0.02)
+
+    def output(self):
+        self.log.flush()
+        with open(self.log_path) as f:
+            return f.read()
+
+    def stop(self, timeout=20):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+    def close(self):
+        try:
+            self.stop()
+        finally:
+            self.log.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon_factory():
+    started = []
+
+    def make(*args):
+        d = Daemon(args)
+        started.append(d)
+        return d
+
+    yield make
+    for d in started:
+        d.close()
+
+
+def run_trainer(endpoint, index, n, steps, out=None, sleep_ms=0, seed=1, lr=1e-2, wait=True):
+    cmd = [binary("tests", "integration", "trainer_c"), "--endpoint", endpoint,
+           "--index", str(index), "--n", str(n), "--steps", str(steps), "--seed", str(seed),
+           "--lr", repr(lr), "--sleep-ms", str(sleep_ms)]
+    if out:
+        cmd += ["--out", out]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if wait:
+        o, e = proc.communicate(timeout=600)
+        assert proc.returncode == 0, "trainer %d failed:\n%s\n%s" % (index, o, e)
+    return proc
+
+
+def run_reference(out, trainers, n, steps, *engine_args, seed=1, lr=1e-2):
+    cmd = [binary("tests", "integration", "reference"), "--trainers", str(trainers),
+           "--n", str(n), "--steps", str(steps), "--seed", str(seed), "--lr", repr(lr),
+           "--out", out, *engine_args]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res.stdout
+
+
+def synth_layout(n):
+    """The layout of tests/integration/synth.h, as (name, offset, length)."""
+    shares = [0.40, 0.25, 0.15, 0.10, 0.05, 0.03]
+    out, pos = [], 0
+    for i, s in enumerate(shares):
+        length = int(s * n) | 1
+        out.append(("w%d" % i, pos, length))
+        pos += length
+    out.append(("bias", pos, 1))
+    return out

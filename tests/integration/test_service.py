@@ -1,0 +1,196 @@
+"""The single-node service with real processes: scaped, C trainers through
+libscape, raw ZeroMQ peers that send bad input, a trainer killed mid-step."""
+import os
+import signal
+import stat
+import subprocess
+import time
+from multiprocessing import shared_memory
+
+import pytest
+import zmq
+
+import pbwire
+from conftest import binary, run_reference, run_trainer, synth_layout
+
+PROTO, INVALID, REMOTE = 7, 1, 8
+ENGINE = ["--rho", "0.01", "--warmup", "3"]
+
+
+def read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def test_c_trainers_match_in_process_engine(daemon_factory, tmp_path):
+    n, steps = 20000, 60
+    d = daemon_factory(*ENGINE, "--trainers", "4")
+    procs = [run_trainer(d.endpoint, i, n, steps, out=str(tmp_path / ("t%d" % i)), wait=False)
+             for i in range(4)]
+    for i, p in enumerate(procs):
+        o, e = p.communicate(timeout=300)
+        assert p.returncode == 0, "trainer %d: %s %s" % (i, o, e)
+    run_reference(str(tmp_path / "ref"), 4, n, steps, *ENGINE)
+    ref = read(tmp_path / "ref")
+    assert len(ref) == 4 * sum(t[2] for t in synth_layout(n))
+    for i in range(4):
+        assert read(tmp_path / ("t%d" % i)) == ref, "trainer %d differs from the engine" % i
+    assert d.stop() == 0
+
+
+class Probe:
+    """A raw DEALER peer speaking scape.proto by hand."""
+
+    def __init__(self, ctx, endpoint):
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVTIMEO, 10000)
+        self.sock.connect(endpoint)
+
+    def ask(self, *frames):
+        self.sock.send_multipart(list(frames))
+        return pbwire.reply(self.sock.recv())
+
+    def refused(self, code, needle, *frames):
+        status, msg, _ = self.ask(*frames)
+        assert status == code and msg and needle in msg, (status, msg)
+
+    def close(self):
+        self.sock.close()
+
+
+class Buffers:
+    """A pair of shm objects a probe can register."""
+
+    def __init__(self, nbytes, gbytes=None):
+        self.p = shared_memory.SharedMemory(create=True, size=nbytes)
+        self.g = shared_memory.SharedMemory(create=True, size=gbytes or nbytes)
+
+    def handles(self, pbytes=None):
+        return (pbwire.mem_shm("/" + self.p.name, pbytes or self.p.size),
+                pbwire.mem_shm("/" + self.g.name, self.g.size))
+
+    def close(self):
+        for s in (self.p, self.g):
+            s.close()
+            s.unlink()
+
+
+def bad_inputs(ctx, endpoint, layout, n):
+    """Every refusal the service promises, each with its message."""
+    p = Probe(ctx, endpoint)
+    p.refused(PROTO, "undecodable", b"\xff\xff\xff")
+    p.refused(PROTO, "undecodable", pbwire.hello(os.getpid())[:-3])
+    p.refused(PROTO, "exceeds the limit", b"\0" * (2 << 20))
+    p.refused(PROTO, "unknown or empty request", pbwire.field(15, pbwire.LEN, b"x"))
+    p.refused(PROTO, "frames", pbwire.hello(os.getpid()), b"extra")
+    p.refused(PROTO, "protocol version 99", pbwire.hello(os.getpid(), protocol=99))
+    p.refused(INVALID, "say hello first", pbwire.step(1))
+    status, _, _ = p.ask(pbwire.hello(os.getpid(), name="probe"))
+    assert status == 0
+    bufs = Buffers(4 * n)
+    try:
+        other = [("w0", 0, n - 1), ("bias", n - 1, 1)]
+        p.refused(INVALID, "node's layout", pbwire.register(other, *bufs.handles()))
+        p.refused(INVALID, "too small", pbwire.register(layout, *bufs.handles(pbytes=4 * n - 4)))
+        missing = pbwire.mem_shm("/scape-no-such-object", 4 * n)
+        p.refused(INVALID, "No such file", pbwire.register(layout, missing, missing))
+        p.refused(INVALID, "does not tile", pbwire.register(
+            [("a", 0, 5), ("b", 6, n - 6)], *bufs.handles()))
+        status, msg, _ = p.ask(pbwire.register(layout, *bufs.handles()))
+        assert status == 0, msg
+        p.refused(INVALID, "already registered", pbwire.register(layout, *bufs.handles()))
+        p.refused(INVALID, "not synced", pbwire.step(1))
+        status, msg, _ = p.ask(pbwire.sync())
+        assert status == 0, msg
+        p.refused(INVALID, "already synced", pbwire.sync())
+        p.refused(INVALID, "out of order", pbwire.step(10 ** 9))
+        status, msg, _ = p.ask(pbwire.detach())
+        assert status == 0, msg
+    finally:
+        bufs.close()
+        p.close()
+
+
+def test_bad_input_refused_while_another_trainer_completes(daemon_factory, tmp_path):
+    n, steps = 5000, 300
+    d = daemon_factory(*ENGINE)
+    layout = synth_layout(n)
+    total = sum(t[2] for t in layout)
+    trainer = run_trainer(d.endpoint, 0, n, steps, out=str(tmp_path / "t0"), sleep_ms=3,
+                          wait=False)
+    ctx = zmq.Context()
+    try:
+        time.sleep(0.3)
+        bad_inputs(ctx, d.endpoint, layout, total)
+        assert trainer.poll() is None, "the trainer finished before the probes: make it slower"
+    finally:
+        ctx.term()
+    o, e = trainer.communicate(timeout=300)
+    assert trainer.returncode == 0, o + e
+    run_reference(str(tmp_path / "ref"), 1, n, steps, *ENGINE)
+    assert read(tmp_path / "t0") == read(tmp_path / "ref")
+    assert d.stop() == 0
+    log = d.output()
+    assert "refused" in log and "undecodable" in log
+
+
+def test_trainer_killed_mid_step(daemon_factory, tmp_path):
+    n, steps = 4000, 150
+    d = daemon_factory(*ENGINE, "--trainers", "2")
+    a = run_trainer(d.endpoint, 0, n, steps, out=str(tmp_path / "a"), wait=False)
+    b = run_trainer(d.endpoint, 1, n, steps, sleep_ms=40, wait=False)
+    time.sleep(1.0)
+    assert a.poll() is None and b.poll() is None
+    b.send_signal(signal.SIGKILL)
+    b.wait()
+    time.sleep(0.5)
+    # A replacement takes the dead trainer's slot and joins at the next step.
+    c = run_trainer(d.endpoint, 1, n, steps, out=str(tmp_path / "c"), wait=False)
+    for name, p in (("a", a), ("c", c)):
+        o, e = p.communicate(timeout=300)
+        assert p.returncode == 0, name + o + e
+        if name == "a":
+            assert "abandoned" in e, e
+    assert read(tmp_path / "a") == read(tmp_path / "c"), "replicas differ after re-attach"
+    assert "died" in d.output()
+    assert d.stop() == 0
+    leftovers = [f for f in os.listdir("/dev/shm") if f.startswith("scape-%d-" % b.pid)]
+    assert not leftovers, "the dead trainer's shared memory was not unlinked: %s" % leftovers
+
+
+def test_shutdown_tells_trainers_and_unlinks(daemon_factory):
+    d = daemon_factory(*ENGINE)
+    t = run_trainer(d.endpoint, 0, 1000, 10 ** 6, sleep_ms=20, wait=False)
+    time.sleep(0.8)
+    assert d.stop() == 0
+    o, e = t.communicate(timeout=60)
+    assert t.returncode != 0 and "shutting down" in e, e
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("scape-%d-" % t.pid)]
+    assert not os.path.exists(os.path.join(d.rt, "control"))
+
+
+def test_runtime_dir_is_private_and_single(daemon_factory):
+    d = daemon_factory()
+    assert stat.S_IMODE(os.stat(d.rt).st_mode) == 0o700
+    second = subprocess.run([binary("daemon", "scaped"), "--runtime-dir", d.rt],
+                            capture_output=True, text=True, timeout=30)
+    assert second.returncode == 1 and "another scaped" in second.stderr, second.stderr
+
+
+def test_config_errors_and_print_config(tmp_path):
+    cfg = tmp_path / "scaped.yaml"
+    cfg.write_text("optimizer: scape\nrho: 0.05\n\nwarmup: 0\n")
+    res = subprocess.run([binary("daemon", "scaped"), "--config", str(cfg)],
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 2 and "%s:4:" % cfg in res.stderr and "warmup" in res.stderr
+    cfg.write_text("rho: 0.05\n")
+    env = dict(os.environ, SCAPE_WARMUP="7")
+    res = subprocess.run([binary("daemon", "scaped"), "--config", str(cfg), "--print-config",
+                          "--mode", "sharded"], capture_output=True, text=True, env=env,
+                         timeout=30)
+    assert res.returncode == 0, res.stderr
+    lines = {l.split(":")[0]: l.split(":")[1].split("#")[0].strip()
+             for l in res.stdout.splitlines() if ":" in l and not l.startswith("#")}
+    assert float(lines["rho"]) == 0.05
+    assert lines["warmup"] == "7" and lines["mode"] == "sharded"

@@ -1,0 +1,126 @@
+/* trainer_c.c - a C trainer for the integration tests: attaches to scaped
+ * through libscape, trains the synthetic problem of synth.h, and writes its
+ * final parameters to a file.
+ *
+ * usage: trainer_c --endpoint EP --index I --n N --steps S [--seed X] [--lr LR]
+ *                  [--sleep-ms MS] [--out FILE]
+ * A step abandoned because another trainer died is posted again.  A trainer
+ * that attaches to a running job starts at the daemon's next step. */
+#define _POSIX_C_SOURCE 200809L
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "scape/scape.h"
+#include "synth.h"
+
+typedef struct args {
+    const char *endpoint, *out;
+    int index;
+    size_t n;
+    uint64_t steps, seed;
+    float lr;
+    int sleep_ms;
+} args;
+
+static int parse(int argc, char **argv, args *a)
+{
+    *a = (args){ .index = -1, .n = 1000, .steps = 10, .seed = 1, .lr = 1e-2f };
+    for (int i = 1; i + 1 < argc; i += 2) {
+        const char *k = argv[i], *v = argv[i + 1];
+        if (!strcmp(k, "--endpoint")) a->endpoint = v;
+        else if (!strcmp(k, "--out")) a->out = v;
+        else if (!strcmp(k, "--index")) a->index = atoi(v);
+        else if (!strcmp(k, "--n")) a->n = strtoull(v, NULL, 0);
+        else if (!strcmp(k, "--steps")) a->steps = strtoull(v, NULL, 0);
+        else if (!strcmp(k, "--seed")) a->seed = strtoull(v, NULL, 0);
+        else if (!strcmp(k, "--lr")) a->lr = strtof(v, NULL);
+        else if (!strcmp(k, "--sleep-ms")) a->sleep_ms = atoi(v);
+        else {
+            fprintf(stderr, "trainer_c: unknown flag %s\n", k);
+            return 2;
+        }
+    }
+    return 0;
+}
+
+static void compute_grads(const args *a, const scape_tensor *ts, size_t nt, uint64_t t,
+                          const float *p, float *g)
+{
+    for (size_t l = 0; l < nt; l++)
+        for (size_t i = ts[l].offset; i < ts[l].offset + ts[l].length; i++)
+            g[i] = synth_grad(a->seed, a->index, t, i, p[i], synth_scale(l));
+}
+
+/* Post step t, again while it is abandoned because a peer died. */
+static scape_rc step_retrying(scape_session *s, uint64_t t, float lr, int index)
+{
+    for (int tries = 0;; tries++) {
+        scape_rc rc = scape_step(s, t, lr, NULL, NULL);
+        if (rc != SCAPE_REMOTE || !strstr(scape_last_error(), "abandoned") || tries > 100)
+            return rc;
+        fprintf(stderr, "trainer_c %d: %s; posting again\n", index, scape_last_error());
+    }
+}
+
+static int write_out(const char *path, const float *p, size_t n)
+{
+    FILE *f = fopen(path, "wb");
+    if (f == NULL || fwrite(p, sizeof *p, n, f) != n) {
+        perror(path);
+        if (f)
+            fclose(f);
+        return 1;
+    }
+    return fclose(f) != 0;
+}
+
+int main(int argc, char **argv)
+{
+    args a;
+    if (parse(argc, argv, &a))
+        return 2;
+    size_t off[SYNTH_MAX_TENSORS], len[SYNTH_MAX_TENSORS];
+    char names[SYNTH_MAX_TENSORS][16];
+    size_t nt = synth_layout(a.n, off, len, names);
+    scape_tensor ts[SYNTH_MAX_TENSORS];
+    for (size_t l = 0; l < nt; l++)
+        ts[l] = (scape_tensor){ names[l], off[l], len[l] };
+    scape_options o;
+    scape_options_default(&o);
+    o.index = a.index;
+    scape_session *s = NULL;
+    if (scape_attach(a.endpoint, ts, nt, &o, &s) != SCAPE_OK) {
+        fprintf(stderr, "trainer_c: attach: %s\n", scape_last_error());
+        return 1;
+    }
+    a.index = scape_index(s);
+    size_t n = scape_numel(s);
+    float *p = scape_params(s), *g = scape_grads(s);
+    for (size_t i = 0; i < n; i++)
+        p[i] = synth_init(a.seed, a.index, i);
+    if (scape_sync(s) != SCAPE_OK) {
+        fprintf(stderr, "trainer_c %d: sync: %s\n", a.index, scape_last_error());
+        return 1;
+    }
+    uint64_t first = scape_next_step(s);
+    for (uint64_t t = first; t <= a.steps; t++) {
+        compute_grads(&a, ts, nt, t, p, g);
+        if (step_retrying(s, t, a.lr, a.index) != SCAPE_OK) {
+            fprintf(stderr, "trainer_c %d: step %llu: %s\n", a.index, (unsigned long long)t,
+                    scape_last_error());
+            return 1;
+        }
+        if (a.sleep_ms)
+            nanosleep(&(struct timespec){ 0, a.sleep_ms * 1000000L }, NULL);
+    }
+    int rc = a.out ? write_out(a.out, p, n) : 0;
+    printf("trainer_c %d: steps %llu..%llu done, N=%zu\n", a.index, (unsigned long long)first,
+           (unsigned long long)a.steps, n);
+    if (scape_detach(&s) != SCAPE_OK) {
+        fprintf(stderr, "trainer_c %d: detach: %s\n", a.index, scape_last_error());
+        return 1;
+    }
+    return rc;
+}

@@ -1,0 +1,537 @@
+/* test_config.c - defaults, the YAML file, SCAPE_* variables, cfg_set and the
+ * cfg_print round trip.  Expected values and messages are written from the
+ * documented keys and error format (docs/configuration.md); line:column
+ * positions were counted by hand in the inputs. */
+#define _POSIX_C_SOURCE 200809L
+#include <check.h>
+#include <ctype.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "config.h"
+
+#define NKEYS 14
+
+/* Every key with a valid value other than its default. */
+static const struct {
+    const char *key, *value;
+} s_full[NKEYS] = {
+    { "runtime_dir", "/tmp/scape test/run" },
+    { "log_level", "debug" },
+    { "optimizer", "topk-adamw" },
+    { "mode", "sharded" },
+    { "rho", "0.05" },
+    { "warmup", "100" },
+    { "beta1", "0.8" },
+    { "beta2", "0.999" },
+    { "eps", "1e-06" },
+    { "weight_decay", "0.1" },
+    { "max_trainers", "8" },
+    { "max_message_bytes", "4096" },
+    { "liveness_ms", "50" },
+    { "trainers", "4" },
+};
+
+static void check_full(const scaped_config *c)
+{
+    ck_assert_str_eq(c->runtime_dir, "/tmp/scape test/run");
+    ck_assert_int_eq(c->log_level, LOG_LVL_DEBUG);
+    ck_assert_int_eq(c->engine.optimizer, ENG_OPT_TOPK_ADAMW);
+    ck_assert_int_eq(c->engine.mode, ENG_MODE_SHARDED);
+    ck_assert_double_eq(c->engine.rho, 0.05);
+    ck_assert_uint_eq(c->engine.warmup, 100);
+    ck_assert_float_eq(c->engine.hyper.beta1, 0.8f);
+    ck_assert_float_eq(c->engine.hyper.beta2, 0.999f);
+    ck_assert_float_eq(c->engine.hyper.eps, 1e-6f);
+    ck_assert_float_eq(c->engine.hyper.wd, 0.1f);
+    ck_assert_int_eq(c->max_trainers, 8);
+    ck_assert_uint_eq(c->max_message_bytes, 4096);
+    ck_assert_int_eq(c->liveness_ms, 50);
+    ck_assert_int_eq(c->trainers, 4);
+}
+
+/* Field by field and exact: the padding of a struct copy is not compared. */
+static void check_same(const scaped_config *a, const scaped_config *b)
+{
+    ck_assert_str_eq(a->runtime_dir, b->runtime_dir);
+    ck_assert_int_eq(a->log_level, b->log_level);
+    ck_assert_int_eq(a->engine.optimizer, b->engine.optimizer);
+    ck_assert_int_eq(a->engine.mode, b->engine.mode);
+    ck_assert_double_eq(a->engine.rho, b->engine.rho);
+    ck_assert_uint_eq(a->engine.warmup, b->engine.warmup);
+    ck_assert_float_eq(a->engine.hyper.beta1, b->engine.hyper.beta1);
+    ck_assert_float_eq(a->engine.hyper.beta2, b->engine.hyper.beta2);
+    ck_assert_float_eq(a->engine.hyper.eps, b->engine.hyper.eps);
+    ck_assert_float_eq(a->engine.hyper.wd, b->engine.hyper.wd);
+    ck_assert_int_eq(a->max_trainers, b->max_trainers);
+    ck_assert_uint_eq(a->max_message_bytes, b->max_message_bytes);
+    ck_assert_int_eq(a->liveness_ms, b->liveness_ms);
+    ck_assert_int_eq(a->trainers, b->trainers);
+}
+
+/* A new temporary file holding text; its name goes into path. */
+static void write_temp(char *path, size_t len, const char *text)
+{
+    snprintf(path, len, "/tmp/test_config_XXXXXX");
+    int fd = mkstemp(path);
+    ck_assert_int_ge(fd, 0);
+    size_t n = strlen(text);
+    ck_assert_int_eq(write(fd, text, n), (ssize_t)n);
+    ck_assert_int_eq(close(fd), 0);
+}
+
+static void set_full_config(scaped_config *c)
+{
+    cfg_defaults(c);
+    for (int i = 0; i < NKEYS; i++)
+        ck_assert_int_eq(cfg_set(c, s_full[i].key, s_full[i].value, "test"), SCAPE_OK);
+}
+
+static void env_var(char *buf, size_t len, const char *key)
+{
+    snprintf(buf, len, "SCAPE_%s", key);
+    for (char *p = buf; *p; p++)
+        *p = (char)toupper((unsigned char)*p);
+}
+
+static void unset_all_env(void)
+{
+    char var[80];
+    for (int i = 0; i < NKEYS; i++) {
+        env_var(var, sizeof var, s_full[i].key);
+        unsetenv(var);
+    }
+}
+
+START_TEST(defaults)
+{
+    scaped_config c;
+    memset(&c, 0xab, sizeof c); /* every field must be written */
+    cfg_defaults(&c);
+    ck_assert_str_eq(c.runtime_dir, "");
+    ck_assert_int_eq(c.log_level, LOG_LVL_INFO);
+    ck_assert_int_eq(c.engine.optimizer, ENG_OPT_SCAPE);
+    ck_assert_int_eq(c.engine.mode, ENG_MODE_REPLICATED);
+    ck_assert_double_eq(c.engine.rho, 0.01);
+    ck_assert_uint_eq(c.engine.warmup, 1);
+    ck_assert_float_eq(c.engine.hyper.beta1, 0.9f);
+    ck_assert_float_eq(c.engine.hyper.beta2, 0.95f);
+    ck_assert_float_eq(c.engine.hyper.eps, 1e-8f);
+    ck_assert_float_eq(c.engine.hyper.wd, 0.0f);
+    ck_assert_int_eq(c.max_trainers, 64);
+    ck_assert_uint_eq(c.max_message_bytes, 1u << 20);
+    ck_assert_int_eq(c.liveness_ms, 200);
+    ck_assert_int_eq(c.trainers, 0);
+
+    /* The engine part agrees with the engine's own defaults. */
+    eng_config e;
+    eng_config_default(&e);
+    ck_assert_int_eq(c.engine.optimizer, e.optimizer);
+    ck_assert_int_eq(c.engine.mode, e.mode);
+    ck_assert_double_eq(c.engine.rho, e.rho);
+    ck_assert_uint_eq(c.engine.warmup, e.warmup);
+    ck_assert_float_eq(c.engine.hyper.beta1, e.hyper.beta1);
+    ck_assert_float_eq(c.engine.hyper.beta2, e.hyper.beta2);
+    ck_assert_float_eq(c.engine.hyper.eps, e.hyper.eps);
+    ck_assert_float_eq(c.engine.hyper.wd, e.hyper.wd);
+}
+END_TEST
+
+START_TEST(key_listing)
+{
+    size_t i;
+    const char *name = NULL;
+    for (i = 0; cfg_key_doc(i, &name); i++) {
+        ck_assert_ptr_nonnull(name);
+        ck_assert_str_eq(name, s_full[i].key); /* s_full lists the keys in table order */
+        ck_assert_uint_gt(strlen(cfg_key_doc(i, NULL)), 0);
+    }
+    ck_assert_uint_eq(i, NKEYS);
+    name = "untouched";
+    ck_assert_ptr_null(cfg_key_doc(NKEYS, &name));
+    ck_assert_str_eq(name, "untouched");
+}
+END_TEST
+
+START_TEST(full_file)
+{
+    char path[64], text[1024] = "# every key\n";
+    for (int i = 0; i < NKEYS; i++) {
+        size_t n = strlen(text);
+        snprintf(text + n, sizeof text - n, "%s: %s\n", s_full[i].key, s_full[i].value);
+    }
+    write_temp(path, sizeof path, text);
+    scaped_config c;
+    cfg_defaults(&c);
+    ck_assert_int_eq(cfg_load_file(&c, path), SCAPE_OK);
+    check_full(&c);
+    unlink(path);
+}
+END_TEST
+
+START_TEST(other_yaml_forms)
+{
+    /* Quoted values, a flow mapping, document markers and comments. */
+    char path[64];
+    write_temp(path, sizeof path,
+               "--- # start\n{rho: '0.25', mode: \"sharded\", runtime_dir: 'a: #b'}\n...\n");
+    scaped_config c;
+    cfg_defaults(&c);
+    ck_assert_int_eq(cfg_load_file(&c, path), SCAPE_OK);
+    ck_assert_double_eq(c.engine.rho, 0.25);
+    ck_assert_int_eq(c.engine.mode, ENG_MODE_SHARDED);
+    ck_assert_str_eq(c.runtime_dir, "a: #b");
+    ck_assert_uint_eq(c.engine.warmup, 1);
+    unlink(path);
+}
+END_TEST
+
+static const char *const s_empty_files[] = { "", "# only a comment\n\n", "---\n", "--- # x\n...\n" };
+
+START_TEST(empty_files)
+{
+    char path[64];
+    write_temp(path, sizeof path, s_empty_files[_i]);
+    scaped_config c, want;
+    set_full_config(&c);
+    set_full_config(&want);
+    ck_assert_int_eq(cfg_load_file(&c, path), SCAPE_OK);
+    check_same(&c, &want);
+    unlink(path);
+}
+END_TEST
+
+/* Bad files: the message after the path, positions counted in the text. */
+static const struct {
+    const char *text, *msg;
+} s_bad_files[] = {
+    { "rho: 1.5\n", ":1:6: key 'rho': 1.5 is out of range (0, 1]" },
+    { "rho: 0.1\nwarmup: 3\nrhoo: 0.2\n", ":3:1: unknown key 'rhoo' (did you mean 'rho'?)" },
+    { "weight-decay: 0.1\n", ":1:1: unknown key 'weight-decay' (did you mean 'weight_decay'?)" },
+    { "mode: sharded\nfrobnicate: 1\n", ":2:1: unknown key 'frobnicate'" },
+    { "rho: 0.1\nwarmup: 2: 3\n",
+      ":2:10: YAML error: mapping values are not allowed in this context" },
+    { "rho: 0.1\nmode: 'x\n",
+      ":3:1: YAML error: found unexpected end of stream (while scanning a quoted scalar)" },
+    { "rho: \xff\n", ": YAML error: invalid leading UTF-8 octet at byte 5" },
+    { "rho: 0.1\nwarmup: 3\nrho: 0.2\n", ":3:1: duplicate key 'rho' (first on line 1)" },
+    { "optimizer:\n  - scape\n", ":2:3: key 'optimizer': expected a scalar, found a sequence" },
+    { "mode: {a: b}\n", ":1:7: key 'mode': expected a scalar, found a mapping" },
+    { "rho: &a 0.5\neps: *a\n", ":2:6: key 'eps': expected a scalar, found an alias" },
+    { "? [a]\n: 1\n", ":1:3: expected a key, found a sequence" },
+    { "- rho\n", ":1:1: expected a mapping of key: value pairs, found a sequence" },
+    { "just text\n", ":1:1: expected a mapping of key: value pairs, found a scalar" },
+    { "rho: 0.1\n---\nrho: 0.2\n", ":2:1: only one YAML document is allowed" },
+    { "rho: 0.1x\n", ":1:6: key 'rho': '0.1x' is not a number" },
+    { "rho:\n", ":1:5: key 'rho': '' is not a number" },
+    { "rho: ' 0.5'\n", ":1:6: key 'rho': ' 0.5' is not a number" },
+    { "rho: \"0.5\\x00\"\n", ":1:6: key 'rho': the value contains a NUL character" },
+    { "warmup: -3\n", ":1:9: key 'warmup': '-3' is not a non-negative integer" },
+    { "max_trainers: 4.5\n", ":1:15: key 'max_trainers': '4.5' is not a non-negative integer" },
+    { "liveness_ms: 0x10\n", ":1:14: key 'liveness_ms': '0x10' is not a non-negative integer" },
+    { "max_message_bytes: 99999999999999999999999\n",
+      ":1:20: key 'max_message_bytes': 99999999999999999999999 is out of range [1024, 67108864]" },
+    { "eps: nan\n", ":1:6: key 'eps': 'nan' is not a finite number" },
+    { "weight_decay: -inf\n", ":1:15: key 'weight_decay': '-inf' is not a finite number" },
+    { "rho: 1e999\n", ":1:6: key 'rho': '1e999' is not a finite number" },
+    { "eps: 1e39\n", ":1:6: key 'eps': '1e39' is too large for a float" },
+    /* In range as doubles, out of range once rounded to the float kept. */
+    { "beta2: 0.99999999999\n", ":1:8: key 'beta2': 0.99999999999 is out of range [0, 1)" },
+    { "eps: 1e-50\n", ":1:6: key 'eps': 1e-50 is out of range (0, inf)" },
+    { "mode: shard\n", ":1:7: key 'mode': unknown mode 'shard' (replicated, sharded)" },
+    { "log_level: loud\n",
+      ":1:12: key 'log_level': unknown log level 'loud' (error, warn, info, debug)" },
+};
+
+START_TEST(bad_files)
+{
+    char path[64], want[256];
+    write_temp(path, sizeof path, s_bad_files[_i].text);
+    scaped_config c, before;
+    cfg_defaults(&c);
+    cfg_defaults(&before);
+    ck_assert_int_eq(cfg_load_file(&c, path), SCAPE_INVALID);
+    snprintf(want, sizeof want, "%s%s", path, s_bad_files[_i].msg);
+    ck_assert_str_eq(scape_last_error(), want);
+    check_same(&c, &before); /* nothing applied, not even the pairs before the error */
+    unlink(path);
+}
+END_TEST
+
+START_TEST(unreadable_files)
+{
+    scaped_config c;
+    cfg_defaults(&c);
+    ck_assert_int_eq(cfg_load_file(&c, "/nonexistent/scaped.yaml"), SCAPE_SYSTEM);
+    ck_assert_str_eq(scape_last_error(), "/nonexistent/scaped.yaml: No such file or directory");
+    ck_assert_int_eq(cfg_load_file(&c, "/tmp"), SCAPE_SYSTEM);
+    ck_assert_str_eq(scape_last_error(), "/tmp: Is a directory");
+    ck_assert_int_eq(cfg_load_file(&c, NULL), SCAPE_INVALID);
+}
+END_TEST
+
+START_TEST(set_every_key)
+{
+    scaped_config c;
+    set_full_config(&c);
+    check_full(&c);
+}
+END_TEST
+
+START_TEST(env_every_key)
+{
+    char var[80];
+    for (int i = 0; i < NKEYS; i++) {
+        env_var(var, sizeof var, s_full[i].key);
+        setenv(var, s_full[i].value, 1);
+    }
+    scaped_config c;
+    cfg_defaults(&c);
+    scape_rc rc = cfg_apply_env(&c);
+    unset_all_env();
+    ck_assert_int_eq(rc, SCAPE_OK);
+    check_full(&c);
+}
+END_TEST
+
+START_TEST(precedence)
+{
+    char path[64];
+    write_temp(path, sizeof path, "rho: 0.2\nweight_decay: 0.01\nwarmup: 5\n");
+    scaped_config c;
+    cfg_defaults(&c);
+    ck_assert_int_eq(cfg_load_file(&c, path), SCAPE_OK);
+    unlink(path);
+    setenv("SCAPE_RHO", "0.3", 1);
+    setenv("SCAPE_WEIGHT_DECAY", "0.05", 1);
+    setenv("SCAPE_RUNTIME_DIR", "/run/scape", 1);
+    setenv("SCAPE_WARMUP", "", 1); /* empty counts as unset */
+    scape_rc rc = cfg_apply_env(&c);
+    unset_all_env();
+    ck_assert_int_eq(rc, SCAPE_OK);
+    ck_assert_double_eq(c.engine.rho, 0.3);        /* env beats the file */
+    ck_assert_float_eq(c.engine.hyper.wd, 0.05f);
+    ck_assert_str_eq(c.runtime_dir, "/run/scape");
+    ck_assert_uint_eq(c.engine.warmup, 5);         /* the file beats the default */
+    ck_assert_float_eq(c.engine.hyper.beta1, 0.9f); /* set by nobody */
+    ck_assert_int_eq(cfg_set(&c, "rho", "0.4", "--rho"), SCAPE_OK);
+    ck_assert_double_eq(c.engine.rho, 0.4);        /* the command line beats env */
+}
+END_TEST
+
+START_TEST(env_error)
+{
+    scaped_config c, before;
+    cfg_defaults(&c);
+    cfg_defaults(&before);
+    setenv("SCAPE_RHO", "0.5", 1); /* valid, and applied before beta1 in key order */
+    setenv("SCAPE_BETA1", "1", 1);
+    scape_rc rc = cfg_apply_env(&c);
+    unset_all_env();
+    ck_assert_int_eq(rc, SCAPE_INVALID);
+    ck_assert_str_eq(scape_last_error(), "SCAPE_BETA1: key 'beta1': 1 is out of range [0, 1)");
+    check_same(&c, &before);
+}
+END_TEST
+
+static const struct {
+    const char *key, *value, *origin, *msg;
+} s_bad_sets[] = {
+    { "rho", "0", "--rho", "--rho: key 'rho': 0 is out of range (0, 1]" },
+    { "rho", "1.0000000000000002", "--rho",
+      "--rho: key 'rho': 1.0000000000000002 is out of range (0, 1]" },
+    { "warmup", "0", "--warmup", "--warmup: key 'warmup': 0 is out of range [1, 4294967295]" },
+    { "warmup", "4294967296", "--warmup",
+      "--warmup: key 'warmup': 4294967296 is out of range [1, 4294967295]" },
+    { "beta1", "-0.1", "--beta1", "--beta1: key 'beta1': -0.1 is out of range [0, 1)" },
+    { "beta2", "1", "--beta2", "--beta2: key 'beta2': 1 is out of range [0, 1)" },
+    { "eps", "0", "--eps", "--eps: key 'eps': 0 is out of range (0, inf)" },
+    { "weight_decay", "-1e-9", "--weight-decay",
+      "--weight-decay: key 'weight_decay': -1e-9 is out of range [0, inf)" },
+    { "max_trainers", "0", "--max-trainers",
+      "--max-trainers: key 'max_trainers': 0 is out of range [1, 64]" },
+    { "max_trainers", "65", "--max-trainers",
+      "--max-trainers: key 'max_trainers': 65 is out of range [1, 64]" },
+    { "max_message_bytes", "1023", "-m",
+      "-m: key 'max_message_bytes': 1023 is out of range [1024, 67108864]" },
+    { "max_message_bytes", "67108865", "-m",
+      "-m: key 'max_message_bytes': 67108865 is out of range [1024, 67108864]" },
+    { "liveness_ms", "9", "x", "x: key 'liveness_ms': 9 is out of range [10, 60000]" },
+    { "liveness_ms", "60001", "x", "x: key 'liveness_ms': 60001 is out of range [10, 60000]" },
+    { "trainers", "-1", "x", "x: key 'trainers': '-1' is not a non-negative integer" },
+    { "trainers", "65", "x", "x: key 'trainers': 65 is out of range [0, 64]" },
+    { "optimizer", "sgd", "--optimizer",
+      "--optimizer: key 'optimizer': unknown optimizer 'sgd' (scape, adams, adamw, topk-adamw)" },
+    { "optimiser", "adamw", "--optimiser",
+      "--optimiser: unknown key 'optimiser' (did you mean 'optimizer'?)" },
+    { "frobnicate", "1", "--frobnicate", "--frobnicate: unknown key 'frobnicate'" },
+};
+
+START_TEST(bad_sets)
+{
+    scaped_config c, before;
+    cfg_defaults(&c);
+    cfg_defaults(&before);
+    ck_assert_int_eq(cfg_set(&c, s_bad_sets[_i].key, s_bad_sets[_i].value, s_bad_sets[_i].origin),
+                     SCAPE_INVALID);
+    ck_assert_str_eq(scape_last_error(), s_bad_sets[_i].msg);
+    check_same(&c, &before);
+}
+END_TEST
+
+START_TEST(bounds_inclusive)
+{
+    scaped_config c;
+    cfg_defaults(&c);
+    const char *ok[][2] = { { "rho", "1" },          { "warmup", "4294967295" },
+                            { "beta1", "0" },        { "weight_decay", "0" },
+                            { "max_trainers", "1" }, { "max_message_bytes", "67108864" },
+                            { "max_message_bytes", "1024" }, { "liveness_ms", "10" },
+                            { "liveness_ms", "60000" }, { "trainers", "64" },
+                            { "eps", "1e-45" } /* the least float above 0 */ };
+    for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++)
+        ck_assert_msg(cfg_set(&c, ok[i][0], ok[i][1], "t") == SCAPE_OK, "%s=%s: %s", ok[i][0],
+                      ok[i][1], scape_last_error());
+    ck_assert_uint_eq(c.engine.warmup, 4294967295u);
+    ck_assert_uint_eq(c.max_message_bytes, 1024);
+    ck_assert_float_gt(c.engine.hyper.eps, 0.0f);
+}
+END_TEST
+
+START_TEST(runtime_dir_length)
+{
+    char dir[300];
+    scaped_config c;
+    cfg_defaults(&c);
+    memset(dir, 'a', 255);
+    dir[255] = '\0';
+    ck_assert_int_eq(cfg_set(&c, "runtime_dir", dir, "--runtime-dir"), SCAPE_OK);
+    ck_assert_str_eq(c.runtime_dir, dir);
+    dir[255] = 'a';
+    dir[256] = '\0';
+    ck_assert_int_eq(cfg_set(&c, "runtime_dir", dir, "--runtime-dir"), SCAPE_INVALID);
+    ck_assert_str_eq(scape_last_error(),
+                     "--runtime-dir: key 'runtime_dir': value is 256 bytes long, at most 255 allowed");
+    dir[255] = '\0';
+    ck_assert_str_eq(c.runtime_dir, dir);
+}
+END_TEST
+
+/* Print a, load the text over b (which differs from a in every key), compare. */
+static void round_trip(const scaped_config *a, scaped_config *b)
+{
+    char path[64];
+    write_temp(path, sizeof path, "");
+    FILE *f = fopen(path, "w");
+    ck_assert_ptr_nonnull(f);
+    ck_assert_int_eq(cfg_print(a, f), SCAPE_OK);
+    ck_assert_int_eq(fclose(f), 0);
+    ck_assert_msg(cfg_load_file(b, path) == SCAPE_OK, "%s", scape_last_error());
+    check_same(a, b);
+    unlink(path);
+}
+
+START_TEST(print_round_trip)
+{
+    scaped_config a, b;
+    cfg_defaults(&a);
+    const char *odd[][2] = {
+        { "runtime_dir", "/tmp/a \"b\" \\c: #d\te\x01\x7f caf\xc3\xa9 'q'" },
+        { "log_level", "error" },   { "optimizer", "adams" }, { "mode", "sharded" },
+        { "rho", "0.30000000000000004" }, /* not 0.3: every digit counts */
+        { "warmup", "4294967295" }, { "beta1", "0.1" },       { "beta2", "0.3" },
+        { "eps", "1.2345678e-7" },  { "weight_decay", "3.4e38" },
+        { "max_trainers", "63" },   { "max_message_bytes", "67108863" },
+        { "liveness_ms", "11" },    { "trainers", "63" },
+    };
+    for (size_t i = 0; i < sizeof odd / sizeof odd[0]; i++)
+        ck_assert_int_eq(cfg_set(&a, odd[i][0], odd[i][1], "t"), SCAPE_OK);
+    ck_assert_double_ne(a.engine.rho, 0.3);
+    set_full_config(&b);
+    round_trip(&a, &b);
+
+    cfg_defaults(&a);
+    set_full_config(&b);
+    round_trip(&a, &b);
+}
+END_TEST
+
+START_TEST(print_format)
+{
+    /* Defaults print as documented, one "key: value  # doc" line per key. */
+    const char *want[NKEYS] = {
+        "runtime_dir: \"\"",  "log_level: info",       "optimizer: scape",
+        "mode: replicated",   "rho: 0.01",             "warmup: 1",
+        "beta1: 0.9",         "beta2: 0.95",           "eps: 1e-08",
+        "weight_decay: 0",    "max_trainers: 64",      "max_message_bytes: 1048576",
+        "liveness_ms: 200",   "trainers: 0",
+    };
+    scaped_config c;
+    cfg_defaults(&c);
+    FILE *f = tmpfile();
+    ck_assert_ptr_nonnull(f);
+    ck_assert_int_eq(cfg_print(&c, f), SCAPE_OK);
+    rewind(f);
+    char line[512];
+    int n = 0;
+    for (; fgets(line, sizeof line, f); n++) {
+        ck_assert_int_lt(n, NKEYS);
+        size_t len = strlen(want[n]);
+        ck_assert_msg(strncmp(line, want[n], len) == 0, "line %d: %s", n, line);
+        const char *rest = line + len, *doc = cfg_key_doc((size_t)n, NULL);
+        size_t pad = strspn(rest, " ");
+        ck_assert_uint_ge(pad, 2);
+        ck_assert_msg(rest[pad] == '#' && rest[pad + 1] == ' ', "line %d: %s", n, line);
+        ck_assert_uint_eq(strlen(rest + pad + 2), strlen(doc) + 1); /* the doc, a newline */
+        ck_assert_int_eq(strncmp(rest + pad + 2, doc, strlen(doc)), 0);
+    }
+    ck_assert_int_eq(n, NKEYS);
+    fclose(f);
+}
+END_TEST
+
+START_TEST(print_write_error)
+{
+    FILE *f = fopen("/dev/full", "w");
+    if (!f) {
+        fprintf(stderr, "print_write_error: skipped, no /dev/full\n");
+        return;
+    }
+    scaped_config c;
+    cfg_defaults(&c);
+    ck_assert_int_eq(cfg_print(&c, f), SCAPE_SYSTEM);
+    ck_assert_str_eq(scape_last_error(), "cfg_print: No space left on device");
+    fclose(f);
+}
+END_TEST
+
+int main(void)
+{
+    Suite *s = suite_create("config");
+    TCase *tc = tcase_create("config");
+    tcase_add_test(tc, defaults);
+    tcase_add_test(tc, key_listing);
+    tcase_add_test(tc, full_file);
+    tcase_add_test(tc, other_yaml_forms);
+    tcase_add_loop_test(tc, empty_files, 0, sizeof s_empty_files / sizeof s_empty_files[0]);
+    tcase_add_loop_test(tc, bad_files, 0, sizeof s_bad_files / sizeof s_bad_files[0]);
+    tcase_add_test(tc, unreadable_files);
+    tcase_add_test(tc, set_every_key);
+    tcase_add_test(tc, env_every_key);
+    tcase_add_test(tc, precedence);
+    tcase_add_test(tc, env_error);
+    tcase_add_loop_test(tc, bad_sets, 0, sizeof s_bad_sets / sizeof s_bad_sets[0]);
+    tcase_add_test(tc, bounds_inclusive);
+    tcase_add_test(tc, runtime_dir_length);
+    tcase_add_test(tc, print_round_trip);
+    tcase_add_test(tc, print_format);
+    tcase_add_test(tc, print_write_error);
+    suite_add_tcase(s, tc);
+    SRunner *sr = srunner_create(s);
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
