@@ -285,6 +285,7 @@ static scape_rc on_step(server *s, trainer *t, const Scape__Step *st)
     t->loss = st->loss;
     t->last_step = st->step;
     t->posted_at = srv_now();
+    t->step_msg_bytes = s->msg_bytes;
     ctl_maybe_step(s);
     return SCAPE_OK;
 }
@@ -336,7 +337,8 @@ static scape_rc follow_trainers(server *s, int n)
     return SCAPE_OK;
 }
 
-static void fill_step_done(server *s, const eng_step_stats *st, double wait, double total)
+static void fill_step_done(server *s, const eng_step_stats *st, double wait, double total,
+                           size_t control_bytes)
 {
     Scape__Phases *ph = &s->last_phases;
     scape__phases__init(ph);
@@ -368,8 +370,12 @@ static void fill_step_done(server *s, const eng_step_stats *st, double wait, dou
     d->residual_norm = eng_residual_norm(s->eng);
     d->has_mask_churn = 1;
     d->mask_churn = st->mask_churn;
-    d->has_handover_copy_bytes = 1; /* gradients are read in place from shared memory */
+    /* The engine reads the gradients where the trainers wrote them: host
+     * shared memory has no staging path, so nothing is copied to get them. */
+    d->has_handover_copy_bytes = 1;
     d->handover_copy_bytes = 0;
+    d->has_control_bytes = 1;
+    d->control_bytes = control_bytes;
     s->have_last = 1;
 }
 
@@ -395,7 +401,9 @@ static void run_step(server *s, trainer **ts, int n)
     uint64_t t = s->next_step;
     double first = ts[0]->posted_at, loss = 0.0;
     int nloss = 0;
+    size_t control_bytes = 0;
     for (int i = 0; i < n; i++) {
+        control_bytes += ts[i]->step_msg_bytes;
         first = ts[i]->posted_at < first ? ts[i]->posted_at : first;
         if (ts[i]->has_loss) {
             loss += ts[i]->loss;
@@ -425,7 +433,7 @@ static void run_step(server *s, trainer **ts, int n)
     if (rc == SCAPE_OK) {
         eng_step_stats st;
         eng_last_stats(s->eng, &st);
-        fill_step_done(s, &st, t0 - first, srv_now() - t0);
+        fill_step_done(s, &st, t0 - first, srv_now() - t0, control_bytes);
         s->have_loss = nloss > 0;
         s->last_loss = nloss ? loss / nloss : 0.0;
         s->next_step = t + 1;

@@ -202,6 +202,7 @@ static void control_recv(server *s)
         scape_set_error(SCAPE_PROTO, "unknown or empty request type");
     zmq_msg_close(&msg);
     if (q && q->body_case != SCAPE__REQUEST__BODY__NOT_SET) {
+        s->msg_bytes = (size_t)n;
         ctl_handle(s, rid, rid_len, q);
     } else {
         LOG_WARN(SUB_CTRL, "refused: %s", scape_last_error());

@@ -33,6 +33,7 @@ typedef struct trainer {
     int has_loss;
     float loss;
     uint64_t last_step;             /* last step it posted */
+    size_t step_msg_bytes;          /* size of its Step message */
     double posted_at;
 } trainer;
 
@@ -59,6 +60,7 @@ struct server {
     uint64_t next_step;
     int broken;                     /* the engine failed mid-step */
     int stopping;
+    size_t msg_bytes;               /* size of the request being handled */
 
     /* The last step's figures, for status and metrics. */
     int have_last;

@@ -4,7 +4,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 #include <zmq.h>
 
 #include "log.h"
@@ -13,16 +12,19 @@
 
 #define SCAPED_VERSION "0.1.0"
 
+/* Private resident memory (RssAnon): the trainers' shared buffers that this
+ * process maps are theirs, not the daemon's. */
 static uint64_t rss_bytes(void)
 {
-    FILE *f = fopen("/proc/self/statm", "r");
-    unsigned long long size = 0, resident = 0;
-    if (f == NULL)
-        return 0;
-    if (fscanf(f, "%llu %llu", &size, &resident) != 2)
-        resident = 0;
-    fclose(f);
-    return resident * (uint64_t)sysconf(_SC_PAGESIZE);
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[256];
+    unsigned long long kib = 0;
+    while (f && fgets(line, sizeof line, f))
+        if (sscanf(line, "RssAnon: %llu kB", &kib) == 1)
+            break;
+    if (f)
+        fclose(f);
+    return (uint64_t)kib * 1024;
 }
 
 /* Bytes of optimizer state and residual this daemon holds. */

@@ -3,7 +3,9 @@
  * final parameters to a file.
  *
  * usage: trainer_c --endpoint EP --index I --n N --steps S [--seed X] [--lr LR]
- *                  [--sleep-ms MS] [--out FILE]
+ *                  [--sleep-ms MS] [--out FILE] [--timing FILE]
+ * --timing writes one line per step: step, seconds inside scape_step, and the
+ * daemon's wait (first post to last post) and engine seconds.
  * A step abandoned because another trainer died is posted again.  A trainer
  * that attaches to a running job starts at the daemon's next step. */
 #define _POSIX_C_SOURCE 200809L
@@ -16,7 +18,7 @@
 #include "synth.h"
 
 typedef struct args {
-    const char *endpoint, *out;
+    const char *endpoint, *out, *timing;
     int index;
     size_t n;
     uint64_t steps, seed;
@@ -31,6 +33,7 @@ static int parse(int argc, char **argv, args *a)
         const char *k = argv[i], *v = argv[i + 1];
         if (!strcmp(k, "--endpoint")) a->endpoint = v;
         else if (!strcmp(k, "--out")) a->out = v;
+        else if (!strcmp(k, "--timing")) a->timing = v;
         else if (!strcmp(k, "--index")) a->index = atoi(v);
         else if (!strcmp(k, "--n")) a->n = strtoull(v, NULL, 0);
         else if (!strcmp(k, "--steps")) a->steps = strtoull(v, NULL, 0);
@@ -54,10 +57,18 @@ static void compute_grads(const args *a, const scape_tensor *ts, size_t nt, uint
 }
 
 /* Post step t, again while it is abandoned because a peer died. */
-static scape_rc step_retrying(scape_session *s, uint64_t t, float lr, int index)
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static scape_rc step_retrying(scape_session *s, uint64_t t, float lr, int index,
+                              scape_step_info *info)
 {
     for (int tries = 0;; tries++) {
-        scape_rc rc = scape_step(s, t, lr, NULL, NULL);
+        scape_rc rc = scape_step(s, t, lr, NULL, info);
         if (rc != SCAPE_REMOTE || !strstr(scape_last_error(), "abandoned") || tries > 100)
             return rc;
         fprintf(stderr, "trainer_c %d: %s; posting again\n", index, scape_last_error());
@@ -105,9 +116,20 @@ int main(int argc, char **argv)
         return 1;
     }
     uint64_t first = scape_next_step(s);
+    FILE *timing = a.timing ? fopen(a.timing, "w") : NULL;
+    if (a.timing && timing == NULL) {
+        perror(a.timing);
+        return 1;
+    }
     for (uint64_t t = first; t <= a.steps; t++) {
         compute_grads(&a, ts, nt, t, p, g);
-        if (step_retrying(s, t, a.lr, a.index) != SCAPE_OK) {
+        scape_step_info info;
+        double t0 = now_s();
+        scape_rc rc = step_retrying(s, t, a.lr, a.index, &info);
+        if (timing && rc == SCAPE_OK)
+            fprintf(timing, "%llu %.9f %.9f %.9f\n", (unsigned long long)t, now_s() - t0,
+                    info.wait_seconds, info.step_seconds);
+        if (rc != SCAPE_OK) {
             fprintf(stderr, "trainer_c %d: step %llu: %s\n", a.index, (unsigned long long)t,
                     scape_last_error());
             return 1;
@@ -115,6 +137,8 @@ int main(int argc, char **argv)
         if (a.sleep_ms)
             nanosleep(&(struct timespec){ 0, a.sleep_ms * 1000000L }, NULL);
     }
+    if (timing)
+        fclose(timing);
     int rc = a.out ? write_out(a.out, p, n) : 0;
     printf("trainer_c %d: steps %llu..%llu done, N=%zu\n", a.index, (unsigned long long)first,
            (unsigned long long)a.steps, n);
