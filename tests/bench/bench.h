@@ -13,6 +13,8 @@
 #define BENCH_MAX_REPEATS 99
 #define BENCH_SORT_REPEATS 3 /* the sort baseline is slow: at most this many */
 #define BENCH_MAX_ROWS 256
+#define BENCH_BETA1 0.9f    /* first-moment decay in the mask statistic */
+#define BENCH_TRAINERS 4.0f /* local trainers behind the mask statistic */
 
 typedef struct bench_cfg {
     size_t sizes[BENCH_MAX_SIZES];
@@ -95,8 +97,22 @@ size_t bench_flush_bytes(void);
  * each; with a non-NULL label each repeat is reported on stderr. */
 scape_rc bench_time_ms(bench_fn fn, void *arg, int repeats, const char *label,
                        double *ms);
-/* Median time (ms) of memcpy of bytes/2 bytes: read + write traffic `bytes`. */
-scape_rc bench_copy_ms(size_t bytes, int repeats, double *ms);
+/* Median times (ms) of fa(a) and fb(b) called alternately, caches flushed
+ * before each call, so both see the same load on the machine. */
+scape_rc bench_time_pair(bench_fn fa, void *a, bench_fn fb, void *b, int repeats,
+                         double *ms_a, double *ms_b);
+
+/* The baseline: memcpy of bytes/2 bytes, i.e. read + write traffic `bytes`. */
+typedef struct bench_copy {
+    void *dst, *src;
+    size_t len;
+} bench_copy;
+
+/* Allocate and touch both halves. */
+scape_rc bench_copy_init(bench_copy *cp, size_t bytes);
+void bench_copy_free(bench_copy *cp);
+/* One memcpy (a bench_fn). */
+scape_rc bench_copy_run(void *cp);
 
 /* ---- results and reports (bench_report.c) ------------------------------- */
 

@@ -17,11 +17,10 @@
 
 #include "bench.h"
 
-static const kern_hyper HYPER = { 0.9f, 0.95f, 1e-8f, 0.01f };
+static const kern_hyper HYPER = { BENCH_BETA1, 0.95f, 1e-8f, 0.01f };
 #define LR 1e-3f
-#define DIV 4.0f  /* trainers summed into the gradient */
-#define TR 4.0f   /* local trainers behind the mask statistic */
-#define STEP 10   /* AdamW step, for the bias corrections */
+#define DIV 4.0f /* trainers summed into the gradient */
+#define STEP 10  /* AdamW step, for the bias corrections */
 
 /* 1 when x is off a double-precision reference by more than fp32 rounding of
  * a few operations allows (NaN is always off). */
@@ -78,17 +77,17 @@ static scape_rc run_stat(void *p)
 {
     bench_case *c = p;
     return kern_mask_stat(c->p[BR_M], c->p[BR_G], c->p[BR_E], c->n,
-                          HYPER.beta1, TR, c->p[BR_DST]);
+                          BENCH_BETA1, BENCH_TRAINERS, c->p[BR_DST]);
 }
 
 static size_t check_stat(const bench_case *c)
 {
     const float *stat = c->p[BR_DST];
-    const double b1 = HYPER.beta1;
+    const double b1 = BENCH_BETA1, tr = BENCH_TRAINERS;
     size_t bad = 0;
     for (size_t i = 0; i < c->n; i++) {
         double a = (double)bench_f32(BR_G, i) + bench_f32(BR_E, i);
-        bad += off(stat[i], fabs(b1 * bench_f32(BR_M, i) + (1.0 - b1) * (a / TR)));
+        bad += off(stat[i], fabs(b1 * bench_f32(BR_M, i) + (1.0 - b1) * (a / tr)));
     }
     return bad;
 }
@@ -155,7 +154,7 @@ static size_t check_expand_f32(const bench_case *c)
     size_t bad = 0, j = 0;
     for (size_t i = 0; i < c->n; i++) {
         float want = bench_bit(BR_MASK, i, c->rho) ? bench_f32(BR_PACKED, j++)
-                                        : bench_f32(BR_DST, i);
+                                                   : bench_f32(BR_DST, i);
         bad += d[i] != want;
     }
     return bad;
@@ -173,8 +172,9 @@ static size_t check_expand_bf16(const bench_case *c)
     const uint16_t *d = c->p[BR_HALF];
     size_t bad = 0, j = 0;
     for (size_t i = 0; i < c->n; i++) {
-        uint16_t want = bench_bit(BR_MASK, i, c->rho) ? ref_bf16(bench_f32(BR_PACKED, j++))
-                                           : bench_bf16(BR_HALF, i);
+        uint16_t want = bench_bit(BR_MASK, i, c->rho)
+                            ? ref_bf16(bench_f32(BR_PACKED, j++))
+                            : bench_bf16(BR_HALF, i);
         bad += d[i] != want;
     }
     return bad;

@@ -71,7 +71,10 @@ void bench_print_header(FILE *f, const bench_results *r)
 static double gbs(size_t bytes, double ms) { return (double)bytes / (ms * 1e6); }
 static double row_gbs(const bench_row *w) { return gbs(w->bytes, w->ms); }
 /* memcpy moved bytes/2 each way: its read + write traffic. */
-static double row_copy_gbs(const bench_row *w) { return gbs(w->bytes / 2 * 2, w->copy_ms); }
+static double row_copy_gbs(const bench_row *w)
+{
+    return gbs(w->bytes / 2 * 2, w->copy_ms);
+}
 static double row_ratio(const bench_row *w) { return row_gbs(w) / row_copy_gbs(w); }
 
 static double speedup_select(const bench_topk_row *t) { return t->sort_ms / t->topk_ms; }
@@ -111,7 +114,7 @@ void bench_print_table(FILE *f, const bench_results *r)
     for (size_t i = 0; i < r->nrows; i++)
         print_row(f, &r->rows[i]);
     fprintf(f, "\ntop-k selection (radix select) vs sort-based selection\n");
-    fprintf(f, "%6s %4s %10s %10s %10s %10s %8s %8s\n", "n", "k", "k", "stat ms",
+    fprintf(f, "%6s %4s %10s %10s %10s %10s %8s %8s\n", "n", "k/n", "k", "stat ms",
             "topk ms", "sort ms", "select", "+stat");
     for (size_t i = 0; i < r->ntopk; i++)
         print_topk(f, &r->topk[i]);

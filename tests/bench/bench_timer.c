@@ -85,15 +85,22 @@ static double median(double *v, int n)
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+/* Time one call of fn(arg) with cold caches. */
+static scape_rc time_one(bench_fn fn, void *arg, double *ms)
+{
+    flush_caches();
+    double t0 = now_ms();
+    scape_rc rc = fn(arg);
+    *ms = now_ms() - t0;
+    return rc;
+}
+
 scape_rc bench_time_ms(bench_fn fn, void *arg, int repeats, const char *label,
                        double *ms)
 {
     double t[BENCH_MAX_REPEATS];
     for (int r = 0; r < repeats; r++) {
-        flush_caches();
-        double t0 = now_ms();
-        scape_rc rc = fn(arg);
-        t[r] = now_ms() - t0;
+        scape_rc rc = time_one(fn, arg, &t[r]);
         if (rc != SCAPE_OK)
             return rc;
         if (label != NULL)
@@ -104,32 +111,47 @@ scape_rc bench_time_ms(bench_fn fn, void *arg, int repeats, const char *label,
     return SCAPE_OK;
 }
 
-typedef struct copy_arg {
-    void *dst;
-    void *src;
-    size_t len;
-} copy_arg;
-
-static scape_rc run_copy(void *p)
+scape_rc bench_time_pair(bench_fn fa, void *a, bench_fn fb, void *b, int repeats,
+                         double *ms_a, double *ms_b)
 {
-    copy_arg *a = p;
-    memcpy(a->dst, a->src, a->len);
+    double ta[BENCH_MAX_REPEATS], tb[BENCH_MAX_REPEATS];
+    for (int r = 0; r < repeats; r++) {
+        scape_rc rc = time_one(fa, a, &ta[r]);
+        if (rc == SCAPE_OK)
+            rc = time_one(fb, b, &tb[r]);
+        if (rc != SCAPE_OK)
+            return rc;
+    }
+    *ms_a = median(ta, repeats);
+    *ms_b = median(tb, repeats);
     return SCAPE_OK;
 }
 
-scape_rc bench_copy_ms(size_t bytes, int repeats, double *ms)
+scape_rc bench_copy_init(bench_copy *cp, size_t bytes)
 {
-    copy_arg a = { bench_alloc(bytes / 2), bench_alloc(bytes / 2), bytes / 2 };
-    scape_rc rc = SCAPE_OK;
-    if (a.dst == NULL || a.src == NULL) {
-        rc = scape_set_error(SCAPE_NOMEM, "bench: cannot allocate 2 x %zu bytes "
-                             "for the memcpy baseline", bytes / 2);
-    } else {
-        memset(a.dst, 0, a.len);
-        memset(a.src, 1, a.len);
-        rc = bench_time_ms(run_copy, &a, repeats, NULL, ms);
+    cp->len = bytes / 2;
+    cp->dst = bench_alloc(cp->len);
+    cp->src = bench_alloc(cp->len);
+    if (cp->dst == NULL || cp->src == NULL) {
+        bench_copy_free(cp);
+        return scape_set_error(SCAPE_NOMEM, "bench: cannot allocate 2 x %zu bytes "
+                               "for the memcpy baseline", bytes / 2);
     }
-    free(a.dst);
-    free(a.src);
-    return rc;
+    memset(cp->dst, 0, cp->len);
+    memset(cp->src, 1, cp->len);
+    return SCAPE_OK;
+}
+
+void bench_copy_free(bench_copy *cp)
+{
+    free(cp->dst);
+    free(cp->src);
+    cp->dst = cp->src = NULL;
+}
+
+scape_rc bench_copy_run(void *p)
+{
+    bench_copy *cp = p;
+    memcpy(cp->dst, cp->src, cp->len);
+    return SCAPE_OK;
 }

@@ -30,8 +30,8 @@ typedef struct topk_job {
 static scape_rc run_stat(void *p)
 {
     bench_case *c = &((topk_job *)p)->c;
-    return kern_mask_stat(c->p[BR_M], c->p[BR_G], c->p[BR_E], c->n, 0.9f, 4.0f,
-                          c->p[BR_DST]);
+    return kern_mask_stat(c->p[BR_M], c->p[BR_G], c->p[BR_E], c->n, BENCH_BETA1,
+                          BENCH_TRAINERS, c->p[BR_DST]);
 }
 
 static scape_rc run_topk(void *p)
@@ -62,7 +62,10 @@ static scape_rc run_sort(void *p)
     return SCAPE_OK;
 }
 
-static int selected(const uint32_t *mask, size_t i) { return (mask[i / 32] >> (i % 32)) & 1; }
+static int selected(const uint32_t *mask, size_t i)
+{
+    return (mask[i / 32] >> (i % 32)) & 1;
+}
 
 /* Independent check of a top-k mask: exactly k bits, every selected value >=
  * every unselected one, and among values equal to the smallest selected one
