@@ -13,8 +13,13 @@ static uint32_t tail_bits(size_t n)
 /* Set bits among the first n bits; the tail of the last word is ignored. */
 static size_t popcount_n(const uint32_t *mask, size_t n)
 {
-    size_t nw = kern_mask_words(n), c = 0;
-    for (size_t w = 0; w + 1 < nw; w++)
+    size_t nw = kern_mask_words(n), c = 0, w = 0;
+    for (; w + 2 < nw; w += 2) { /* two words per 64-bit popcount */
+        uint64_t pair;
+        memcpy(&pair, mask + w, sizeof pair);
+        c += (size_t)__builtin_popcountll(pair);
+    }
+    for (; w + 1 < nw; w++)
         c += (size_t)__builtin_popcount(mask[w]);
     if (nw)
         c += (size_t)__builtin_popcount(mask[nw - 1] & tail_bits(n));
