@@ -1,0 +1,162 @@
+/* scapectl_metrics.c - `scapectl metrics`: the status reply in the Prometheus
+ * text exposition format (version 0.0.4), for a node_exporter textfile
+ * collector or any scraper that runs a command.  Every series carries the
+ * daemon's rank; figures the daemon has not produced yet are left out. */
+#define _POSIX_C_SOURCE 200809L
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+
+#include "scapectl.h"
+
+typedef struct prom {
+    FILE *out;
+    char rank[16]; /* the rank label's value */
+} prom;
+
+static void family(const prom *m, const char *name, const char *help)
+{
+    fprintf(m->out, "# HELP %s %s\n# TYPE %s gauge\n", name, help, name);
+}
+
+/* A label value with \, " and newline escaped. */
+static void label_value(FILE *f, const char *s)
+{
+    fputc('"', f);
+    for (; *s; s++) {
+        if (*s == '\\' || *s == '"')
+            fprintf(f, "\\%c", *s);
+        else if (*s == '\n')
+            fputs("\\n", f);
+        else
+            fputc(*s, f);
+    }
+    fputc('"', f);
+}
+
+/* name{rank="r"[,key="val"]} v; extra is NULL or a key and its value. */
+static void sample(const prom *m, const char *name, const char *const extra[2], double v)
+{
+    char b[40];
+    fprintf(m->out, "%s{rank=\"%s\"", name, m->rank);
+    if (extra != NULL) {
+        fprintf(m->out, ",%s=", extra[0]);
+        label_value(m->out, extra[1]);
+    }
+    if (isnan(v))
+        fprintf(m->out, "} NaN\n");
+    else if (isinf(v))
+        fprintf(m->out, "} %cInf\n", v > 0 ? '+' : '-');
+    else
+        fprintf(m->out, "} %s\n", fmt_real(b, sizeof b, v));
+}
+
+static void gauge(const prom *m, const char *name, const char *help, double v)
+{
+    family(m, name, help);
+    sample(m, name, NULL, v);
+}
+
+static void info(const prom *m, const Scape__StatusReply *st)
+{
+    const char *const labels[][2] = { { "version", st->version }, { "state", st->state },
+                                      { "optimizer", st->optimizer }, { "mode", st->mode } };
+    fprintf(m->out, "# HELP scape_info The daemon's version, state, optimizer and mode.\n"
+                    "# TYPE scape_info gauge\nscape_info{rank=\"%s\"", m->rank);
+    for (size_t i = 0; i < sizeof labels / sizeof labels[0]; i++) {
+        fprintf(m->out, ",%s=", labels[i][0]);
+        label_value(m->out, labels[i][1]);
+    }
+    fputs("} 1\n", m->out);
+}
+
+static void trainers(const prom *m, const Scape__StatusReply *st)
+{
+    gauge(m, "scape_trainers", "Trainers attached to this daemon.", (double)st->n_trainers);
+    if (st->n_trainers == 0)
+        return;
+    family(m, "scape_trainer_last_step", "The last step each trainer posted.");
+    for (size_t i = 0; i < st->n_trainers; i++) {
+        char index[16];
+        snprintf(index, sizeof index, "%u", st->trainers[i]->index);
+        const char *const label[2] = { "trainer", index };
+        sample(m, "scape_trainer_last_step", label, (double)st->trainers[i]->last_step);
+    }
+}
+
+static void phases(const prom *m, const Scape__Phases *ph)
+{
+    const struct {
+        const char *name;
+        protobuf_c_boolean has;
+        double s;
+    } f[] = {
+        { "wait", ph->has_wait, ph->wait },           { "intake", ph->has_intake, ph->intake },
+        { "mask_wait", ph->has_mask_wait, ph->mask_wait },
+        { "select", ph->has_select, ph->select },     { "pack", ph->has_pack, ph->pack },
+        { "reduce", ph->has_reduce, ph->reduce },     { "update", ph->has_update, ph->update },
+        { "gather", ph->has_gather, ph->gather },
+        { "writeback", ph->has_writeback, ph->writeback },
+        { "total", ph->has_total, ph->total },
+    };
+    family(m, "scape_phase_seconds", "Seconds the last step spent in each phase.");
+    for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) {
+        const char *const label[2] = { "phase", f[i].name };
+        if (f[i].has)
+            sample(m, "scape_phase_seconds", label, f[i].s);
+    }
+}
+
+static void last_step(const prom *m, const Scape__StepDone *d)
+{
+    gauge(m, "scape_last_step_k", "Values reduced in the last step.", (double)d->k);
+    gauge(m, "scape_last_step_density", "K / N in the last step.", d->density);
+    gauge(m, "scape_last_step_bytes", "Collective payload bytes of the last step.",
+          (double)d->bytes);
+    gauge(m, "scape_last_step_wire_bytes", "Bytes this daemon received in the last step.",
+          (double)d->wire_bytes);
+    if (d->has_residual_norm)
+        gauge(m, "scape_residual_norm", "Norm of the error-feedback residual.",
+              d->residual_norm);
+    if (d->has_mask_churn)
+        gauge(m, "scape_mask_churn", "Fraction of the mask that changed in the last step.",
+              d->mask_churn);
+    if (d->has_handover_copy_bytes)
+        gauge(m, "scape_handover_copy_bytes", "Gradient bytes copied in the last handover.",
+              (double)d->handover_copy_bytes);
+    phases(m, d->phases);
+}
+
+static void exposition(const prom *m, const Scape__StatusReply *st)
+{
+    gauge(m, "scape_up", "1 when scaped answered the status request.", 1);
+    info(m, st);
+    gauge(m, "scape_world", "Number of daemons in the job.", st->world);
+    gauge(m, "scape_rho", "Configured density target.", st->rho);
+    gauge(m, "scape_step", "Last completed step.", (double)st->step);
+    gauge(m, "scape_numel", "Parameters (N) the daemon optimizes.", (double)st->numel);
+    trainers(m, st);
+    gauge(m, "scape_uptime_seconds", "Seconds since scaped started.", 1e-3 * (double)st->uptime_ms);
+    gauge(m, "scape_rss_bytes", "Private resident memory of scaped (RssAnon).",
+          (double)st->rss_bytes);
+    gauge(m, "scape_state_bytes", "Bytes of optimizer state and residual.",
+          (double)st->state_bytes);
+    if (st->last != NULL)
+        last_step(m, st->last);
+    if (st->has_loss)
+        gauge(m, "scape_loss", "Mean loss the trainers reported with the last step.",
+              st->loss);
+}
+
+scape_rc cmd_metrics(const ctl_opts *o)
+{
+    Scape__Reply *r = NULL;
+    scape_rc rc = ctl_status(o, &r);
+    if (rc != SCAPE_OK)
+        return rc;
+    prom m = { .out = stdout };
+    snprintf(m.rank, sizeof m.rank, "%" PRIu32, r->status_reply->rank);
+    exposition(&m, r->status_reply);
+    scape__reply__free_unpacked(r, NULL);
+    return SCAPE_OK;
+}

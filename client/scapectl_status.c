@@ -1,0 +1,131 @@
+/* scapectl_status.c - `scapectl status`: the daemon's StatusReply as aligned
+ * labels or, with --json, one JSON object with stable keys (numbers in the
+ * wire's units: bytes, milliseconds of uptime, seconds per phase). */
+#define _POSIX_C_SOURCE 200809L
+#include <stdio.h>
+
+#include "scapectl.h"
+
+static void print_trainers(printer *p, const Scape__StatusReply *st)
+{
+    pr_list(p, "trainers", "Trainers", st->n_trainers);
+    for (size_t i = 0; i < st->n_trainers; i++) {
+        const Scape__TrainerInfo *t = st->trainers[i];
+        char label[32];
+        snprintf(label, sizeof label, "Trainer %u", t->index);
+        pr_row(p, NULL, label);
+        pr_uint(p, "index", NULL, t->index, NULL);
+        pr_str(p, "identity", "", t->identity);
+        pr_uint(p, "pid", "pid", t->pid, NULL);
+        pr_uint(p, "last_step", "last step", t->last_step, NULL);
+        pr_close(p);
+    }
+    pr_close(p);
+}
+
+static void print_phases(printer *p, const Scape__Phases *ph)
+{
+    const struct {
+        const char *key, *label;
+        protobuf_c_boolean has;
+        double s;
+    } f[] = {
+        { "wait", "wait", ph->has_wait, ph->wait },
+        { "intake", "intake", ph->has_intake, ph->intake },
+        { "mask_wait", "mask wait", ph->has_mask_wait, ph->mask_wait },
+        { "select", "select", ph->has_select, ph->select },
+        { "pack", "pack", ph->has_pack, ph->pack },
+        { "reduce", "reduce", ph->has_reduce, ph->reduce },
+        { "update", "update", ph->has_update, ph->update },
+        { "gather", "gather", ph->has_gather, ph->gather },
+        { "writeback", "writeback", ph->has_writeback, ph->writeback },
+        { "total", NULL, ph->has_total, ph->total }, /* the text shows it above */
+    };
+    char b[32];
+    pr_open(p, "phases_s", "Step time", ph->has_total ? fmt_ms(b, sizeof b, ph->total) : "-");
+    for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) {
+        if (f[i].has)
+            pr_real(p, f[i].key, f[i].label, f[i].s, fmt_ms(b, sizeof b, f[i].s));
+        else
+            pr_null(p, f[i].key, f[i].label);
+    }
+    pr_close(p);
+}
+
+static void print_optional(printer *p, const char *key, const char *label,
+                           protobuf_c_boolean has, double v)
+{
+    if (has)
+        pr_real(p, key, label, v, NULL);
+    else
+        pr_null(p, key, label);
+}
+
+static void print_last(printer *p, const Scape__StepDone *d)
+{
+    char b[32];
+    if (d == NULL) {
+        pr_null(p, "last", "Last step");
+        return;
+    }
+    snprintf(b, sizeof b, "%llu", (unsigned long long)d->step);
+    pr_open(p, "last", "Last step", b);
+    pr_uint(p, "step", NULL, d->step, NULL);
+    pr_uint(p, "k", "K", d->k, NULL);
+    pr_real(p, "density", "Density", d->density, fmt_percent(b, sizeof b, d->density));
+    pr_uint(p, "bytes", "Bytes/step", d->bytes, fmt_bytes(b, sizeof b, d->bytes));
+    pr_uint(p, "wire_bytes", "Wire bytes", d->wire_bytes, fmt_bytes(b, sizeof b, d->wire_bytes));
+    print_optional(p, "residual_norm", "Residual norm", d->has_residual_norm, d->residual_norm);
+    print_optional(p, "mask_churn", "Mask churn", d->has_mask_churn, d->mask_churn);
+    if (d->has_handover_copy_bytes)
+        pr_uint(p, "handover_copy_bytes", "Handover copy", d->handover_copy_bytes,
+                fmt_bytes(b, sizeof b, d->handover_copy_bytes));
+    else
+        pr_null(p, "handover_copy_bytes", "Handover copy");
+    print_phases(p, d->phases);
+    pr_close(p);
+}
+
+static void print_identity(printer *p, const Scape__StatusReply *st)
+{
+    char b[48];
+    pr_str(p, "version", "Version", st->version);
+    pr_str(p, "state", "State", st->state);
+    snprintf(b, sizeof b, "%u/%u", st->rank, st->world);
+    pr_str(p, NULL, "Rank/World", b);
+    pr_uint(p, "rank", NULL, st->rank, NULL);
+    pr_uint(p, "world", NULL, st->world, NULL);
+    pr_str(p, "optimizer", "Optimizer", st->optimizer);
+    pr_str(p, "mode", "Mode", st->mode);
+    pr_real(p, "rho", "Rho", st->rho, NULL);
+}
+
+static void print_status(printer *p, const Scape__StatusReply *st)
+{
+    char b[48];
+    print_identity(p, st);
+    pr_uint(p, "step", "Step", st->step, NULL);
+    pr_uint(p, "numel", "Parameters", st->numel, fmt_count(b, sizeof b, st->numel));
+    print_trainers(p, st);
+    pr_uint(p, "uptime_ms", "Uptime", st->uptime_ms, fmt_uptime(b, sizeof b, st->uptime_ms));
+    pr_uint(p, "rss_bytes", "RSS", st->rss_bytes, fmt_bytes(b, sizeof b, st->rss_bytes));
+    pr_uint(p, "state_bytes", "State memory", st->state_bytes,
+            fmt_bytes(b, sizeof b, st->state_bytes));
+    print_last(p, st->last);
+    print_optional(p, "loss", "Loss", st->has_loss, st->loss);
+    pr_str(p, "runtime_dir", "Runtime dir", st->runtime_dir);
+}
+
+scape_rc cmd_status(const ctl_opts *o)
+{
+    Scape__Reply *r = NULL;
+    scape_rc rc = ctl_status(o, &r);
+    if (rc != SCAPE_OK)
+        return rc;
+    printer p;
+    pr_init(&p, stdout, o->json);
+    print_status(&p, r->status_reply);
+    pr_done(&p);
+    scape__reply__free_unpacked(r, NULL);
+    return SCAPE_OK;
+}
