@@ -60,7 +60,25 @@ scape_rc kern_abs_stat(const float *g, const float *e, size_t n, float *stat)
     return SCAPE_OK;
 }
 
-size_t kern_topk_scratch_bytes(size_t n) { return n * sizeof(uint32_t); }
+/* Where the keys come from: a stored statistic, or one computed on the fly
+ * with exactly the expressions of kern_mask_stat / kern_abs_stat. */
+typedef struct key_src {
+    const float *stat;      /* stored statistic, or NULL */
+    const float *m, *g, *e; /* m == NULL: |g + e| */
+    float beta1, c1, t_r;
+} key_src;
+
+static inline uint32_t key_at(const key_src *s, size_t i)
+{
+    if (s->stat)
+        return key_of(s->stat[i]);
+    float a = s->g[i] + s->e[i];
+    if (s->m == NULL)
+        return key_of(fabsf(a));
+    return key_of(fabsf(s->beta1 * s->m[i] + s->c1 * (a / s->t_r)));
+}
+
+size_t kern_topk_scratch_bytes(size_t n) { return n ? NBUCKETS * sizeof(uint32_t) : 0; }
 
 /* Walk the histogram from the top; return the bucket holding the need-th
  * largest key and reduce *need by the count of all larger buckets. */
@@ -77,6 +95,65 @@ static uint32_t pick_bucket(const uint32_t *hist, uint32_t nb, size_t *need)
     return d;
 }
 
+/* Three digit passes (bits 30..20, 19..10, 9..0), each over the keys that
+ * match the digits chosen so far: the exact k-th largest key tau, and in
+ * *need how many keys equal to tau belong to the top k. */
+static uint32_t select_tau(const key_src *src, size_t n, size_t *need, uint32_t *hist)
+{
+    static const int shift[3] = { 20, 10, 0 };
+    static const uint32_t bins[3] = { NBUCKETS, 1024, 1024 };
+    uint32_t prefix = 0;
+    for (int d = 0; d < 3; d++) {
+        memset(hist, 0, bins[d] * sizeof *hist);
+        int hi = shift[d] + (d == 0 ? DIGIT_BITS : 10); /* bits above this digit */
+        for (size_t i = 0; i < n; i++) {
+            uint32_t u = key_at(src, i);
+            if (d == 0 || (u >> hi) == prefix)
+                hist[(u >> shift[d]) & (bins[d] - 1)]++;
+        }
+        prefix = (prefix << (d == 0 ? DIGIT_BITS : 10)) | pick_bucket(hist, bins[d], need);
+    }
+    return prefix;
+}
+
+/* Final pass in index order: every key above tau, and the first `need` keys
+ * equal to it (the ties rule). */
+static void write_mask(const key_src *src, size_t n, uint32_t tau, size_t need,
+                       uint32_t *mask)
+{
+    size_t nw = kern_mask_words(n);
+    for (size_t w = 0; w < nw; w++) {
+        size_t base = w * 32, len = n - base < 32 ? n - base : 32;
+        uint32_t word = 0;
+        for (size_t i = 0; i < len; i++) {
+            uint32_t u = key_at(src, base + i);
+            if (u > tau || (u == tau && need > 0 && need--))
+                word |= 1u << i;
+        }
+        mask[w] = word;
+    }
+}
+
+static scape_rc topk_run(const char *fn, const key_src *src, size_t n, size_t k,
+                         uint32_t *mask, void *scratch, size_t scratch_bytes)
+{
+    if (k > n)
+        return scape_set_error(SCAPE_INVALID, "%s: k=%zu > n=%zu", fn, k, n);
+    if (scratch_bytes < kern_topk_scratch_bytes(n))
+        return scape_set_error(SCAPE_INVALID,
+                               "%s: scratch of %zu bytes < %zu needed", fn,
+                               scratch_bytes, kern_topk_scratch_bytes(n));
+    size_t nw = kern_mask_words(n);
+    KERN_DISJOINT(fn, mask, nw * 4, scratch, scratch_bytes);
+    memset(mask, 0, nw * sizeof *mask);
+    if (k == 0)
+        return SCAPE_OK;
+    size_t need = k;
+    uint32_t tau = select_tau(src, n, &need, scratch);
+    write_mask(src, n, tau, need, mask);
+    return SCAPE_OK;
+}
+
 scape_rc kern_topk_mask(const float *stat, size_t n, size_t k, uint32_t *mask,
                         void *scratch, size_t scratch_bytes)
 {
@@ -85,60 +162,32 @@ scape_rc kern_topk_mask(const float *stat, size_t n, size_t k, uint32_t *mask,
     KERN_NONNULL(fn, mask);
     KERN_NONNULL(fn, scratch);
     KERN_MAXN(fn, n);
-    if (k > n)
-        return scape_set_error(SCAPE_INVALID, "%s: k=%zu > n=%zu", fn, k, n);
-    if (scratch_bytes < kern_topk_scratch_bytes(n))
-        return scape_set_error(SCAPE_INVALID,
-                               "%s: scratch of %zu bytes < %zu needed", fn,
-                               scratch_bytes, kern_topk_scratch_bytes(n));
     size_t nw = kern_mask_words(n);
     KERN_DISJOINT(fn, mask, nw * 4, stat, n * 4);
-    KERN_DISJOINT(fn, mask, nw * 4, scratch, scratch_bytes);
     KERN_DISJOINT(fn, stat, n * 4, scratch, scratch_bytes);
+    key_src src = { .stat = stat };
+    return topk_run(fn, &src, n, k, mask, scratch, scratch_bytes);
+}
 
-    memset(mask, 0, nw * sizeof *mask);
-    if (k == 0)
-        return SCAPE_OK;
-
-    uint32_t hist[NBUCKETS];
-    uint32_t *cand = scratch;
-    size_t need = k, ncand = 0;
-
-    /* Digit 1: key bits 30..20 over the whole segment. */
-    memset(hist, 0, sizeof hist);
-    for (size_t i = 0; i < n; i++)
-        hist[key_of(stat[i]) >> 20]++;
-    uint32_t b = pick_bucket(hist, NBUCKETS, &need);
-    for (size_t i = 0; i < n; i++) {
-        uint32_t u = key_of(stat[i]);
-        if ((u >> 20) == b)
-            cand[ncand++] = u;
-    }
-    /* Digits 2 and 3: bits 19..10 and 9..0 over the shrinking candidates. */
-    for (int shift = 10; shift >= 0; shift -= 10) {
-        memset(hist, 0, 1024 * sizeof *hist);
-        for (size_t c = 0; c < ncand; c++)
-            hist[(cand[c] >> shift) & 1023u]++;
-        uint32_t d = pick_bucket(hist, 1024, &need);
-        size_t keep = 0;
-        for (size_t c = 0; c < ncand; c++)
-            if (((cand[c] >> shift) & 1023u) == d)
-                cand[keep++] = cand[c];
-        ncand = keep;
-    }
-    const uint32_t tau = cand[0]; /* every remaining candidate equals tau */
-
-    /* Final pass in index order: all keys above tau, and the first `need`
-     * keys equal to tau. */
-    for (size_t w = 0; w < nw; w++) {
-        size_t base = w * 32, len = n - base < 32 ? n - base : 32;
-        uint32_t word = 0;
-        for (size_t i = 0; i < len; i++) {
-            uint32_t u = key_of(stat[base + i]);
-            if (u > tau || (u == tau && need > 0 && need--))
-                word |= 1u << i;
-        }
-        mask[w] = word;
-    }
-    return SCAPE_OK;
+scape_rc kern_topk_ef(const float *m, const float *g, const float *e, size_t n,
+                      float beta1, float t_r, size_t k, uint32_t *mask, void *scratch,
+                      size_t scratch_bytes)
+{
+    static const char fn[] = "kern_topk_ef";
+    KERN_NONNULL(fn, g);
+    KERN_NONNULL(fn, e);
+    KERN_NONNULL(fn, mask);
+    KERN_NONNULL(fn, scratch);
+    KERN_MAXN(fn, n);
+    if (m && !(beta1 >= 0.0f && beta1 < 1.0f))
+        return scape_set_error(SCAPE_INVALID, "%s: beta1=%g out of [0,1)", fn, (double)beta1);
+    if (m && !(t_r >= 1.0f))
+        return scape_set_error(SCAPE_INVALID, "%s: t_r=%g must be >= 1", fn, (double)t_r);
+    size_t mb = kern_mask_words(n) * 4;
+    KERN_DISJOINT(fn, mask, mb, g, n * 4);
+    KERN_DISJOINT(fn, mask, mb, e, n * 4);
+    if (m)
+        KERN_DISJOINT(fn, mask, mb, m, n * 4);
+    key_src src = { .m = m, .g = g, .e = e, .beta1 = beta1, .c1 = 1.0f - beta1, .t_r = t_r };
+    return topk_run(fn, &src, n, k, mask, scratch, scratch_bytes);
 }

@@ -250,10 +250,17 @@ static size_t topk_scratch_bytes(size_t n)
     return align256(sizeof(topk_state)) + scan_scratch_bytes(kern_mask_words(n));
 }
 
+/* The fused top-k keeps the statistic in its scratch, then top-k's own. */
+static size_t topk_ef_scratch_bytes(size_t n)
+{
+    return n ? align256(n * sizeof(float)) + topk_scratch_bytes(n) : 0;
+}
+
 extern "C" size_t kern_cuda_scratch_bytes(size_t n)
 {
-    /* top-k includes a mask scan's worth, so it bounds every twin */
-    return topk_scratch_bytes(n);
+    /* the fused top-k includes top-k's, which includes a mask scan's worth,
+     * so it bounds every twin */
+    return topk_ef_scratch_bytes(n);
 }
 
 /* ---- elementwise operations ---------------------------------------------- */
@@ -1206,4 +1213,30 @@ extern "C" scape_rc kern_cuda_topk_mask(const float *stat, size_t n, size_t k,
     topk_layout L = topk_carve(scratch);
     RC_TRY(topk_select(fn, stat, n, k, L.st, s));
     return topk_write_mask(fn, stat, n, L, mask, s);
+}
+
+/* The device has the bandwidth to store the statistic, so the twin composes
+ * the two kernels it is defined by; the result is the same bits. */
+extern "C" scape_rc kern_cuda_topk_ef(const float *m, const float *g, const float *e,
+                                      size_t n, float beta1, float t_r, size_t k,
+                                      uint32_t *mask, void *scratch, size_t scratch_bytes,
+                                      void *stream)
+{
+    static const char fn[] = "kern_cuda_topk_ef";
+    KERN_NONNULL(fn, g);
+    KERN_NONNULL(fn, e);
+    KERN_NONNULL(fn, mask);
+    KERN_NONNULL(fn, scratch);
+    KERN_MAXN(fn, n);
+    if (k > n)
+        return scape_set_error(SCAPE_INVALID, "%s: k=%zu > n=%zu", fn, k, n);
+    RC_TRY(check_scratch(fn, scratch, scratch_bytes, topk_ef_scratch_bytes(n), {}));
+    if (n == 0)
+        return SCAPE_OK;
+    float *stat = static_cast<float *>(scratch);
+    void *rest = static_cast<char *>(scratch) + align256(n * sizeof(float));
+    size_t rest_bytes = scratch_bytes - align256(n * sizeof(float));
+    RC_TRY(m ? kern_cuda_mask_stat(m, g, e, n, beta1, t_r, stat, stream)
+             : kern_cuda_abs_stat(g, e, n, stat, stream));
+    return kern_cuda_topk_mask(stat, n, k, mask, rest, rest_bytes, stream);
 }

@@ -69,6 +69,15 @@ size_t kern_topk_scratch_bytes(size_t n);
 scape_rc kern_topk_mask(const float *stat, size_t n, size_t k, uint32_t *mask,
                         void *scratch, size_t scratch_bytes);
 
+/* Fused statistic and top-k: the mask kern_topk_mask would build from the
+ * statistic of kern_mask_stat (m given) or kern_abs_stat (m == NULL), bit for
+ * bit, with the statistic recomputed in each pass instead of stored: no
+ * n-element buffer.  beta1 and t_r are ignored when m is NULL.  Scratch as
+ * kern_topk_scratch_bytes(n). */
+scape_rc kern_topk_ef(const float *m, const float *g, const float *e, size_t n,
+                      float beta1, float t_r, size_t k, uint32_t *mask, void *scratch,
+                      size_t scratch_bytes);
+
 /* Number of set bits among the first n bits. */
 scape_rc kern_mask_popcount(const uint32_t *mask, size_t n, size_t *count);
 
@@ -164,6 +173,9 @@ scape_rc kern_cuda_abs_stat(const float *g, const float *e, size_t n, float *sta
                             void *stream);
 scape_rc kern_cuda_topk_mask(const float *stat, size_t n, size_t k, uint32_t *mask,
                              void *scratch, size_t scratch_bytes, void *stream);
+scape_rc kern_cuda_topk_ef(const float *m, const float *g, const float *e, size_t n,
+                           float beta1, float t_r, size_t k, uint32_t *mask, void *scratch,
+                           size_t scratch_bytes, void *stream);
 scape_rc kern_cuda_mask_popcount(const uint32_t *mask, size_t n, size_t *count,
                                  void *scratch, size_t scratch_bytes, void *stream);
 scape_rc kern_cuda_mask_prefix(const uint32_t *mask, size_t nwords, uint32_t *prefix,

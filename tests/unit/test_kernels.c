@@ -1037,7 +1037,7 @@ END_TEST
 typedef struct fx {
     float g[BN], e[BN], m[BN], v[BN], theta[BN], stat[BN], sum[BN], out[BN];
     _Alignas(16) uint16_t h16[BN + 1];
-    uint32_t mask[2], mask2[2], prefix[3], scratch[BN];
+    uint32_t mask[2], mask2[2], prefix[3], scratch[2048];
     size_t count;
 } fx;
 
@@ -1372,6 +1372,60 @@ START_TEST(test_bad_convert)
 }
 END_TEST
 
+/* The fused statistic + top-k gives the bits of the two-step path, for the
+ * SCAPE statistic and for |g + e|, on random and on heavily tied inputs. */
+static void topk_ef_case(rng *r, size_t n, int tied, int scape_stat)
+{
+    float *m = rand_f32(r, n ? n : 1), *g = rand_f32(r, n ? n : 1), *e = rand_f32(r, n ? n : 1);
+    for (size_t i = 0; tied && i < n; i++) {
+        g[i] = (float)(int)(3.0f * g[i]);
+        e[i] = 0.0f;
+        m[i] = 0.5f;
+    }
+    size_t nw = kern_mask_words(n), sb = kern_topk_scratch_bytes(n), k = n / 7 + (n > 0);
+    float *stat = xalloc((n ? n : 1) * sizeof *stat);
+    uint32_t *want = xalloc((nw ? nw : 1) * 4), *got = galloc(nw * 4);
+    void *scratch = xalloc(sb ? sb : 1);
+    if (scape_stat)
+        assert_ok(kern_mask_stat(m, g, e, n, 0.9f, 3.0f, stat), "kern_mask_stat", n);
+    else
+        assert_ok(kern_abs_stat(g, e, n, stat), "kern_abs_stat", n);
+    assert_ok(kern_topk_mask(stat, n, k, want, scratch, sb), "kern_topk_mask", n);
+    assert_ok(kern_topk_ef(scape_stat ? m : NULL, g, e, n, 0.9f, 3.0f, k, got, scratch, sb),
+              "kern_topk_ef", n);
+    ck_assert_msg(memcmp(got, want, nw * 4) == 0, "kern_topk_ef differs (n=%zu, tied=%d, "
+                  "scape=%d)", n, tied, scape_stat);
+    gcheck(got, "topk_ef mask");
+    free(m), free(g), free(e), free(stat), free(want), gfree(got), free(scratch);
+}
+
+START_TEST(test_topk_ef)
+{
+    rng r = rng_make(__func__, _i);
+    for (int tied = 0; tied < 2; tied++)
+        for (int sc = 0; sc < 2; sc++)
+            topk_ef_case(&r, s_sizes[_i], tied, sc);
+}
+END_TEST
+
+START_TEST(test_bad_topk_ef)
+{
+    fx f;
+    fx_init(&f, __func__, 0);
+    size_t sb = kern_topk_scratch_bytes(BN);
+    REFUSE(&f, "kern_topk_ef", kern_topk_ef(f.m, NULL, f.e, BN, 0.9f, 1.0f, 1, f.mask, f.scratch, sb));
+    REFUSE(&f, "kern_topk_ef", kern_topk_ef(f.m, f.g, NULL, BN, 0.9f, 1.0f, 1, f.mask, f.scratch, sb));
+    REFUSE(&f, "kern_topk_ef", kern_topk_ef(f.m, f.g, f.e, BN, 0.9f, 1.0f, 1, NULL, f.scratch, sb));
+    REFUSE(&f, "kern_topk_ef", kern_topk_ef(f.m, f.g, f.e, BN, 0.9f, 1.0f, 1, f.mask, NULL, sb));
+    REFUSE(&f, "kern_topk_ef", kern_topk_ef(f.m, f.g, f.e, BN, 0.9f, 1.0f, BN + 1, f.mask, f.scratch, sb));
+    REFUSE(&f, "kern_topk_ef", kern_topk_ef(f.m, f.g, f.e, BN, 0.9f, 1.0f, 1, f.mask, f.scratch, sb - 1));
+    REFUSE(&f, "kern_topk_ef", kern_topk_ef(f.m, f.g, f.e, BN, 1.0f, 1.0f, 1, f.mask, f.scratch, sb));
+    REFUSE(&f, "kern_topk_ef", kern_topk_ef(f.m, f.g, f.e, BN, 0.9f, 0.5f, 1, f.mask, f.scratch, sb));
+    REFUSE(&f, "kern_topk_ef", kern_topk_ef(f.m, f.g, f.e, BN, 0.9f, 1.0f, 1, (uint32_t *)(void *)f.g, f.scratch, sb));
+    assert_ok(kern_topk_ef(NULL, f.g, f.e, BN, 0.0f, 0.0f, 1, f.mask, f.scratch, sb), "kern_topk_ef", BN);
+}
+END_TEST
+
 /* ---- the suite ---------------------------------------------------------- */
 
 static TCase *sized(const char *name, const TTest *t, int timeout)
@@ -1394,6 +1448,7 @@ static Suite *kernels_suite(void)
     suite_add_tcase(s, sized("abs_stat", test_abs_stat, 300));
     suite_add_tcase(s, sized("topk", test_topk, 900));
     suite_add_tcase(s, sized("topk_all_equal", test_topk_all_equal, 300));
+    suite_add_tcase(s, sized("topk_ef", test_topk_ef, 900));
     suite_add_tcase(s, sized("popcount", test_mask_popcount, 300));
     suite_add_tcase(s, sized("prefix", test_mask_prefix, 300));
     suite_add_tcase(s, sized("compact", test_mask_compact, 300));
@@ -1416,6 +1471,7 @@ static Suite *kernels_suite(void)
     tc = tcase_create("refused");
     tcase_add_loop_test(tc, test_null_pack_stat, 0, 2);
     tcase_add_loop_test(tc, test_null_topk_masks, 0, 2);
+    tcase_add_test(tc, test_bad_topk_ef);
     tcase_add_loop_test(tc, test_null_adam, 0, 2);
     tcase_add_loop_test(tc, test_null_convert, 0, 2);
     tcase_add_test(tc, test_bad_pack_stat);
