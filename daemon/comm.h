@@ -39,11 +39,13 @@ typedef struct comm_ops {
     /* In-place sum of n floats across ranks. */
     scape_rc (*allreduce_sum)(comm_t *c, float *buf, size_t n);
     /* send holds sum(counts) floats, segment r at offset sum(counts[0..r));
-     * recv receives the sum of segment `rank` (counts[rank] floats). */
+     * recv receives the sum of segment `rank` (counts[rank] floats).  recv may
+     * be that segment of send itself (in place). */
     scape_rc (*reduce_scatter_sum)(comm_t *c, const float *send, float *recv,
                                    const size_t *counts);
     /* recv receives the concatenation of every rank's bytes (counts[r] from
-     * rank r); send holds counts[rank] bytes. */
+     * rank r); send holds counts[rank] bytes and may be this rank's own place
+     * in recv (in place). */
     scape_rc (*allgather)(comm_t *c, const void *send, void *recv,
                           const size_t *counts);
     /* Start an all-gather as above that completes at iallgather_wait; send

@@ -2,8 +2,8 @@
  *
  * Every collective is post -> barrier -> read the peers' buffers -> barrier:
  * each rank publishes a pointer to its input, and nobody reuses an input until
- * the second barrier says every peer has finished reading it.  Results are
- * computed into private memory, so no rank ever writes what another reads.
+ * the second barrier says every peer has finished reading it.  A rank writes
+ * only the parts of its own buffers that no peer reads in that phase.
  * A barrier that waits longer than LOCAL_TIMEOUT_S names the missing ranks.
  */
 #define _POSIX_C_SOURCE 200809L
@@ -33,8 +33,6 @@ typedef struct local_group {
 
 typedef struct local_rank {
     local_group *g;
-    float *scratch;          /* private all-reduce result */
-    size_t scratch_cap;
     size_t stage_cap;
     void *ag_recv;           /* outstanding iallgather */
     size_t *ag_counts;
@@ -108,32 +106,44 @@ static scape_rc post(comm_t *c, const void *p)
     return barrier(c);
 }
 
-/* out = sum over ranks (in rank order) of slot[q][off .. off+n). */
+/* out = sum over ranks (in rank order) of slot[q][off .. off+n).  out may be
+ * this rank's own segment of its input (in place): each chunk is summed
+ * aside before it is written. */
 static void sum_slots(local_group *g, size_t off, size_t n, float *out)
 {
-    const float *s0 = (const float *)g->slot[0] + off;
-    memcpy(out, s0, n * sizeof *out);
-    for (int q = 1; q < g->nranks; q++) {
-        const float *s = (const float *)g->slot[q] + off;
-        for (size_t i = 0; i < n; i++)
-            out[i] += s[i];
+    float acc[1024];
+    for (size_t c = 0; c < n; c += 1024) {
+        size_t len = n - c < 1024 ? n - c : 1024;
+        memcpy(acc, (const float *)g->slot[0] + off + c, len * sizeof *acc);
+        for (int q = 1; q < g->nranks; q++) {
+            const float *s = (const float *)g->slot[q] + off + c;
+            for (size_t i = 0; i < len; i++)
+                acc[i] += s[i];
+        }
+        memcpy(out + c, acc, len * sizeof *acc);
     }
 }
 
+/* In place and without scratch: each rank sums its 1/R of the vector into
+ * its own buffer (nobody else reads that part of it), then copies the other
+ * parts from their owners.  The sums are in rank order, as reduce-scatter's. */
 static scape_rc allreduce_sum(comm_t *c, float *buf, size_t n)
 {
-    local_rank *lr = c->impl;
-    scape_rc rc = grow((void **)&lr->scratch, &lr->scratch_cap, n * sizeof(float));
-    if (rc == SCAPE_OK)
-        rc = post(c, buf);
+    local_group *g = ((local_rank *)c->impl)->g;
+    size_t per = (n + (size_t)g->nranks - 1) / (size_t)g->nranks;
+    scape_rc rc = post(c, buf);
     if (rc != SCAPE_OK)
         return rc;
-    if (n)
-        sum_slots(lr->g, 0, n, lr->scratch);
+    size_t off = per * (size_t)c->rank < n ? per * (size_t)c->rank : n;
+    sum_slots(g, off, n - off < per ? n - off : per, buf + off);
     rc = barrier(c);
-    if (rc == SCAPE_OK && n)
-        memcpy(buf, lr->scratch, n * sizeof *buf);
-    return rc;
+    for (int q = 0; rc == SCAPE_OK && q < g->nranks; q++) {
+        size_t qoff = per * (size_t)q < n ? per * (size_t)q : n;
+        size_t qlen = n - qoff < per ? n - qoff : per;
+        if (q != c->rank && qlen)
+            memcpy(buf + qoff, (const float *)g->slot[q] + qoff, qlen * sizeof *buf);
+    }
+    return rc == SCAPE_OK ? barrier(c) : rc;
 }
 
 static scape_rc reduce_scatter_sum(comm_t *c, const float *send, float *recv,
@@ -156,7 +166,8 @@ static void gather_from(local_group *g, const void *const *src, void *recv,
 {
     size_t off = 0;
     for (int q = 0; q < g->nranks; q++) {
-        if (counts[q])
+        /* in place: a rank's own part may already sit where it belongs */
+        if (counts[q] && (const char *)src[q] != (char *)recv + off)
             memcpy((char *)recv + off, src[q], counts[q]);
         off += counts[q];
     }
@@ -233,7 +244,6 @@ static void destroy(comm_t *c)
 {
     local_rank *lr = c->impl;
     group_release(lr->g);
-    free(lr->scratch);
     free(lr->ag_counts);
     free(lr);
     free(c);

@@ -17,12 +17,6 @@
 
 #define ENG_MAX_TRAINERS 1024
 
-#define TRY(call)                                                              \
-    do {                                                                       \
-        scape_rc rc_ = (call);                                                 \
-        if (rc_ != SCAPE_OK)                                                   \
-            return rc_;                                                        \
-    } while (0)
 
 static const char *const s_opt_names[ENG_OPT_COUNT] = {
     [ENG_OPT_SCAPE] = "scape", [ENG_OPT_ADAMS] = "adams",
@@ -74,13 +68,6 @@ scape_rc eng_mode_parse(const char *s, eng_mode *out)
                            s ? s : "(null)");
 }
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 /* ---- creation ----------------------------------------------------------- */
 
 static scape_rc check_config(const eng_config *c)
@@ -117,11 +104,6 @@ static uint64_t config_hash(const eng_config *c)
     return h;
 }
 
-static int uses_v(const eng_t *e)
-{
-    return e->cfg.optimizer == ENG_OPT_ADAMW || e->cfg.optimizer == ENG_OPT_TOPK_ADAMW;
-}
-
 static scape_rc alloc_state(eng_t *e)
 {
     const plan *p = e->p;
@@ -129,43 +111,33 @@ static scape_rc alloc_state(eng_t *e)
     const plan_shard *me = &p->shard[e->rank];
     int sharded = e->cfg.mode == ENG_MODE_SHARDED;
     int topk = e->cfg.optimizer == ENG_OPT_TOPK_ADAMW;
+    int dense_only = e->cfg.optimizer == ENG_OPT_ADAMS || e->cfg.optimizer == ENG_OPT_ADAMW;
 
     e->state_base = sharded ? me->pos0 : 0;
     e->state_len = sharded ? me->len : n;
     size_t sl = e->state_len ? e->state_len : 1;
+    e->k_cap = dense_only ? 1 : topk ? (R * p->k_total < n ? R * p->k_total : n) : p->k_total;
     e->m = calloc(sl, sizeof(float));
-    e->v = uses_v(e) ? calloc(sl, sizeof(float)) : NULL;
+    e->v = eng_uses_v(e) ? calloc(sl, sizeof(float)) : NULL;
     e->theta = calloc(sl, sizeof(float));
     e->e = calloc(n, sizeof(float));
     e->g = (e->tr > 1 || e->gdt != KERN_F32) ? calloc(n, sizeof(float)) : NULL;
-    e->send = calloc(n, sizeof(float));
-    e->recv = sharded ? calloc(sl, sizeof(float)) : NULL;
-    e->upd = calloc(n, sizeof(float));
-    e->upd_own = sharded ? calloc(sl, sizeof(float)) : NULL;
-    e->stat = calloc(p->max_len, sizeof(float));
+    e->send = calloc(e->k_cap, sizeof(float));
+    e->upd = calloc(e->k_cap, sizeof(float));
     e->topk_scratch_bytes = kern_topk_scratch_bytes(p->max_len);
-    e->topk_scratch = malloc(e->topk_scratch_bytes);
-    e->ones = calloc(w, sizeof(uint32_t));
+    e->topk_scratch = malloc(e->topk_scratch_bytes ? e->topk_scratch_bytes : 1);
     e->mask_buf[0] = calloc(w, sizeof(uint32_t));
     e->mask_buf[1] = calloc(w, sizeof(uint32_t));
     e->own_bits = calloc(topk ? w : (me->words ? me->words : 1), sizeof(uint32_t));
     e->gathered = topk ? calloc(w * R, sizeof(uint32_t)) : NULL;
-    e->prefix = calloc(w + 1, sizeof(uint32_t));
+    e->toff = calloc(p->ntensors + 1, sizeof(size_t));
     e->counts = calloc(R, sizeof(size_t));
-    if (!e->m || (uses_v(e) && !e->v) || !e->theta || !e->e ||
-        ((e->tr > 1 || e->gdt != KERN_F32) && !e->g) || !e->send ||
-        (sharded && (!e->recv || !e->upd_own)) || !e->upd || !e->stat ||
-        !e->topk_scratch || !e->ones || !e->mask_buf[0] || !e->mask_buf[1] ||
-        !e->own_bits || (topk && !e->gathered) || !e->prefix || !e->counts)
+    if (!e->m || (eng_uses_v(e) && !e->v) || !e->theta || !e->e ||
+        ((e->tr > 1 || e->gdt != KERN_F32) && !e->g) || !e->send || !e->upd ||
+        !e->topk_scratch || !e->mask_buf[0] || !e->mask_buf[1] || !e->own_bits ||
+        (topk && !e->gathered) || !e->toff || !e->counts)
         return scape_set_error(SCAPE_NOMEM, "engine: cannot allocate state for N=%zu", n);
-
-    for (size_t i = 0; i < p->ntensors; i++) {
-        const plan_tensor *t = &p->t[i];
-        memset(e->ones + t->word, 0xff, (t->len / 32) * sizeof(uint32_t));
-        if (t->len & 31)
-            e->ones[t->word + t->len / 32] = (1u << (t->len & 31)) - 1u;
-    }
-    e->mask_cur = e->ones;
+    e->mask_cur = NULL;
     e->mask_next = e->mask_buf[0];
     return SCAPE_OK;
 }
@@ -240,9 +212,9 @@ void eng_destroy(eng_t **ep)
     if (e->mask_pending && !e->broken)
         comm_iallgather_wait(e->comm);
     plan_destroy(&e->p);
-    void *bufs[] = { e->m, e->v, e->theta, e->e, e->g, e->send, e->recv, e->upd,
-                     e->upd_own, e->stat, e->topk_scratch, e->ones, e->mask_buf[0],
-                     e->mask_buf[1], e->own_bits, e->gathered, e->prefix, e->counts };
+    void *bufs[] = { e->m, e->v, e->theta, e->e, e->g, e->send, e->upd, e->topk_scratch,
+                     e->mask_buf[0], e->mask_buf[1], e->own_bits, e->gathered, e->toff,
+                     e->counts, e->ghat, e->ghave };
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         free(bufs[i]);
     free(e);
@@ -303,235 +275,6 @@ scape_rc eng_init_params(eng_t *e, void *const *params)
     return SCAPE_OK;
 }
 
-/* ---- the step ----------------------------------------------------------- */
-
-/* G_r: the sum of the local trainers' gradients, in trainer order. */
-static scape_rc intake(eng_t *e, const void *const *grads, const float **g_out)
-{
-    if (e->tr == 1 && e->gdt == KERN_F32) {
-        *g_out = grads[0];
-        return SCAPE_OK;
-    }
-    for (int j = 0; j < e->tr; j++)
-        TRY(kern_grad_accum(e->g, grads[j], e->gdt, e->p->n, j == 0));
-    *g_out = e->g;
-    return SCAPE_OK;
-}
-
-static int dense_step(const eng_t *e, uint64_t t)
-{
-    return e->cfg.optimizer == ENG_OPT_ADAMS || e->cfg.optimizer == ENG_OPT_ADAMW ||
-           t <= e->cfg.warmup;
-}
-
-/* SCAPE: finish the lagged all-gather; M_t is all ones in warm-up, else it. */
-static scape_rc scape_mask(eng_t *e, uint64_t t)
-{
-    if (e->mask_pending) {
-        TRY(comm_iallgather_wait(e->comm));
-        e->mask_pending = 0;
-    }
-    const uint32_t *prev = e->mask_cur;
-    if (t <= e->cfg.warmup) {
-        e->mask_cur = e->ones;
-    } else {
-        e->mask_cur = e->mask_next;
-        e->mask_next = e->mask_next == e->mask_buf[0] ? e->mask_buf[1] : e->mask_buf[0];
-    }
-    e->last.mask_churn = 0.0;
-    if (prev != e->ones && e->mask_cur != e->ones) {
-        uint64_t fresh = 0, total = 0;
-        for (size_t w = 0; w < e->p->nwords; w++) {
-            fresh += (uint64_t)__builtin_popcount(e->mask_cur[w] & ~prev[w]);
-            total += (uint64_t)__builtin_popcount(e->mask_cur[w]);
-        }
-        e->last.mask_churn = total ? (double)fresh / (double)total : 0.0;
-    }
-    return SCAPE_OK;
-}
-
-/* SCAPE: statistics and exact top-k of the owned tensors -> M_{t+1}, whose
- * all-gather starts immediately and is waited for at the next step. */
-static scape_rc scape_select(eng_t *e, const float *g)
-{
-    const plan *p = e->p;
-    const plan_shard *me = &p->shard[e->rank];
-    for (size_t j = me->first; j < me->first + me->count; j++) {
-        const plan_tensor *t = &p->t[p->order[j]];
-        const float *m = e->m + (t->pos - e->state_base);
-        TRY(kern_mask_stat(m, g + t->off, e->e + t->off, t->len, e->cfg.hyper.beta1,
-                           (float)e->tr, e->stat));
-        TRY(kern_topk_mask(e->stat, t->len, t->k, e->own_bits + (t->word - me->word0),
-                           e->topk_scratch, e->topk_scratch_bytes));
-    }
-    for (int r = 0; r < e->comm->size; r++)
-        e->counts[r] = p->shard[r].words * sizeof(uint32_t);
-    TRY(comm_iallgather(e->comm, e->own_bits, e->mask_next, e->counts));
-    e->mask_pending = 1;
-    return SCAPE_OK;
-}
-
-/* topk-adamw: each rank's top-k of |a_r| per tensor; the union is the mask. */
-static scape_rc topk_union_mask(eng_t *e, const float *g)
-{
-    const plan *p = e->p;
-    for (size_t i = 0; i < p->ntensors; i++) {
-        const plan_tensor *t = &p->t[i];
-        TRY(kern_abs_stat(g + t->off, e->e + t->off, t->len, e->stat));
-        TRY(kern_topk_mask(e->stat, t->len, t->k, e->own_bits + t->word,
-                           e->topk_scratch, e->topk_scratch_bytes));
-    }
-    for (int r = 0; r < e->comm->size; r++)
-        e->counts[r] = p->nwords * sizeof(uint32_t);
-    TRY(comm_allgather(e->comm, e->own_bits, e->gathered, e->counts));
-    uint32_t *u = e->mask_buf[0];
-    memcpy(u, e->gathered, p->nwords * sizeof *u);
-    for (int r = 1; r < e->comm->size; r++)
-        TRY(kern_mask_or(u, e->gathered + (size_t)r * p->nwords, p->nwords));
-    e->mask_cur = u;
-    return SCAPE_OK;
-}
-
-/* Pack a = G + e on the mask, tensor by tensor in comm order. */
-static scape_rc pack(eng_t *e, const float *g)
-{
-    const plan *p = e->p;
-    for (size_t j = 0; j < p->ntensors; j++) {
-        const plan_tensor *t = &p->t[p->order[j]];
-        size_t k;
-        TRY(kern_pack_ef(g + t->off, e->e + t->off, e->mask_cur + t->word, t->len,
-                         e->send + e->prefix[t->word], &k));
-    }
-    return SCAPE_OK;
-}
-
-/* The one reduction collective; e->sum/sum_base locate the reduced values. */
-static scape_rc reduce(eng_t *e, size_t k)
-{
-    if (e->cfg.mode == ENG_MODE_REPLICATED) {
-        TRY(comm_allreduce_sum(e->comm, e->send, k));
-        e->sum = e->send;
-        e->sum_base = 0;
-        return SCAPE_OK;
-    }
-    for (int r = 0; r < e->comm->size; r++) {
-        const plan_shard *s = &e->p->shard[r];
-        e->counts[r] = e->prefix[s->word0 + s->words] - e->prefix[s->word0];
-    }
-    TRY(comm_reduce_scatter_sum(e->comm, e->send, e->recv, e->counts));
-    e->sum = e->recv;
-    e->sum_base = e->prefix[e->p->shard[e->rank].word0];
-    return SCAPE_OK;
-}
-
-/* Range of comm order this rank updates: all tensors, or its shard. */
-static void update_range(const eng_t *e, size_t *first, size_t *count)
-{
-    if (e->cfg.mode == ENG_MODE_REPLICATED) {
-        *first = 0;
-        *count = e->p->ntensors;
-    } else {
-        *first = e->p->shard[e->rank].first;
-        *count = e->p->shard[e->rank].count;
-    }
-}
-
-static scape_rc update_tensor(eng_t *e, const plan_tensor *t, uint64_t t_step, float lr,
-                              int dense)
-{
-    size_t s = t->pos - e->state_base;
-    const float *sum = e->sum + (e->prefix[t->word] - e->sum_base);
-    const uint32_t *mask = e->mask_cur + t->word;
-    float div = (float)e->t_total;
-    const kern_hyper *h = &e->cfg.hyper;
-    if (uses_v(e))
-        return dense ? kern_adamw_dense(e->theta + s, e->m + s, e->v + s, sum, div,
-                                        t->len, h, lr, t_step)
-                     : kern_adamw_masked(e->theta + s, e->m + s, e->v + s, sum, div,
-                                         mask, t->len, h, lr, t_step);
-    return dense ? kern_adams_dense(e->theta + s, e->m + s, sum, div, t->len, h, lr)
-                 : kern_adams_masked(e->theta + s, e->m + s, sum, div, mask, t->len, h, lr);
-}
-
-static scape_rc update(eng_t *e, uint64_t t, float lr, int dense)
-{
-    size_t first, count;
-    update_range(e, &first, &count);
-    for (size_t j = first; j < first + count; j++)
-        TRY(update_tensor(e, &e->p->t[e->p->order[j]], t, lr, dense));
-    return SCAPE_OK;
-}
-
-/* upd = the updated parameters at the mask, packed in comm order. */
-static scape_rc gather_updates(eng_t *e)
-{
-    size_t first, count, k;
-    update_range(e, &first, &count);
-    int sharded = e->cfg.mode == ENG_MODE_SHARDED;
-    float *dst = sharded ? e->upd_own : e->upd;
-    size_t base = sharded ? e->sum_base : 0;
-    for (size_t j = first; j < first + count; j++) {
-        const plan_tensor *t = &e->p->t[e->p->order[j]];
-        TRY(kern_mask_compact(e->theta + (t->pos - e->state_base), e->mask_cur + t->word,
-                              t->len, dst + (e->prefix[t->word] - base), &k));
-    }
-    if (!sharded)
-        return SCAPE_OK;
-    for (int r = 0; r < e->comm->size; r++) {
-        const plan_shard *s = &e->p->shard[r];
-        e->counts[r] = (e->prefix[s->word0 + s->words] - e->prefix[s->word0]) * sizeof(float);
-    }
-    return comm_allgather(e->comm, e->upd_own, e->upd, e->counts);
-}
-
-static scape_rc write_back(eng_t *e, void *const *params)
-{
-    size_t esz = kern_dtype_size(e->pdt);
-    for (size_t i = 0; i < e->p->ntensors; i++) {
-        const plan_tensor *t = &e->p->t[i];
-        for (int j = 0; j < e->tr; j++)
-            TRY(kern_mask_expand(e->upd + e->prefix[t->word], e->mask_cur + t->word, t->len,
-                                 (char *)params[j] + t->off * esz, e->pdt));
-    }
-    return SCAPE_OK;
-}
-
-/* Run fn(args) and add its wall time to phase ph. */
-#define PHASE(ph, call)                                                        \
-    do {                                                                       \
-        double t0_ = now_s();                                                  \
-        scape_rc rc_ = (call);                                                 \
-        e->last.phase_s[ph] += now_s() - t0_;                                  \
-        if (rc_ != SCAPE_OK)                                                   \
-            return rc_;                                                        \
-    } while (0)
-
-static scape_rc step_body(eng_t *e, uint64_t t, float lr, const void *const *grads,
-                          void *const *params)
-{
-    const float *g = NULL;
-    int dense = dense_step(e, t);
-    int scape = e->cfg.optimizer == ENG_OPT_SCAPE;
-    PHASE(ENG_PH_INTAKE, intake(e, grads, &g));
-    if (scape)
-        PHASE(ENG_PH_MASK_WAIT, scape_mask(e, t));
-    else if (dense)
-        e->mask_cur = e->ones;
-    else
-        PHASE(ENG_PH_SELECT, topk_union_mask(e, g));
-    if (scape && t + 1 > e->cfg.warmup)
-        PHASE(ENG_PH_SELECT, scape_select(e, g));
-    TRY(kern_mask_prefix(e->mask_cur, e->p->nwords, e->prefix));
-    size_t k = e->prefix[e->p->nwords];
-    PHASE(ENG_PH_PACK, pack(e, g));
-    PHASE(ENG_PH_REDUCE, reduce(e, k));
-    PHASE(ENG_PH_UPDATE, update(e, t, lr, dense));
-    PHASE(ENG_PH_GATHER, gather_updates(e));
-    PHASE(ENG_PH_WRITEBACK, write_back(e, params));
-    e->last.k = k;
-    return SCAPE_OK;
-}
-
 static scape_rc check_step(const eng_t *e, uint64_t t, float lr, const void *const *grads,
                            void *const *params)
 {
@@ -572,7 +315,7 @@ scape_rc eng_step(eng_t *e, uint64_t t, float lr, const void *const *grads,
     TRY(check_step(e, t, lr, grads, params));
     comm_stats before = e->comm->stats;
     memset(&e->last, 0, sizeof e->last);
-    scape_rc rc = step_body(e, t, lr, grads, params);
+    scape_rc rc = eng_step_body(e, t, lr, grads, params);
     if (rc != SCAPE_OK) {
         e->broken = 1;
         return rc;

@@ -126,9 +126,12 @@ scape_rc eng_get_state(const eng_t *e, eng_state_vec which, float *out,
                        unsigned char *have);
 /* The mask used by the last step, one byte (0/1) per coordinate. */
 scape_rc eng_get_mask(const eng_t *e, unsigned char *bits);
+/* Keep (on != 0) or stop keeping a copy of every step's g_hat for
+ * eng_get_ghat: N floats and N bytes, for tests and debugging. */
+scape_rc eng_set_inspect(eng_t *e, int on);
 /* The last step's g_hat = S / T at the coordinates this rank reduced (all
  * mask coordinates when replicated, its shard's when sharded); have[i] marks
- * them, elsewhere out[i] = 0. */
+ * them, elsewhere out[i] = 0.  Needs eng_set_inspect before the step. */
 scape_rc eng_get_ghat(const eng_t *e, float *out, unsigned char *have);
 
 #endif /* SCAPE_ENGINE_H */

@@ -1,6 +1,7 @@
 /* engine_inspect.c - read-only views of an engine's state in coordinate
  * order, for tests, the status plane and checkpoints. */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "engine_internal.h"
@@ -22,7 +23,7 @@ int eng_tensor_owner(const eng_t *e, size_t l)
 double eng_residual_norm(const eng_t *e)
 {
     double s = 0.0;
-    for (size_t i = 0; e && i < e->p->n; i++)
+    for (size_t i = 0; e && !e->e_stale && i < e->p->n; i++)
         s += (double)e->e[i] * (double)e->e[i];
     return sqrt(s);
 }
@@ -31,7 +32,13 @@ scape_rc eng_get_residual(const eng_t *e, float *out)
 {
     if (e == NULL || out == NULL)
         return scape_set_error(SCAPE_INVALID, "eng_get_residual: NULL argument");
-    memcpy(out, e->e, e->p->n * sizeof *out);
+    for (size_t l = 0; l < e->p->ntensors; l++) {
+        const plan_tensor *t = &e->p->t[l];
+        if (e->e_stale)
+            memset(out + t->off, 0, t->len * sizeof *out);
+        else
+            memcpy(out + t->off, e->e + t->pos, t->len * sizeof *out);
+    }
     return SCAPE_OK;
 }
 
@@ -66,9 +73,31 @@ scape_rc eng_get_mask(const eng_t *e, unsigned char *bits)
         return scape_set_error(SCAPE_INVALID, "eng_get_mask: NULL argument");
     for (size_t l = 0; l < e->p->ntensors; l++) {
         const plan_tensor *t = &e->p->t[l];
+        if (e->mask_cur == NULL) { /* a dense step: every bit */
+            memset(bits + t->off, 1, t->len);
+            continue;
+        }
         const uint32_t *w = e->mask_cur + t->word;
         for (size_t i = 0; i < t->len; i++)
             bits[t->off + i] = (unsigned char)((w[i >> 5] >> (i & 31)) & 1u);
+    }
+    return SCAPE_OK;
+}
+
+scape_rc eng_set_inspect(eng_t *e, int on)
+{
+    if (e == NULL)
+        return scape_set_error(SCAPE_INVALID, "eng_set_inspect: engine is NULL");
+    if (on && e->ghat == NULL) {
+        e->ghat = calloc(e->p->n, sizeof *e->ghat);
+        e->ghave = calloc(e->p->n, 1);
+        if (e->ghat == NULL || e->ghave == NULL)
+            return scape_set_error(SCAPE_NOMEM, "eng_set_inspect: out of memory");
+    } else if (!on) {
+        free(e->ghat);
+        free(e->ghave);
+        e->ghat = NULL;
+        e->ghave = NULL;
     }
     return SCAPE_OK;
 }
@@ -77,23 +106,14 @@ scape_rc eng_get_ghat(const eng_t *e, float *out, unsigned char *have)
 {
     if (e == NULL || out == NULL || have == NULL)
         return scape_set_error(SCAPE_INVALID, "eng_get_ghat: NULL argument");
+    if (e->ghat == NULL)
+        return scape_set_error(SCAPE_INVALID, "eng_get_ghat: enable it with eng_set_inspect");
     if (e->last_step == 0)
         return scape_set_error(SCAPE_INVALID, "eng_get_ghat: no step has run");
-    memset(out, 0, e->p->n * sizeof *out);
-    memset(have, 0, e->p->n);
-    int sharded = e->cfg.mode == ENG_MODE_SHARDED;
     for (size_t l = 0; l < e->p->ntensors; l++) {
         const plan_tensor *t = &e->p->t[l];
-        if (sharded && t->owner != e->rank)
-            continue;
-        const uint32_t *w = e->mask_cur + t->word;
-        size_t j = e->prefix[t->word] - e->sum_base;
-        for (size_t i = 0; i < t->len; i++) {
-            if (!((w[i >> 5] >> (i & 31)) & 1u))
-                continue;
-            out[t->off + i] = e->sum[j++] / (float)e->t_total;
-            have[t->off + i] = 1;
-        }
+        memcpy(out + t->off, e->ghat + t->pos, t->len * sizeof *out);
+        memcpy(have + t->off, e->ghave + t->pos, t->len);
     }
     return SCAPE_OK;
 }

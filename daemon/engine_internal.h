@@ -1,5 +1,12 @@
 /* engine_internal.h - the engine's state, shared by engine.c (the step) and
- * engine_inspect.c (read-only views for tests, status and checkpoints). */
+ * engine_inspect.c (read-only views for tests, status and checkpoints).
+ *
+ * Memory beyond the optimizer state (m, theta, v) and the residual is kept
+ * small: two masks of N bits, per-tensor offsets, and two buffers of K_cap
+ * floats (sum k_l for SCAPE).  A dense step packs in place in the residual,
+ * which the comm order makes possible: the residual is stored in comm order,
+ * so with every bit set it already is the packed send buffer.
+ */
 #ifndef SCAPE_ENGINE_INTERNAL_H
 #define SCAPE_ENGINE_INTERNAL_H
 
@@ -22,30 +29,47 @@ struct eng {
     size_t state_base, state_len;
     float *m, *v, *theta;
 
-    float *e;            /* residual e_r, coordinate order, N */
-    float *g;            /* intake buffer, N; NULL when a trainer's buffer serves */
-    float *send;         /* packed a_r on the mask, then (replicated) the sum */
-    float *recv;         /* sharded: this rank's segment of the sum */
-    float *upd;          /* packed updated parameters, all ranks */
-    float *upd_own;      /* sharded: this rank's part of upd before the gather */
-    float *stat;         /* statistics of one tensor */
+    float *e;            /* residual e_r, comm order, N */
+    int e_stale;         /* e holds a dense step's sums: the residual is zero */
+    float *g;            /* intake buffer, coordinate order; NULL when a trainer's serves */
+    size_t k_cap;        /* most values a sparse step reduces */
+    float *send;         /* sparse: packed a_r, then the sums (own segment in place) */
+    float *upd;          /* sparse: packed updated parameters */
     void *topk_scratch;
     size_t topk_scratch_bytes;
 
-    uint32_t *ones;      /* the all-ones mask (padding bits clear) */
     uint32_t *mask_buf[2];
-    const uint32_t *mask_cur; /* mask of the last step: ones or a mask_buf */
+    const uint32_t *mask_cur; /* mask of the last step; NULL: all ones (dense) */
     uint32_t *mask_next; /* target of the lagged all-gather */
     int mask_pending;    /* that all-gather is outstanding */
     uint32_t *own_bits;  /* scape: this shard's next-mask words; topk: local mask */
     uint32_t *gathered;  /* topk: every rank's local mask */
-    uint32_t *prefix;    /* exclusive prefix of set bits per mask word */
+    size_t *toff;        /* packed offset of each tensor, comm order, ntensors + 1 */
 
     size_t *counts;      /* per rank, scratch for collective counts */
-    const float *sum;    /* the last step's reduced values ... */
-    size_t sum_base;     /* ... starting at this packed index */
+    const float *sum;    /* the last step's reduced values, packed */
+
+    float *ghat;         /* inspection only: the last g_hat, comm order */
+    unsigned char *ghave;
 
     eng_step_stats last;
 };
+
+#define TRY(call)                                                              \
+    do {                                                                       \
+        scape_rc rc_ = (call);                                                 \
+        if (rc_ != SCAPE_OK)                                                   \
+            return rc_;                                                        \
+    } while (0)
+
+/* The optimizer keeps a second moment (the AdamW variants). */
+static inline int eng_uses_v(const eng_t *e)
+{
+    return e->cfg.optimizer == ENG_OPT_ADAMW || e->cfg.optimizer == ENG_OPT_TOPK_ADAMW;
+}
+
+/* Run step t's phases (engine_step.c); the caller validated the arguments. */
+scape_rc eng_step_body(eng_t *e, uint64_t t, float lr, const void *const *grads,
+                       void *const *params);
 
 #endif /* SCAPE_ENGINE_INTERNAL_H */

@@ -104,6 +104,44 @@ static scape_rc do_reduce_scatter(rank_arg *a)
     return rc;
 }
 
+/* In place: recv is this rank's own segment of send, and the all-gather's
+ * send is this rank's own place in recv. */
+static scape_rc do_in_place(rank_arg *a)
+{
+    size_t counts[8] = { 0 }, total = 0, off = 0, bcounts[8];
+    seg_counts(a->nranks, counts);
+    for (int r = 0; r < a->nranks; r++) {
+        if (r < a->rank)
+            off += counts[r];
+        total += counts[r];
+        bcounts[r] = counts[r] * sizeof(float);
+    }
+    float *buf = malloc((total + 1) * sizeof *buf);
+    for (size_t i = 0; i < total; i++)
+        buf[i] = val(a->rank, i);
+    scape_rc rc = comm_reduce_scatter_sum(a->comm, buf, buf + off, counts);
+    for (size_t i = 0; rc == SCAPE_OK && i < counts[a->rank]; i++)
+        if (memcmp(&buf[off + i], &(float){ rank_order_sum(a->nranks, off + i) }, 4) != 0)
+            rc = scape_set_error(SCAPE_INVALID, "rank %d: in-place element %zu", a->rank, i);
+    if (rc == SCAPE_OK)
+        rc = comm_allgather(a->comm, buf + off, buf, bcounts);
+    for (size_t i = 0; rc == SCAPE_OK && i < total; i++)
+        if (memcmp(&buf[i], &(float){ rank_order_sum(a->nranks, i) }, 4) != 0)
+            rc = scape_set_error(SCAPE_INVALID, "rank %d: gathered element %zu", a->rank, i);
+    free(buf);
+    return rc;
+}
+
+START_TEST(in_place_collectives)
+{
+    for (int s = 0; s < NSIZES; s++) {
+        rank_arg args[8];
+        ck_assert_int_eq(run_ranks(s_sizes[s], do_in_place, NULL, args), 0);
+        expect_all_ok(s_sizes[s], args);
+    }
+}
+END_TEST
+
 START_TEST(reduce_scatter_matches_allreduce)
 {
     for (int s = 0; s < NSIZES; s++) {
@@ -257,6 +295,7 @@ int main(void)
     tcase_add_test(tc, allreduce_rank_order);
     tcase_add_test(tc, reduce_scatter_matches_allreduce);
     tcase_add_test(tc, allgather_sync_and_async);
+    tcase_add_test(tc, in_place_collectives);
     tcase_add_test(tc, broadcast_and_barrier);
     tcase_add_test(tc, bad_arguments);
     tcase_add_test(tc, barrier_times_out_naming_missing_rank);

@@ -479,6 +479,8 @@ static scape_rc rank_run(rank_arg *a)
     eng_layout lay = { c->ts, NT, c->sp->pdt, c->sp->gdt };
     eng_t *e = NULL;
     scape_rc rc = eng_create(&e, &c->sp->cfg, &lay, a->comm, tr);
+    if (rc == SCAPE_OK && c->sp->check)
+        rc = eng_set_inspect(e, 1);
     if (rc == SCAPE_OK)
         rc = eng_init_params(e, params);
     if (rc == SCAPE_OK)

@@ -1,0 +1,332 @@
+/* engine_step.c - the phases of one step (algorithm.md, "Step t").
+ *
+ * intake (sum the local trainers' gradients) -> the mask (all ones in warm-up
+ * and for the dense optimizers, else the lagged one, waiting for its
+ * all-gather) -> statistics and exact top-k of the next mask for the owned
+ * tensors, whose all-gather starts at once -> pack a = G + e on the mask ->
+ * one reduction collective -> update on the mask -> (sharded) all-gather of
+ * the updated values -> write them into every trainer's buffer.
+ *
+ * A dense step packs in place: the residual, kept in comm order, becomes the
+ * send buffer and then holds the sums (e_stale), so no N-sized working
+ * buffer exists.  A sparse step packs into `send` (K_cap floats) and gathers
+ * the new parameters in `upd` (K_cap floats).  Sharded collectives run in
+ * place: each rank's segment is its own part of the same buffer.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "engine_internal.h"
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static const plan_tensor *tensor_at(const eng_t *e, size_t j)
+{
+    return &e->p->t[e->p->order[j]];
+}
+
+/* G_r: the sum of the local trainers' gradients, in trainer order. */
+static scape_rc intake(eng_t *e, const void *const *grads, const float **g_out)
+{
+    if (e->tr == 1 && e->gdt == KERN_F32) {
+        *g_out = grads[0];
+        return SCAPE_OK;
+    }
+    for (int j = 0; j < e->tr; j++)
+        TRY(kern_grad_accum(e->g, grads[j], e->gdt, e->p->n, j == 0));
+    *g_out = e->g;
+    return SCAPE_OK;
+}
+
+/* A dense step left its sums in e; the residual they stand for is zero. */
+static void clean_residual(eng_t *e)
+{
+    if (e->e_stale) {
+        memset(e->e, 0, e->p->n * sizeof *e->e);
+        e->e_stale = 0;
+    }
+}
+
+/* SCAPE: finish the lagged all-gather; M_t is all ones (NULL) in warm-up. */
+static scape_rc scape_mask(eng_t *e, uint64_t t)
+{
+    if (e->mask_pending) {
+        TRY(comm_iallgather_wait(e->comm));
+        e->mask_pending = 0;
+    }
+    const uint32_t *prev = e->mask_cur;
+    if (t <= e->cfg.warmup) {
+        e->mask_cur = NULL;
+    } else {
+        e->mask_cur = e->mask_next;
+        e->mask_next = e->mask_next == e->mask_buf[0] ? e->mask_buf[1] : e->mask_buf[0];
+    }
+    if (prev && e->mask_cur) {
+        uint64_t fresh = 0, total = 0;
+        for (size_t w = 0; w < e->p->nwords; w++) {
+            fresh += (uint64_t)__builtin_popcount(e->mask_cur[w] & ~prev[w]);
+            total += (uint64_t)__builtin_popcount(e->mask_cur[w]);
+        }
+        e->last.mask_churn = total ? (double)fresh / (double)total : 0.0;
+    }
+    return SCAPE_OK;
+}
+
+/* SCAPE: exact top-k of the statistic over the owned tensors -> M_{t+1},
+ * whose all-gather starts at once and is waited for at the next step. */
+static scape_rc scape_select(eng_t *e, const float *g)
+{
+    const plan *p = e->p;
+    const plan_shard *me = &p->shard[e->rank];
+    clean_residual(e);
+    for (size_t j = me->first; j < me->first + me->count; j++) {
+        const plan_tensor *t = tensor_at(e, j);
+        TRY(kern_topk_ef(e->m + (t->pos - e->state_base), g + t->off, e->e + t->pos, t->len,
+                         e->cfg.hyper.beta1, (float)e->tr, t->k,
+                         e->own_bits + (t->word - me->word0), e->topk_scratch,
+                         e->topk_scratch_bytes));
+    }
+    for (int r = 0; r < e->comm->size; r++)
+        e->counts[r] = p->shard[r].words * sizeof(uint32_t);
+    TRY(comm_iallgather(e->comm, e->own_bits, e->mask_next, e->counts));
+    e->mask_pending = 1;
+    return SCAPE_OK;
+}
+
+/* topk-adamw: each rank's top-k of |a_r| per tensor; the union is the mask. */
+static scape_rc topk_union_mask(eng_t *e, const float *g)
+{
+    const plan *p = e->p;
+    clean_residual(e);
+    for (size_t i = 0; i < p->ntensors; i++) {
+        const plan_tensor *t = &p->t[i];
+        TRY(kern_topk_ef(NULL, g + t->off, e->e + t->pos, t->len, 0.0f, 1.0f, t->k,
+                         e->own_bits + t->word, e->topk_scratch, e->topk_scratch_bytes));
+    }
+    for (int r = 0; r < e->comm->size; r++)
+        e->counts[r] = p->nwords * sizeof(uint32_t);
+    TRY(comm_allgather(e->comm, e->own_bits, e->gathered, e->counts));
+    uint32_t *u = e->mask_buf[0];
+    memcpy(u, e->gathered, p->nwords * sizeof *u);
+    for (int r = 1; r < e->comm->size; r++)
+        TRY(kern_mask_or(u, e->gathered + (size_t)r * p->nwords, p->nwords));
+    e->mask_cur = u;
+    return SCAPE_OK;
+}
+
+/* toff[j]: where tensor j (comm order) starts among the packed values. */
+static scape_rc tensor_offsets(eng_t *e, size_t *k_out)
+{
+    e->toff[0] = 0;
+    for (size_t j = 0; j < e->p->ntensors; j++) {
+        const plan_tensor *t = tensor_at(e, j);
+        size_t c = t->len;
+        if (e->mask_cur)
+            TRY(kern_mask_popcount(e->mask_cur + t->word, t->len, &c));
+        e->toff[j + 1] = e->toff[j] + c;
+    }
+    *k_out = e->toff[e->p->ntensors];
+    if (e->mask_cur && *k_out > e->k_cap)
+        return scape_set_error(SCAPE_INVALID, "engine: mask of %zu values exceeds the "
+                               "capacity of %zu", *k_out, e->k_cap);
+    return SCAPE_OK;
+}
+
+/* Per-rank sizes of the packed segments, in units of `elem` bytes. */
+static void shard_counts(eng_t *e, size_t elem)
+{
+    for (int r = 0; r < e->comm->size; r++) {
+        const plan_shard *s = &e->p->shard[r];
+        e->counts[r] = (e->toff[s->first + s->count] - e->toff[s->first]) * elem;
+    }
+}
+
+/* Pack a = G + e: in place in e when dense, into `send` on the mask. */
+static scape_rc pack(eng_t *e, const float *g, float **buf)
+{
+    for (size_t j = 0; j < e->p->ntensors; j++) {
+        const plan_tensor *t = tensor_at(e, j);
+        size_t k;
+        if (e->mask_cur)
+            TRY(kern_pack_ef(g + t->off, e->e + t->pos, e->mask_cur + t->word, t->len,
+                             e->send + e->toff[j], &k));
+        else
+            TRY(kern_grad_accum(e->e + t->pos, g + t->off, KERN_F32, t->len, e->e_stale));
+    }
+    if (!e->mask_cur)
+        e->e_stale = 1; /* e now holds a, and after the reduction the sums */
+    *buf = e->mask_cur ? e->send : e->e;
+    return SCAPE_OK;
+}
+
+/* The one reduction collective, in place; sharded ranks keep their segment. */
+static scape_rc reduce(eng_t *e, float *buf, size_t k)
+{
+    e->sum = buf;
+    if (e->cfg.mode == ENG_MODE_REPLICATED)
+        return comm_allreduce_sum(e->comm, buf, k);
+    shard_counts(e, 1);
+    return comm_reduce_scatter_sum(e->comm, buf, buf + e->toff[e->p->shard[e->rank].first],
+                                   e->counts);
+}
+
+/* Range of comm order this rank updates: all tensors, or its shard. */
+static void update_range(const eng_t *e, size_t *first, size_t *count)
+{
+    if (e->cfg.mode == ENG_MODE_REPLICATED) {
+        *first = 0;
+        *count = e->p->ntensors;
+    } else {
+        *first = e->p->shard[e->rank].first;
+        *count = e->p->shard[e->rank].count;
+    }
+}
+
+/* Inspection: keep g_hat = S / T of the coordinates this rank reduced. */
+static void keep_ghat(eng_t *e)
+{
+    size_t first, count;
+    update_range(e, &first, &count);
+    memset(e->ghave, 0, e->p->n);
+    for (size_t j = first; j < first + count; j++) {
+        const plan_tensor *t = tensor_at(e, j);
+        const float *s = e->sum + e->toff[j];
+        for (size_t i = 0, q = 0; i < t->len; i++) {
+            int on = !e->mask_cur || ((e->mask_cur[t->word + i / 32] >> (i & 31)) & 1u);
+            e->ghat[t->pos + i] = on ? s[q++] / (float)e->t_total : 0.0f;
+            e->ghave[t->pos + i] = (unsigned char)on;
+        }
+    }
+}
+
+static scape_rc update_tensor(eng_t *e, size_t j, uint64_t t_step, float lr)
+{
+    const plan_tensor *t = tensor_at(e, j);
+    size_t s = t->pos - e->state_base;
+    const float *sum = e->sum + e->toff[j];
+    const uint32_t *mask = e->mask_cur ? e->mask_cur + t->word : NULL;
+    float div = (float)e->t_total;
+    const kern_hyper *h = &e->cfg.hyper;
+    if (eng_uses_v(e))
+        return mask ? kern_adamw_masked(e->theta + s, e->m + s, e->v + s, sum, div, mask,
+                                        t->len, h, lr, t_step)
+                    : kern_adamw_dense(e->theta + s, e->m + s, e->v + s, sum, div, t->len, h,
+                                       lr, t_step);
+    return mask ? kern_adams_masked(e->theta + s, e->m + s, sum, div, mask, t->len, h, lr)
+                : kern_adams_dense(e->theta + s, e->m + s, sum, div, t->len, h, lr);
+}
+
+static scape_rc update(eng_t *e, uint64_t t, float lr)
+{
+    size_t first, count;
+    update_range(e, &first, &count);
+    for (size_t j = first; j < first + count; j++)
+        TRY(update_tensor(e, j, t, lr));
+    return SCAPE_OK;
+}
+
+/* The new parameters, comm order, into `dst`: packed at the mask (sparse) or
+ * whole (dense); sharded ranks then all-gather their parts in place. */
+static scape_rc gather_updates(eng_t *e, float *dst)
+{
+    size_t first, count, k;
+    update_range(e, &first, &count);
+    for (size_t j = first; j < first + count; j++) {
+        const plan_tensor *t = tensor_at(e, j);
+        const float *th = e->theta + (t->pos - e->state_base);
+        if (e->mask_cur)
+            TRY(kern_mask_compact(th, e->mask_cur + t->word, t->len, dst + e->toff[j], &k));
+        else
+            memcpy(dst + e->toff[j], th, t->len * sizeof *th);
+    }
+    if (e->cfg.mode == ENG_MODE_REPLICATED)
+        return SCAPE_OK;
+    shard_counts(e, sizeof(float));
+    return comm_allgather(e->comm, dst + e->toff[first], dst, e->counts);
+}
+
+/* Every trainer's buffer receives the new values (at the mask when sparse). */
+static scape_rc write_back(eng_t *e, const float *src, void *const *params)
+{
+    size_t esz = kern_dtype_size(e->pdt);
+    for (size_t j = 0; j < e->p->ntensors; j++) {
+        const plan_tensor *t = tensor_at(e, j);
+        for (int q = 0; q < e->tr; q++) {
+            char *dst = (char *)params[q] + t->off * esz;
+            if (e->mask_cur)
+                TRY(kern_mask_expand(src + e->toff[j], e->mask_cur + t->word, t->len, dst,
+                                     e->pdt));
+            else if (e->pdt == KERN_F32)
+                memcpy(dst, src + e->toff[j], t->len * sizeof(float));
+            else
+                TRY(kern_f32_to_bf16(src + e->toff[j], (uint16_t *)(void *)dst, t->len));
+        }
+    }
+    return SCAPE_OK;
+}
+
+/* Where the new parameters are gathered: `upd` when sparse; when dense, the
+ * master copy itself (replicated) or e, whose sums are spent (sharded). */
+static float *publish_buffer(eng_t *e)
+{
+    if (e->mask_cur)
+        return e->upd;
+    return e->cfg.mode == ENG_MODE_REPLICATED ? e->theta : e->e;
+}
+
+/* Run the call and add its wall time to phase ph. */
+#define PHASE(ph, call)                                                        \
+    do {                                                                       \
+        double t0_ = now_s();                                                  \
+        scape_rc rc_ = (call);                                                 \
+        e->last.phase_s[ph] += now_s() - t0_;                                  \
+        if (rc_ != SCAPE_OK)                                                   \
+            return rc_;                                                        \
+    } while (0)
+
+static scape_rc choose_mask(eng_t *e, uint64_t t, const float *g)
+{
+    int dense_opt = e->cfg.optimizer == ENG_OPT_ADAMS || e->cfg.optimizer == ENG_OPT_ADAMW;
+    if (e->cfg.optimizer == ENG_OPT_SCAPE) {
+        PHASE(ENG_PH_MASK_WAIT, scape_mask(e, t));
+        if (t + 1 > e->cfg.warmup)
+            PHASE(ENG_PH_SELECT, scape_select(e, g));
+    } else if (dense_opt || t <= e->cfg.warmup) {
+        e->mask_cur = NULL;
+    } else {
+        PHASE(ENG_PH_SELECT, topk_union_mask(e, g));
+    }
+    return SCAPE_OK;
+}
+
+scape_rc eng_step_body(eng_t *e, uint64_t t, float lr, const void *const *grads,
+                       void *const *params)
+{
+    const float *g = NULL;
+    float *buf = NULL, *pub;
+    size_t k = 0;
+    PHASE(ENG_PH_INTAKE, intake(e, grads, &g));
+    TRY(choose_mask(e, t, g));
+    TRY(tensor_offsets(e, &k));
+    if (e->mask_cur)
+        clean_residual(e);
+    PHASE(ENG_PH_PACK, pack(e, g, &buf));
+    PHASE(ENG_PH_REDUCE, reduce(e, buf, k));
+    if (e->ghat)
+        keep_ghat(e);
+    PHASE(ENG_PH_UPDATE, update(e, t, lr));
+    pub = publish_buffer(e);
+    if (pub != e->theta)
+        PHASE(ENG_PH_GATHER, gather_updates(e, pub));
+    PHASE(ENG_PH_WRITEBACK, write_back(e, pub, params));
+    e->last.k = k;
+    return SCAPE_OK;
+}
