@@ -486,6 +486,7 @@ void cfg_defaults(scaped_config *c)
     /* Zero first so string tails and padding are defined too, and the
      * struct can be compared or hashed whole. */
     memset(c, 0, sizeof *c);
+    eng_config_default(&c->engine); /* engine fields the table does not expose */
     /* The table's defaults are valid text for their keys; test_config checks
      * every one of them. */
     for (size_t i = 0; i < KEY_COUNT; i++)

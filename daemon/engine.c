@@ -33,6 +33,7 @@ void eng_config_default(eng_config *cfg)
     cfg->rho = 0.01;
     cfg->warmup = 1;
     cfg->hyper = (kern_hyper){ .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .wd = 0.0f };
+    cfg->intake_chunk = 16384;
 }
 
 const char *eng_optimizer_name(eng_optimizer opt)
@@ -80,6 +81,10 @@ static scape_rc check_config(const eng_config *c)
         return scape_set_error(SCAPE_INVALID, "config: rho=%g must be in (0, 1]", c->rho);
     if (c->warmup < 1)
         return scape_set_error(SCAPE_INVALID, "config: warmup must be >= 1");
+    if (c->intake_chunk < 32 || c->intake_chunk % 32)
+        return scape_set_error(SCAPE_INVALID,
+                               "config: intake_chunk=%zu must be a positive multiple of 32",
+                               c->intake_chunk);
     const kern_hyper *h = &c->hyper;
     if (!(h->beta1 >= 0.0f && h->beta1 < 1.0f) || !(h->beta2 >= 0.0f && h->beta2 < 1.0f))
         return scape_set_error(SCAPE_INVALID, "config: beta1=%g beta2=%g must be in [0, 1)",
@@ -121,7 +126,6 @@ static scape_rc alloc_state(eng_t *e)
     e->v = eng_uses_v(e) ? calloc(sl, sizeof(float)) : NULL;
     e->theta = calloc(sl, sizeof(float));
     e->e = calloc(n, sizeof(float));
-    e->g = (e->tr > 1 || e->gdt != KERN_F32) ? calloc(n, sizeof(float)) : NULL;
     e->send = calloc(e->k_cap, sizeof(float));
     e->upd = calloc(e->k_cap, sizeof(float));
     e->topk_scratch_bytes = kern_topk_scratch_bytes(p->max_len);
@@ -132,13 +136,25 @@ static scape_rc alloc_state(eng_t *e)
     e->gathered = topk ? calloc(w * R, sizeof(uint32_t)) : NULL;
     e->toff = calloc(p->ntensors + 1, sizeof(size_t));
     e->counts = calloc(R, sizeof(size_t));
-    if (!e->m || (eng_uses_v(e) && !e->v) || !e->theta || !e->e ||
-        ((e->tr > 1 || e->gdt != KERN_F32) && !e->g) || !e->send || !e->upd ||
+    if (!e->m || (eng_uses_v(e) && !e->v) || !e->theta || !e->e || !e->send || !e->upd ||
         !e->topk_scratch || !e->mask_buf[0] || !e->mask_buf[1] || !e->own_bits ||
         (topk && !e->gathered) || !e->toff || !e->counts)
         return scape_set_error(SCAPE_NOMEM, "engine: cannot allocate state for N=%zu", n);
     e->mask_cur = NULL;
     e->mask_next = e->mask_buf[0];
+    return eng_alloc_intake(e);
+}
+
+scape_rc eng_alloc_intake(eng_t *e)
+{
+    if (e->tr == 1 && e->gdt == KERN_F32)
+        return SCAPE_OK; /* the trainer's buffer is G_r */
+    int whole = e->cfg.optimizer == ENG_OPT_TOPK_ADAMW; /* selects before packing */
+    float **buf = whole ? &e->g : &e->gchunk;
+    if (*buf == NULL)
+        *buf = calloc(whole ? e->p->n : e->cfg.intake_chunk, sizeof(float));
+    if (*buf == NULL)
+        return scape_set_error(SCAPE_NOMEM, "engine: cannot allocate the intake buffer");
     return SCAPE_OK;
 }
 
@@ -212,7 +228,8 @@ void eng_destroy(eng_t **ep)
     if (e->mask_pending && !e->broken)
         comm_iallgather_wait(e->comm);
     plan_destroy(&e->p);
-    void *bufs[] = { e->m, e->v, e->theta, e->e, e->g, e->send, e->upd, e->topk_scratch,
+    void *bufs[] = { e->m, e->v, e->theta, e->e, e->g, e->gchunk, e->send, e->upd,
+                     e->topk_scratch,
                      e->mask_buf[0], e->mask_buf[1], e->own_bits, e->gathered, e->toff,
                      e->counts, e->ghat, e->ghave };
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
@@ -229,12 +246,8 @@ scape_rc eng_set_local_trainers(eng_t *e, int local_trainers)
         return scape_set_error(SCAPE_INVALID,
                                "eng_set_local_trainers: %d not in [1, %d]", local_trainers,
                                ENG_MAX_TRAINERS);
-    if ((local_trainers > 1 || e->gdt != KERN_F32) && e->g == NULL) {
-        e->g = calloc(e->p->n, sizeof(float));
-        if (e->g == NULL)
-            return scape_set_error(SCAPE_NOMEM, "engine: cannot allocate the intake buffer");
-    }
     e->tr = local_trainers;
+    TRY(eng_alloc_intake(e));
     return handshake(e);
 }
 

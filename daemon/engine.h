@@ -38,6 +38,9 @@ typedef struct eng_config {
     double rho;       /* density in (0, 1] */
     uint32_t warmup;  /* dense warm-up steps W >= 1 */
     kern_hyper hyper; /* beta1, beta2, eps, weight decay */
+    size_t intake_chunk; /* elements of G_r summed at a time when several
+                            trainers' (or bf16) gradients are fused into the
+                            pack; a multiple of 32 (default 16384) */
 } eng_config;
 
 typedef struct eng_tensor {

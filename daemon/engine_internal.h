@@ -2,10 +2,12 @@
  * engine_inspect.c (read-only views for tests, status and checkpoints).
  *
  * Memory beyond the optimizer state (m, theta, v) and the residual is kept
- * small: two masks of N bits, per-tensor offsets, and two buffers of K_cap
- * floats (sum k_l for SCAPE).  A dense step packs in place in the residual,
- * which the comm order makes possible: the residual is stored in comm order,
- * so with every bit set it already is the packed send buffer.
+ * small: two masks of N bits, per-tensor offsets, two buffers of K_cap floats
+ * (sum k_l for SCAPE) and one chunk for summing the trainers' gradients.  A
+ * dense step packs in place in the residual, which the comm order makes
+ * possible: the residual is stored in comm order, so with every bit set it
+ * already is the packed send buffer.  SCAPE selects the next mask after the
+ * pack, from the a = G + e the pack stored, so G is never whole in memory.
  */
 #ifndef SCAPE_ENGINE_INTERNAL_H
 #define SCAPE_ENGINE_INTERNAL_H
@@ -31,7 +33,8 @@ struct eng {
 
     float *e;            /* residual e_r, comm order, N */
     int e_stale;         /* e holds a dense step's sums: the residual is zero */
-    float *g;            /* intake buffer, coordinate order; NULL when a trainer's serves */
+    float *g;            /* topk-adamw: G_r whole, coordinate order (NULL: a trainer's serves) */
+    float *gchunk;       /* others: G_r one chunk at a time, fused into the pack */
     size_t k_cap;        /* most values a sparse step reduces */
     float *send;         /* sparse: packed a_r, then the sums (own segment in place) */
     float *upd;          /* sparse: packed updated parameters */
@@ -67,6 +70,9 @@ static inline int eng_uses_v(const eng_t *e)
 {
     return e->cfg.optimizer == ENG_OPT_ADAMW || e->cfg.optimizer == ENG_OPT_TOPK_ADAMW;
 }
+
+/* Allocate the intake buffer the optimizer and trainer count need. */
+scape_rc eng_alloc_intake(eng_t *e);
 
 /* Run step t's phases (engine_step.c); the caller validated the arguments. */
 scape_rc eng_step_body(eng_t *e, uint64_t t, float lr, const void *const *grads,

@@ -1,11 +1,12 @@
 /* engine_step.c - the phases of one step (algorithm.md, "Step t").
  *
- * intake (sum the local trainers' gradients) -> the mask (all ones in warm-up
- * and for the dense optimizers, else the lagged one, waiting for its
- * all-gather) -> statistics and exact top-k of the next mask for the owned
- * tensors, whose all-gather starts at once -> pack a = G + e on the mask ->
- * one reduction collective -> update on the mask -> (sharded) all-gather of
- * the updated values -> write them into every trainer's buffer.
+ * the mask (all ones in warm-up and for the dense optimizers, else the lagged
+ * one, waiting for its all-gather) -> pack a = G + e on the mask, summing the
+ * local trainers' gradients on the way -> statistics and exact top-k of the
+ * next mask for the owned tensors, from the a just packed; its all-gather
+ * starts at once -> one reduction collective -> update on the mask ->
+ * (sharded) all-gather of the updated values -> write them into every
+ * trainer's buffer.
  *
  * A dense step packs in place: the residual, kept in comm order, becomes the
  * send buffer and then holds the sums (e_stale), so no N-sized working
@@ -33,16 +34,28 @@ static const plan_tensor *tensor_at(const eng_t *e, size_t j)
     return &e->p->t[e->p->order[j]];
 }
 
-/* G_r: the sum of the local trainers' gradients, in trainer order. */
+/* G_r, the sum of the local trainers' gradients in trainer order: a
+ * trainer's own buffer when it is the only one, the whole sum for topk-adamw
+ * (it selects before packing), else NULL: the pack sums chunk by chunk. */
 static scape_rc intake(eng_t *e, const void *const *grads, const float **g_out)
 {
+    *g_out = NULL;
     if (e->tr == 1 && e->gdt == KERN_F32) {
         *g_out = grads[0];
-        return SCAPE_OK;
+    } else if (e->g) {
+        for (int j = 0; j < e->tr; j++)
+            TRY(kern_grad_accum(e->g, grads[j], e->gdt, e->p->n, j == 0));
+        *g_out = e->g;
     }
+    return SCAPE_OK;
+}
+
+/* G_r over coordinates [off, off + len) into the chunk buffer. */
+static scape_rc intake_chunk(eng_t *e, const void *const *grads, size_t off, size_t len)
+{
+    size_t esz = kern_dtype_size(e->gdt);
     for (int j = 0; j < e->tr; j++)
-        TRY(kern_grad_accum(e->g, grads[j], e->gdt, e->p->n, j == 0));
-    *g_out = e->g;
+        TRY(kern_grad_accum(e->gchunk, (const char *)grads[j] + off * esz, e->gdt, len, j == 0));
     return SCAPE_OK;
 }
 
@@ -81,18 +94,19 @@ static scape_rc scape_mask(eng_t *e, uint64_t t)
 }
 
 /* SCAPE: exact top-k of the statistic over the owned tensors -> M_{t+1},
- * whose all-gather starts at once and is waited for at the next step. */
-static scape_rc scape_select(eng_t *e, const float *g)
+ * whose all-gather starts at once and is waited for at the next step.  Runs
+ * right after the pack, from the a = G + e it left in e and `send`. */
+static scape_rc scape_select(eng_t *e)
 {
     const plan *p = e->p;
     const plan_shard *me = &p->shard[e->rank];
-    clean_residual(e);
     for (size_t j = me->first; j < me->first + me->count; j++) {
         const plan_tensor *t = tensor_at(e, j);
-        TRY(kern_topk_ef(e->m + (t->pos - e->state_base), g + t->off, e->e + t->pos, t->len,
-                         e->cfg.hyper.beta1, (float)e->tr, t->k,
-                         e->own_bits + (t->word - me->word0), e->topk_scratch,
-                         e->topk_scratch_bytes));
+        const uint32_t *sent = e->mask_cur ? e->mask_cur + t->word : NULL;
+        TRY(kern_topk_packed(e->m + (t->pos - e->state_base), e->e + t->pos, sent,
+                             sent ? e->send + e->toff[j] : NULL, t->len, e->cfg.hyper.beta1,
+                             (float)e->tr, t->k, e->own_bits + (t->word - me->word0),
+                             e->topk_scratch, e->topk_scratch_bytes));
     }
     for (int r = 0; r < e->comm->size; r++)
         e->counts[r] = p->shard[r].words * sizeof(uint32_t);
@@ -149,17 +163,38 @@ static void shard_counts(eng_t *e, size_t elem)
     }
 }
 
-/* Pack a = G + e: in place in e when dense, into `send` on the mask. */
-static scape_rc pack(eng_t *e, const float *g, float **buf)
+/* Pack coordinates [c, c + len) of tensor j with gradient sum g (indexed
+ * from c); *done counts the values packed so far in this tensor. */
+static scape_rc pack_span(eng_t *e, size_t j, size_t c, size_t len, const float *g,
+                          size_t *done)
+{
+    const plan_tensor *t = tensor_at(e, j);
+    size_t k;
+    if (!e->mask_cur)
+        return kern_grad_accum(e->e + t->pos + c, g, KERN_F32, len, e->e_stale);
+    TRY(kern_pack_ef(g, e->e + t->pos + c, e->mask_cur + t->word + c / 32, len,
+                     e->send + e->toff[j] + *done, &k));
+    *done += k;
+    return SCAPE_OK;
+}
+
+/* Pack a = G + e: in place in e when dense, into `send` on the mask.  Without
+ * a whole G_r, the trainers' gradients are summed one chunk at a time. */
+static scape_rc pack(eng_t *e, const float *g, const void *const *grads, float **buf)
 {
     for (size_t j = 0; j < e->p->ntensors; j++) {
         const plan_tensor *t = tensor_at(e, j);
-        size_t k;
-        if (e->mask_cur)
-            TRY(kern_pack_ef(g + t->off, e->e + t->pos, e->mask_cur + t->word, t->len,
-                             e->send + e->toff[j], &k));
-        else
-            TRY(kern_grad_accum(e->e + t->pos, g + t->off, KERN_F32, t->len, e->e_stale));
+        size_t done = 0;
+        if (g) {
+            TRY(pack_span(e, j, 0, t->len, g + t->off, &done));
+            continue;
+        }
+        size_t chunk = e->cfg.intake_chunk;
+        for (size_t c = 0; c < t->len; c += chunk) {
+            size_t len = t->len - c < chunk ? t->len - c : chunk;
+            TRY(intake_chunk(e, grads, t->off + c, len));
+            TRY(pack_span(e, j, c, len, e->gchunk, &done));
+        }
     }
     if (!e->mask_cur)
         e->e_stale = 1; /* e now holds a, and after the reduction the sums */
@@ -297,8 +332,6 @@ static scape_rc choose_mask(eng_t *e, uint64_t t, const float *g)
     int dense_opt = e->cfg.optimizer == ENG_OPT_ADAMS || e->cfg.optimizer == ENG_OPT_ADAMW;
     if (e->cfg.optimizer == ENG_OPT_SCAPE) {
         PHASE(ENG_PH_MASK_WAIT, scape_mask(e, t));
-        if (t + 1 > e->cfg.warmup)
-            PHASE(ENG_PH_SELECT, scape_select(e, g));
     } else if (dense_opt || t <= e->cfg.warmup) {
         e->mask_cur = NULL;
     } else {
@@ -318,7 +351,9 @@ scape_rc eng_step_body(eng_t *e, uint64_t t, float lr, const void *const *grads,
     TRY(tensor_offsets(e, &k));
     if (e->mask_cur)
         clean_residual(e);
-    PHASE(ENG_PH_PACK, pack(e, g, &buf));
+    PHASE(ENG_PH_PACK, pack(e, g, grads, &buf));
+    if (e->cfg.optimizer == ENG_OPT_SCAPE && t + 1 > e->cfg.warmup)
+        PHASE(ENG_PH_SELECT, scape_select(e));
     PHASE(ENG_PH_REDUCE, reduce(e, buf, k));
     if (e->ghat)
         keep_ghat(e);

@@ -61,21 +61,48 @@ scape_rc kern_abs_stat(const float *g, const float *e, size_t n, float *stat)
 }
 
 /* Where the keys come from: a stored statistic, or one computed on the fly
- * with exactly the expressions of kern_mask_stat / kern_abs_stat. */
+ * with exactly the expressions of kern_mask_stat / kern_abs_stat, from
+ * a = g + e, or from a already stored (at the j-th set bit of `sent` in
+ * packed[j], elsewhere in e). */
 typedef struct key_src {
     const float *stat;      /* stored statistic, or NULL */
-    const float *m, *g, *e; /* m == NULL: |g + e| */
+    const float *m;         /* NULL: the statistic is |a| */
+    const float *g, *e;     /* g == NULL: a is stored */
+    const uint32_t *sent;   /* stored a: the mask that was packed, or NULL */
+    const float *packed;
     float beta1, c1, t_r;
 } key_src;
 
-static inline uint32_t key_at(const key_src *s, size_t i)
+/* Keys in index order; j counts the set bits of `sent` passed so far. */
+typedef struct cursor {
+    const key_src *s;
+    size_t i, j;
+} cursor;
+
+static inline float a_at(cursor *c)
 {
-    if (s->stat)
-        return key_of(s->stat[i]);
-    float a = s->g[i] + s->e[i];
-    if (s->m == NULL)
-        return key_of(fabsf(a));
-    return key_of(fabsf(s->beta1 * s->m[i] + s->c1 * (a / s->t_r)));
+    const key_src *s = c->s;
+    size_t i = c->i;
+    if (s->g)
+        return s->g[i] + s->e[i];
+    if (s->sent && ((s->sent[i >> 5] >> (i & 31)) & 1u))
+        return s->packed[c->j++];
+    return s->e[i];
+}
+
+static inline uint32_t next_key(cursor *c)
+{
+    const key_src *s = c->s;
+    uint32_t u;
+    if (s->stat) {
+        u = key_of(s->stat[c->i]);
+    } else {
+        float a = a_at(c);
+        u = s->m ? key_of(fabsf(s->beta1 * s->m[c->i] + s->c1 * (a / s->t_r)))
+                 : key_of(fabsf(a));
+    }
+    c->i++;
+    return u;
 }
 
 size_t kern_topk_scratch_bytes(size_t n) { return n ? NBUCKETS * sizeof(uint32_t) : 0; }
@@ -106,8 +133,9 @@ static uint32_t select_tau(const key_src *src, size_t n, size_t *need, uint32_t 
     for (int d = 0; d < 3; d++) {
         memset(hist, 0, bins[d] * sizeof *hist);
         int hi = shift[d] + (d == 0 ? DIGIT_BITS : 10); /* bits above this digit */
+        cursor c = { src, 0, 0 };
         for (size_t i = 0; i < n; i++) {
-            uint32_t u = key_at(src, i);
+            uint32_t u = next_key(&c);
             if (d == 0 || (u >> hi) == prefix)
                 hist[(u >> shift[d]) & (bins[d] - 1)]++;
         }
@@ -122,11 +150,12 @@ static void write_mask(const key_src *src, size_t n, uint32_t tau, size_t need,
                        uint32_t *mask)
 {
     size_t nw = kern_mask_words(n);
+    cursor c = { src, 0, 0 };
     for (size_t w = 0; w < nw; w++) {
         size_t base = w * 32, len = n - base < 32 ? n - base : 32;
         uint32_t word = 0;
         for (size_t i = 0; i < len; i++) {
-            uint32_t u = key_at(src, base + i);
+            uint32_t u = next_key(&c);
             if (u > tau || (u == tau && need > 0 && need--))
                 word |= 1u << i;
         }
@@ -189,5 +218,35 @@ scape_rc kern_topk_ef(const float *m, const float *g, const float *e, size_t n,
     if (m)
         KERN_DISJOINT(fn, mask, mb, m, n * 4);
     key_src src = { .m = m, .g = g, .e = e, .beta1 = beta1, .c1 = 1.0f - beta1, .t_r = t_r };
+    return topk_run(fn, &src, n, k, mask, scratch, scratch_bytes);
+}
+
+scape_rc kern_topk_packed(const float *m, const float *e, const uint32_t *sent,
+                          const float *packed, size_t n, float beta1, float t_r, size_t k,
+                          uint32_t *mask, void *scratch, size_t scratch_bytes)
+{
+    static const char fn[] = "kern_topk_packed";
+    KERN_NONNULL(fn, e);
+    KERN_NONNULL(fn, mask);
+    KERN_NONNULL(fn, scratch);
+    KERN_MAXN(fn, n);
+    if (sent)
+        KERN_NONNULL(fn, packed);
+    if (m && !(beta1 >= 0.0f && beta1 < 1.0f))
+        return scape_set_error(SCAPE_INVALID, "%s: beta1=%g out of [0,1)", fn, (double)beta1);
+    if (m && !(t_r >= 1.0f))
+        return scape_set_error(SCAPE_INVALID, "%s: t_r=%g must be >= 1", fn, (double)t_r);
+    size_t mb = kern_mask_words(n) * 4, kp = 0;
+    if (sent)
+        kern_mask_popcount(sent, n, &kp);
+    KERN_DISJOINT(fn, mask, mb, e, n * 4);
+    if (m)
+        KERN_DISJOINT(fn, mask, mb, m, n * 4);
+    if (sent) {
+        KERN_DISJOINT(fn, mask, mb, sent, mb);
+        KERN_DISJOINT(fn, mask, mb, packed, kp * 4);
+    }
+    key_src src = { .m = m, .e = e, .sent = sent, .packed = packed, .beta1 = beta1,
+                    .c1 = 1.0f - beta1, .t_r = t_r };
     return topk_run(fn, &src, n, k, mask, scratch, scratch_bytes);
 }

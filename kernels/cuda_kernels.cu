@@ -256,11 +256,17 @@ static size_t topk_ef_scratch_bytes(size_t n)
     return n ? align256(n * sizeof(float)) + topk_scratch_bytes(n) : 0;
 }
 
+/* The top-k after a pack rebuilds a (and a zero vector) before the fused one. */
+static size_t topk_packed_scratch_bytes(size_t n)
+{
+    return n ? 2 * align256(n * sizeof(float)) + topk_ef_scratch_bytes(n) : 0;
+}
+
 extern "C" size_t kern_cuda_scratch_bytes(size_t n)
 {
-    /* the fused top-k includes top-k's, which includes a mask scan's worth,
-     * so it bounds every twin */
-    return topk_ef_scratch_bytes(n);
+    /* each top-k variant includes the one it builds on, down to a mask
+     * scan's worth, so the last bounds every twin */
+    return topk_packed_scratch_bytes(n);
 }
 
 /* ---- elementwise operations ---------------------------------------------- */
@@ -1239,4 +1245,34 @@ extern "C" scape_rc kern_cuda_topk_ef(const float *m, const float *g, const floa
     RC_TRY(m ? kern_cuda_mask_stat(m, g, e, n, beta1, t_r, stat, stream)
              : kern_cuda_abs_stat(g, e, n, stat, stream));
     return kern_cuda_topk_mask(stat, n, k, mask, rest, rest_bytes, stream);
+}
+
+extern "C" scape_rc kern_cuda_topk_packed(const float *m, const float *e, const uint32_t *sent,
+                                          const float *packed, size_t n, float beta1,
+                                          float t_r, size_t k, uint32_t *mask, void *scratch,
+                                          size_t scratch_bytes, void *stream)
+{
+    static const char fn[] = "kern_cuda_topk_packed";
+    KERN_NONNULL(fn, e);
+    KERN_NONNULL(fn, mask);
+    KERN_NONNULL(fn, scratch);
+    KERN_MAXN(fn, n);
+    if (sent)
+        KERN_NONNULL(fn, packed);
+    if (k > n)
+        return scape_set_error(SCAPE_INVALID, "%s: k=%zu > n=%zu", fn, k, n);
+    RC_TRY(check_scratch(fn, scratch, scratch_bytes, topk_packed_scratch_bytes(n), {}));
+    if (n == 0)
+        return SCAPE_OK;
+    cudaStream_t s = as_stream(stream);
+    size_t vec = align256(n * sizeof(float));
+    float *a = static_cast<float *>(scratch);
+    float *zero = reinterpret_cast<float *>(static_cast<char *>(scratch) + vec);
+    void *rest = static_cast<char *>(scratch) + 2 * vec;
+    size_t rest_bytes = scratch_bytes - 2 * vec;
+    CUDA_TRY(fn, cudaMemcpyAsync(a, e, n * sizeof(float), cudaMemcpyDeviceToDevice, s));
+    CUDA_TRY(fn, cudaMemsetAsync(zero, 0, n * sizeof(float), s));
+    if (sent)
+        RC_TRY(kern_cuda_mask_expand(packed, sent, n, a, KERN_F32, rest, rest_bytes, stream));
+    return kern_cuda_topk_ef(m, a, zero, n, beta1, t_r, k, mask, rest, rest_bytes, stream);
 }

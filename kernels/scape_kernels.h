@@ -78,6 +78,14 @@ scape_rc kern_topk_ef(const float *m, const float *g, const float *e, size_t n,
                       float beta1, float t_r, size_t k, uint32_t *mask, void *scratch,
                       size_t scratch_bytes);
 
+/* The same selection after the pack, from the a = g + e it stored: a_i is
+ * packed[j] at the j-th set bit of `sent` (the mask that was packed) and e_i
+ * elsewhere; sent == NULL means a = e.  Lets the caller drop its gradient sum
+ * once packed.  Bit-identical to kern_topk_ef on the same a. */
+scape_rc kern_topk_packed(const float *m, const float *e, const uint32_t *sent,
+                          const float *packed, size_t n, float beta1, float t_r, size_t k,
+                          uint32_t *mask, void *scratch, size_t scratch_bytes);
+
 /* Number of set bits among the first n bits. */
 scape_rc kern_mask_popcount(const uint32_t *mask, size_t n, size_t *count);
 
@@ -176,6 +184,10 @@ scape_rc kern_cuda_topk_mask(const float *stat, size_t n, size_t k, uint32_t *ma
 scape_rc kern_cuda_topk_ef(const float *m, const float *g, const float *e, size_t n,
                            float beta1, float t_r, size_t k, uint32_t *mask, void *scratch,
                            size_t scratch_bytes, void *stream);
+scape_rc kern_cuda_topk_packed(const float *m, const float *e, const uint32_t *sent,
+                               const float *packed, size_t n, float beta1, float t_r,
+                               size_t k, uint32_t *mask, void *scratch,
+                               size_t scratch_bytes, void *stream);
 scape_rc kern_cuda_mask_popcount(const uint32_t *mask, size_t n, size_t *count,
                                  void *scratch, size_t scratch_bytes, void *stream);
 scape_rc kern_cuda_mask_prefix(const uint32_t *mask, size_t nwords, uint32_t *prefix,

@@ -23,7 +23,7 @@ static inline uint64_t synth_mix(uint64_t x)
     return x;
 }
 
-/* Uniform in [-1, 1), exactly representable in float. */
+/* Uniform in [0, 2), exactly representable in float. */
 static inline float synth_unit(uint64_t h)
 {
     return (float)(int32_t)(h >> 40) / 8388608.0f;

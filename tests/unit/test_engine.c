@@ -586,6 +586,7 @@ static spec make_spec(eng_optimizer opt, eng_mode mode, int R, double rho, int s
     sp.cfg.rho = rho;
     sp.cfg.warmup = 3;
     sp.cfg.hyper.wd = 0.01f;
+    sp.cfg.intake_chunk = 64; /* several chunks per tensor when trainers are summed */
     memcpy(sp.tr, s_tr, sizeof sp.tr);
     return sp;
 }
@@ -843,6 +844,8 @@ START_TEST(bad_create_arguments)
     expect_invalid(eng_create(&e, &bad, &lay, c[0], 1), "beta1");
     bad = cfg; bad.hyper.eps = 0.0f;
     expect_invalid(eng_create(&e, &bad, &lay, c[0], 1), "eps");
+    bad = cfg; bad.intake_chunk = 48;
+    expect_invalid(eng_create(&e, &bad, &lay, c[0], 1), "intake_chunk");
     bad = cfg; bad.optimizer = ENG_OPT_COUNT;
     expect_invalid(eng_create(&e, &bad, &lay, c[0], 1), "optimizer");
     bad_lay.tensors = gap;

@@ -1399,6 +1399,49 @@ static void topk_ef_case(rng *r, size_t n, int tied, int scape_stat)
     free(m), free(g), free(e), free(stat), free(want), gfree(got), free(scratch);
 }
 
+/* After a pack, the top-k from the stored a (residual off the mask, packed
+ * values on it) equals the top-k from g + e before it. */
+static void topk_packed_case(rng *r, size_t n, int scape_stat, int dense)
+{
+    size_t n1 = n ? n : 1, nw = kern_mask_words(n), sb = kern_topk_scratch_bytes(n);
+    size_t k = n / 5 + (n > 0), kp = 0;
+    float *m = rand_f32(r, n1), *g = rand_f32(r, n1), *e = rand_f32(r, n1);
+    float *e2 = xalloc(n1 * 4), *packed = xalloc(n1 * 4), *zero = xalloc(n1 * 4);
+    uint32_t *sent = xalloc((nw ? nw : 1) * 4), *want = xalloc((nw ? nw : 1) * 4);
+    uint32_t *got = galloc(nw * 4);
+    void *scratch = xalloc(sb ? sb : 1);
+    for (size_t w = 0; w < nw; w++)
+        sent[w] = mask_word(r, MK_MIXED);
+    memcpy(e2, e, n1 * 4);
+    memset(zero, 0, n1 * 4);
+    const float *mm = scape_stat ? m : NULL;
+    assert_ok(kern_topk_ef(mm, g, e, n, 0.9f, 2.0f, k, want, scratch, sb), "kern_topk_ef", n);
+    if (dense) { /* a = e: the dense pack adds g into e in place */
+        for (size_t i = 0; i < n; i++)
+            e2[i] = g[i] + e[i];
+        assert_ok(kern_topk_packed(mm, e2, NULL, NULL, n, 0.9f, 2.0f, k, got, scratch, sb),
+                  "kern_topk_packed", n);
+    } else {
+        assert_ok(kern_pack_ef(g, e2, sent, n, packed, &kp), "kern_pack_ef", n);
+        assert_ok(kern_topk_packed(mm, e2, sent, packed, n, 0.9f, 2.0f, k, got, scratch, sb),
+                  "kern_topk_packed", n);
+    }
+    ck_assert_msg(memcmp(got, want, nw * 4) == 0, "kern_topk_packed differs (n=%zu, scape=%d,"
+                  " dense=%d)", n, scape_stat, dense);
+    gcheck(got, "topk_packed mask");
+    free(m), free(g), free(e), free(e2), free(packed), free(zero), free(sent), free(want);
+    gfree(got), free(scratch);
+}
+
+START_TEST(test_topk_packed)
+{
+    rng r = rng_make(__func__, _i);
+    for (int sc = 0; sc < 2; sc++)
+        for (int dense = 0; dense < 2; dense++)
+            topk_packed_case(&r, s_sizes[_i], sc, dense);
+}
+END_TEST
+
 START_TEST(test_topk_ef)
 {
     rng r = rng_make(__func__, _i);
@@ -1423,6 +1466,13 @@ START_TEST(test_bad_topk_ef)
     REFUSE(&f, "kern_topk_ef", kern_topk_ef(f.m, f.g, f.e, BN, 0.9f, 0.5f, 1, f.mask, f.scratch, sb));
     REFUSE(&f, "kern_topk_ef", kern_topk_ef(f.m, f.g, f.e, BN, 0.9f, 1.0f, 1, (uint32_t *)(void *)f.g, f.scratch, sb));
     assert_ok(kern_topk_ef(NULL, f.g, f.e, BN, 0.0f, 0.0f, 1, f.mask, f.scratch, sb), "kern_topk_ef", BN);
+    REFUSE(&f, "kern_topk_packed", kern_topk_packed(f.m, NULL, NULL, NULL, BN, 0.9f, 1.0f, 1, f.mask, f.scratch, sb));
+    REFUSE(&f, "kern_topk_packed", kern_topk_packed(f.m, f.e, f.mask2, NULL, BN, 0.9f, 1.0f, 1, f.mask, f.scratch, sb));
+    REFUSE(&f, "kern_topk_packed", kern_topk_packed(f.m, f.e, NULL, NULL, BN, 0.9f, 1.0f, BN + 1, f.mask, f.scratch, sb));
+    REFUSE(&f, "kern_topk_packed", kern_topk_packed(f.m, f.e, NULL, NULL, BN, 0.9f, 1.0f, 1, f.mask, f.scratch, sb - 1));
+    REFUSE(&f, "kern_topk_packed", kern_topk_packed(f.m, f.e, NULL, NULL, BN, 0.9f, 0.0f, 1, f.mask, f.scratch, sb));
+    REFUSE(&f, "kern_topk_packed", kern_topk_packed(f.m, f.e, f.mask, f.out, BN, 0.9f, 1.0f, 1, f.mask, f.scratch, sb));
+    assert_ok(kern_topk_packed(f.m, f.e, f.mask2, f.out, BN, 0.9f, 1.0f, 1, f.mask, f.scratch, sb), "kern_topk_packed", BN);
 }
 END_TEST
 
@@ -1449,6 +1499,7 @@ static Suite *kernels_suite(void)
     suite_add_tcase(s, sized("topk", test_topk, 900));
     suite_add_tcase(s, sized("topk_all_equal", test_topk_all_equal, 300));
     suite_add_tcase(s, sized("topk_ef", test_topk_ef, 900));
+    suite_add_tcase(s, sized("topk_packed", test_topk_packed, 900));
     suite_add_tcase(s, sized("popcount", test_mask_popcount, 300));
     suite_add_tcase(s, sized("prefix", test_mask_prefix, 300));
     suite_add_tcase(s, sized("compact", test_mask_compact, 300));

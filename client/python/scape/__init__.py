@@ -1,0 +1,187 @@
+"""scape - the Python binding of libscape, the trainer's side of scaped.
+
+    import scape
+    with scape.attach(layout=[("w", 1000), ("b", 10)]) as s:
+        s.params[:] = init          # numpy views of the shared buffers
+        s.sync()                    # s.params: the job's parameters
+        for _ in range(steps):
+            s.grads[:] = grad(s.params)
+            info = s.step(lr=1e-3)  # s.params now holds the new parameters
+
+See docs/python.md.  scape.torch holds a torch.optim.Optimizer on top.
+"""
+import ctypes
+import dataclasses
+import enum
+
+import numpy as np
+
+from ._lib import (DTYPE_BF16, DTYPE_F32, MEMORY_CUDA, MEMORY_HOST, Options, StepInfo as
+                   _StepInfo, Tensor, lib)
+
+__all__ = ["Rc", "ScapeError", "StepInfo", "Session", "attach", "version"]
+
+_DTYPES = {"float32": (DTYPE_F32, ctypes.c_float), "bfloat16": (DTYPE_BF16, ctypes.c_uint16)}
+
+
+class Rc(enum.IntEnum):
+    """scape_rc, value for value (kernels/scape_rc.h)."""
+    OK = 0
+    INVALID = 1
+    NOMEM = 2
+    SYSTEM = 3
+    CUDA = 4
+    NCCL = 5
+    ZMQ = 6
+    PROTO = 7
+    REMOTE = 8
+    TIMEOUT = 9
+    UNSUPPORTED = 10
+
+
+class ScapeError(Exception):
+    """A libscape call failed: .code is an Rc, .message scape_last_error()'s text."""
+
+    def __init__(self, code, message):
+        super().__init__("%s: %s" % (Rc(code).name, message))
+        self.code = Rc(code)
+        self.message = message
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+    """The daemon's figures for one step (scape_step_info)."""
+    step: int
+    k: int
+    density: float
+    bytes: int
+    wire_bytes: int
+    residual_norm: float
+    mask_churn: float
+    step_seconds: float
+    wait_seconds: float
+
+
+def _check(rc):
+    if rc != Rc.OK:
+        raise ScapeError(rc, lib.scape_last_error().decode(errors="replace"))
+
+
+def version():
+    """libscape's version string."""
+    return lib.scape_version().decode()
+
+
+def _tensors(layout):
+    """(name, offset, length) triples, or (name, numel) pairs packed in order."""
+    layout = [tuple(t) for t in layout]
+    if not layout or {len(t) for t in layout} not in ({2}, {3}):
+        raise ValueError("layout: a non-empty list of (name, offset, length) or of "
+                         "(name, numel), not a mix")
+    if len(layout[0]) == 3:
+        return layout
+    out, pos = [], 0
+    for name, numel in layout:
+        out.append((name, pos, numel))
+        pos += numel
+    return out
+
+
+def _memory(device):
+    """device "cpu", "cuda" or "cuda:N" -> (scape_memory, ordinal)."""
+    kind, _, ordinal = str(device).partition(":")
+    if kind == "cpu" and not ordinal:
+        return MEMORY_HOST, 0
+    if kind == "cuda":
+        return MEMORY_CUDA, int(ordinal or 0)
+    raise ValueError("device: 'cpu', 'cuda' or 'cuda:N', not %r" % (device,))
+
+
+def _view(ptr, ctype, n):
+    return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctype)), shape=(n,))
+
+
+class Session:
+    """One attached trainer.  params and grads are numpy views of the shared
+    buffers (float32, or uint16 holding the bits of bfloat16); they are None for
+    device memory and after detach()."""
+
+    def __init__(self, handle, layout, param_ctype, grad_ctype, host):
+        self._handle = handle
+        self.layout = layout
+        self.numel = lib.scape_numel(handle)
+        self.index = lib.scape_index(handle)
+        self.next_step = lib.scape_next_step(handle)  # the step step() posts next
+        self.params = _view(lib.scape_params(handle), param_ctype, self.numel) if host else None
+        self.grads = _view(lib.scape_grads(handle), grad_ctype, self.numel) if host else None
+        self._pending = None
+
+    def _live(self):
+        if self._handle.value is None:
+            raise ScapeError(Rc.INVALID, "the session is detached")
+        return self._handle
+
+    def sync(self):
+        """Once params holds this trainer's initial values and before the first
+        step: wait until params holds the job's (trainer 0's at the start, the
+        current ones when joining a running job)."""
+        _check(lib.scape_sync(self._live()))
+        self.next_step = lib.scape_next_step(self._handle)
+
+    def step(self, lr, step=None, loss=None):
+        """Post step `step` (default: next_step) with the gradients in place and
+        wait for the new parameters; returns the daemon's StepInfo."""
+        self.step_begin(lr, step, loss)
+        return self.step_wait()
+
+    def step_begin(self, lr, step=None, loss=None):
+        """Post a step and return at once; step_wait() completes it."""
+        step = self.next_step if step is None else step
+        c_loss = None if loss is None else ctypes.byref(ctypes.c_float(loss))
+        _check(lib.scape_step_begin(self._live(), step, lr, c_loss))
+        self._pending = step
+
+    def step_wait(self):
+        """Wait for the posted step's parameters.  TIMEOUT leaves it in flight."""
+        info = _StepInfo()
+        _check(lib.scape_step_wait(self._live(), ctypes.byref(info)))
+        self.next_step = self._pending + 1
+        self._pending = None
+        return StepInfo(**{f: getattr(info, f) for f, _ in _StepInfo._fields_})
+
+    def detach(self):
+        """Say goodbye and free the buffers; idempotent.  Views taken from
+        params/grads before this point must not be used afterwards."""
+        if self._handle.value is None:
+            return
+        self.params = self.grads = None
+        _check(lib.scape_detach(ctypes.byref(self._handle)))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.detach()
+
+
+def attach(endpoint=None, layout=(), dtype="float32", grad_dtype=None, index=-1,
+           timeout_ms=600000, device="cpu"):
+    """Attach to scaped at endpoint (None: $SCAPE_ENDPOINT, else the default
+    runtime directory) with layout, and return a Session."""
+    tensors = _tensors(layout)
+    try:
+        (pd, pc), (gd, gc) = _DTYPES[dtype], _DTYPES[grad_dtype or dtype]
+    except KeyError:
+        raise ValueError("dtype: one of %s" % ", ".join(_DTYPES)) from None
+    opts = Options()
+    lib.scape_options_default(ctypes.byref(opts))
+    opts.param_dtype, opts.grad_dtype = pd, gd
+    opts.memory, opts.device = _memory(device)
+    opts.index, opts.timeout_ms = index, timeout_ms
+    names = [str(name).encode() for name, _, _ in tensors]
+    c_layout = (Tensor * len(tensors))(*[Tensor(nm, off, n)
+                                         for nm, (_, off, n) in zip(names, tensors)])
+    handle = ctypes.c_void_p()
+    _check(lib.scape_attach(None if endpoint is None else endpoint.encode(), c_layout,
+                            len(tensors), ctypes.byref(opts), ctypes.byref(handle)))
+    return Session(handle, tensors, pc, gc, opts.memory == MEMORY_HOST)

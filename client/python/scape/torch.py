@@ -1,0 +1,74 @@
+"""scape.torch - a torch.optim.Optimizer whose step is scaped's.
+
+The parameters and their .grad become views of libscape's flat shared
+buffers, so backward() writes gradients straight into the memory the daemon
+reads, and the daemon's update lands in the parameters with no copy.
+"""
+import torch
+
+import scape
+
+
+class ScapeOptimizer(torch.optim.Optimizer):
+    """ScapeOptimizer(model.parameters()) or ScapeOptimizer(model.named_parameters()).
+
+    Construction attaches and syncs: it returns once the parameters are the
+    job's (trainer 0's at the start, after every expected trainer is there).
+    One parameter group; lr is param_groups[0]["lr"] at each step.  Parameters
+    must be float32, all on the CPU or all on one CUDA device (which libscape
+    does not support yet: attaching raises ScapeError UNSUPPORTED)."""
+
+    def __init__(self, params, endpoint=None, lr=1e-3, index=-1, timeout_ms=600000):
+        named = [p if isinstance(p, tuple) else ("p%d" % i, p) for i, p in enumerate(params)]
+        super().__init__([p for _, p in named], dict(lr=lr))
+        devices = {p.device for _, p in named}
+        if len(devices) != 1 or any(p.dtype != torch.float32 for _, p in named):
+            raise ValueError("ScapeOptimizer: float32 parameters on one device, got %s" %
+                             sorted({"%s %s" % (p.dtype, p.device) for _, p in named}))
+        self.session = scape.attach(endpoint, [(n, p.numel()) for n, p in named],
+                                    index=index, timeout_ms=timeout_ms,
+                                    device=str(devices.pop()))
+        flat_p = torch.from_numpy(self.session.params)
+        flat_g = torch.from_numpy(self.session.grads)
+        spans = [(p, off, n) for (_, p), (_, off, n) in zip(named, self.session.layout)]
+        with torch.no_grad():
+            for p, off, n in spans:
+                flat_p[off:off + n].copy_(p.reshape(-1))
+        try:
+            self.session.sync()
+        except scape.ScapeError:
+            self.session.detach()
+            raise
+        with torch.no_grad():
+            for p, off, n in spans:
+                p.data = flat_p[off:off + n].view(p.shape)
+                p.grad = flat_g[off:off + n].view(p.shape)
+        self._flat_grads = flat_g
+        self.last_info = None  # the StepInfo of the latest step
+
+    def zero_grad(self, set_to_none=True):
+        """Zero the shared gradient buffer; .grad stays a view of it either way."""
+        self._flat_grads.zero_()
+
+    def step(self, closure=None):
+        """Evaluate closure (if any) for the loss, hand the step to scaped and
+        return the loss.  The new parameters are in place on return."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.last_info = self.session.step(self.param_groups[0]["lr"],
+                                           loss=None if loss is None else float(loss))
+        return loss
+
+    def detach(self):
+        """Give the parameters private copies of their values, drop .grad, and
+        detach from scaped; idempotent."""
+        if self.session.params is not None:
+            with torch.no_grad():
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        p.data = p.data.clone()
+                        p.grad = None
+        self._flat_grads = None
+        self.session.detach()

@@ -1,0 +1,189 @@
+"""The Python binding against the real scaped: Python and C trainers in one
+job matching the in-process engine bit for bit, numpy views that alias the
+shared memory, errors, and the torch optimizer."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import SOURCE, run_reference, run_trainer, synth_layout
+
+sys.path.insert(0, os.path.join(SOURCE, "client", "python"))
+import scape  # noqa: E402
+from scape._lib import lib  # noqa: E402
+
+ENGINE = ["--rho", "0.01", "--warmup", "3"]
+PY_TRAINER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "py_trainer.py")
+
+
+def run_py_trainer(endpoint, index, n, steps, out):
+    cmd = [sys.executable, PY_TRAINER, "--endpoint", endpoint, "--index", str(index),
+           "--n", str(n), "--steps", str(steps), "--out", out]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def shm_names():
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith("scape-%d-" % os.getpid()))
+
+
+def test_python_and_c_trainers_match_in_process_engine(daemon_factory, tmp_path):
+    n, steps = 20000, 60
+    d = daemon_factory(*ENGINE, "--trainers", "4")
+    outs = [str(tmp_path / ("t%d" % i)) for i in range(4)]
+    procs = [run_py_trainer(d.endpoint, i, n, steps, outs[i]) if i % 2 == 0 else
+             run_trainer(d.endpoint, i, n, steps, out=outs[i], wait=False) for i in range(4)]
+    for i, p in enumerate(procs):
+        o, e = p.communicate(timeout=300)
+        assert p.returncode == 0, "trainer %d: %s %s" % (i, o, e)
+    run_reference(str(tmp_path / "ref"), 4, n, steps, *ENGINE)
+    with open(tmp_path / "ref", "rb") as f:
+        ref = f.read()
+    assert len(ref) == 4 * sum(t[2] for t in synth_layout(n))
+    for i, path in enumerate(outs):
+        with open(path, "rb") as f:
+            assert f.read() == ref, "trainer %d differs from the engine" % i
+    assert d.stop() == 0
+
+
+def test_python_trainer_reposts_abandoned_step_and_joins_running_job(daemon_factory, tmp_path):
+    n, steps = 4000, 150
+    d = daemon_factory(*ENGINE, "--trainers", "2")
+    a = run_py_trainer(d.endpoint, 0, n, steps, str(tmp_path / "a"))
+    b = run_trainer(d.endpoint, 1, n, steps, sleep_ms=40, wait=False)
+    time.sleep(1.5)
+    assert a.poll() is None and b.poll() is None
+    b.send_signal(signal.SIGKILL)
+    b.communicate()
+    time.sleep(0.5)
+    c = run_py_trainer(d.endpoint, 1, n, steps, str(tmp_path / "c"))
+    errs = {}
+    for name, p in (("a", a), ("c", c)):
+        o, errs[name] = p.communicate(timeout=300)
+        assert p.returncode == 0, name + o + errs[name]
+    assert "abandoned" in errs["a"] and "posting again" in errs["a"], errs["a"]
+    with open(tmp_path / "a", "rb") as fa, open(tmp_path / "c", "rb") as fc:
+        assert fa.read() == fc.read(), "replicas differ after re-attach"
+    assert d.stop() == 0
+
+
+def test_views_alias_shared_memory(daemon_factory):
+    d = daemon_factory(*ENGINE)
+    with scape.attach(d.endpoint, [("w", 1000), ("b", 1)]) as s:
+        assert (s.numel, s.index, s.next_step) == (1001, 0, 1)
+        assert s.layout == [("w", 0, 1000), ("b", 1000, 1)]
+        assert s.params.dtype == np.float32 and s.params.shape == (1001,)
+        assert s.params.ctypes.data == lib.scape_params(s._handle)
+        assert s.grads.ctypes.data == lib.scape_grads(s._handle)
+        grads_file = "/dev/shm/" + [f for f in shm_names() if f.endswith("-g")][0]
+        s.grads[:] = np.arange(1001, dtype=np.float32)
+        assert np.array_equal(np.fromfile(grads_file, dtype=np.float32), s.grads)
+        mapped = np.memmap(grads_file, dtype=np.float32, mode="r+")
+        mapped[7] = -3.5
+        assert s.grads[7] == -3.5
+        del mapped
+        s.params[:] = 0.25
+        s.sync()
+        assert s.next_step == 1 and np.all(s.params == 0.25)
+        before = s.params.copy()
+        info = s.step(0.1, loss=1.5)
+        assert info.step == 1 and s.next_step == 2 and 0 < info.k <= 1001
+        assert not np.array_equal(s.params, before), "the update did not land in the view"
+        s.step_begin(0.1)
+        assert s.step_wait().step == 2 and s.next_step == 3
+    assert s.params is None and s.grads is None
+    s.detach()
+    assert not shm_names(), "detach left shared memory behind"
+    with pytest.raises(scape.ScapeError, match="detached"):
+        s.step(0.1)
+
+
+def test_bfloat16_buffers_are_uint16(daemon_factory):
+    d = daemon_factory(*ENGINE)
+    with scape.attach(d.endpoint, [("w", 0, 64)], dtype="bfloat16", grad_dtype="float32") as s:
+        assert s.params.dtype == np.uint16 and s.params.nbytes == 128
+        assert s.grads.dtype == np.float32 and s.grads.nbytes == 256
+
+
+def test_errors(daemon_factory, tmp_path):
+    missing = "ipc://%s/control" % tmp_path
+    with pytest.raises(scape.ScapeError) as e:
+        scape.attach(missing, [("w", 10)], timeout_ms=200)
+    assert e.value.code == scape.Rc.TIMEOUT and e.value.code.name == "TIMEOUT"
+    assert missing in e.value.message
+
+    d = daemon_factory(*ENGINE)
+    with scape.attach(d.endpoint, [("w", 10), ("b", 1)]) as s:
+        with pytest.raises(scape.ScapeError, match="sync") as e:
+            s.step(0.1)
+        s.sync()
+        with pytest.raises(scape.ScapeError, match="out of order") as e:
+            s.step(0.1, step=5)
+        assert e.value.code == scape.Rc.INVALID
+        with pytest.raises(scape.ScapeError, match="layout") as e:
+            scape.attach(d.endpoint, [("w", 11)], timeout_ms=5000)
+        assert e.value.code == scape.Rc.INVALID
+        assert s.step(0.1).step == 1
+
+    with pytest.raises(scape.ScapeError, match="CUDA") as e:
+        scape.attach(d.endpoint, [("w", 10)], device="cuda")
+    assert e.value.code == scape.Rc.UNSUPPORTED
+    for bad in (dict(layout=[]), dict(layout=[("w", 1), ("b", 1, 1)]),
+                dict(layout=[("w", 1)], dtype="float16"), dict(layout=[("w", 1)], device="tpu")):
+        with pytest.raises(ValueError):
+            scape.attach(d.endpoint, **bad)
+
+
+def test_rc_names_match_libscape():
+    for rc in scape.Rc:
+        assert lib.scape_rc_name(rc).decode() == rc.name
+    assert lib.scape_rc_name(len(scape.Rc)).decode() == "UNKNOWN"
+    assert scape.version()
+
+
+def test_torch_optimizer_trains_in_shared_memory(daemon_factory):
+    torch = pytest.importorskip("torch")
+    import scape.torch
+
+    torch.manual_seed(0)
+    d = daemon_factory("--rho", "0.5", "--warmup", "20")
+    model = torch.nn.Linear(8, 1)
+    x = torch.randn(256, 8)
+    y = x @ torch.randn(8, 1) + 0.5
+    opt = scape.torch.ScapeOptimizer(model.named_parameters(), endpoint=d.endpoint, lr=0.1)
+    s = opt.session
+    try:
+        assert [t[0] for t in s.layout] == ["weight", "bias"]
+
+        def closure():
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        losses = [float(opt.step(closure)) for _ in range(100)]
+        assert losses[-1] < 0.5 * losses[0], losses
+        assert opt.last_info.step == 100
+        for p, (_, off, _) in zip(model.parameters(), s.layout):
+            assert p.data_ptr() == s.params.ctypes.data + 4 * off
+            assert p.grad.data_ptr() == s.grads.ctypes.data + 4 * off
+    finally:
+        opt.detach()
+    assert model.weight.grad is None and not shm_names()
+    assert float(torch.nn.functional.mse_loss(model(x), y)) < losses[0]
+
+
+def test_torch_optimizer_cuda_is_unsupported(daemon_factory):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    import scape.torch
+
+    d = daemon_factory()
+    model = torch.nn.Linear(8, 1).cuda()
+    with pytest.raises(scape.ScapeError, match="CUDA") as e:
+        scape.torch.ScapeOptimizer(model.parameters(), endpoint=d.endpoint)
+    assert e.value.code == scape.Rc.UNSUPPORTED
