@@ -99,10 +99,11 @@ def overhead(build, work, n, steps, trainers=4):
     }
 
 
-def memory(build, work, n, steps=4):
-    rt = os.path.join(work, "rt2")
-    d = start_daemon(build, rt, "--rho", "0.01", "--warmup", "1")
-    t = subprocess.Popen(trainer_cmd(build, rt, 0, n, steps, ["--sleep-ms", "1500"]))
+def memory(build, work, n, trainers, steps=4):
+    rt = os.path.join(work, "rt2-%d" % trainers)
+    d = start_daemon(build, rt, "--rho", "0.01", "--warmup", "1", "--trainers", str(trainers))
+    ts = [subprocess.Popen(trainer_cmd(build, rt, i, n, steps, ["--sleep-ms", "1500"]))
+          for i in range(trainers)]
     time.sleep(1.0)
     deadline = time.time() + 3600
     st, last = status(rt)
@@ -110,10 +111,10 @@ def memory(build, work, n, steps=4):
         time.sleep(0.2)
         st, last = status(rt)
     rss, state = int(st[12][0]), int(st[13][0])
-    wait_all([t], "trainer")
+    wait_all(ts, "trainer")
     d.terminate()
     d.wait()
-    return {"n": int(st[9][0]), "rss": rss, "state": state}
+    return {"n": int(st[9][0]), "rss": rss, "state": state, "trainers": trainers}
 
 
 def main():
@@ -127,11 +128,13 @@ def main():
         print("bench_service: overhead at N=1e6, 4 trainers, rho=0.01 ...", file=sys.stderr)
         o = overhead(a.build, work, 1e6, 60)
         mem_n = 1e7 if a.quick else 1e8
-        print("bench_service: memory at N=%g ..." % mem_n, file=sys.stderr)
-        m = memory(a.build, work, mem_n)
+        mems = []
+        for trainers in (1, 4):
+            print("bench_service: memory at N=%g, %d trainer(s) ..." % (mem_n, trainers),
+                  file=sys.stderr)
+            mems.append(memory(a.build, work, mem_n, trainers))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    extra = (m["rss"] - m["state"]) / m["state"]
     lines = [
         "| figure | value | baseline (same run) | ratio |",
         "|---|---|---|---|",
@@ -145,9 +148,12 @@ def main():
         % (o["control_bytes"], o["grad_bytes"], o["control_bytes"] / o["grad_bytes"]),
         "| gradient bytes copied in handover | %d B | gradient bytes %d B | %.2g |"
         % (o["copied_bytes"], o["grad_bytes"], o["copied_bytes"] / o["grad_bytes"]),
-        "| private RSS beyond state, N=%.0e | %.1f MiB | state+residual %.1f MiB | %+.1f%% |"
-        % (m["n"], (m["rss"] - m["state"]) / 2**20, m["state"] / 2**20, 100 * extra),
     ]
+    for m in mems:
+        lines.append("| private RSS beyond state, N=%.0e, %d trainer(s) | %.1f MiB | "
+                     "state+residual %.1f MiB | %+.1f%% |"
+                     % (m["n"], m["trainers"], (m["rss"] - m["state"]) / 2**20,
+                        m["state"] / 2**20, 100 * (m["rss"] - m["state"]) / m["state"]))
     print("\n".join(lines))
     if a.markdown:
         with open(a.markdown, "w") as f:
