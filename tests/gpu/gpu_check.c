@@ -381,6 +381,40 @@ static void check_topk_all(ctx *c, size_t n)
                 check_topk(c, n, (enum topk_kind)kind, ks[i]);
 }
 
+/* The fused selections: from g + e (topk_ef) and, after a pack, from the
+ * stored a (topk_packed), each with the SCAPE statistic and with |a|. */
+static void check_topk_fused(ctx *c, size_t n, int scape_stat, double p)
+{
+    begin(c, n, "topk_ef/topk_packed %s p=%.2f", scape_stat ? "scape" : "abs", p);
+    const size_t nw = kern_mask_words(n), k = n / 50 + (n > 0);
+    const size_t cs_bytes = kern_topk_scratch_bytes(n);
+    void *cs = gc_host(&c->arena, cs_bytes ? cs_bytes : 1);
+    float *m = rand_f32(c, n), *g = rand_f32(c, n), *e = rand_f32(c, n);
+    uint32_t *sent = rand_mask(c, n, p);
+    size_t kp = cpu_popcount(sent, n);
+    float *packed = host_poison(c, (kp + 1) * 4);
+    const float *mm = scape_stat ? m : NULL;
+    uint32_t *m_ef = host_poison(c, nw * 4), *m_pk = host_poison(c, nw * 4);
+    rc_ok(c, kern_topk_ef(mm, g, e, n, 0.9f, 3.0f, k, m_ef, cs, cs_bytes), "cpu ef");
+    float *dm_ = scape_stat ? up(c, m, n * 4) : NULL, *dg = up(c, g, n * 4);
+    float *de = up(c, e, n * 4);
+    uint32_t *dmask = dev_poison(c, nw * 4);
+    rc_ok(c, kern_cuda_topk_ef(dm_, dg, de, n, 0.9f, 3.0f, k, dmask, c->scratch,
+                               c->scratch_bytes, NULL), "gpu ef");
+    cmp_bits(c, "ef mask", m_ef, down(c, dmask, nw * 4), nw, 4);
+    size_t kk = 0;
+    rc_ok(c, kern_pack_ef(g, e, sent, n, packed, &kk), "cpu pack");
+    rc_ok(c, kern_topk_packed(mm, e, sent, packed, n, 0.9f, 3.0f, k, m_pk, cs, cs_bytes),
+          "cpu packed");
+    cmp_bits(c, "packed vs ef (cpu)", m_ef, m_pk, nw, 4);
+    float *de2 = up(c, e, n * 4), *dp = up(c, packed, (kp + 1) * 4);
+    uint32_t *dsent = up(c, sent, nw * 4);
+    rc_ok(c, kern_cuda_topk_packed(dm_, de2, dsent, dp, n, 0.9f, 3.0f, k, dmask, c->scratch,
+                                   c->scratch_bytes, NULL), "gpu packed");
+    cmp_bits(c, "packed mask", m_pk, down(c, dmask, nw * 4), nw, 4);
+    gc_arena_free(&c->arena);
+}
+
 /* ---- Adam family --------------------------------------------------------- */
 
 static const kern_hyper s_hyper = {0.9f, 0.95f, 1e-8f, 0.01f};
@@ -529,6 +563,10 @@ static void check_offset(ctx *c, size_t n)
     check_stats(c, n, 0.9f, 3.0f);
     check_stats(c, n, 0.0f, 1.0f);
     check_topk_all(c, n);
+    for (int sc = 0; sc < 2; sc++) {
+        check_topk_fused(c, n, sc, 0.01);
+        check_topk_fused(c, n, sc, 1.0);
+    }
     for (int w = 0; w < 2; w++) {
         check_adam_dense(c, n, w);
         check_accum(c, n, w ? KERN_BF16 : KERN_F32, 0);
