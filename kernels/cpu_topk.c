@@ -73,36 +73,34 @@ typedef struct key_src {
     float beta1, c1, t_r;
 } key_src;
 
-/* Keys in index order; j counts the set bits of `sent` passed so far. */
-typedef struct cursor {
-    const key_src *s;
-    size_t i, j;
-} cursor;
-
-static inline float a_at(cursor *c)
+/* Keys of the elements [base, base + len) of one mask word (len <= 32) into
+ * out; *j counts the set bits of `sent` passed so far.  Word at a time, so
+ * the arithmetic vectorises. */
+static void word_keys(const key_src *s, size_t base, size_t len, size_t *j, uint32_t *out)
 {
-    const key_src *s = c->s;
-    size_t i = c->i;
-    if (s->g)
-        return s->g[i] + s->e[i];
-    if (s->sent && ((s->sent[i >> 5] >> (i & 31)) & 1u))
-        return s->packed[c->j++];
-    return s->e[i];
-}
-
-static inline uint32_t next_key(cursor *c)
-{
-    const key_src *s = c->s;
-    uint32_t u;
+    float a[32];
     if (s->stat) {
-        u = key_of(s->stat[c->i]);
-    } else {
-        float a = a_at(c);
-        u = s->m ? key_of(fabsf(s->beta1 * s->m[c->i] + s->c1 * (a / s->t_r)))
-                 : key_of(fabsf(a));
+        for (size_t i = 0; i < len; i++)
+            out[i] = key_of(s->stat[base + i]);
+        return;
     }
-    c->i++;
-    return u;
+    if (s->g) {
+        for (size_t i = 0; i < len; i++)
+            a[i] = s->g[base + i] + s->e[base + i];
+    } else {
+        memcpy(a, s->e + base, len * sizeof *a);
+        uint32_t bits = s->sent ? s->sent[base / 32] : 0;
+        if (len < 32)
+            bits &= (1u << len) - 1u;
+        for (; bits; bits &= bits - 1)
+            a[__builtin_ctz(bits)] = s->packed[(*j)++];
+    }
+    if (s->m)
+        for (size_t i = 0; i < len; i++)
+            out[i] = key_of(fabsf(s->beta1 * s->m[base + i] + s->c1 * (a[i] / s->t_r)));
+    else
+        for (size_t i = 0; i < len; i++)
+            out[i] = key_of(fabsf(a[i]));
 }
 
 size_t kern_topk_scratch_bytes(size_t n) { return n ? NBUCKETS * sizeof(uint32_t) : 0; }
@@ -133,11 +131,14 @@ static uint32_t select_tau(const key_src *src, size_t n, size_t *need, uint32_t 
     for (int d = 0; d < 3; d++) {
         memset(hist, 0, bins[d] * sizeof *hist);
         int hi = shift[d] + (d == 0 ? DIGIT_BITS : 10); /* bits above this digit */
-        cursor c = { src, 0, 0 };
-        for (size_t i = 0; i < n; i++) {
-            uint32_t u = next_key(&c);
-            if (d == 0 || (u >> hi) == prefix)
-                hist[(u >> shift[d]) & (bins[d] - 1)]++;
+        size_t j = 0;
+        uint32_t keys[32];
+        for (size_t base = 0; base < n; base += 32) {
+            size_t len = n - base < 32 ? n - base : 32;
+            word_keys(src, base, len, &j, keys);
+            for (size_t i = 0; i < len; i++)
+                if (d == 0 || (keys[i] >> hi) == prefix)
+                    hist[(keys[i] >> shift[d]) & (bins[d] - 1)]++;
         }
         prefix = (prefix << (d == 0 ? DIGIT_BITS : 10)) | pick_bucket(hist, bins[d], need);
     }
@@ -149,13 +150,14 @@ static uint32_t select_tau(const key_src *src, size_t n, size_t *need, uint32_t 
 static void write_mask(const key_src *src, size_t n, uint32_t tau, size_t need,
                        uint32_t *mask)
 {
-    size_t nw = kern_mask_words(n);
-    cursor c = { src, 0, 0 };
+    size_t nw = kern_mask_words(n), j = 0;
+    uint32_t keys[32];
     for (size_t w = 0; w < nw; w++) {
         size_t base = w * 32, len = n - base < 32 ? n - base : 32;
         uint32_t word = 0;
+        word_keys(src, base, len, &j, keys);
         for (size_t i = 0; i < len; i++) {
-            uint32_t u = next_key(&c);
+            uint32_t u = keys[i];
             if (u > tau || (u == tau && need > 0 && need--))
                 word |= 1u << i;
         }
