@@ -18,13 +18,7 @@
 #include <yaml.h>
 
 #include "config.h"
-
-#define TRY(call)                                                              \
-    do {                                                                       \
-        scape_rc rc_ = (call);                                                 \
-        if (rc_ != SCAPE_OK)                                                   \
-            return rc_;                                                        \
-    } while (0)
+#include "try.h"
 
 #define VALUE_BYTES 1100  /* a printed value: runtime_dir fully escaped, quoted */
 #define PRINT_COLUMN 30   /* where cfg_print starts the doc comments */

@@ -14,6 +14,7 @@
 
 #include "engine.h"
 #include "plan.h"
+#include "try.h"
 
 struct eng {
     eng_config cfg;
@@ -57,13 +58,6 @@ struct eng {
 
     eng_step_stats last;
 };
-
-#define TRY(call)                                                              \
-    do {                                                                       \
-        scape_rc rc_ = (call);                                                 \
-        if (rc_ != SCAPE_OK)                                                   \
-            return rc_;                                                        \
-    } while (0)
 
 /* The optimizer keeps a second moment (the AdamW variants). */
 static inline int eng_uses_v(const eng_t *e)

@@ -55,13 +55,9 @@ scape_rc srv_reply(server *s, const unsigned char *rid, size_t rid_len, const Sc
 
 void srv_reply_error(server *s, const unsigned char *rid, size_t rid_len, scape_rc rc)
 {
-    Scape__Error e = SCAPE__ERROR__INIT;
-    e.code = wire_status(rc);
-    e.message = (char *)scape_last_error();
-    Scape__Reply r = SCAPE__REPLY__INIT;
-    r.status = e.code;
-    r.body_case = SCAPE__REPLY__BODY_ERROR;
-    r.error = &e;
+    Scape__Error e;
+    Scape__Reply r;
+    wire_error_reply(&r, &e, rc);
     srv_reply(s, rid, rid_len, &r);
 }
 

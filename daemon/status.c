@@ -105,13 +105,9 @@ static void send_reply(server *s, const Scape__Reply *r)
 
 static void send_error(server *s, scape_rc rc)
 {
-    Scape__Error e = SCAPE__ERROR__INIT;
-    e.code = wire_status(rc);
-    e.message = (char *)scape_last_error();
-    Scape__Reply r = SCAPE__REPLY__INIT;
-    r.status = e.code;
-    r.body_case = SCAPE__REPLY__BODY_ERROR;
-    r.error = &e;
+    Scape__Error e;
+    Scape__Reply r;
+    wire_error_reply(&r, &e, rc);
     send_reply(s, &r);
 }
 

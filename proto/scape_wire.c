@@ -51,3 +51,14 @@ scape_rc wire_rc(Scape__Status st)
         return SCAPE_PROTO;
     return (scape_rc)st;
 }
+
+void wire_error_reply(Scape__Reply *r, Scape__Error *e, scape_rc rc)
+{
+    scape__error__init(e);
+    e->code = wire_status(rc);
+    e->message = (char *)scape_last_error();
+    scape__reply__init(r);
+    r->status = e->code;
+    r->body_case = SCAPE__REPLY__BODY_ERROR;
+    r->error = e;
+}

@@ -19,6 +19,10 @@ scape_rc wire_runtime_dir(char *buf, size_t len);
 /* "ipc://<dir>/<name>" for name in control | status | events. */
 scape_rc wire_endpoint(char *buf, size_t len, const char *dir, const char *name);
 
+/* Fill r (and its error e) as the error reply for rc, carrying the calling
+ * thread's last-error message; both stay valid while that message does. */
+void wire_error_reply(Scape__Reply *r, Scape__Error *e, scape_rc rc);
+
 /* Map between scape_rc and Scape__Status (they share numbering). */
 Scape__Status wire_status(scape_rc rc);
 scape_rc wire_rc(Scape__Status st);
