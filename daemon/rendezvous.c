@@ -1,0 +1,356 @@
+/* rendezvous.c - rank 0 collects every rank's data endpoint and hands out the
+ * table.  ZeroMQ does the retrying: a DEALER keeps reconnecting to a
+ * coordinator that is not up yet, and its join waits in the queue meanwhile;
+ * only the overall deadline ends the wait. */
+#define _POSIX_C_SOURCE 200809L
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <zmq.h>
+
+#include "rendezvous.h"
+#include "scape.pb-c.h"
+#include "scape_wire.h"
+
+#define RDV_PROTOCOL 1
+
+static double now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return 1e3 * (double)ts.tv_sec + 1e-6 * (double)ts.tv_nsec;
+}
+
+static scape_rc check_opts(const rdv_opts *o, const rdv_result *out)
+{
+    if (o == NULL || out == NULL || o->endpoint == NULL)
+        return scape_set_error(SCAPE_INVALID, "rendezvous: NULL argument");
+    if (o->world < 1 || o->rank < 0 || o->rank >= o->world)
+        return scape_set_error(SCAPE_INVALID, "rendezvous: rank %d outside world %d", o->rank,
+                               o->world);
+    if (o->world > 1 && o->coordinator == NULL)
+        return scape_set_error(SCAPE_INVALID, "rendezvous: no coordinator endpoint");
+    if (o->timeout_ms < 1 || o->blob_len > RDV_BLOB_MAX || (o->blob_len && !o->blob))
+        return scape_set_error(SCAPE_INVALID, "rendezvous: bad timeout or blob");
+    return SCAPE_OK;
+}
+
+static scape_rc new_result(rdv_result *out, int world)
+{
+    memset(out, 0, sizeof *out);
+    out->endpoints = calloc((size_t)world, sizeof *out->endpoints);
+    out->world = world;
+    return out->endpoints ? SCAPE_OK : scape_set_error(SCAPE_NOMEM, "rendezvous: out of memory");
+}
+
+void rdv_result_free(rdv_result *r)
+{
+    for (int i = 0; r && r->endpoints && i < r->world; i++)
+        free(r->endpoints[i]);
+    if (r) {
+        free(r->endpoints);
+        memset(r, 0, sizeof *r);
+    }
+}
+
+/* Wait up to the deadline for a message on sock. */
+static int wait_in(void *sock, double deadline)
+{
+    double left = deadline - now_ms();
+    zmq_pollitem_t it = { sock, 0, ZMQ_POLLIN, 0 };
+    return left > 0 && zmq_poll(&it, 1, (long)left) > 0;
+}
+
+/* Send reply r to the peer with routing id rid (rank 0's side). */
+static void send_reply(void *sock, const void *rid, size_t rid_len, const Scape__RdvReply *r)
+{
+    size_t len = scape__rdv_reply__get_packed_size(r);
+    uint8_t *buf = malloc(len ? len : 1);
+    if (buf == NULL)
+        return;
+    scape__rdv_reply__pack(r, buf);
+    if (zmq_send(sock, rid, rid_len, ZMQ_SNDMORE) >= 0)
+        zmq_send(sock, buf, len, 0);
+    free(buf);
+}
+
+static void refuse(void *sock, const void *rid, size_t rid_len, scape_rc rc)
+{
+    Scape__Error e = SCAPE__ERROR__INIT;
+    e.code = wire_status(rc);
+    e.message = (char *)scape_last_error();
+    Scape__RdvReply r = SCAPE__RDV_REPLY__INIT;
+    r.status = e.code;
+    r.error = &e;
+    send_reply(sock, rid, rid_len, &r);
+}
+
+/* ---- rank 0 ---------------------------------------------------------------- */
+
+typedef struct joiner {
+    unsigned char rid[256];
+    size_t rid_len;
+} joiner;
+
+/* Check one join; on success record the rank's endpoint and routing id. */
+static scape_rc admit(const rdv_opts *o, const Scape__RdvJoin *j, rdv_result *out,
+                      joiner *who, const unsigned char *rid, size_t rid_len)
+{
+    if (j->protocol != RDV_PROTOCOL)
+        return scape_set_error(SCAPE_PROTO, "rendezvous: protocol %u, rank 0 speaks %d",
+                               j->protocol, RDV_PROTOCOL);
+    if (j->job != o->job)
+        return scape_set_error(SCAPE_INVALID,
+                               "rendezvous: job %llu is not this job (%llu): another job's "
+                               "daemon on this coordinator?",
+                               (unsigned long long)j->job, (unsigned long long)o->job);
+    if ((int)j->world != o->world || j->rank == 0 || (int)j->rank >= o->world)
+        return scape_set_error(SCAPE_INVALID, "rendezvous: rank %u of %u does not fit world %d",
+                               j->rank, j->world, o->world);
+    if (out->endpoints[j->rank])
+        return scape_set_error(SCAPE_INVALID, "rendezvous: rank %u joined twice", j->rank);
+    if (rid_len > sizeof who->rid || (out->endpoints[j->rank] = strdup(j->endpoint)) == NULL)
+        return scape_set_error(SCAPE_NOMEM, "rendezvous: cannot keep rank %u", j->rank);
+    memcpy(who[j->rank].rid, rid, rid_len);
+    who[j->rank].rid_len = rid_len;
+    return SCAPE_OK;
+}
+
+/* Receive and judge one join; refused joiners are told why. */
+static int take_join(void *sock, const rdv_opts *o, rdv_result *out, joiner *who)
+{
+    unsigned char rid[256], buf[4096];
+    int rl = zmq_recv(sock, rid, sizeof rid, 0);
+    int n = rl >= 0 ? zmq_recv(sock, buf, sizeof buf, 0) : -1;
+    if (n < 0)
+        return 0;
+    size_t rid_len = (size_t)rl > sizeof rid ? sizeof rid : (size_t)rl;
+    Scape__RdvJoin *j = (size_t)n <= sizeof buf ? scape__rdv_join__unpack(NULL, (size_t)n, buf)
+                                                : NULL;
+    scape_rc rc = j ? admit(o, j, out, who, rid, rid_len)
+                    : scape_set_error(SCAPE_PROTO, "rendezvous: undecodable join of %d bytes", n);
+    if (j)
+        scape__rdv_join__free_unpacked(j, NULL);
+    if (rc != SCAPE_OK)
+        refuse(sock, rid, rid_len, rc);
+    return rc == SCAPE_OK;
+}
+
+static scape_rc missing(const rdv_opts *o, const rdv_result *out)
+{
+    char list[512] = "";
+    size_t used = 0;
+    for (int r = 1; r < o->world && used + 12 < sizeof list; r++)
+        if (out->endpoints[r] == NULL)
+            used += (size_t)snprintf(list + used, sizeof list - used, " %d", r);
+    return scape_set_error(SCAPE_TIMEOUT,
+                           "rendezvous: rank(s)%s never joined %s within %d ms", list,
+                           o->coordinator, o->timeout_ms);
+}
+
+static void send_table(void *sock, const rdv_opts *o, const rdv_result *out, const joiner *who)
+{
+    Scape__RdvTable t = SCAPE__RDV_TABLE__INIT;
+    t.n_endpoints = (size_t)o->world;
+    t.endpoints = out->endpoints;
+    t.has_blob = o->blob_len > 0;
+    t.blob.len = o->blob_len;
+    t.blob.data = (uint8_t *)o->blob;
+    Scape__RdvReply r = SCAPE__RDV_REPLY__INIT;
+    r.table = &t;
+    for (int k = 1; k < o->world; k++)
+        send_reply(sock, who[k].rid, who[k].rid_len, &r);
+}
+
+static scape_rc serve(void *ctx, const rdv_opts *o, rdv_result *out)
+{
+    void *sock = zmq_socket(ctx, ZMQ_ROUTER);
+    int linger = o->timeout_ms; /* the table must leave before the socket closes */
+    joiner *who = calloc((size_t)o->world, sizeof *who);
+    scape_rc rc = SCAPE_OK;
+    if (sock == NULL || who == NULL ||
+        zmq_setsockopt(sock, ZMQ_LINGER, &linger, sizeof linger) != 0 ||
+        zmq_bind(sock, o->coordinator) != 0)
+        rc = scape_set_error(SCAPE_ZMQ, "rendezvous: bind %s: %s", o->coordinator,
+                             zmq_strerror(zmq_errno()));
+    double deadline = now_ms() + o->timeout_ms;
+    for (int joined = 1; rc == SCAPE_OK && joined < o->world;) {
+        if (!wait_in(sock, deadline))
+            rc = missing(o, out);
+        else
+            joined += take_join(sock, o, out, who);
+    }
+    if (rc == SCAPE_OK)
+        send_table(sock, o, out, who);
+    if (sock)
+        zmq_close(sock);
+    free(who);
+    return rc;
+}
+
+/* ---- the other ranks ---------------------------------------------------------- */
+
+static scape_rc send_join(void *sock, const rdv_opts *o)
+{
+    Scape__RdvJoin j = SCAPE__RDV_JOIN__INIT;
+    j.protocol = RDV_PROTOCOL;
+    j.job = o->job;
+    j.rank = (uint32_t)o->rank;
+    j.world = (uint32_t)o->world;
+    j.endpoint = (char *)o->endpoint;
+    uint8_t buf[4096];
+    size_t len = scape__rdv_join__get_packed_size(&j);
+    if (len > sizeof buf)
+        return scape_set_error(SCAPE_INVALID, "rendezvous: endpoint too long");
+    scape__rdv_join__pack(&j, buf);
+    if (zmq_send(sock, buf, len, 0) < 0)
+        return scape_set_error(SCAPE_ZMQ, "rendezvous: send: %s", zmq_strerror(zmq_errno()));
+    return SCAPE_OK;
+}
+
+static scape_rc read_table(const Scape__RdvReply *r, const rdv_opts *o, rdv_result *out)
+{
+    if (r->status != SCAPE__STATUS__OK)
+        return scape_set_error(wire_rc(r->status), "rendezvous: rank 0 refused rank %d: %s",
+                               o->rank, r->error && r->error->message ? r->error->message : "?");
+    const Scape__RdvTable *t = r->table;
+    if (t == NULL || (int)t->n_endpoints != o->world || t->blob.len > RDV_BLOB_MAX)
+        return scape_set_error(SCAPE_PROTO, "rendezvous: malformed table from rank 0");
+    for (int k = 0; k < o->world; k++)
+        if ((out->endpoints[k] = strdup(t->endpoints[k])) == NULL)
+            return scape_set_error(SCAPE_NOMEM, "rendezvous: out of memory");
+    out->blob_len = t->has_blob ? t->blob.len : 0;
+    if (out->blob_len)
+        memcpy(out->blob, t->blob.data, out->blob_len);
+    return SCAPE_OK;
+}
+
+static scape_rc join(void *ctx, const rdv_opts *o, rdv_result *out)
+{
+    void *sock = zmq_socket(ctx, ZMQ_DEALER);
+    int linger = 0;
+    scape_rc rc = SCAPE_OK;
+    if (sock == NULL || zmq_setsockopt(sock, ZMQ_LINGER, &linger, sizeof linger) != 0 ||
+        zmq_connect(sock, o->coordinator) != 0)
+        rc = scape_set_error(SCAPE_ZMQ, "rendezvous: connect %s: %s", o->coordinator,
+                             zmq_strerror(zmq_errno()));
+    if (rc == SCAPE_OK)
+        rc = send_join(sock, o);
+    if (rc == SCAPE_OK && !wait_in(sock, now_ms() + o->timeout_ms))
+        rc = scape_set_error(SCAPE_TIMEOUT,
+                             "rendezvous: rank 0 at %s did not answer rank %d within %d ms "
+                             "(is it running, in this job?)",
+                             o->coordinator, o->rank, o->timeout_ms);
+    zmq_msg_t msg;
+    zmq_msg_init(&msg);
+    if (rc == SCAPE_OK && zmq_msg_recv(&msg, sock, 0) < 0)
+        rc = scape_set_error(SCAPE_ZMQ, "rendezvous: receive: %s", zmq_strerror(zmq_errno()));
+    Scape__RdvReply *r = rc == SCAPE_OK ? scape__rdv_reply__unpack(NULL, zmq_msg_size(&msg),
+                                                                   zmq_msg_data(&msg))
+                                        : NULL;
+    if (rc == SCAPE_OK)
+        rc = r ? read_table(r, o, out)
+               : scape_set_error(SCAPE_PROTO, "rendezvous: undecodable answer from rank 0");
+    if (r)
+        scape__rdv_reply__free_unpacked(r, NULL);
+    zmq_msg_close(&msg);
+    if (sock)
+        zmq_close(sock);
+    return rc;
+}
+
+scape_rc rdv_run(const rdv_opts *o, rdv_result *out)
+{
+    scape_rc rc = check_opts(o, out);
+    if (rc == SCAPE_OK)
+        rc = new_result(out, o->world);
+    if (rc != SCAPE_OK)
+        return rc;
+    void *ctx = zmq_ctx_new();
+    if (ctx == NULL)
+        rc = scape_set_error(SCAPE_ZMQ, "rendezvous: zmq_ctx_new: %s", zmq_strerror(zmq_errno()));
+    else if (o->rank == 0 && (out->endpoints[0] = strdup(o->endpoint)) == NULL)
+        rc = scape_set_error(SCAPE_NOMEM, "rendezvous: out of memory");
+    else if (o->rank == 0 && o->world > 1)
+        rc = serve(ctx, o, out);
+    else if (o->rank > 0)
+        rc = join(ctx, o, out);
+    if (rc == SCAPE_OK && o->rank == 0) {
+        out->blob_len = o->blob_len;
+        if (o->blob_len)
+            memcpy(out->blob, o->blob, o->blob_len);
+    }
+    if (ctx)
+        zmq_ctx_term(ctx);
+    if (rc != SCAPE_OK)
+        rdv_result_free(out);
+    return rc;
+}
+
+/* ---- Slurm ----------------------------------------------------------------------- */
+
+scape_rc rdv_first_host(const char *list, char *host, size_t len)
+{
+    if (list == NULL || *list == '\0')
+        return scape_set_error(SCAPE_INVALID, "host list is empty");
+    size_t p = strcspn(list, ",[");
+    if (list[p] != '[') { /* a plain name */
+        if (p >= len)
+            return scape_set_error(SCAPE_INVALID, "host name in '%s' is too long", list);
+        memcpy(host, list, p);
+        host[p] = '\0';
+        return SCAPE_OK;
+    }
+    const char *num = list + p + 1;
+    size_t digits = strspn(num, "0123456789");
+    const char *close = strchr(num, ']');
+    const char *rest = close ? close + 1 : NULL;
+    if (digits == 0 || close == NULL || (*rest && *rest != ',') ||
+        (num[digits] != '-' && num[digits] != ',' && num[digits] != ']'))
+        return scape_set_error(SCAPE_INVALID, "cannot read the host list '%s'", list);
+    if (p + digits >= len)
+        return scape_set_error(SCAPE_INVALID, "host name in '%s' is too long", list);
+    memcpy(host, list, p);
+    memcpy(host + p, num, digits);
+    host[p + digits] = '\0';
+    return SCAPE_OK;
+}
+
+static scape_rc env_long(const char *name, long lo, long hi, long *out)
+{
+    const char *v = getenv(name);
+    char *end = NULL;
+    long x = v ? strtol(v, &end, 10) : 0;
+    if (v == NULL || *v == '\0' || *end != '\0' || x < lo || x > hi)
+        return scape_set_error(SCAPE_INVALID, "%s='%s' is not an integer in [%ld, %ld]", name,
+                               v ? v : "(unset)", lo, hi);
+    *out = x;
+    return SCAPE_OK;
+}
+
+scape_rc rdv_from_slurm(int *rank, int *world, uint64_t *job, char *host, size_t len)
+{
+    long r, w, j;
+    scape_rc rc = env_long("SLURM_PROCID", 0, 1 << 20, &r);
+    if (rc == SCAPE_OK)
+        rc = env_long("SLURM_NTASKS", 1, 1 << 20, &w);
+    if (rc == SCAPE_OK)
+        rc = env_long("SLURM_JOB_ID", 0, 0x7fffffffL, &j);
+    if (rc == SCAPE_OK && r >= w)
+        rc = scape_set_error(SCAPE_INVALID, "SLURM_PROCID=%ld >= SLURM_NTASKS=%ld", r, w);
+    const char *nodes = getenv("SLURM_STEP_NODELIST");
+    if (nodes == NULL || *nodes == '\0')
+        nodes = getenv("SLURM_JOB_NODELIST");
+    if (rc == SCAPE_OK && (nodes == NULL || *nodes == '\0'))
+        rc = scape_set_error(SCAPE_INVALID,
+                             "neither SLURM_STEP_NODELIST nor SLURM_JOB_NODELIST is set");
+    if (rc == SCAPE_OK)
+        rc = rdv_first_host(nodes, host, len);
+    if (rc == SCAPE_OK) {
+        *rank = (int)r;
+        *world = (int)w;
+        *job = (uint64_t)j;
+    }
+    return rc;
+}

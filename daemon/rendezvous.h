@@ -1,0 +1,50 @@
+/* rendezvous.h - how the daemons of one job find each other.
+ *
+ * Rank 0 serves a ZeroMQ ROUTER at the coordinator endpoint; every other rank
+ * sends it its rank, the world size, the job id and the endpoint its data
+ * plane listens on.  When all ranks have joined, rank 0 hands everyone the
+ * table of endpoints and an optional blob (the NCCL unique id).  Every wait
+ * is bounded; a rank that never arrives is named in the error.
+ */
+#ifndef SCAPE_RENDEZVOUS_H
+#define SCAPE_RENDEZVOUS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "scape_rc.h"
+
+#define RDV_BLOB_MAX 256
+
+typedef struct rdv_opts {
+    int rank, world;
+    const char *coordinator; /* "tcp://host:port" where rank 0 listens */
+    const char *endpoint;    /* this rank's data-plane endpoint, published to all */
+    uint64_t job;            /* a join from another job is refused */
+    int timeout_ms;          /* longest wait for the whole rendezvous */
+    const void *blob;        /* rank 0 only: handed to every rank (may be NULL) */
+    size_t blob_len;         /* <= RDV_BLOB_MAX */
+} rdv_opts;
+
+typedef struct rdv_result {
+    char **endpoints;        /* world entries, by rank */
+    int world;
+    unsigned char blob[RDV_BLOB_MAX];
+    size_t blob_len;
+} rdv_result;
+
+/* Run the rendezvous for this rank; on success *out holds the table. */
+scape_rc rdv_run(const rdv_opts *o, rdv_result *out);
+/* Free the table. */
+void rdv_result_free(rdv_result *r);
+
+/* Where Slurm says we are: rank (SLURM_PROCID), world (SLURM_NTASKS), job
+ * (SLURM_JOB_ID) and the first host of SLURM_STEP_NODELIST, else
+ * SLURM_JOB_NODELIST, into host (len bytes).  SCAPE_INVALID, naming the
+ * variable, when one is missing or malformed. */
+scape_rc rdv_from_slurm(int *rank, int *world, uint64_t *job, char *host, size_t len);
+
+/* The first host of a Slurm host list: "gh[001-004,010],login1" -> "gh001". */
+scape_rc rdv_first_host(const char *list, char *host, size_t len);
+
+#endif /* SCAPE_RENDEZVOUS_H */

@@ -1,0 +1,206 @@
+/* test_rendezvous.c - daemons finding each other over loopback TCP: the
+ * table and blob every rank receives, a rank that never comes, another
+ * job's daemon, a coordinator that is not there; and Slurm's environment. */
+#define _POSIX_C_SOURCE 200809L
+#include <check.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <zmq.h>
+
+#include "rendezvous.h"
+
+#define MAX_R 8
+
+typedef struct rank_case {
+    rdv_opts o;
+    rdv_result res;
+    scape_rc rc;
+    char err[512];
+    char endpoint[64];
+} rank_case;
+
+/* A free loopback port: bind to "*", read it back, release it. */
+static void free_endpoint(char *buf, size_t len)
+{
+    void *ctx = zmq_ctx_new(), *s = zmq_socket(ctx, ZMQ_REP);
+    ck_assert_int_eq(zmq_bind(s, "tcp://127.0.0.1:*"), 0);
+    size_t n = len;
+    ck_assert_int_eq(zmq_getsockopt(s, ZMQ_LAST_ENDPOINT, buf, &n), 0);
+    zmq_close(s);
+    zmq_ctx_term(ctx);
+}
+
+static void *rank_main(void *p)
+{
+    rank_case *c = p;
+    c->rc = rdv_run(&c->o, &c->res);
+    snprintf(c->err, sizeof c->err, "%s", scape_last_error());
+    return NULL;
+}
+
+/* Run ranks [0, world) except `absent`; rank `stranger` uses another job. */
+static void run(rank_case *cs, int world, int absent, int stranger, int timeout_ms)
+{
+    char coord[64];
+    free_endpoint(coord, sizeof coord);
+    static const char blob[] = "nccl-unique-id-stand-in";
+    pthread_t th[MAX_R];
+    for (int r = 0; r < world; r++) {
+        rank_case *c = &cs[r];
+        memset(c, 0, sizeof *c);
+        snprintf(c->endpoint, sizeof c->endpoint, "tcp://127.0.0.1:%d", 40000 + r);
+        c->o = (rdv_opts){ .rank = r, .world = world, .coordinator = coord,
+                           .endpoint = c->endpoint, .job = r == stranger ? 99 : 7,
+                           .timeout_ms = timeout_ms };
+        if (r == 0) {
+            c->o.blob = blob;
+            c->o.blob_len = sizeof blob;
+        }
+        if (r != absent)
+            ck_assert_int_eq(pthread_create(&th[r], NULL, rank_main, c), 0);
+    }
+    for (int r = 0; r < world; r++)
+        if (r != absent)
+            pthread_join(th[r], NULL);
+}
+
+START_TEST(table_reaches_every_rank)
+{
+    static const int worlds[] = { 1, 2, 3, 4, 8 };
+    for (size_t w = 0; w < sizeof worlds / sizeof worlds[0]; w++) {
+        int world = worlds[w];
+        rank_case cs[MAX_R];
+        run(cs, world, -1, -1, 10000);
+        for (int r = 0; r < world; r++) {
+            ck_assert_msg(cs[r].rc == SCAPE_OK, "world %d rank %d: %s", world, r, cs[r].err);
+            ck_assert_int_eq(cs[r].res.world, world);
+            for (int k = 0; k < world; k++)
+                ck_assert_str_eq(cs[r].res.endpoints[k], cs[k].endpoint);
+            ck_assert_uint_eq(cs[r].res.blob_len, sizeof "nccl-unique-id-stand-in");
+            ck_assert_str_eq((const char *)cs[r].res.blob, "nccl-unique-id-stand-in");
+            rdv_result_free(&cs[r].res);
+        }
+    }
+}
+END_TEST
+
+START_TEST(missing_rank_is_named)
+{
+    rank_case cs[4];
+    run(cs, 4, 2, -1, 400);
+    ck_assert_int_eq(cs[0].rc, SCAPE_TIMEOUT);
+    ck_assert_msg(strstr(cs[0].err, "rank(s) 2 never joined") != NULL, "%s", cs[0].err);
+    for (int r = 1; r < 4; r += 2) {
+        ck_assert_int_eq(cs[r].rc, SCAPE_TIMEOUT);
+        ck_assert_msg(strstr(cs[r].err, "did not answer") != NULL, "%s", cs[r].err);
+    }
+}
+END_TEST
+
+START_TEST(another_job_is_refused)
+{
+    rank_case cs[3];
+    run(cs, 3, -1, 1, 400);
+    ck_assert_int_eq(cs[1].rc, SCAPE_INVALID);
+    ck_assert_msg(strstr(cs[1].err, "job 99 is not this job (7)") != NULL, "%s", cs[1].err);
+    ck_assert_int_eq(cs[0].rc, SCAPE_TIMEOUT);
+    ck_assert_msg(strstr(cs[0].err, "rank(s) 1 never joined") != NULL, "%s", cs[0].err);
+}
+END_TEST
+
+START_TEST(no_coordinator)
+{
+    rank_case cs[2];
+    run(cs, 2, 0, -1, 300);
+    ck_assert_int_eq(cs[1].rc, SCAPE_TIMEOUT);
+    ck_assert_msg(strstr(cs[1].err, "rank 0 at tcp://127.0.0.1:") != NULL, "%s", cs[1].err);
+}
+END_TEST
+
+START_TEST(bad_options)
+{
+    rdv_result res;
+    rdv_opts o = { .rank = 2, .world = 2, .coordinator = "tcp://127.0.0.1:1",
+                   .endpoint = "tcp://x:1", .timeout_ms = 100 };
+    ck_assert_int_eq(rdv_run(&o, &res), SCAPE_INVALID);
+    o.rank = 0;
+    o.timeout_ms = 0;
+    ck_assert_int_eq(rdv_run(&o, &res), SCAPE_INVALID);
+    o.timeout_ms = 100;
+    o.blob_len = RDV_BLOB_MAX + 1;
+    o.blob = "x";
+    ck_assert_int_eq(rdv_run(&o, &res), SCAPE_INVALID);
+    ck_assert_int_eq(rdv_run(NULL, &res), SCAPE_INVALID);
+}
+END_TEST
+
+static void expect_host(const char *list, const char *want)
+{
+    char host[64];
+    ck_assert_msg(rdv_first_host(list, host, sizeof host) == SCAPE_OK, "%s: %s", list,
+                  scape_last_error());
+    ck_assert_str_eq(host, want);
+}
+
+START_TEST(slurm_host_lists)
+{
+    expect_host("gh001", "gh001");
+    expect_host("c1,c2", "c1");
+    expect_host("n[1-4]", "n1");
+    expect_host("gh[001-004,010],login1", "gh001");
+    expect_host("a[3]", "a3");
+    char host[8];
+    ck_assert_int_eq(rdv_first_host("", host, sizeof host), SCAPE_INVALID);
+    ck_assert_int_eq(rdv_first_host("n[x-2]", host, sizeof host), SCAPE_INVALID);
+    ck_assert_int_eq(rdv_first_host("rack[1-2]-n[1-3]", host, sizeof host), SCAPE_INVALID);
+    ck_assert_int_eq(rdv_first_host("averyveryverylonghost", host, sizeof host), SCAPE_INVALID);
+}
+END_TEST
+
+START_TEST(slurm_environment)
+{
+    int rank, world;
+    uint64_t job;
+    char host[64];
+    setenv("SLURM_PROCID", "3", 1);
+    setenv("SLURM_NTASKS", "4", 1);
+    setenv("SLURM_JOB_ID", "123456", 1);
+    setenv("SLURM_JOB_NODELIST", "gh[010-013]", 1);
+    unsetenv("SLURM_STEP_NODELIST");
+    ck_assert_int_eq(rdv_from_slurm(&rank, &world, &job, host, sizeof host), SCAPE_OK);
+    ck_assert_int_eq(rank, 3);
+    ck_assert_int_eq(world, 4);
+    ck_assert_uint_eq(job, 123456);
+    ck_assert_str_eq(host, "gh010");
+    setenv("SLURM_STEP_NODELIST", "n[7-8]", 1);
+    ck_assert_int_eq(rdv_from_slurm(&rank, &world, &job, host, sizeof host), SCAPE_OK);
+    ck_assert_str_eq(host, "n7");
+    setenv("SLURM_PROCID", "4", 1);
+    ck_assert_int_eq(rdv_from_slurm(&rank, &world, &job, host, sizeof host), SCAPE_INVALID);
+    unsetenv("SLURM_NTASKS");
+    ck_assert_int_eq(rdv_from_slurm(&rank, &world, &job, host, sizeof host), SCAPE_INVALID);
+    ck_assert_ptr_nonnull(strstr(scape_last_error(), "SLURM_NTASKS"));
+}
+END_TEST
+
+int main(void)
+{
+    Suite *s = suite_create("rendezvous");
+    TCase *tc = tcase_create("rendezvous");
+    tcase_set_timeout(tc, 120);
+    tcase_add_test(tc, table_reaches_every_rank);
+    tcase_add_test(tc, missing_rank_is_named);
+    tcase_add_test(tc, another_job_is_refused);
+    tcase_add_test(tc, no_coordinator);
+    tcase_add_test(tc, bad_options);
+    tcase_add_test(tc, slurm_host_lists);
+    tcase_add_test(tc, slurm_environment);
+    suite_add_tcase(s, tc);
+    SRunner *sr = srunner_create(s);
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
