@@ -1,0 +1,861 @@
+/* comm_host.c - the `host` comm backend: TCP between daemons over ZeroMQ.
+ *
+ * Sockets.  Each rank binds one PULL socket at its endpoint and keeps one
+ * PUSH socket per peer.  High-water marks are off (0): a send never blocks,
+ * so no cycle of ranks blocked in send can deadlock; the price is that a
+ * collective may park up to one extra copy of its data in ZeroMQ's queues.
+ *
+ * Framing.  Every message is two frames: a 32-byte header (magic, kind,
+ * sender, job, op sequence number, chunk index) and the payload.  The
+ * receiver checks magic and job, that the sender is a peer, that the op is
+ * the current one (a later op's message is kept aside until that op runs: a
+ * fast rank may start the next collective before this one finished here; an
+ * earlier op's message is an error), that the kind and sender are what the
+ * schedule expects and that chunks of each stream arrive in order with the
+ * expected length.  Anything else fails the call with SCAPE_PROTO.
+ *
+ * Sum order.  Reduce-scatter is a chain 0 -> 1 -> ... -> R-1 over the whole
+ * vector, chunk by chunk (chunk_bytes): rank r adds its values to the partial
+ * sums from r-1 and forwards them, so every element is ((x0 + x1) + x2) + ...,
+ * bit for bit what the local backend computes.  Rank R-1 finishes each chunk,
+ * keeps its own segment and sends every other part to its owner directly.
+ * Bytes received per rank (T = the whole vector): T from the chain (ranks
+ * 1..R-1) plus its own segment (ranks 0..R-2), against (T - own) for a ring.
+ * All-reduce is that reduce-scatter over equal segments (as comm_local) and a
+ * direct all-gather: ~2T received per rank against 2T(R-1)/R for a ring.
+ *
+ * All-gather is direct: each rank sends its segment, chunked, to every peer
+ * (chunk-major, peers in rotated order).  Each rank receives total - own and
+ * sends (R-1) * own, the ring's totals without its R-1 forwarding steps.
+ * Broadcast is a pipelined chain root -> root+1 -> ... (ring order).  Barrier:
+ * every rank reports to rank 0, which releases them all.
+ *
+ * Asynchronous all-gather.  Its start queues every chunk for every peer (the
+ * send buffer is copied, so it may be reused at once); ZeroMQ's I/O thread
+ * moves the bytes while the caller computes or runs other collectives.  Its
+ * messages (their own kind and sequence) are copied into recv by whichever
+ * call receives them - any collective on this comm or the wait - so there is
+ * no helper thread and the comm stays single-threaded.
+ *
+ * Failures.  Every wait for a peer is bounded by timeout_ms.  After any
+ * failure (timeout, protocol, ZeroMQ) the comm refuses every further
+ * collective with the same code: its peers are in an unknown state.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <zmq.h>
+
+#include "comm_host.h"
+#include "try.h"
+
+#define HOST_MAGIC 0x31484353u /* "SCH1" */
+#define HOST_DEFAULT_TIMEOUT_MS 30000
+#define HOST_DEFAULT_CHUNK (1u << 20)
+#define HOST_MAX_RANKS 4096
+
+enum kind { K_RS_CHAIN = 1, K_RS_DELIVER, K_AG, K_IAG, K_BC, K_BAR_IN, K_BAR_OUT, K_END };
+
+typedef struct wire_hdr {
+    uint64_t job;
+    uint64_t seq;      /* op sequence number (K_IAG: its own sequence) */
+    uint64_t chunk;    /* index within the stream */
+    uint32_t magic;
+    uint16_t kind;
+    uint16_t sender;
+} wire_hdr;
+
+typedef struct host_msg {
+    wire_hdr h;
+    zmq_msg_t body;
+    struct host_msg *next;  /* in the stash */
+} host_msg;
+
+typedef struct gather {     /* receive side of one all-gather */
+    unsigned char *recv;
+    size_t *counts;         /* bytes per rank */
+    size_t *offs;           /* where each rank's bytes go */
+    uint64_t *next;         /* next chunk expected from each rank */
+    uint64_t left;          /* chunks still to arrive */
+} gather;
+
+typedef struct host {
+    void *zctx, *pull;
+    void **push;            /* per peer; NULL for this rank */
+    int timeout_ms;
+    size_t chunk;           /* bytes */
+    uint64_t job;
+    uint64_t seq;           /* the current (or next) synchronous op */
+    uint64_t aseq;          /* the current (or next) asynchronous all-gather */
+    int async_active;
+    gather sg, ag;          /* synchronous and asynchronous all-gathers */
+    size_t *cnt_f, *cnt_b;  /* all-reduce's segment counts: floats, bytes */
+    size_t *segoff;         /* reduce-scatter's segment offsets, size + 1 */
+    unsigned char *arrived; /* barrier at rank 0 */
+    float *scratch;         /* one chunk */
+    host_msg *stash, *stash_tail; /* messages of later ops, in arrival order */
+    const char *opname;
+    uint64_t sent, recvd;
+    scape_rc failed;
+    char failmsg[400];
+} host;
+
+static const comm_ops s_host_ops;
+
+static scape_rc zerr(const char *what)
+{
+    return scape_set_error(SCAPE_ZMQ, "comm host: %s: %s", what, zmq_strerror(zmq_errno()));
+}
+
+static uint64_t nchunks(size_t bytes, size_t chunk) { return (bytes + chunk - 1) / chunk; }
+
+static long long now_ms(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long long)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+/* ---- sending ---------------------------------------------------------- */
+
+static scape_rc send_msg(comm_t *c, int to, int kind, uint64_t seq, uint64_t chunk,
+                         const void *data, size_t len)
+{
+    host *h = c->impl;
+    static const char none;
+    wire_hdr w = { .job = h->job, .seq = seq, .chunk = chunk, .magic = HOST_MAGIC,
+                   .kind = (uint16_t)kind, .sender = (uint16_t)c->rank };
+    if (zmq_send(h->push[to], &w, sizeof w, ZMQ_SNDMORE) < 0 ||
+        zmq_send(h->push[to], len ? data : &none, len, 0) < 0) {
+        if (zmq_errno() == EAGAIN)
+            return scape_set_error(SCAPE_TIMEOUT,
+                                   "comm host: could not queue a message for rank %d "
+                                   "within %d ms during %s (op %llu)",
+                                   to, h->timeout_ms, h->opname, (unsigned long long)seq);
+        return zerr("send");
+    }
+    h->sent += sizeof w + len;
+    return SCAPE_OK;
+}
+
+/* ---- receiving -------------------------------------------------------- */
+
+static scape_rc proto(host *h, const host_msg *m, const char *why)
+{
+    return scape_set_error(SCAPE_PROTO,
+                           "comm host: %s (kind %u, op %llu, chunk %llu from rank %u) "
+                           "during %s (op %llu)",
+                           why, m->h.kind, (unsigned long long)m->h.seq,
+                           (unsigned long long)m->h.chunk, m->h.sender, h->opname,
+                           (unsigned long long)h->seq);
+}
+
+static scape_rc check_hdr(comm_t *c, const host_msg *m)
+{
+    host *h = c->impl;
+    if (m->h.magic != HOST_MAGIC)
+        return proto(h, m, "a message with a bad magic number");
+    if (m->h.job != h->job)
+        return scape_set_error(SCAPE_PROTO,
+                               "comm host: refused a message of job %llu (from rank %u); "
+                               "this is job %llu, during %s (op %llu)",
+                               (unsigned long long)m->h.job, m->h.sender,
+                               (unsigned long long)h->job, h->opname,
+                               (unsigned long long)h->seq);
+    if (m->h.sender >= c->size || m->h.sender == c->rank)
+        return proto(h, m, "a message from an impossible sender");
+    if (m->h.kind < K_RS_CHAIN || m->h.kind >= K_END)
+        return proto(h, m, "a message of unknown kind");
+    return SCAPE_OK;
+}
+
+/* Receive one two-frame message; *got = 0 if none was waiting. */
+static scape_rc recv_msg(comm_t *c, host_msg *m, int *got)
+{
+    host *h = c->impl;
+    zmq_msg_t hd;
+    zmq_msg_init(&hd);
+    zmq_msg_init(&m->body);
+    *got = 0;
+    if (zmq_msg_recv(&hd, h->pull, ZMQ_DONTWAIT) < 0) {
+        zmq_msg_close(&hd);
+        return zmq_errno() == EAGAIN || zmq_errno() == EINTR ? SCAPE_OK : zerr("recv");
+    }
+    int framed = zmq_msg_size(&hd) == sizeof m->h && zmq_msg_more(&hd);
+    if (framed)
+        memcpy(&m->h, zmq_msg_data(&hd), sizeof m->h);
+    zmq_msg_close(&hd);
+    *got = 1;
+    /* ZeroMQ delivers the frames of a message together */
+    if (framed && zmq_msg_recv(&m->body, h->pull, ZMQ_DONTWAIT) < 0)
+        return zerr("recv");
+    if (!framed || zmq_msg_more(&m->body)) {
+        memset(&m->h, 0, sizeof m->h);
+        return proto(h, m, "a message that is not header + payload");
+    }
+    h->recvd += sizeof m->h + zmq_msg_size(&m->body);
+    return check_hdr(c, m);
+}
+
+static void stash_push(host *h, host_msg *m)
+{
+    m->next = NULL;
+    if (h->stash_tail)
+        h->stash_tail->next = m;
+    else
+        h->stash = m;
+    h->stash_tail = m;
+}
+
+/* Remove and return the first stashed message of (kind class, seq), or NULL. */
+static host_msg *stash_take(host *h, int async, uint64_t seq)
+{
+    host_msg *prev = NULL;
+    for (host_msg *m = h->stash; m; prev = m, m = m->next) {
+        if ((m->h.kind == K_IAG) != async || m->h.seq != seq)
+            continue;
+        if (prev)
+            prev->next = m->next;
+        else
+            h->stash = m->next;
+        if (h->stash_tail == m)
+            h->stash_tail = prev;
+        return m;
+    }
+    return NULL;
+}
+
+static void msg_free(host_msg *m)
+{
+    if (m) {
+        zmq_msg_close(&m->body);
+        free(m);
+    }
+}
+
+/* ---- all-gather bookkeeping -------------------------------------------- */
+
+static void gather_begin(comm_t *c, gather *g, void *recv, const size_t *counts)
+{
+    host *h = c->impl;
+    size_t off = 0;
+    g->recv = recv;
+    g->left = 0;
+    for (int q = 0; q < c->size; q++) {
+        g->counts[q] = counts[q];
+        g->offs[q] = off;
+        g->next[q] = 0;
+        off += counts[q];
+        if (q != c->rank)
+            g->left += nchunks(counts[q], h->chunk);
+    }
+}
+
+/* Place one chunk of rank m->h.sender's segment. */
+static scape_rc gather_take(comm_t *c, gather *g, const host_msg *m)
+{
+    host *h = c->impl;
+    int q = m->h.sender;
+    size_t start = (size_t)m->h.chunk * h->chunk;
+    if (m->h.chunk != g->next[q] || start >= g->counts[q])
+        return proto(h, m, "an all-gather chunk out of order");
+    size_t len = g->counts[q] - start < h->chunk ? g->counts[q] - start : h->chunk;
+    if (zmq_msg_size((zmq_msg_t *)&m->body) != len)
+        return proto(h, m, "an all-gather chunk of the wrong length");
+    memcpy(g->recv + g->offs[q] + start, zmq_msg_data((zmq_msg_t *)&m->body), len);
+    g->next[q]++;
+    g->left--;
+    return SCAPE_OK;
+}
+
+static int gather_missing(comm_t *c, const gather *g)
+{
+    host *h = c->impl;
+    for (int q = 0; q < c->size; q++)
+        if (q != c->rank && g->next[q] < nchunks(g->counts[q], h->chunk))
+            return q;
+    return c->rank;
+}
+
+/* Queue this rank's segment for every peer, chunk-major so that every peer
+ * gets its first bytes early. */
+static scape_rc gather_send(comm_t *c, int kind, uint64_t seq, const void *send, size_t len)
+{
+    host *h = c->impl;
+    for (uint64_t i = 0; i < nchunks(len, h->chunk); i++) {
+        size_t start = (size_t)i * h->chunk;
+        size_t n = len - start < h->chunk ? len - start : h->chunk;
+        for (int d = 1; d < c->size; d++) {
+            scape_rc rc = send_msg(c, (c->rank + d) % c->size, kind, seq, i,
+                                   (const char *)send + start, n);
+            if (rc != SCAPE_OK)
+                return rc;
+        }
+    }
+    return SCAPE_OK;
+}
+
+/* ---- routing ------------------------------------------------------------ */
+
+/* Handle or keep one message.  Returns SCAPE_OK with *mine = 1 when it belongs
+ * to the current synchronous op (in_op) and the caller takes it. */
+static scape_rc route(comm_t *c, host_msg *m, int in_op, int *mine)
+{
+    host *h = c->impl;
+    *mine = 0;
+    if (m->h.kind == K_IAG) {
+        if (h->async_active && m->h.seq == h->aseq) {
+            scape_rc rc = gather_take(c, &h->ag, m);
+            msg_free(m);
+            return rc;
+        }
+        if (m->h.seq < h->aseq + (uint64_t)h->async_active)
+            return proto(h, m, "a message of a finished all-gather");
+    } else if (in_op && m->h.seq == h->seq) {
+        *mine = 1;
+        return SCAPE_OK;
+    } else if (m->h.seq < h->seq + (uint64_t)in_op) {
+        return proto(h, m, "a message of a finished op");
+    }
+    stash_push(h, m);
+    return SCAPE_OK;
+}
+
+static scape_rc timed_out(const comm_t *c, int from, const char *what, uint64_t seq)
+{
+    const host *h = c->impl;
+    return scape_set_error(SCAPE_TIMEOUT,
+                           "comm host: rank %d sent nothing for %d ms during %s (op %llu); "
+                           "is it alive?",
+                           from, h->timeout_ms, what, (unsigned long long)seq);
+}
+
+/* Wait up to the deadline for one message and route it. */
+static scape_rc pump_one(comm_t *c, long long deadline, int in_op, host_msg **out)
+{
+    host *h = c->impl;
+    zmq_pollitem_t it = { h->pull, 0, ZMQ_POLLIN, 0 };
+    long long left = deadline - now_ms();
+    if (left <= 0)
+        return SCAPE_TIMEOUT;
+    int ready = zmq_poll(&it, 1, (long)left);
+    if (ready <= 0)
+        return ready == 0 || zmq_errno() == EINTR ? SCAPE_OK : zerr("poll");
+    host_msg *m = malloc(sizeof *m);
+    if (m == NULL)
+        return scape_set_error(SCAPE_NOMEM, "comm host: out of memory");
+    int got = 0, mine = 0;
+    scape_rc rc = recv_msg(c, m, &got);
+    if (rc == SCAPE_OK && got)
+        rc = route(c, m, in_op, &mine);
+    if (rc != SCAPE_OK || !got)
+        msg_free(m);
+    else if (mine)
+        *out = m;
+    return rc;
+}
+
+/* The next message of the current synchronous op, from the stash or the
+ * socket; `from` names the rank the schedule waits for in a timeout. */
+static scape_rc next_msg(comm_t *c, int from, host_msg **out)
+{
+    host *h = c->impl;
+    *out = stash_take(h, 0, h->seq);
+    long long deadline = now_ms() + h->timeout_ms;
+    while (*out == NULL) {
+        scape_rc rc = pump_one(c, deadline, 1, out);
+        if (rc == SCAPE_TIMEOUT)
+            return timed_out(c, from, h->opname, h->seq);
+        if (rc != SCAPE_OK)
+            return rc;
+    }
+    return SCAPE_OK;
+}
+
+/* ---- op framing ---------------------------------------------------------- */
+
+static scape_rc begin_op(comm_t *c, const char *name)
+{
+    host *h = c->impl;
+    if (h->failed != SCAPE_OK)
+        return scape_set_error(h->failed, "comm host: refused after an earlier failure: %s",
+                               h->failmsg);
+    h->opname = name;
+    return SCAPE_OK;
+}
+
+/* Remember the first failure: later calls are refused with it. */
+static scape_rc latch(comm_t *c, scape_rc rc)
+{
+    host *h = c->impl;
+    if (rc != SCAPE_OK && h->failed == SCAPE_OK) {
+        h->failed = rc;
+        snprintf(h->failmsg, sizeof h->failmsg, "%s", scape_last_error());
+    }
+    return rc;
+}
+
+/* Close a synchronous op: every rank numbers them alike. */
+static scape_rc end_op(comm_t *c, scape_rc rc)
+{
+    ((host *)c->impl)->seq++;
+    return latch(c, rc);
+}
+
+/* ---- reduce-scatter ------------------------------------------------------- */
+
+/* Rank R-1: hand each part of the finished chunk [a, b) to its owner. */
+static scape_rc rs_deliver(comm_t *c, uint64_t i, size_t a, size_t b, float *recv)
+{
+    host *h = c->impl;
+    for (int q = 0; q < c->size; q++) {
+        size_t s = h->segoff[q] > a ? h->segoff[q] : a;
+        size_t e = h->segoff[q + 1] < b ? h->segoff[q + 1] : b;
+        if (s >= e)
+            continue;
+        if (q == c->rank)
+            memcpy(recv + (s - h->segoff[q]), h->scratch + (s - a), (e - s) * sizeof *recv);
+        else {
+            scape_rc rc = send_msg(c, q, K_RS_DELIVER, h->seq, i, h->scratch + (s - a),
+                                   (e - s) * sizeof *recv);
+            if (rc != SCAPE_OK)
+                return rc;
+        }
+    }
+    return SCAPE_OK;
+}
+
+/* Ranks 1..R-1: partial sums of chunk i from rank-1, plus this rank's values,
+ * in that order. */
+static scape_rc rs_chain(comm_t *c, const host_msg *m, const float *send, float *recv)
+{
+    host *h = c->impl;
+    size_t cf = h->chunk / sizeof(float), total = h->segoff[c->size];
+    size_t a = (size_t)m->h.chunk * cf, b = total - a < cf ? total : a + cf;
+    if (zmq_msg_size((zmq_msg_t *)&m->body) != (b - a) * sizeof(float))
+        return proto(h, m, "a reduce-scatter chunk of the wrong length");
+    memcpy(h->scratch, zmq_msg_data((zmq_msg_t *)&m->body), (b - a) * sizeof(float));
+    for (size_t j = 0; j < b - a; j++)
+        h->scratch[j] += send[a + j];
+    if (c->rank < c->size - 1)
+        return send_msg(c, c->rank + 1, K_RS_CHAIN, h->seq, m->h.chunk, h->scratch,
+                        (b - a) * sizeof(float));
+    return rs_deliver(c, m->h.chunk, a, b, recv);
+}
+
+/* Owner: one delivered part of its segment. */
+static scape_rc rs_take(comm_t *c, const host_msg *m, float *recv)
+{
+    host *h = c->impl;
+    size_t cf = h->chunk / sizeof(float), s0 = h->segoff[c->rank], s1 = h->segoff[c->rank + 1];
+    size_t a = (size_t)m->h.chunk * cf, b = a + cf;
+    size_t s = a > s0 ? a : s0, e = b < s1 ? b : s1;
+    if (zmq_msg_size((zmq_msg_t *)&m->body) != (e - s) * sizeof(float))
+        return proto(h, m, "a reduce-scatter result of the wrong length");
+    memcpy(recv + (s - s0), zmq_msg_data((zmq_msg_t *)&m->body), (e - s) * sizeof(float));
+    return SCAPE_OK;
+}
+
+/* Check one message against the schedule and apply it. */
+static scape_rc rs_apply(comm_t *c, const host_msg *m, uint64_t *chain, uint64_t *deliv,
+                         const float *send, float *recv)
+{
+    if (m->h.kind == K_RS_CHAIN && m->h.sender == c->rank - 1 && m->h.chunk == *chain) {
+        (*chain)++;
+        return rs_chain(c, m, send, recv);
+    }
+    if (m->h.kind == K_RS_DELIVER && m->h.sender == c->size - 1 && m->h.chunk == *deliv) {
+        (*deliv)++;
+        return rs_take(c, m, recv);
+    }
+    return proto(c->impl, m, "an unexpected message in a reduce-scatter");
+}
+
+static scape_rc rs_run(comm_t *c, const float *send, float *recv)
+{
+    host *h = c->impl;
+    size_t cf = h->chunk / sizeof(float), total = h->segoff[c->size];
+    size_t s0 = h->segoff[c->rank], s1 = h->segoff[c->rank + 1];
+    uint64_t nch = nchunks(total, cf), chain = c->rank == 0 ? nch : 0;
+    uint64_t deliv = s0 / cf, deliv_end = s1 / cf + (s1 % cf != 0);
+    if (c->size == 1 || s0 == s1 || c->rank == c->size - 1)
+        deliv = deliv_end;
+    if (c->size == 1 && recv != send && s1)
+        memcpy(recv, send, s1 * sizeof *recv);
+    for (uint64_t i = 0; c->rank == 0 && c->size > 1 && i < nch; i++) {
+        size_t a = (size_t)i * cf, n = total - a < cf ? total - a : cf;
+        TRY(send_msg(c, 1, K_RS_CHAIN, h->seq, i, send + a, n * sizeof *send));
+    }
+    while (chain < nch || deliv < deliv_end) {
+        host_msg *m;
+        scape_rc rc = next_msg(c, chain < nch ? c->rank - 1 : c->size - 1, &m);
+        if (rc == SCAPE_OK)
+            rc = rs_apply(c, m, &chain, &deliv, send, recv);
+        msg_free(m);
+        if (rc != SCAPE_OK)
+            return rc;
+    }
+    return SCAPE_OK;
+}
+
+/* Segment offsets from per-rank float counts. */
+static void set_segments(comm_t *c, const size_t *counts)
+{
+    host *h = c->impl;
+    h->segoff[0] = 0;
+    for (int q = 0; q < c->size; q++)
+        h->segoff[q + 1] = h->segoff[q] + counts[q];
+}
+
+static scape_rc rs_op(comm_t *c, const float *send, float *recv, const size_t *counts)
+{
+    set_segments(c, counts);
+    return end_op(c, rs_run(c, send, recv));
+}
+
+static scape_rc reduce_scatter_sum(comm_t *c, const float *send, float *recv,
+                                   const size_t *counts)
+{
+    TRY(begin_op(c, "reduce_scatter"));
+    return rs_op(c, send, recv, counts);
+}
+
+/* ---- all-gather ------------------------------------------------------------ */
+
+static scape_rc ag_run(comm_t *c, const void *send, void *recv, const size_t *counts)
+{
+    host *h = c->impl;
+    gather_begin(c, &h->sg, recv, counts);
+    unsigned char *own = h->sg.recv + h->sg.offs[c->rank];
+    if (counts[c->rank] && (const void *)own != send)
+        memcpy(own, send, counts[c->rank]);
+    TRY(gather_send(c, K_AG, h->seq, own, counts[c->rank]));
+    while (h->sg.left > 0) {
+        host_msg *m;
+        scape_rc rc = next_msg(c, gather_missing(c, &h->sg), &m);
+        if (rc == SCAPE_OK)
+            rc = m->h.kind == K_AG ? gather_take(c, &h->sg, m)
+                                   : proto(h, m, "an unexpected message in an all-gather");
+        msg_free(m);
+        if (rc != SCAPE_OK)
+            return rc;
+    }
+    return SCAPE_OK;
+}
+
+static scape_rc allgather(comm_t *c, const void *send, void *recv, const size_t *counts)
+{
+    TRY(begin_op(c, "allgather"));
+    return end_op(c, ag_run(c, send, recv, counts));
+}
+
+/* Equal segments as comm_local's, so the sums match it bit for bit. */
+static scape_rc allreduce_sum(comm_t *c, float *buf, size_t n)
+{
+    host *h = c->impl;
+    size_t per = (n + (size_t)c->size - 1) / (size_t)c->size;
+    TRY(begin_op(c, "allreduce"));
+    for (int q = 0; q < c->size; q++) {
+        size_t off = per * (size_t)q < n ? per * (size_t)q : n;
+        h->cnt_f[q] = n - off < per ? n - off : per;
+        h->cnt_b[q] = h->cnt_f[q] * sizeof *buf;
+    }
+    size_t own = per * (size_t)c->rank < n ? per * (size_t)c->rank : n;
+    TRY(rs_op(c, buf, buf + own, h->cnt_f));
+    return end_op(c, ag_run(c, buf + own, buf, h->cnt_b));
+}
+
+/* ---- asynchronous all-gather ------------------------------------------------ */
+
+static scape_rc iag_start(comm_t *c, const void *send, void *recv, const size_t *counts)
+{
+    host *h = c->impl;
+    gather_begin(c, &h->ag, recv, counts);
+    h->async_active = 1;
+    unsigned char *own = h->ag.recv + h->ag.offs[c->rank];
+    if (counts[c->rank] && (const void *)own != send)
+        memcpy(own, send, counts[c->rank]);
+    TRY(gather_send(c, K_IAG, h->aseq, own, counts[c->rank]));
+    for (host_msg *m; (m = stash_take(h, 1, h->aseq)) != NULL;) {
+        scape_rc rc = gather_take(c, &h->ag, m);
+        msg_free(m);
+        if (rc != SCAPE_OK)
+            return rc;
+    }
+    return SCAPE_OK;
+}
+
+/* The asynchronous all-gather has its own sequence (aseq): it takes no
+ * number from the synchronous ops it overlaps. */
+static scape_rc iallgather(comm_t *c, const void *send, void *recv, const size_t *counts)
+{
+    TRY(begin_op(c, "iallgather"));
+    return latch(c, iag_start(c, send, recv, counts));
+}
+
+static scape_rc iag_wait(comm_t *c)
+{
+    host *h = c->impl;
+    long long deadline = now_ms() + h->timeout_ms;
+    while (h->ag.left > 0) {
+        host_msg *none = NULL;
+        scape_rc rc = pump_one(c, deadline, 0, &none);
+        if (rc == SCAPE_TIMEOUT)
+            return timed_out(c, gather_missing(c, &h->ag), "iallgather_wait (async op)",
+                             h->aseq);
+        if (rc != SCAPE_OK)
+            return rc;
+    }
+    h->async_active = 0;
+    h->aseq++;
+    return SCAPE_OK;
+}
+
+static scape_rc iallgather_wait(comm_t *c)
+{
+    TRY(begin_op(c, "iallgather_wait"));
+    return latch(c, iag_wait(c));
+}
+
+/* ---- broadcast and barrier --------------------------------------------------- */
+
+/* A pipelined chain in ring order from the root; the last rank before the
+ * root does not forward. */
+static scape_rc bc_run(comm_t *c, unsigned char *buf, size_t bytes, int root)
+{
+    host *h = c->impl;
+    int prev = (c->rank + c->size - 1) % c->size, next = (c->rank + 1) % c->size;
+    for (uint64_t i = 0; c->size > 1 && i < nchunks(bytes, h->chunk); i++) {
+        size_t a = (size_t)i * h->chunk, n = bytes - a < h->chunk ? bytes - a : h->chunk;
+        if (c->rank != root) {
+            host_msg *m;
+            TRY(next_msg(c, prev, &m));
+            scape_rc rc = SCAPE_OK;
+            if (m->h.kind != K_BC || m->h.sender != prev || m->h.chunk != i ||
+                zmq_msg_size(&m->body) != n)
+                rc = proto(h, m, "an unexpected message in a broadcast");
+            else
+                memcpy(buf + a, zmq_msg_data(&m->body), n);
+            msg_free(m);
+            TRY(rc);
+        }
+        if (next != root)
+            TRY(send_msg(c, next, K_BC, h->seq, i, buf + a, n));
+    }
+    return SCAPE_OK;
+}
+
+static scape_rc broadcast(comm_t *c, void *buf, size_t bytes, int root)
+{
+    TRY(begin_op(c, "broadcast"));
+    return end_op(c, bc_run(c, buf, bytes, root));
+}
+
+/* Wait for one message of the given kind from `from` (-1: any rank not yet
+ * marked in h->arrived, whom it then marks). */
+static scape_rc expect(comm_t *c, int kind, int from)
+{
+    host *h = c->impl;
+    int missing = from;
+    for (int q = 1; from < 0 && q < c->size && missing < 0; q++)
+        if (!h->arrived[q])
+            missing = q;
+    host_msg *m;
+    TRY(next_msg(c, missing, &m));
+    int q = m->h.sender;
+    scape_rc rc = SCAPE_OK;
+    if (m->h.kind != kind || (from >= 0 ? q != from : h->arrived[q]))
+        rc = proto(h, m, "an unexpected message in a barrier");
+    else if (from < 0)
+        h->arrived[q] = 1;
+    msg_free(m);
+    return rc;
+}
+
+static scape_rc bar_run(comm_t *c)
+{
+    host *h = c->impl;
+    if (c->rank != 0) {
+        TRY(send_msg(c, 0, K_BAR_IN, h->seq, 0, NULL, 0));
+        return expect(c, K_BAR_OUT, 0);
+    }
+    memset(h->arrived, 0, (size_t)c->size);
+    for (int k = 1; k < c->size; k++)
+        TRY(expect(c, K_BAR_IN, -1));
+    for (int q = 1; q < c->size; q++)
+        TRY(send_msg(c, q, K_BAR_OUT, h->seq, 0, NULL, 0));
+    return SCAPE_OK;
+}
+
+static scape_rc barrier(comm_t *c)
+{
+    TRY(begin_op(c, "barrier"));
+    return end_op(c, bar_run(c));
+}
+
+/* ---- lifetime ------------------------------------------------------------------ */
+
+static int gather_alloc(gather *g, int size)
+{
+    g->counts = calloc((size_t)size, sizeof *g->counts);
+    g->offs = calloc((size_t)size, sizeof *g->offs);
+    g->next = calloc((size_t)size, sizeof *g->next);
+    return g->counts && g->offs && g->next;
+}
+
+static void gather_free(gather *g)
+{
+    free(g->counts);
+    free(g->offs);
+    free(g->next);
+}
+
+static void host_free(host *h, int size)
+{
+    for (int q = 0; h->push && q < size; q++)
+        if (h->push[q])
+            zmq_close(h->push[q]);
+    if (h->pull)
+        zmq_close(h->pull);
+    /* waits up to the linger time (timeout_ms) for queued messages */
+    while (h->zctx && zmq_ctx_term(h->zctx) != 0 && zmq_errno() == EINTR)
+        ;
+    while (h->stash) {
+        host_msg *m = h->stash;
+        h->stash = m->next;
+        msg_free(m);
+    }
+    free(h->push);
+    gather_free(&h->sg);
+    gather_free(&h->ag);
+    free(h->cnt_f);
+    free(h->segoff);
+    free(h->arrived);
+    free(h->scratch);
+    free(h);
+}
+
+static void destroy(comm_t *c)
+{
+    host_free(c->impl, c->size);
+    free(c);
+}
+
+static const comm_ops s_host_ops = {
+    .name = "host",
+    .allreduce_sum = allreduce_sum,
+    .reduce_scatter_sum = reduce_scatter_sum,
+    .allgather = allgather,
+    .iallgather = iallgather,
+    .iallgather_wait = iallgather_wait,
+    .broadcast = broadcast,
+    .barrier = barrier,
+    .destroy = destroy,
+};
+
+static scape_rc host_alloc(const comm_host_opts *o, host **out)
+{
+    host *h = calloc(1, sizeof *h);
+    if (h == NULL)
+        return scape_set_error(SCAPE_NOMEM, "comm_host_create: out of memory");
+    size_t n = (size_t)o->size;
+    h->timeout_ms = o->timeout_ms ? o->timeout_ms : HOST_DEFAULT_TIMEOUT_MS;
+    h->chunk = o->chunk_bytes ? o->chunk_bytes / sizeof(float) * sizeof(float)
+                              : HOST_DEFAULT_CHUNK;
+    h->job = o->job;
+    h->opname = "create";
+    h->push = calloc(n, sizeof *h->push);
+    h->cnt_f = calloc(2 * n, sizeof *h->cnt_f);
+    h->segoff = calloc(n + 1, sizeof *h->segoff);
+    h->arrived = calloc(n, 1);
+    h->scratch = malloc(h->chunk);
+    int ok = gather_alloc(&h->sg, o->size) & gather_alloc(&h->ag, o->size);
+    *out = h;
+    if (!ok || !h->push || !h->cnt_f || !h->segoff || !h->arrived || !h->scratch)
+        return scape_set_error(SCAPE_NOMEM, "comm_host_create: out of memory");
+    h->cnt_b = h->cnt_f + n;
+    return SCAPE_OK;
+}
+
+static scape_rc open_socket(host *h, void **s, int type, int hwm_opt, int linger)
+{
+    int zero = 0;
+    int64_t maxmsg = (int64_t)(h->chunk > sizeof(wire_hdr) ? h->chunk : sizeof(wire_hdr));
+    if ((*s = zmq_socket(h->zctx, type)) == NULL)
+        return zerr("zmq_socket");
+    if (zmq_setsockopt(*s, hwm_opt, &zero, sizeof zero) != 0 ||
+        zmq_setsockopt(*s, ZMQ_LINGER, &linger, sizeof linger) != 0 ||
+        zmq_setsockopt(*s, ZMQ_SNDTIMEO, &h->timeout_ms, sizeof h->timeout_ms) != 0 ||
+        (type == ZMQ_PULL && zmq_setsockopt(*s, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg) != 0))
+        return zerr("zmq_setsockopt");
+    return SCAPE_OK;
+}
+
+static scape_rc host_connect(const comm_host_opts *o, host *h)
+{
+    if ((h->zctx = zmq_ctx_new()) == NULL)
+        return zerr("zmq_ctx_new");
+    TRY(open_socket(h, &h->pull, ZMQ_PULL, ZMQ_RCVHWM, 0));
+    if (zmq_bind(h->pull, o->endpoints[o->rank]) != 0)
+        return scape_set_error(SCAPE_ZMQ, "comm host: rank %d cannot bind %s: %s", o->rank,
+                               o->endpoints[o->rank], zmq_strerror(zmq_errno()));
+    for (int q = 0; q < o->size; q++) {
+        if (q == o->rank)
+            continue;
+        TRY(open_socket(h, &h->push[q], ZMQ_PUSH, ZMQ_SNDHWM, h->timeout_ms));
+        if (zmq_connect(h->push[q], o->endpoints[q]) != 0)
+            return scape_set_error(SCAPE_ZMQ, "comm host: cannot connect to rank %d at %s: %s",
+                                   q, o->endpoints[q], zmq_strerror(zmq_errno()));
+    }
+    return SCAPE_OK;
+}
+
+static scape_rc check_opts(const comm_host_opts *o, comm_t **out)
+{
+    if (o == NULL || out == NULL || o->endpoints == NULL)
+        return scape_set_error(SCAPE_INVALID, "comm_host_create: NULL argument");
+    if (o->size < 1 || o->size > HOST_MAX_RANKS || o->rank < 0 || o->rank >= o->size)
+        return scape_set_error(SCAPE_INVALID, "comm_host_create: rank %d / size %d invalid",
+                               o->rank, o->size);
+    if (o->timeout_ms < 0 || (o->chunk_bytes > 0 && o->chunk_bytes < sizeof(float)))
+        return scape_set_error(SCAPE_INVALID,
+                               "comm_host_create: timeout_ms %d or chunk_bytes %zu invalid",
+                               o->timeout_ms, o->chunk_bytes);
+    for (int q = 0; q < o->size; q++)
+        if (o->endpoints[q] == NULL)
+            return scape_set_error(SCAPE_INVALID, "comm_host_create: endpoint %d is NULL", q);
+    return SCAPE_OK;
+}
+
+scape_rc comm_host_create(const comm_host_opts *o, comm_t **out)
+{
+    TRY(check_opts(o, out));
+    host *h = NULL;
+    comm_t *c = calloc(1, sizeof *c);
+    scape_rc rc = c ? host_alloc(o, &h)
+                    : scape_set_error(SCAPE_NOMEM, "comm_host_create: out of memory");
+    if (rc == SCAPE_OK)
+        rc = host_connect(o, h);
+    if (rc != SCAPE_OK) {
+        if (h)
+            host_free(h, o->size);
+        free(c);
+        return rc;
+    }
+    *c = (comm_t){ .ops = &s_host_ops, .rank = o->rank, .size = o->size, .impl = h };
+    *out = c;
+    return SCAPE_OK;
+}
+
+scape_rc comm_host_wire_stats(const comm_t *c, uint64_t *sent, uint64_t *recvd)
+{
+    if (c == NULL || c->ops != &s_host_ops || sent == NULL || recvd == NULL)
+        return scape_set_error(SCAPE_INVALID, "comm_host_wire_stats: not a host comm");
+    const host *h = c->impl;
+    *sent = h->sent;
+    *recvd = h->recvd;
+    return SCAPE_OK;
+}

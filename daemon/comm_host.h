@@ -1,0 +1,29 @@
+/* comm_host.h - the `host` comm backend: one daemon per rank, host memory,
+ * TCP between the daemons over ZeroMQ.  See comm_host.c for the schedules,
+ * the framing and their byte costs. */
+#ifndef SCAPE_COMM_HOST_H
+#define SCAPE_COMM_HOST_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "comm.h"
+
+typedef struct comm_host_opts {
+    int rank, size;                  /* this rank and the group size (1..4096) */
+    const char *const *endpoints;    /* size entries: where rank r listens */
+    int timeout_ms;                  /* longest wait for any peer; 0: 30000 */
+    size_t chunk_bytes;              /* pipelining unit (>= 4); 0: 1 MiB */
+    uint64_t job;                    /* every message carries it; others are refused */
+} comm_host_opts;
+
+/* Bind this rank's endpoint and start connecting to every peer.  Returns at
+ * once, without waiting for the peers: a peer that never comes up makes the
+ * first collective fail with SCAPE_TIMEOUT.  All ranks must pass the same
+ * size, endpoints, chunk_bytes and job. */
+scape_rc comm_host_create(const comm_host_opts *o, comm_t **out);
+/* Bytes this rank really sent and received (headers included, ZeroMQ's own
+ * framing not); SCAPE_INVALID if c is not a host comm. */
+scape_rc comm_host_wire_stats(const comm_t *c, uint64_t *sent, uint64_t *recvd);
+
+#endif /* SCAPE_COMM_HOST_H */

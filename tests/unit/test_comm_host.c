@@ -1,0 +1,419 @@
+/* test_comm_host.c - the host comm backend over 127.0.0.1: every collective
+ * compared bit for bit with the local backend on the same inputs, a killed
+ * peer, a foreign job's message, wire counters and bad arguments. */
+#define _POSIX_C_SOURCE 200809L
+#include <check.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "comm_host.h"
+#include "rank_threads.h"
+#include "try.h"
+
+#define CHUNK 4096
+#define MAXR 8
+
+static const int s_sizes[] = { 1, 2, 3, 4, 8 };
+#define NSIZES (int)(sizeof s_sizes / sizeof s_sizes[0])
+
+/* Endpoints of one group; ports outside Linux's ephemeral range, random per
+ * attempt so that parallel runs rarely meet, and retried when they do. */
+typedef struct group {
+    char ep[MAXR][40];
+    const char *eps[MAXR];
+    comm_t *c[MAXR];
+} group;
+
+static scape_rc group_try(group *g, int R, uint64_t job, int timeout_ms)
+{
+    int base = 20000 + (int)((unsigned)rand() % 12000u);
+    for (int r = 0; r < R; r++) {
+        snprintf(g->ep[r], sizeof g->ep[r], "tcp://127.0.0.1:%d", base + r);
+        g->eps[r] = g->ep[r];
+    }
+    for (int r = 0; r < R; r++) {
+        comm_host_opts o = { .rank = r, .size = R, .endpoints = g->eps,
+                             .timeout_ms = timeout_ms, .chunk_bytes = CHUNK, .job = job };
+        scape_rc rc = comm_host_create(&o, &g->c[r]);
+        if (rc != SCAPE_OK) {
+            while (r-- > 0)
+                comm_destroy(&g->c[r]);
+            return rc;
+        }
+    }
+    return SCAPE_OK;
+}
+
+static void group_open(group *g, int R, uint64_t job, int timeout_ms)
+{
+    scape_rc rc = SCAPE_ZMQ;
+    for (int attempt = 0; attempt < 20 && rc != SCAPE_OK; attempt++)
+        rc = group_try(g, R, job, timeout_ms);
+    ck_assert_msg(rc == SCAPE_OK, "cannot create a host group: %s", scape_last_error());
+}
+
+static void group_close(group *g, int R)
+{
+    for (int r = 0; r < R; r++)
+        comm_destroy(&g->c[r]);
+}
+
+/* Run fn on every rank whose comm is not NULL, each on its own thread. */
+static void run_on(int R, comm_t **comms, rank_fn fn, void *ctx, rank_arg *args)
+{
+    pthread_t th[MAXR];
+    rank_thunk tk[MAXR];
+    for (int r = 0; r < R; r++) {
+        args[r] = (rank_arg){ .rank = r, .nranks = R, .comm = comms[r], .ctx = ctx };
+        tk[r] = (rank_thunk){ fn, &args[r] };
+        if (comms[r])
+            ck_assert_int_eq(pthread_create(&th[r], NULL, rank_main, &tk[r]), 0);
+    }
+    for (int r = 0; r < R; r++)
+        if (comms[r])
+            pthread_join(th[r], NULL);
+}
+
+/* Deterministic values with fractional parts: another sum order rounds
+ * differently. */
+static float val(int r, size_t i)
+{
+    uint32_t h = (uint32_t)(r * 2654435761u) ^ (uint32_t)(i * 40503u + 17u);
+    h ^= h >> 13;
+    h *= 0x5bd1e995u;
+    h ^= h >> 15;
+    return ((float)(h & 0xffffff) / 16777216.0f - 0.5f) * (float)(1 + (h % 7) * 1000);
+}
+
+/* What each rank produced, appended in order, for the bitwise comparison. */
+typedef struct outputs {
+    size_t n;                   /* floats per rank input */
+    unsigned char *out[MAXR];
+    size_t len[MAXR], cap;
+} outputs;
+
+static void put(outputs *o, int r, const void *p, size_t bytes)
+{
+    if (o->len[r] + bytes <= o->cap && bytes)
+        memcpy(o->out[r] + o->len[r], p, bytes);
+    o->len[r] += bytes;
+}
+
+/* Uneven float counts summing to n; rank 1's is empty. */
+static void seg_counts(int R, size_t n, size_t *counts)
+{
+    size_t w[MAXR], W = 0, acc = 0, prev = 0;
+    for (int r = 0; r < R; r++)
+        W += w[r] = r == 1 ? 0 : (size_t)((r * 37) % 50 + 3);
+    for (int r = 0; r < R; r++) {
+        acc += w[r];
+        size_t b = n * acc / W;
+        counts[r] = b - prev;
+        prev = b;
+    }
+}
+
+typedef struct bufs {
+    float *x, *y, *z, *ag;
+    unsigned char *msend, *mrecv, *bc;
+    size_t counts[MAXR], bcounts[MAXR], mcounts[MAXR], off, mtotal;
+} bufs;
+
+static scape_rc bufs_new(const rank_arg *a, size_t n, bufs *b)
+{
+    memset(b, 0, sizeof *b);
+    seg_counts(a->nranks, n, b->counts);
+    for (int r = 0; r < a->nranks; r++) {
+        b->off += r < a->rank ? b->counts[r] : 0;
+        b->bcounts[r] = b->counts[r] * sizeof(float);
+        b->mtotal += b->mcounts[r] = n / 3 + (size_t)r;
+    }
+    size_t fb = (n + 1) * sizeof(float);
+    b->x = malloc(fb), b->y = malloc(fb), b->z = malloc(fb), b->ag = malloc(fb);
+    b->msend = malloc(b->mtotal + 1), b->mrecv = malloc(b->mtotal + 1), b->bc = malloc(fb);
+    if (!b->x || !b->y || !b->z || !b->ag || !b->msend || !b->mrecv || !b->bc)
+        return scape_set_error(SCAPE_NOMEM, "test: out of memory");
+    for (size_t i = 0; i < n; i++)
+        b->x[i] = b->y[i] = b->z[i] = val(a->rank, i);
+    memset(b->msend, a->rank + 1, b->mcounts[a->rank] + 1);
+    return SCAPE_OK;
+}
+
+static void bufs_free(bufs *b)
+{
+    free(b->x), free(b->y), free(b->z), free(b->ag);
+    free(b->msend), free(b->mrecv), free(b->bc);
+}
+
+/* All-reduce; reduce-scatter out of place (into ag's tail) and in place;
+ * all-gather in place and out of place. */
+static scape_rc sync_part(rank_arg *a, outputs *o, bufs *b)
+{
+    size_t n = o->n, mine = b->counts[a->rank];
+    float *rs = b->ag + n - mine; /* out of place, overwritten by the gather later */
+    TRY(comm_allreduce_sum(a->comm, b->x, n));
+    put(o, a->rank, b->x, n * 4);
+    TRY(comm_reduce_scatter_sum(a->comm, b->y, rs, b->counts));
+    put(o, a->rank, rs, mine * 4);
+    TRY(comm_reduce_scatter_sum(a->comm, b->y, b->y + b->off, b->counts));
+    put(o, a->rank, b->y + b->off, mine * 4);
+    TRY(comm_allgather(a->comm, b->y + b->off, b->y, b->bcounts));
+    put(o, a->rank, b->y, n * 4);
+    TRY(comm_allgather(a->comm, b->x + b->off, b->ag, b->bcounts));
+    put(o, a->rank, b->ag, n * 4);
+    return SCAPE_OK;
+}
+
+/* The asynchronous all-gather with its send buffer reused at once and other
+ * collectives before the wait; then a broadcast from a non-zero root. */
+static scape_rc async_part(rank_arg *a, outputs *o, bufs *b)
+{
+    size_t n = o->n;
+    int root = a->nranks / 2;
+    TRY(comm_iallgather(a->comm, b->msend, b->mrecv, b->mcounts));
+    memset(b->msend, 0xee, b->mcounts[a->rank] + 1);
+    TRY(comm_allreduce_sum(a->comm, b->z, n));
+    TRY(comm_barrier(a->comm));
+    for (size_t i = 0; i < n; i++)
+        b->bc[i] = a->rank == root ? (unsigned char)(i * 7 + 1) : 0;
+    TRY(comm_broadcast(a->comm, b->bc, n, root));
+    TRY(comm_iallgather_wait(a->comm));
+    put(o, a->rank, b->mrecv, b->mtotal);
+    put(o, a->rank, b->z, n * 4);
+    put(o, a->rank, b->bc, n);
+    return comm_barrier(a->comm);
+}
+
+static scape_rc scenario(rank_arg *a)
+{
+    outputs *o = a->ctx;
+    bufs b;
+    scape_rc rc = bufs_new(a, o->n, &b);
+    if (rc == SCAPE_OK)
+        rc = sync_part(a, o, &b);
+    if (rc == SCAPE_OK)
+        rc = async_part(a, o, &b);
+    bufs_free(&b);
+    return rc;
+}
+
+static void outputs_init(outputs *o, size_t n, int R)
+{
+    memset(o, 0, sizeof *o);
+    o->n = n;
+    o->cap = 8 * (n + 1) * 4 + 4096;
+    for (int r = 0; r < R; r++)
+        ck_assert_ptr_nonnull(o->out[r] = malloc(o->cap));
+}
+
+static void outputs_free(outputs *o, int R)
+{
+    for (int r = 0; r < R; r++)
+        free(o->out[r]);
+}
+
+static void expect_ok(int R, const rank_arg *args, const char *what)
+{
+    for (int r = 0; r < R; r++)
+        ck_assert_msg(args[r].rc == SCAPE_OK, "%s R=%d rank %d: %s", what, R, r, args[r].err);
+}
+
+/* The host backend's outputs equal the local backend's, byte for byte. */
+static void compare_backends(int R, size_t n)
+{
+    outputs lo, ho;
+    rank_arg args[MAXR];
+    outputs_init(&lo, n, R);
+    outputs_init(&ho, n, R);
+    ck_assert_int_eq(run_ranks(R, scenario, &lo, args), 0);
+    expect_ok(R, args, "local");
+    group g;
+    group_open(&g, R, 7, 10000);
+    run_on(R, g.c, scenario, &ho, args);
+    group_close(&g, R);
+    expect_ok(R, args, "host");
+    for (int r = 0; r < R; r++) {
+        ck_assert_uint_le(lo.len[r], lo.cap);
+        ck_assert_uint_eq(lo.len[r], ho.len[r]);
+        ck_assert_msg(memcmp(lo.out[r], ho.out[r], lo.len[r]) == 0,
+                      "R=%d n=%zu rank %d: host differs from local", R, n, r);
+    }
+    outputs_free(&lo, R);
+    outputs_free(&ho, R);
+}
+
+START_TEST(small_sizes_match_local)
+{
+    static const size_t ns[] = { 0, 1, 1001, 5000 };
+    for (size_t k = 0; k < sizeof ns / sizeof ns[0]; k++)
+        compare_backends(s_sizes[_i], ns[k]);
+}
+END_TEST
+
+/* ~3 MB per rank: hundreds of chunks per stream, not a whole number of them. */
+START_TEST(megabytes_match_local)
+{
+    compare_backends(s_sizes[_i], 750001);
+}
+END_TEST
+
+static double since(const struct timespec *t0)
+{
+    struct timespec t1;
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    return (double)(t1.tv_sec - t0->tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0->tv_nsec);
+}
+
+static scape_rc do_allreduce(rank_arg *a)
+{
+    float buf[1000];
+    for (int i = 0; i < 1000; i++)
+        buf[i] = val(a->rank, (size_t)i);
+    return comm_allreduce_sum(a->comm, buf, 1000);
+}
+
+static scape_rc do_barrier(rank_arg *a) { return comm_barrier(a->comm); }
+
+/* Rank R-1 is gone before the first collective: the others time out naming
+ * it within the timeout, and then refuse further calls. */
+START_TEST(killed_peer_times_out_naming_it)
+{
+    const int R = 3;
+    group g;
+    group_open(&g, R, 7, 400);
+    comm_destroy(&g.c[R - 1]);
+    rank_arg args[MAXR];
+    struct timespec t0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    run_on(R, g.c, do_allreduce, NULL, args);
+    double waited = since(&t0);
+    for (int r = 0; r < R - 1; r++) {
+        ck_assert_int_eq(args[r].rc, SCAPE_TIMEOUT);
+        ck_assert_msg(strstr(args[r].err, "rank 2 sent nothing for 400 ms during allreduce"),
+                      "rank %d: %s", r, args[r].err);
+    }
+    ck_assert_msg(waited >= 0.39 && waited < 3.0, "waited %.3f s", waited);
+    ck_assert_int_eq(comm_barrier(g.c[0]), SCAPE_TIMEOUT);
+    ck_assert_ptr_nonnull(strstr(scape_last_error(), "refused after an earlier failure"));
+    group_close(&g, R);
+}
+END_TEST
+
+/* In a barrier, rank 0 names the rank that never arrived. */
+START_TEST(barrier_names_missing_rank)
+{
+    const int R = 4;
+    group g;
+    group_open(&g, R, 7, 300);
+    comm_t *live[MAXR] = { g.c[0], g.c[1], g.c[2], NULL };
+    rank_arg args[MAXR];
+    run_on(R, live, do_barrier, NULL, args);
+    ck_assert_int_eq(args[0].rc, SCAPE_TIMEOUT);
+    ck_assert_msg(strstr(args[0].err, "rank 3 sent nothing"), "%s", args[0].err);
+    for (int r = 1; r < R - 1; r++) {
+        ck_assert_int_eq(args[r].rc, SCAPE_TIMEOUT);
+        ck_assert_msg(strstr(args[r].err, "rank 0 sent nothing"), "%s", args[r].err);
+    }
+    group_close(&g, R);
+}
+END_TEST
+
+/* A comm of job 99 whose "rank 1" is rank 0 of job 7: its broadcast lands
+ * in job 7's barrier, which refuses it at once. */
+START_TEST(foreign_job_is_refused)
+{
+    group g, rogue;
+    group_open(&g, 2, 7, 5000);
+    group_open(&rogue, 2, 99, 5000);
+    comm_destroy(&rogue.c[1]);
+    comm_destroy(&rogue.c[0]);
+    const char *eps[2] = { rogue.ep[0], g.ep[0] };
+    comm_host_opts o = { .rank = 0, .size = 2, .endpoints = eps, .timeout_ms = 5000,
+                         .chunk_bytes = CHUNK, .job = 99 };
+    comm_t *bad = NULL;
+    ck_assert_int_eq(comm_host_create(&o, &bad), SCAPE_OK);
+    char payload[10] = "intruder";
+    ck_assert_int_eq(comm_broadcast(bad, payload, sizeof payload, 0), SCAPE_OK);
+    struct timespec t0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    ck_assert_int_eq(comm_barrier(g.c[0]), SCAPE_PROTO);
+    ck_assert_msg(strstr(scape_last_error(), "job 99") && strstr(scape_last_error(), "job 7"),
+                  "%s", scape_last_error());
+    ck_assert_msg(since(&t0) < 4.0, "refused only after %.3f s", since(&t0));
+    ck_assert_int_eq(comm_barrier(g.c[0]), SCAPE_PROTO);
+    comm_destroy(&bad);
+    group_close(&g, 2);
+}
+END_TEST
+
+/* Two ranks: what one sent is what the other received, and the payload is
+ * all there (each of the ~2n*4 payload bytes plus a header per chunk). */
+START_TEST(wire_counters_balance)
+{
+    group g;
+    group_open(&g, 2, 7, 5000);
+    rank_arg args[MAXR];
+    run_on(2, g.c, do_allreduce, NULL, args);
+    expect_ok(2, args, "host");
+    uint64_t s0, r0, s1, r1;
+    ck_assert_int_eq(comm_host_wire_stats(g.c[0], &s0, &r0), SCAPE_OK);
+    ck_assert_int_eq(comm_host_wire_stats(g.c[1], &s1, &r1), SCAPE_OK);
+    ck_assert_uint_eq(s0, r1);
+    ck_assert_uint_eq(s1, r0);
+    /* rank 0: chain 4000 + gather 2000 out; delivery 2000 + gather 2000 in */
+    ck_assert_uint_ge(s0, 6000);
+    ck_assert_uint_le(s0, 6000 + 4 * 64);
+    ck_assert_uint_ge(r0, 4000);
+    ck_assert_uint_le(r0, 4000 + 4 * 64);
+    group_close(&g, 2);
+}
+END_TEST
+
+START_TEST(bad_arguments)
+{
+    const char *eps[2] = { "tcp://127.0.0.1:1", NULL };
+    comm_host_opts o = { .rank = 0, .size = 2, .endpoints = eps };
+    comm_t *c = NULL, *l[1];
+    uint64_t s, r;
+    ck_assert_int_eq(comm_host_create(NULL, &c), SCAPE_INVALID);
+    ck_assert_int_eq(comm_host_create(&o, NULL), SCAPE_INVALID);
+    ck_assert_int_eq(comm_host_create(&o, &c), SCAPE_INVALID); /* endpoint 1 is NULL */
+    eps[1] = "nonsense";
+    o.rank = 2;
+    ck_assert_int_eq(comm_host_create(&o, &c), SCAPE_INVALID);
+    o.rank = 0;
+    o.chunk_bytes = 2;
+    ck_assert_int_eq(comm_host_create(&o, &c), SCAPE_INVALID);
+    o.chunk_bytes = 0;
+    eps[0] = "nonsense";
+    ck_assert_int_eq(comm_host_create(&o, &c), SCAPE_ZMQ);
+    ck_assert_ptr_null(c);
+    ck_assert_int_eq(comm_local_create(1, l), SCAPE_OK);
+    ck_assert_int_eq(comm_host_wire_stats(l[0], &s, &r), SCAPE_INVALID);
+    comm_destroy(&l[0]);
+}
+END_TEST
+
+int main(void)
+{
+    srand((unsigned)getpid() ^ (unsigned)time(NULL));
+    Suite *s = suite_create("comm_host");
+    TCase *tc = tcase_create("host");
+    tcase_set_timeout(tc, 600);
+    tcase_add_loop_test(tc, small_sizes_match_local, 0, NSIZES);
+    tcase_add_loop_test(tc, megabytes_match_local, 0, NSIZES);
+    tcase_add_test(tc, killed_peer_times_out_naming_it);
+    tcase_add_test(tc, barrier_names_missing_rank);
+    tcase_add_test(tc, foreign_job_is_refused);
+    tcase_add_test(tc, wire_counters_balance);
+    tcase_add_test(tc, bad_arguments);
+    suite_add_tcase(s, tc);
+    SRunner *sr = srunner_create(s);
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
