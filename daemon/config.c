@@ -97,6 +97,21 @@ static const cfg_key s_keys[] = {
       .max = 60000, .def = "200", .doc = "period of the trainer pid liveness check, ms" },
     { .name = "trainers", .type = KT_INT, .offset = OFF(trainers), .min = 0, .max = 64,
       .def = "0", .doc = "trainers that must register before step 1 (0: those attached)" },
+    { .name = "world", .type = KT_INT, .offset = OFF(world), .min = 1, .max = 4096,
+      .def = "1", .doc = "daemons in the job (one per node)" },
+    { .name = "rank", .type = KT_INT, .offset = OFF(rank), .min = 0, .max = 4095,
+      .def = "0", .doc = "this daemon's rank in [0, world)" },
+    { .name = "coordinator", .type = KT_STRING, .offset = OFF(coordinator),
+      .size = sizeof ((scaped_config *)0)->coordinator, .def = "",
+      .doc = "rank 0's rendezvous endpoint, e.g. tcp://node1:29517 (world > 1)" },
+    { .name = "listen", .type = KT_STRING, .offset = OFF(listen),
+      .size = sizeof ((scaped_config *)0)->listen, .def = "",
+      .doc = "this daemon's data endpoint, e.g. tcp://node2:29600 (world > 1)" },
+    { .name = "job", .type = KT_U32, .offset = OFF(job), .min = 0, .max = UINT32_MAX,
+      .def = "0", .doc = "job id: daemons of another job are refused at rendezvous" },
+    { .name = "comm_timeout_ms", .type = KT_INT, .offset = OFF(comm_timeout_ms), .min = 100,
+      .max = 3600000, .def = "300000",
+      .doc = "longest wait for another daemon, ms (rendezvous and every collective)" },
 };
 
 #define KEY_COUNT (sizeof s_keys / sizeof s_keys[0])

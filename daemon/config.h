@@ -26,6 +26,12 @@ typedef struct scaped_config {
     uint32_t max_message_bytes; /* 1024..64 MiB, default 1 MiB */
     int liveness_ms;            /* trainer pid check period, 10..60000, default 200 */
     int trainers;               /* wait for this many before step 1; 0..64, default 0 */
+    int world;                  /* daemons in the job, 1..4096, default 1 */
+    int rank;                   /* this daemon's rank, 0..4095, default 0 */
+    char coordinator[256];      /* rank 0's rendezvous endpoint (world > 1) */
+    char listen[256];           /* this daemon's data-plane endpoint (world > 1) */
+    uint32_t job;               /* job id; daemons of other jobs are refused */
+    int comm_timeout_ms;        /* longest wait for another daemon */
 } scaped_config;
 
 /* Every key at its default. */

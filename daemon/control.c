@@ -97,8 +97,8 @@ static scape_rc on_hello(server *s, const unsigned char *rid, size_t rid_len,
     Scape__Welcome w = SCAPE__WELCOME__INIT;
     w.protocol = 1;
     w.index = (uint32_t)slot;
-    w.rank = 0;
-    w.world = 1;
+    w.rank = (uint32_t)s->cfg.rank;
+    w.world = (uint32_t)s->cfg.world;
     w.version = SCAPED_VERSION;
     w.next_step = s->next_step;
     Scape__Reply r = SCAPE__REPLY__INIT;
@@ -451,6 +451,10 @@ void ctl_maybe_step(server *s)
     trainer *ts[SRV_MAX_SLOTS];
     int n = collect(s, ts, 1);
     if (n == 0)
+        return;
+    /* Across daemons a change of T_r would have to happen on every rank at
+     * the same step: wait for the missing trainer to re-attach instead. */
+    if (s->cfg.world > 1 && s->eng && n != s->eng_trainers)
         return;
     for (int i = 0; i < n; i++)
         if (!ts[i]->posted)

@@ -18,7 +18,9 @@
 #include <unistd.h>
 #include <zmq.h>
 
+#include "comm_host.h"
 #include "log.h"
+#include "rendezvous.h"
 #include "scape_wire.h"
 #include "server_internal.h"
 
@@ -128,6 +130,36 @@ static scape_rc open_socket(server *s, void **sock, int type, const char *name, 
     return SCAPE_OK;
 }
 
+/* One daemon: the local backend with one rank.  Several: meet the others at
+ * the rendezvous, then talk to them over the host backend. */
+static scape_rc open_comm(server *s)
+{
+    const scaped_config *c = &s->cfg;
+    if (c->world == 1)
+        return comm_local_create(1, &s->comm);
+    if (c->rank >= c->world)
+        return scape_set_error(SCAPE_INVALID, "rank %d is outside world %d", c->rank, c->world);
+    if (!c->coordinator[0] || !c->listen[0])
+        return scape_set_error(SCAPE_INVALID, "world %d needs coordinator and listen endpoints",
+                               c->world);
+    LOG_INFO(SUB_COMM, "rendezvous: rank %d of %d via %s, listening on %s", c->rank, c->world,
+             c->coordinator, c->listen);
+    rdv_opts o = { .rank = c->rank, .world = c->world, .coordinator = c->coordinator,
+                   .endpoint = c->listen, .job = c->job, .timeout_ms = c->comm_timeout_ms };
+    rdv_result r;
+    scape_rc rc = rdv_run(&o, &r);
+    if (rc != SCAPE_OK)
+        return rc;
+    comm_host_opts h = { .rank = c->rank, .size = c->world,
+                         .endpoints = (const char *const *)r.endpoints,
+                         .timeout_ms = c->comm_timeout_ms, .job = c->job };
+    rc = comm_host_create(&h, &s->comm);
+    rdv_result_free(&r);
+    if (rc == SCAPE_OK)
+        LOG_INFO(SUB_COMM, "connected to %d daemon(s) over the host backend", c->world - 1);
+    return rc;
+}
+
 scape_rc srv_create(server **out, const scaped_config *cfg)
 {
     server *s = calloc(1, sizeof *s);
@@ -153,7 +185,7 @@ scape_rc srv_create(server **out, const scaped_config *cfg)
     if (rc == SCAPE_OK)
         rc = open_socket(s, &s->events, ZMQ_PUB, "events", s->ep_events, sizeof s->ep_events);
     if (rc == SCAPE_OK)
-        rc = comm_local_create(1, &s->comm);
+        rc = open_comm(s);
     if (rc != SCAPE_OK) {
         srv_destroy(&s);
         return rc;

@@ -58,8 +58,8 @@ static void fill_status(server *s, status_buf *b)
     Scape__StatusReply *st = &b->st;
     scape__status_reply__init(st);
     st->version = SCAPED_VERSION;
-    st->rank = 0;
-    st->world = 1;
+    st->rank = (uint32_t)s->cfg.rank;
+    st->world = (uint32_t)s->cfg.world;
     st->state = (char *)state_name(s);
     st->optimizer = (char *)eng_optimizer_name(s->cfg.engine.optimizer);
     st->mode = (char *)eng_mode_name(s->cfg.engine.mode);
@@ -176,7 +176,7 @@ void status_serve(server *s)
 void status_publish(server *s)
 {
     Scape__Metrics m = SCAPE__METRICS__INIT;
-    m.rank = 0;
+    m.rank = (uint32_t)s->cfg.rank;
     m.step = &s->last;
     m.has_loss = s->have_loss;
     m.loss = s->last_loss;

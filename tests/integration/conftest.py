@@ -92,6 +92,7 @@ def run_trainer(endpoint, index, n, steps, out=None, sleep_ms=0, seed=1, lr=1e-2
 
 
 def run_reference(out, trainers, n, steps, *engine_args, seed=1, lr=1e-2):
+    """trainers: an int (one rank) or "2,1,3" (trainers per rank)."""
     cmd = [binary("tests", "integration", "reference"), "--trainers", str(trainers),
            "--n", str(n), "--steps", str(steps), "--seed", str(seed), "--lr", repr(lr),
            "--out", out, *engine_args]

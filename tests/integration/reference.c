@@ -9,13 +9,17 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <pthread.h>
 #include <time.h>
 
 #include "engine.h"
 #include "synth.h"
 
+#define MAX_RANKS 16
+
 typedef struct args {
-    int trainers;
+    int ranks;
+    int tr[MAX_RANKS];
     size_t n;
     uint64_t steps, seed;
     float lr;
@@ -23,14 +27,28 @@ typedef struct args {
     eng_config cfg;
 } args;
 
+static scape_rc parse_trainers(const char *v, args *a)
+{
+    a->ranks = 0;
+    for (const char *p = v; *p && a->ranks < MAX_RANKS; a->ranks++) {
+        char *end;
+        long t = strtol(p, &end, 10);
+        if (end == p || t < 1 || t > 64)
+            return scape_set_error(SCAPE_INVALID, "bad --trainers '%s'", v);
+        a->tr[a->ranks] = (int)t;
+        p = *end == ',' ? end + 1 : end;
+    }
+    return a->ranks ? SCAPE_OK : scape_set_error(SCAPE_INVALID, "bad --trainers '%s'", v);
+}
+
 static int parse(int argc, char **argv, args *a)
 {
-    *a = (args){ .trainers = 1, .n = 1000, .steps = 10, .seed = 1, .lr = 1e-2f };
+    *a = (args){ .ranks = 1, .tr = { 1 }, .n = 1000, .steps = 10, .seed = 1, .lr = 1e-2f };
     eng_config_default(&a->cfg);
     for (int i = 1; i + 1 < argc; i += 2) {
         const char *k = argv[i], *v = argv[i + 1];
         scape_rc rc = SCAPE_OK;
-        if (!strcmp(k, "--trainers")) a->trainers = atoi(v);
+        if (!strcmp(k, "--trainers")) rc = parse_trainers(v, a);
         else if (!strcmp(k, "--n")) a->n = strtoull(v, NULL, 0);
         else if (!strcmp(k, "--steps")) a->steps = strtoull(v, NULL, 0);
         else if (!strcmp(k, "--seed")) a->seed = strtoull(v, NULL, 0);
@@ -46,7 +64,70 @@ static int parse(int argc, char **argv, args *a)
             return 2;
         }
     }
-    return a->trainers < 1 || a->trainers > 64;
+    return 0;
+}
+
+typedef struct rank_job {
+    const args *a;
+    int rank;
+    comm_t *comm;
+    const eng_tensor *ts;
+    size_t nt, n;
+    double step_s;
+    float *out;      /* rank 0: trainer 0's final parameters */
+    scape_rc rc;
+    char err[512];
+} rank_job;
+
+static scape_rc train(rank_job *j, eng_t *e, float **p, float **g)
+{
+    const args *a = j->a;
+    uint64_t seed = a->seed + 1000u * (uint64_t)j->rank;
+    for (uint64_t t = 1; t <= a->steps; t++) {
+        for (int q = 0; q < a->tr[j->rank]; q++)
+            for (size_t l = 0; l < j->nt; l++)
+                for (size_t i = j->ts[l].offset; i < j->ts[l].offset + j->ts[l].length; i++)
+                    g[q][i] = synth_grad(seed, q, t, i, p[q][i], synth_scale(l));
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        scape_rc rc = eng_step(e, t, a->lr, (const void *const *)g, (void *const *)p);
+        if (rc != SCAPE_OK)
+            return rc;
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        j->step_s += (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+    }
+    if (j->out)
+        memcpy(j->out, p[0], j->n * sizeof(float));
+    return SCAPE_OK;
+}
+
+static void *rank_main(void *arg)
+{
+    rank_job *j = arg;
+    int tr = j->a->tr[j->rank];
+    uint64_t seed = j->a->seed + 1000u * (uint64_t)j->rank;
+    float *p[64], *g[64];
+    for (int q = 0; q < tr; q++) {
+        p[q] = malloc(j->n * sizeof(float));
+        g[q] = malloc(j->n * sizeof(float));
+        for (size_t i = 0; i < j->n; i++)
+            p[q][i] = synth_init(seed, q, i);
+    }
+    eng_layout lay = { j->ts, j->nt, KERN_F32, KERN_F32 };
+    eng_t *e = NULL;
+    j->rc = eng_create(&e, &j->a->cfg, &lay, j->comm, tr);
+    if (j->rc == SCAPE_OK)
+        j->rc = eng_init_params(e, (void *const *)p);
+    if (j->rc == SCAPE_OK)
+        j->rc = train(j, e, p, g);
+    if (j->rc != SCAPE_OK)
+        snprintf(j->err, sizeof j->err, "%s", scape_last_error());
+    eng_destroy(&e);
+    for (int q = 0; q < tr; q++) {
+        free(p[q]);
+        free(g[q]);
+    }
+    return NULL;
 }
 
 int main(int argc, char **argv)
@@ -61,50 +142,35 @@ int main(int argc, char **argv)
     for (size_t l = 0; l < nt; l++)
         ts[l] = (eng_tensor){ names[l], off[l], len[l] };
     size_t n = off[nt - 1] + len[nt - 1];
-    float *p[64], *g[64];
-    for (int j = 0; j < a.trainers; j++) {
-        p[j] = malloc(n * sizeof(float));
-        g[j] = malloc(n * sizeof(float));
-        for (size_t i = 0; i < n; i++)
-            p[j][i] = synth_init(a.seed, j, i);
-    }
-    comm_t *comm;
-    eng_t *e = NULL;
-    eng_layout lay = { ts, nt, KERN_F32, KERN_F32 };
-    if (comm_local_create(1, &comm) != SCAPE_OK ||
-        eng_create(&e, &a.cfg, &lay, comm, a.trainers) != SCAPE_OK ||
-        eng_init_params(e, (void *const *)p) != SCAPE_OK) {
+    comm_t *comms[MAX_RANKS];
+    rank_job jobs[MAX_RANKS];
+    pthread_t th[MAX_RANKS];
+    float *out = malloc(n * sizeof *out);
+    if (out == NULL || comm_local_create(a.ranks, comms) != SCAPE_OK) {
         fprintf(stderr, "reference: %s\n", scape_last_error());
         return 1;
     }
-    struct timespec t0, t1;
-    double step_s = 0.0;
-    for (uint64_t t = 1; t <= a.steps; t++) {
-        for (int j = 0; j < a.trainers; j++)
-            for (size_t l = 0; l < nt; l++)
-                for (size_t i = off[l]; i < off[l] + len[l]; i++)
-                    g[j][i] = synth_grad(a.seed, j, t, i, p[j][i], synth_scale(l));
-        clock_gettime(CLOCK_MONOTONIC, &t0);
-        if (eng_step(e, t, a.lr, (const void *const *)g, (void *const *)p) != SCAPE_OK) {
-            fprintf(stderr, "reference: step %llu: %s\n", (unsigned long long)t,
-                    scape_last_error());
-            return 1;
+    for (int r = 0; r < a.ranks; r++) {
+        jobs[r] = (rank_job){ .a = &a, .rank = r, .comm = comms[r], .ts = ts, .nt = nt,
+                              .n = n, .out = r == 0 ? out : NULL };
+        pthread_create(&th[r], NULL, rank_main, &jobs[r]);
+    }
+    int bad = 0;
+    for (int r = 0; r < a.ranks; r++) {
+        pthread_join(th[r], NULL);
+        if (jobs[r].rc != SCAPE_OK) {
+            fprintf(stderr, "reference: rank %d: %s\n", r, jobs[r].err);
+            bad = 1;
         }
-        clock_gettime(CLOCK_MONOTONIC, &t1);
-        step_s += (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+        comm_destroy(&comms[r]);
     }
-    printf("reference: %llu steps, N=%zu, T=%d, mean engine step %.3f ms\n",
-           (unsigned long long)a.steps, n, a.trainers, 1e3 * step_s / (double)a.steps);
-    FILE *f = a.out ? fopen(a.out, "wb") : NULL;
-    if (a.out && (f == NULL || fwrite(p[0], sizeof(float), n, f) != n || fclose(f) != 0)) {
+    printf("reference: %llu steps, N=%zu, %d rank(s), mean engine step %.3f ms\n",
+           (unsigned long long)a.steps, n, a.ranks, 1e3 * jobs[0].step_s / (double)a.steps);
+    FILE *f = a.out && !bad ? fopen(a.out, "wb") : NULL;
+    if (a.out && !bad && (f == NULL || fwrite(out, sizeof(float), n, f) != n || fclose(f) != 0)) {
         perror(a.out);
-        return 1;
+        bad = 1;
     }
-    eng_destroy(&e);
-    comm_destroy(&comm);
-    for (int j = 0; j < a.trainers; j++) {
-        free(p[j]);
-        free(g[j]);
-    }
-    return 0;
+    free(out);
+    return bad;
 }

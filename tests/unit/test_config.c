@@ -12,7 +12,7 @@
 
 #include "config.h"
 
-#define NKEYS 14
+#define NKEYS 20
 
 /* Every key with a valid value other than its default. */
 static const struct {
@@ -32,6 +32,12 @@ static const struct {
     { "max_message_bytes", "4096" },
     { "liveness_ms", "50" },
     { "trainers", "4" },
+    { "world", "3" },
+    { "rank", "2" },
+    { "coordinator", "tcp://node1:29517" },
+    { "listen", "tcp://node3:29602" },
+    { "job", "4242" },
+    { "comm_timeout_ms", "5000" },
 };
 
 static void check_full(const scaped_config *c)
@@ -50,6 +56,12 @@ static void check_full(const scaped_config *c)
     ck_assert_uint_eq(c->max_message_bytes, 4096);
     ck_assert_int_eq(c->liveness_ms, 50);
     ck_assert_int_eq(c->trainers, 4);
+    ck_assert_int_eq(c->world, 3);
+    ck_assert_int_eq(c->rank, 2);
+    ck_assert_str_eq(c->coordinator, "tcp://node1:29517");
+    ck_assert_str_eq(c->listen, "tcp://node3:29602");
+    ck_assert_uint_eq(c->job, 4242);
+    ck_assert_int_eq(c->comm_timeout_ms, 5000);
 }
 
 /* Field by field and exact: the padding of a struct copy is not compared. */
@@ -69,6 +81,12 @@ static void check_same(const scaped_config *a, const scaped_config *b)
     ck_assert_uint_eq(a->max_message_bytes, b->max_message_bytes);
     ck_assert_int_eq(a->liveness_ms, b->liveness_ms);
     ck_assert_int_eq(a->trainers, b->trainers);
+    ck_assert_int_eq(a->world, b->world);
+    ck_assert_int_eq(a->rank, b->rank);
+    ck_assert_str_eq(a->coordinator, b->coordinator);
+    ck_assert_str_eq(a->listen, b->listen);
+    ck_assert_uint_eq(a->job, b->job);
+    ck_assert_int_eq(a->comm_timeout_ms, b->comm_timeout_ms);
 }
 
 /* A new temporary file holding text; its name goes into path. */
@@ -466,7 +484,9 @@ START_TEST(print_format)
         "mode: replicated",   "rho: 0.01",             "warmup: 1",
         "beta1: 0.9",         "beta2: 0.95",           "eps: 1e-08",
         "weight_decay: 0",    "max_trainers: 64",      "max_message_bytes: 1048576",
-        "liveness_ms: 200",   "trainers: 0",
+        "liveness_ms: 200",   "trainers: 0",           "world: 1",
+        "rank: 0",            "coordinator: \"\"",       "listen: \"\"",
+        "job: 0",             "comm_timeout_ms: 300000",
     };
     scaped_config c;
     cfg_defaults(&c);

@@ -1,0 +1,91 @@
+"""Several daemons on one machine acting as one optimizer: rendezvous and the
+host backend over loopback TCP, trainers on every daemon, the result bitwise
+equal to the in-process engine on the local backend, and a killed daemon."""
+import signal
+import time
+
+import pytest
+import zmq
+
+from conftest import run_reference, run_trainer
+
+ENGINE = ["--rho", "0.01", "--warmup", "3"]
+
+
+def free_endpoints(count):
+    ctx = zmq.Context()
+    socks, eps = [], []
+    for _ in range(count):
+        s = ctx.socket(zmq.REP)
+        s.bind("tcp://127.0.0.1:*")
+        eps.append(s.getsockopt_string(zmq.LAST_ENDPOINT))
+        socks.append(s)
+    for s in socks:
+        s.close(linger=0)
+    ctx.term()
+    return eps
+
+
+def start_group(daemon_factory, trainers, extra=(), timeout_ms=20000):
+    eps = free_endpoints(len(trainers) + 1)
+    coord, listens = eps[0], eps[1:]
+    return [daemon_factory(*ENGINE, *extra, "--world", str(len(trainers)), "--rank", str(r),
+                           "--coordinator", coord, "--listen", listens[r], "--job", "7",
+                           "--trainers", str(t), "--comm-timeout-ms", str(timeout_ms))
+            for r, t in enumerate(trainers)]
+
+
+def read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def train_group(daemons, trainers, tmp_path, n, steps, tag):
+    procs, outs = [], []
+    for r, (d, t) in enumerate(zip(daemons, trainers)):
+        for j in range(t):
+            out = str(tmp_path / ("%s-r%d-t%d" % (tag, r, j)))
+            outs.append(out)
+            procs.append(run_trainer(d.endpoint, j, n, steps, out=out, seed=1 + 1000 * r,
+                                     wait=False))
+    for p in procs:
+        o, e = p.communicate(timeout=600)
+        assert p.returncode == 0, o + e
+    return [read(o) for o in outs]
+
+
+@pytest.mark.parametrize("trainers", [[1, 2], [2, 1, 3]])
+def test_daemons_match_local_backend(daemon_factory, tmp_path, trainers):
+    n, steps = 3000, 200
+    results = {}
+    for mode in ("replicated", "sharded"):
+        daemons = start_group(daemon_factory, trainers, ["--mode", mode])
+        got = train_group(daemons, trainers, tmp_path, n, steps, mode)
+        assert all(g == got[0] for g in got), "trainers disagree (%s)" % mode
+        for d in daemons:
+            assert d.stop() == 0, d.output()
+        ref = str(tmp_path / ("ref-" + mode))
+        run_reference(ref, ",".join(map(str, trainers)), n, steps, *ENGINE, "--mode", mode)
+        assert got[0] == read(ref), "daemons differ from the local backend (%s)" % mode
+        results[mode] = got[0]
+    assert results["replicated"] == results["sharded"]
+
+
+def test_killed_daemon_fails_the_step_in_time(daemon_factory):
+    daemons = start_group(daemon_factory, [1, 1, 1], timeout_ms=1500)
+    ts = [run_trainer(d.endpoint, 0, 2000, 10 ** 6, sleep_ms=10, seed=1 + 1000 * r, wait=False)
+          for r, d in enumerate(daemons)]
+    time.sleep(2.0)
+    assert all(t.poll() is None for t in ts), "training stopped early"
+    daemons[2].proc.send_signal(signal.SIGKILL)
+    ts[2].kill()
+    killed = time.time()
+    for t in ts[:2]:
+        o, e = t.communicate(timeout=60)
+        assert t.returncode != 0
+        assert "rank 2" in e and "is it alive" in e, e
+    waited = time.time() - killed
+    assert waited < 1.5 + 5.0, "the step failed only after %.1f s" % waited
+    for d in daemons[:2]:
+        assert d.proc.poll() is None, "a surviving daemon exited"
+        assert d.stop() == 0
