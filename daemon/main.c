@@ -8,7 +8,11 @@
 
 #include "config.h"
 #include "log.h"
+#include "rendezvous.h"
 #include "server.h"
+
+#define SLURM_RDV_PORT 29517  /* rank 0's rendezvous, on the job's first node */
+#define SLURM_DATA_PORT 29600 /* every daemon's data plane */
 
 static void usage(FILE *out)
 {
@@ -84,6 +88,32 @@ static const char *config_path(int argc, char **argv)
     return path;
 }
 
+/* Inside a Slurm job step the job's shape comes from Slurm's environment; it
+ * only sets defaults, which the file, SCAPE_* variables and flags override. */
+static scape_rc slurm_defaults(scaped_config *cfg)
+{
+    if (getenv("SLURM_PROCID") == NULL)
+        return SCAPE_OK;
+    int rank, world;
+    uint64_t job;
+    char host[200], ip[64], buf[300];
+    scape_rc rc = rdv_from_slurm(&rank, &world, &job, host, sizeof host);
+    if (rc == SCAPE_OK && world > 1)
+        rc = rdv_host_address(ip, sizeof ip);
+    if (rc != SCAPE_OK || world == 1)
+        return rc;
+    snprintf(buf, sizeof buf, "%d", world);
+    cfg_set(cfg, "world", buf, "SLURM_NTASKS");
+    snprintf(buf, sizeof buf, "%d", rank);
+    cfg_set(cfg, "rank", buf, "SLURM_PROCID");
+    snprintf(buf, sizeof buf, "%llu", (unsigned long long)job);
+    cfg_set(cfg, "job", buf, "SLURM_JOB_ID");
+    snprintf(buf, sizeof buf, "tcp://%s:%d", host, SLURM_RDV_PORT);
+    cfg_set(cfg, "coordinator", buf, "SLURM_JOB_NODELIST");
+    snprintf(buf, sizeof buf, "tcp://%s:%d", ip, SLURM_DATA_PORT);
+    return cfg_set(cfg, "listen", buf, "this host's address");
+}
+
 static int has_flag(int argc, char **argv, const char *flag)
 {
     for (int i = 1; i < argc; i++)
@@ -119,7 +149,8 @@ int main(int argc, char **argv)
     scaped_config cfg;
     cfg_defaults(&cfg);
     const char *path = config_path(argc, argv);
-    if ((path && cfg_load_file(&cfg, path) != SCAPE_OK) || cfg_apply_env(&cfg) != SCAPE_OK) {
+    if (slurm_defaults(&cfg) != SCAPE_OK || (path && cfg_load_file(&cfg, path) != SCAPE_OK) ||
+        cfg_apply_env(&cfg) != SCAPE_OK) {
         fprintf(stderr, "scaped: %s\n", scape_last_error());
         return 2;
     }

@@ -3,13 +3,19 @@
  * coordinator that is not up yet, and its join waits in the queue meanwhile;
  * only the overall deadline ends the wait. */
 #define _POSIX_C_SOURCE 200809L
+#include <netdb.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <sys/socket.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <unistd.h>
 #include <string.h>
 #include <time.h>
 #include <zmq.h>
 
 #include "rendezvous.h"
+#include "try.h"
 #include "scape.pb-c.h"
 #include "scape_wire.h"
 
@@ -163,16 +169,32 @@ static void send_table(void *sock, const rdv_opts *o, const rdv_result *out, con
         send_reply(sock, who[k].rid, who[k].rid_len, &r);
 }
 
+/* Rank 0 listens on every interface at the coordinator's port: the name the
+ * others connect to (a host name, often) is not something ZeroMQ can bind. */
+static scape_rc bind_address(const char *coordinator, char *buf, size_t len)
+{
+    const char *colon = strrchr(coordinator, ':');
+    if (strncmp(coordinator, "tcp://", 6) != 0 || colon == NULL || colon[1] == '\0' ||
+        colon < coordinator + 6)
+        return scape_set_error(SCAPE_INVALID,
+                               "rendezvous: coordinator '%s' is not tcp://host:port", coordinator);
+    if ((size_t)snprintf(buf, len, "tcp://*%s", colon) >= len)
+        return scape_set_error(SCAPE_INVALID, "rendezvous: coordinator too long");
+    return SCAPE_OK;
+}
+
 static scape_rc serve(void *ctx, const rdv_opts *o, rdv_result *out)
 {
+    char where[300];
+    TRY(bind_address(o->coordinator, where, sizeof where));
     void *sock = zmq_socket(ctx, ZMQ_ROUTER);
     int linger = o->timeout_ms; /* the table must leave before the socket closes */
     joiner *who = calloc((size_t)o->world, sizeof *who);
     scape_rc rc = SCAPE_OK;
     if (sock == NULL || who == NULL ||
         zmq_setsockopt(sock, ZMQ_LINGER, &linger, sizeof linger) != 0 ||
-        zmq_bind(sock, o->coordinator) != 0)
-        rc = scape_set_error(SCAPE_ZMQ, "rendezvous: bind %s: %s", o->coordinator,
+        zmq_bind(sock, where) != 0)
+        rc = scape_set_error(SCAPE_ZMQ, "rendezvous: bind %s: %s", where,
                              zmq_strerror(zmq_errno()));
     double deadline = now_ms() + o->timeout_ms;
     for (int joined = 1; rc == SCAPE_OK && joined < o->world;) {
@@ -353,4 +375,21 @@ scape_rc rdv_from_slurm(int *rank, int *world, uint64_t *job, char *host, size_t
         *job = (uint64_t)j;
     }
     return rc;
+}
+
+scape_rc rdv_host_address(char *buf, size_t len)
+{
+    char name[256];
+    if (gethostname(name, sizeof name) != 0)
+        return scape_set_error(SCAPE_SYSTEM, "gethostname failed");
+    name[sizeof name - 1] = '\0';
+    struct addrinfo hints = { .ai_family = AF_INET, .ai_socktype = SOCK_STREAM }, *res = NULL;
+    int e = getaddrinfo(name, NULL, &hints, &res);
+    if (e != 0 || res == NULL)
+        return scape_set_error(SCAPE_SYSTEM, "cannot resolve this host '%s': %s", name,
+                               gai_strerror(e));
+    const struct sockaddr_in *sin = (const struct sockaddr_in *)(const void *)res->ai_addr;
+    const char *ok = inet_ntop(AF_INET, &sin->sin_addr, buf, (socklen_t)len);
+    freeaddrinfo(res);
+    return ok ? SCAPE_OK : scape_set_error(SCAPE_SYSTEM, "inet_ntop failed");
 }

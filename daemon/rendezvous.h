@@ -44,6 +44,9 @@ void rdv_result_free(rdv_result *r);
  * variable, when one is missing or malformed. */
 scape_rc rdv_from_slurm(int *rank, int *world, uint64_t *job, char *host, size_t len);
 
+/* This host's IPv4 address as a string, for the endpoint peers connect to. */
+scape_rc rdv_host_address(char *buf, size_t len);
+
 /* The first host of a Slurm host list: "gh[001-004,010],login1" -> "gh001". */
 scape_rc rdv_first_host(const char *list, char *host, size_t len);
 

@@ -194,3 +194,22 @@ def test_config_errors_and_print_config(tmp_path):
              for l in res.stdout.splitlines() if ":" in l and not l.startswith("#")}
     assert float(lines["rho"]) == 0.05
     assert lines["warmup"] == "7" and lines["mode"] == "sharded"
+
+
+def test_slurm_environment_sets_the_job_shape():
+    env = dict(os.environ, SLURM_PROCID="1", SLURM_NTASKS="4", SLURM_JOB_ID="55",
+               SLURM_JOB_NODELIST="n[1-4]")
+    env.pop("SLURM_STEP_NODELIST", None)
+
+    def printed(*flags):
+        res = subprocess.run([binary("daemon", "scaped"), "--print-config", *flags],
+                             capture_output=True, text=True, env=env, timeout=30)
+        assert res.returncode == 0, res.stderr
+        return {l.split(":", 1)[0]: l.split(":", 1)[1].split("#")[0].strip()
+                for l in res.stdout.splitlines() if ":" in l}
+
+    got = printed()
+    assert (got["world"], got["rank"], got["job"]) == ("4", "1", "55")
+    assert got["coordinator"] == '"tcp://n1:29517"'
+    assert got["listen"].startswith('"tcp://') and got["listen"].endswith(':29600"')
+    assert printed("--rank", "2")["rank"] == "2"  # flags still win
