@@ -1,13 +1,15 @@
 """Several daemons on one machine acting as one optimizer: rendezvous and the
 host backend over loopback TCP, trainers on every daemon, the result bitwise
 equal to the in-process engine on the local backend, and a killed daemon."""
+import math
 import signal
 import time
 
 import pytest
 import zmq
 
-from conftest import run_reference, run_trainer
+import pbwire
+from conftest import run_reference, run_trainer, synth_layout
 
 ENGINE = ["--rho", "0.01", "--warmup", "3"]
 
@@ -54,6 +56,31 @@ def train_group(daemons, trainers, tmp_path, n, steps, tag):
     return [read(o) for o in outs]
 
 
+def last_step(d):
+    """k and payload bytes of the daemon's last step, from its status socket."""
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.REQ)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, 10000)
+    s.connect(d.status_endpoint)
+    s.send(pbwire.status_request())
+    status, msg, f = pbwire.reply(s.recv())
+    s.close()
+    ctx.term()
+    assert status == 0, msg
+    done = pbwire.parse(pbwire.parse(f[6][0])[14][0])
+    return done[3][0], done[5][0]
+
+
+def expected_bytes(n, mode):
+    """One reduction of K floats (plus, sharded, the all-gather of K updated
+    values) and the mask all-gather of every tensor's words: algorithm.md."""
+    layout = synth_layout(n)
+    k = sum(max(1, math.ceil(0.01 * t[2])) for t in layout)
+    words = sum((t[2] + 31) // 32 for t in layout)
+    return k, 4 * k * (2 if mode == "sharded" else 1) + 4 * words
+
+
 @pytest.mark.parametrize("trainers", [[1, 2], [2, 1, 3]])
 def test_daemons_match_local_backend(daemon_factory, tmp_path, trainers):
     n, steps = 3000, 200
@@ -62,6 +89,10 @@ def test_daemons_match_local_backend(daemon_factory, tmp_path, trainers):
         daemons = start_group(daemon_factory, trainers, ["--mode", mode])
         got = train_group(daemons, trainers, tmp_path, n, steps, mode)
         assert all(g == got[0] for g in got), "trainers disagree (%s)" % mode
+        want = expected_bytes(n, mode)
+        for r, d in enumerate(daemons):
+            assert last_step(d) == want, "rank %d: (K, bytes) %s, want %s" % (
+                r, last_step(d), want)
         for d in daemons:
             assert d.stop() == 0, d.output()
         ref = str(tmp_path / ("ref-" + mode))
