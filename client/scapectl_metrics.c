@@ -121,6 +121,10 @@ static void last_step(const prom *m, const Scape__StepDone *d)
     if (d->has_mask_churn)
         gauge(m, "scape_mask_churn", "Fraction of the mask that changed in the last step.",
               d->mask_churn);
+    if (d->has_mask_overlap)
+        gauge(m, "scape_mask_overlap",
+              "Fraction of the lagged mask all-gather hidden behind other work.",
+              d->mask_overlap);
     if (d->has_handover_copy_bytes)
         gauge(m, "scape_handover_copy_bytes", "Gradient bytes copied in the last handover.",
               (double)d->handover_copy_bytes);

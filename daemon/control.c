@@ -370,6 +370,8 @@ static void fill_step_done(server *s, const eng_step_stats *st, double wait, dou
     d->residual_norm = eng_residual_norm(s->eng);
     d->has_mask_churn = 1;
     d->mask_churn = st->mask_churn;
+    d->has_mask_overlap = st->phase_s[ENG_PH_MASK_WAIT] > 0.0 || st->mask_overlap > 0.0;
+    d->mask_overlap = st->mask_overlap;
     /* The engine reads the gradients where the trainers wrote them: host
      * shared memory has no staging path, so nothing is copied to get them. */
     d->has_handover_copy_bytes = 1;

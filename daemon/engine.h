@@ -75,6 +75,9 @@ typedef struct eng_step_stats {
     size_t k;             /* values reduced this step (K_t) */
     double density;       /* k / n */
     double mask_churn;    /* fraction of this mask's bits not set in the last one */
+    double mask_overlap;  /* of the lagged mask all-gather's life, from its start
+                             to its completion, the fraction not spent waiting
+                             for it: how much of it hid behind other work */
     double phase_s[ENG_PH_COUNT];
     comm_stats comm;      /* this step's collectives only */
 } eng_step_stats;

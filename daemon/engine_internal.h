@@ -46,6 +46,7 @@ struct eng {
     const uint32_t *mask_cur; /* mask of the last step; NULL: all ones (dense) */
     uint32_t *mask_next; /* target of the lagged all-gather */
     int mask_pending;    /* that all-gather is outstanding */
+    double mask_started; /* when it started (monotonic seconds) */
     uint32_t *own_bits;  /* scape: this shard's next-mask words; topk: local mask */
     uint32_t *gathered;  /* topk: every rank's local mask */
     size_t *toff;        /* packed offset of each tensor, comm order, ntensors + 1 */

@@ -72,7 +72,10 @@ static void clean_residual(eng_t *e)
 static scape_rc scape_mask(eng_t *e, uint64_t t)
 {
     if (e->mask_pending) {
+        double t0 = now_s();
         TRY(comm_iallgather_wait(e->comm));
+        double waited = now_s() - t0, life = now_s() - e->mask_started;
+        e->last.mask_overlap = life > 0.0 ? 1.0 - waited / life : 1.0;
         e->mask_pending = 0;
     }
     const uint32_t *prev = e->mask_cur;
@@ -112,6 +115,7 @@ static scape_rc scape_select(eng_t *e)
         e->counts[r] = p->shard[r].words * sizeof(uint32_t);
     TRY(comm_iallgather(e->comm, e->own_bits, e->mask_next, e->counts));
     e->mask_pending = 1;
+    e->mask_started = now_s();
     return SCAPE_OK;
 }
 

@@ -69,6 +69,8 @@ def last_step(d):
     ctx.term()
     assert status == 0, msg
     done = pbwire.parse(pbwire.parse(f[6][0])[14][0])
+    overlap = done[11][0]
+    assert 0.0 < overlap <= 1.0, "mask overlap %r" % overlap
     return done[3][0], done[5][0]
 
 

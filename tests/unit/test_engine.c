@@ -357,6 +357,9 @@ static void check_step(ctx *c, uint64_t t, eng_t *e0)
     if (dense_at(sp, t) && K != c->n)
         note_fail(c, "step %llu: dense step with K=%zu of %zu", (unsigned long long)t, K, c->n);
     if (sp->cfg.optimizer == ENG_OPT_SCAPE && !dense_at(sp, t)) {
+        double ov = c->pub[0].st.mask_overlap;
+        if (!(ov >= 0.0 && ov <= 1.0))
+            note_fail(c, "step %llu: mask overlap %g outside [0, 1]", (unsigned long long)t, ov);
         if (K != k_sum)
             note_fail(c, "step %llu: popcount %zu != sum k_l %zu (fill-in)", (unsigned long long)t,
                  K, k_sum);
