@@ -27,7 +27,7 @@
 #define FIRST 3             /* first measured step (warm-up is step 1) */
 #define NBYTES_ROWS 12
 #define NTIME_ROWS 2
-#define NCOL 12
+#define NCOL 13
 
 typedef struct spec {
     eng_optimizer opt;
@@ -56,11 +56,12 @@ typedef struct job {
 } job;
 
 /* Per-step means: k and payloads of rank 0, model and real bytes and step
- * time averaged over the ranks. */
+ * time averaged over the ranks, and the real bytes of the rank that received
+ * most. */
 typedef struct result {
     spec s;
     size_t n;
-    double k, reduce_b, mask_b, model_b, real_b, step_ms;
+    double k, reduce_b, mask_b, model_b, real_b, real_max_b, step_ms;
 } result;
 
 typedef struct report {
@@ -228,6 +229,8 @@ static void summarize(const rank_out *o, result *res)
     for (int r = 0; r < res->s.R; r++) {
         res->model_b += o[r].model_b / (m * R);
         res->real_b += o[r].real_b / (m * R);
+        if (o[r].real_b / m > res->real_max_b)
+            res->real_max_b = o[r].real_b / m;
         res->step_ms += 1e3 * o[r].step_s / (m * R);
     }
 }
@@ -338,16 +341,17 @@ static void bytes_cells(const result *r, const result *dense, char c[][32])
     snprintf(c[6], 32, "%.0f", r->model_b);
     snprintf(c[7], 32, "%.0f", f);
     snprintf(c[8], 32, "%.0f", r->real_b);
-    snprintf(c[9], 32, "%.2f", r->real_b / f);
-    snprintf(c[10], 32, "%.4f", f / fd);
-    snprintf(c[11], 32, "%.4f", r->real_b / dense->real_b);
+    snprintf(c[9], 32, "%.0f", r->real_max_b);
+    snprintf(c[10], 32, "%.2f", r->real_b / f);
+    snprintf(c[11], 32, "%.4f", f / fd);
+    snprintf(c[12], 32, "%.4f", r->real_b / dense->real_b);
 }
 
 static const char *const s_bytes_head[NCOL] = {
     "optimizer", "rho", "R", "K", "reduce payload B", "mask payload B", "ring model B",
-    "formula B", "real recv B", "real/formula", "formula/dense", "real/dense"
+    "formula B", "real recv B", "real max B", "real/formula", "formula/dense", "real/dense"
 };
-static const int s_bytes_w[NCOL] = { 10, 5, 2, 8, 16, 14, 12, 10, 11, 12, 13, 10 };
+static const int s_bytes_w[NCOL] = { 10, 5, 2, 8, 16, 14, 12, 10, 11, 10, 12, 13, 10 };
 
 static void print_bytes(FILE *f, int md, const report *rep)
 {
