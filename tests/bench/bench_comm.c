@@ -65,7 +65,7 @@ typedef struct result {
 } result;
 
 typedef struct report {
-    char head[1024], md_head[1024];
+    char head[1024], md_head[2048];
     result bytes[NBYTES_ROWS], time[NTIME_ROWS];
 } report;
 
