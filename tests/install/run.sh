@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install the build into a temporary prefix and build a trainer against it
 # twice: with pkg-config and with find_package(Scape).  Usage: run.sh BUILD_DIR
+# CFLAGS, when set (the sanitizer build sets it), is used for the consumers.
 set -euo pipefail
 build=$1
 here=$(cd "$(dirname "$0")" && pwd)
@@ -10,13 +11,13 @@ cmake --install "$build" --prefix "$tmp/prefix" >/dev/null
 test -x "$tmp/prefix/bin/scaped" && test -x "$tmp/prefix/bin/scapectl"
 libdir=$(ls -d "$tmp"/prefix/lib*/ | head -n1)
 export PKG_CONFIG_PATH="$libdir/pkgconfig"
-cc -std=c11 -Wall -Werror "$here/consumer.c" $(pkg-config --cflags --libs scape) \
+cc -std=c11 -Wall -Werror ${CFLAGS:-} "$here/consumer.c" $(pkg-config --cflags --libs scape) \
    -Wl,-rpath,"$libdir" -o "$tmp/consumer-pc"
 "$tmp/consumer-pc"
 mkdir "$tmp/cm"
 cp "$here/consumer.c" "$tmp/cm/"
 cp "$here/CMakeLists.txt.in" "$tmp/cm/CMakeLists.txt"
-cmake -S "$tmp/cm" -B "$tmp/cm/build" -DCMAKE_PREFIX_PATH="$tmp/prefix" \
+cmake -S "$tmp/cm" -B "$tmp/cm/build" -DCMAKE_PREFIX_PATH="$tmp/prefix" -DCMAKE_C_FLAGS="${CFLAGS:-}" \
       -DCMAKE_BUILD_RPATH="$libdir" >/dev/null
 cmake --build "$tmp/cm/build" >/dev/null
 "$tmp/cm/build/consumer"
