@@ -64,4 +64,30 @@ static inline float synth_grad(uint64_t seed, int trainer, uint64_t step, size_t
 
 static inline float synth_scale(size_t tensor) { return 0.05f + 0.1f * (float)(tensor % 3); }
 
+/* The loss whose gradient the trainers' gradients are on average: the mean
+ * over coordinates of scale/2 (p - target)^2 + 0.3 p (the noise term of
+ * synth_grad has mean 1), in double. */
+static inline double synth_loss(uint64_t seed, const float *p, const size_t *off,
+                                const size_t *len, size_t nt)
+{
+    double sum = 0.0;
+    size_t n = 0;
+    for (size_t l = 0; l < nt; l++)
+        for (size_t i = off[l]; i < off[l] + len[l]; i++, n++) {
+            double d = (double)p[i] - (double)synth_unit(synth_mix(seed * 31 + i));
+            sum += 0.5 * (double)synth_scale(l) * d * d + 0.3 * (double)p[i];
+        }
+    return n ? sum / (double)n : 0.0;
+}
+
+/* FNV-1a over the parameters' bytes: equal hashes, equal parameters. */
+static inline uint64_t synth_hash(const float *p, size_t n)
+{
+    const unsigned char *b = (const unsigned char *)p;
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (size_t i = 0; i < n * sizeof *p; i++)
+        h = (h ^ b[i]) * 0x100000001b3ull;
+    return h;
+}
+
 #endif /* SCAPE_TEST_SYNTH_H */

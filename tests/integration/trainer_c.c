@@ -116,6 +116,7 @@ int main(int argc, char **argv)
         return 1;
     }
     uint64_t first = scape_next_step(s);
+    double loss0 = synth_loss(a.seed, p, off, len, nt);
     FILE *timing = a.timing ? fopen(a.timing, "w") : NULL;
     if (a.timing && timing == NULL) {
         perror(a.timing);
@@ -140,8 +141,9 @@ int main(int argc, char **argv)
     if (timing)
         fclose(timing);
     int rc = a.out ? write_out(a.out, p, n) : 0;
-    printf("trainer_c %d: steps %llu..%llu done, N=%zu\n", a.index, (unsigned long long)first,
-           (unsigned long long)a.steps, n);
+    printf("trainer_c %d: steps %llu..%llu done, N=%zu, loss %.6f -> %.6f, params %016llx\n",
+           a.index, (unsigned long long)first, (unsigned long long)a.steps, n, loss0,
+           synth_loss(a.seed, p, off, len, nt), (unsigned long long)synth_hash(p, n));
     if (scape_detach(&s) != SCAPE_OK) {
         fprintf(stderr, "trainer_c %d: detach: %s\n", a.index, scape_last_error());
         return 1;
