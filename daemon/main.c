@@ -159,7 +159,7 @@ int main(int argc, char **argv)
         return urc;
     if (has_flag(argc, argv, "--print-config"))
         return cfg_print(&cfg, stdout) == SCAPE_OK ? 0 : 1;
-    log_init(0, cfg.log_level, NULL);
+    log_init(cfg.rank, cfg.log_level, NULL);
     if (install_signals() != 0) {
         LOG_ERROR(SUB_MAIN, "cannot install signal handlers");
         return 1;

@@ -28,4 +28,11 @@ run_suite() {  # name, build dir, extra cmake args...
 mkdir -p build-test
 run_suite release build-test/release -DCMAKE_BUILD_TYPE=RelWithDebInfo
 run_suite sanitize build-test/asan -DCMAKE_BUILD_TYPE=Debug -DSCAPE_SANITIZE=ON
-echo "==> all tests passed (release and ASan+UBSan builds)"
+
+# tests/slurm: a real 4-node Slurm cluster on this machine (needs root).
+echo "==> [slurm] local 4-node cluster"
+bash tests/slurm/smoke.sh
+for per_node in 1 2; do
+  bash tests/slurm/template.sh build-test/release "$per_node"
+done
+echo "==> all tests passed (release and ASan+UBSan builds, Slurm cluster)"

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# scape-node.sh - the per-node half of the sbatch templates, run by srun on
+# every node of the job:
+#   scape-node.sh daemon        exec this node's scaped (job shape from Slurm)
+#   scape-node.sh wait SECONDS  until this node's scaped answers (rendezvous done)
+#   scape-node.sh run CMD...    exec CMD with this node's runtime dir exported
+#   scape-node.sh stop          ask this node's scaped to shut down
+# Settings come from the environment:
+#   SCAPE_BIN         directory of scaped and scapectl     (default: found on PATH)
+#   SCAPE_RUN_BASE    where per-node runtime dirs go        (default: /tmp)
+#   SCAPE_COORD_HOST  host of rank 0's rendezvous           (default: first node of the job)
+#   SCAPE_RDV_PORT    its port                              (default: 29517)
+#   SCAPE_LISTEN_HOST this node's address for the data plane (default: first of hostname -I)
+#   SCAPE_DATA_PORT   data-plane port, plus the rank        (default: 29600)
+#   SCAPE_ARGS        further scaped flags (--rho 0.01 --trainers 2 ...)
+set -euo pipefail
+: "${SLURM_JOB_ID:?run me inside a Slurm job step}"
+node=${SLURMD_NODENAME:-$(hostname -s)}
+export SCAPE_RUNTIME_DIR="${SCAPE_RUN_BASE:-/tmp}/scape-job${SLURM_JOB_ID}-${node}"
+bin() { if [ -n "${SCAPE_BIN:-}" ]; then echo "$SCAPE_BIN/$1"; else command -v "$1"; fi; }
+
+daemon() {
+    : "${SLURM_PROCID:?}" "${SLURM_NTASKS:?}"
+    local nodes first coord host listen
+    nodes=${SLURM_STEP_NODELIST:-$SLURM_JOB_NODELIST}
+    first=$(scontrol show hostnames "$nodes" | head -n 1)
+    coord="tcp://${SCAPE_COORD_HOST:-$first}:${SCAPE_RDV_PORT:-29517}"
+    host=${SCAPE_LISTEN_HOST:-$(hostname -I | awk '{print $1}')}
+    listen="tcp://${host}:$((${SCAPE_DATA_PORT:-29600} + SLURM_PROCID))"
+    # shellcheck disable=SC2086  # SCAPE_ARGS is a list of flags
+    exec "$(bin scaped)" --world "$SLURM_NTASKS" --rank "$SLURM_PROCID" --job "$SLURM_JOB_ID" \
+         --coordinator "$coord" --listen "$listen" ${SCAPE_ARGS:-}
+}
+
+wait_ready() {
+    local deadline=$((SECONDS + ${1:-120}))
+    until "$(bin scapectl)" --timeout-ms 2000 status >/dev/null 2>&1; do
+        if [ "$SECONDS" -ge "$deadline" ]; then
+            echo "scape-node: scaped on $node did not answer within ${1:-120} s" \
+                 "(runtime dir $SCAPE_RUNTIME_DIR)" >&2
+            exit 1
+        fi
+        sleep 1
+    done
+}
+
+case "${1:-}" in
+daemon) daemon ;;
+wait) wait_ready "${2:-120}" ;;
+run) shift; exec "$@" ;;
+stop) "$(bin scapectl)" --timeout-ms 5000 shutdown || true ;;
+*) echo "usage: scape-node.sh daemon | wait SECONDS | run CMD... | stop" >&2; exit 64 ;;
+esac
