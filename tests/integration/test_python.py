@@ -53,7 +53,8 @@ def test_python_trainer_reposts_abandoned_step_and_joins_running_job(daemon_fact
     n, steps = 4000, 150
     d = daemon_factory(*ENGINE, "--trainers", "2")
     a = run_py_trainer(d.endpoint, 0, n, steps, str(tmp_path / "a"))
-    b = run_trainer(d.endpoint, 1, n, steps, sleep_ms=40, wait=False)
+    # b sleeps long between steps, so a has posted when b dies: a mid-step death
+    b = run_trainer(d.endpoint, 1, n, steps, sleep_ms=300, wait=False)
     time.sleep(1.5)
     assert a.poll() is None and b.poll() is None
     b.send_signal(signal.SIGKILL)

@@ -139,7 +139,8 @@ def test_trainer_killed_mid_step(daemon_factory, tmp_path):
     n, steps = 4000, 150
     d = daemon_factory(*ENGINE, "--trainers", "2")
     a = run_trainer(d.endpoint, 0, n, steps, out=str(tmp_path / "a"), wait=False)
-    b = run_trainer(d.endpoint, 1, n, steps, sleep_ms=40, wait=False)
+    # b sleeps long between steps, so a has posted when b dies: a mid-step death
+    b = run_trainer(d.endpoint, 1, n, steps, sleep_ms=300, wait=False)
     time.sleep(1.0)
     assert a.poll() is None and b.poll() is None
     b.send_signal(signal.SIGKILL)
