@@ -8,7 +8,7 @@ PKGS=(
   libzmq3-dev libprotobuf-c-dev protobuf-c-compiler
   libyaml-dev check libsubunit-dev
   python3 python3-pytest python3-numpy python3-zmq
-  munge slurmctld slurmd slurm-client
+  munge slurmctld slurmd slurm-client lmod
 )
 
 missing=()
