@@ -19,6 +19,7 @@
 #include "engine.h"
 #include "synth.h"
 #include "try.h"
+#include "bench_host.h"
 
 #define MAXR 8
 #define SEED 1u
@@ -419,25 +420,6 @@ static void print_text(FILE *f, const report *rep)
 
 /* ---- header and driver --------------------------------------------------- */
 
-static void cpu_model(char *buf, size_t len)
-{
-    char line[256];
-    snprintf(buf, len, "unknown CPU");
-    FILE *f = fopen("/proc/cpuinfo", "r");
-    if (f == NULL)
-        return;
-    while (fgets(line, sizeof line, f) != NULL) {
-        char *p = strchr(line, ':');
-        if (strncmp(line, "model name", 10) != 0 || p == NULL)
-            continue;
-        p += strspn(p + 1, " \t") + 1;
-        p[strcspn(p, "\n")] = '\0';
-        snprintf(buf, len, "%s", p);
-        break;
-    }
-    fclose(f);
-}
-
 static void make_heads(report *rep, int argc, char **argv)
 {
     char date[64], host[128] = "unknown", cpu[256], cmd[512] = "";
@@ -446,7 +428,7 @@ static void make_heads(report *rep, int argc, char **argv)
     strftime(date, sizeof date, "%Y-%m-%d %H:%M:%S %Z", gmtime_r(&now, &tm));
     if (gethostname(host, sizeof host - 1) != 0)
         snprintf(host, sizeof host, "unknown");
-    cpu_model(cpu, sizeof cpu);
+    bench_cpu_model(cpu, sizeof cpu);
     for (int i = 0; i < argc; i++) {
         size_t used = strlen(cmd);
         snprintf(cmd + used, sizeof cmd - used, "%s%s", i ? " " : "", argv[i]);

@@ -7,28 +7,10 @@
 #include <unistd.h>
 
 #include "bench.h"
+#include "bench_host.h"
 
 #define TARGET_COPY_RATIO 0.5   /* streaming kernels vs memcpy at 1e8 */
 #define TARGET_TOPK_SPEEDUP 5.0 /* top-k vs sort at 1e7, k = 1% */
-
-static void cpu_model(char *buf, size_t len)
-{
-    char line[256];
-    snprintf(buf, len, "unknown CPU");
-    FILE *f = fopen("/proc/cpuinfo", "r");
-    if (f == NULL)
-        return;
-    while (fgets(line, sizeof line, f) != NULL) {
-        char *p = strchr(line, ':');
-        if (strncmp(line, "model name", 10) != 0 || p == NULL)
-            continue;
-        p += strspn(p + 1, " \t") + 1;
-        p[strcspn(p, "\n")] = '\0';
-        snprintf(buf, len, "%s", p);
-        break;
-    }
-    fclose(f);
-}
 
 void bench_results_init(bench_results *r, int argc, char **argv)
 {
@@ -38,7 +20,7 @@ void bench_results_init(bench_results *r, int argc, char **argv)
     strftime(r->date, sizeof r->date, "%Y-%m-%d %H:%M:%S %Z", localtime_r(&now, &tm));
     if (gethostname(r->host, sizeof r->host - 1) != 0)
         snprintf(r->host, sizeof r->host, "unknown");
-    cpu_model(r->cpu, sizeof r->cpu);
+    bench_cpu_model(r->cpu, sizeof r->cpu);
     for (int i = 0; i < argc; i++) {
         size_t used = strlen(r->cmd);
         snprintf(r->cmd + used, sizeof r->cmd - used, "%s%s", i ? " " : "", argv[i]);
