@@ -366,8 +366,6 @@ static void fill_step_done(server *s, const eng_step_stats *st, double wait, dou
         d->bytes += st->comm.bytes[op];
         d->wire_bytes += st->comm.wire_bytes[op];
     }
-    d->has_residual_norm = 1;
-    d->residual_norm = eng_residual_norm(s->eng);
     d->has_mask_churn = 1;
     d->mask_churn = st->mask_churn;
     d->has_mask_overlap = st->phase_s[ENG_PH_MASK_WAIT] > 0.0 || st->mask_overlap > 0.0;

@@ -70,6 +70,12 @@ static void fill_status(server *s, status_buf *b)
     st->rss_bytes = rss_bytes();
     st->state_bytes = state_bytes(s);
     st->runtime_dir = s->dir;
+    /* The residual norm is a pass over N floats: taken when asked, not on
+     * the per-step path. */
+    if (s->have_last) {
+        s->last.has_residual_norm = 1;
+        s->last.residual_norm = eng_residual_norm(s->eng);
+    }
     st->last = s->have_last ? &s->last : NULL;
     st->has_loss = s->have_loss;
     st->loss = s->last_loss;

@@ -56,7 +56,7 @@ typedef struct scape_step_info {
     double density;          /* k / numel */
     uint64_t bytes;          /* collective payload bytes */
     uint64_t wire_bytes;     /* bytes this node received */
-    double residual_norm;
+    double residual_norm;    /* 0 here: scapectl status reports it (a pass over N) */
     double mask_churn;
     double step_seconds;     /* the daemon's engine step */
     double wait_seconds;     /* first trainer's post to the last's */
