@@ -12,7 +12,7 @@
 
 #include "scapectl.h"
 
-enum { OPT_JSON = 1, OPT_INTERVAL = 2, OPT_COUNT = 4 }; /* subcommand options */
+enum { OPT_JSON = 1, OPT_INTERVAL = 2, OPT_COUNT = 4, OPT_WAIT = 8 }; /* subcommand options */
 
 typedef struct command {
     const char *name;
@@ -26,13 +26,16 @@ static const command s_commands[] = {
     { "watch", cmd_watch, OPT_JSON | OPT_INTERVAL | OPT_COUNT,
       "[--interval-ms MS] [--count N] [--json]", "live updates until Ctrl-C" },
     { "metrics", cmd_metrics, 0, "", "Prometheus text exposition of the status" },
+    { "checkpoint", cmd_checkpoint, OPT_JSON | OPT_WAIT, "[--wait] [--wait-ms MS] [--json]",
+      "checkpoint after the next step (--wait: until written)" },
     { "shutdown", cmd_shutdown, 0, "", "ask scaped to stop" },
     { "help", cmd_help, 0, "", "this text" },
 };
 
 #define NCOMMANDS (sizeof s_commands / sizeof s_commands[0])
 
-enum { O_RUNTIME_DIR, O_ENDPOINT, O_TIMEOUT, O_JSON, O_INTERVAL, O_COUNT, NOPTIONS };
+enum { O_RUNTIME_DIR, O_ENDPOINT, O_TIMEOUT, O_JSON, O_INTERVAL, O_COUNT, O_WAIT, O_WAIT_MS,
+       NOPTIONS };
 
 typedef struct option_spec {
     const char *name;
@@ -48,6 +51,8 @@ static const option_spec s_options[NOPTIONS] = {
     [O_JSON] = { "--json", OPT_JSON, 0, 0, 0, 0 },
     [O_INTERVAL] = { "--interval-ms", OPT_INTERVAL, 1, 10, 3600000, 1000 },
     [O_COUNT] = { "--count", OPT_COUNT, 1, 0, LONG_MAX, 0 },
+    [O_WAIT] = { "--wait", OPT_WAIT, 0, 0, 0, 0 },
+    [O_WAIT_MS] = { "--wait-ms", OPT_WAIT, 1, 1, 86400000, 600000 },
 };
 
 typedef struct args {
@@ -55,6 +60,7 @@ typedef struct args {
     const char *runtime_dir, *endpoint;
     long num[NOPTIONS]; /* values of the numeric options */
     unsigned given;     /* OPT_* bits seen */
+    unsigned flags;     /* 1 << O_* of the options without a value seen */
     int help;
 } args;
 
@@ -80,6 +86,8 @@ scape_rc cmd_help(const ctl_opts *o)
            "  --json              one JSON object (per update, for watch)\n"
            "  --interval-ms MS    watch: time between updates (default 1000)\n"
            "  --count N           watch: stop after N updates (default: never)\n"
+           "  --wait              checkpoint: wait until it is written (or failed)\n"
+           "  --wait-ms MS        checkpoint --wait: longest wait (default 600000)\n"
            "\nExit status: 0 when scaped answered OK; the reply's status code (1-10) when it\n"
            "refused; 9 when it did not answer in time; 64 on a usage error.\n");
     return SCAPE_OK;
@@ -166,8 +174,10 @@ static int parse_option(args *a, char **argv, int *i)
     if (opt == NULL)
         return usage_error("unknown option '%s'", arg);
     a->given |= opt->bit;
-    if (opt == &s_options[O_JSON])
+    if (opt == &s_options[O_JSON] || opt == &s_options[O_WAIT]) {
+        a->flags |= 1u << (opt - s_options);
         return arg[len] == '=' ? usage_error("%s takes no value", opt->name) : 0;
+    }
     return take_value(a, opt, arg[len] == '=' ? arg + len + 1 : NULL, argv, i);
 }
 
@@ -224,6 +234,8 @@ static int locate(const args *a, ctl_opts *o)
 {
     *o = (ctl_opts){ .timeout_ms = (int)a->num[O_TIMEOUT], .json = (a->given & OPT_JSON) != 0,
                      .interval_ms = (int)a->num[O_INTERVAL], .count = a->num[O_COUNT] };
+    if (a->flags & (1u << O_WAIT))
+        o->wait_ms = (int)a->num[O_WAIT_MS];
     if (a->endpoint) {
         int u = dir_of_endpoint(a->endpoint, o->dir, sizeof o->dir);
         if (u)

@@ -21,6 +21,7 @@ typedef struct ctl_opts {
     int json;             /* status, watch: JSON instead of labels */
     int interval_ms;      /* watch: time between updates */
     long count;           /* watch: stop after this many updates; 0: never */
+    int wait_ms;          /* checkpoint: wait this long for it to be written; 0: no */
     void *zctx;
 } ctl_opts;
 
@@ -44,6 +45,14 @@ scape_rc ctl_wait(void *sock, int64_t deadline_ms, int *ready);
 scape_rc ctl_ask(const ctl_opts *o, const Scape__Request *q, Scape__Reply **reply);
 /* ctl_ask for a status request, checking that the reply carries a StatusReply. */
 scape_rc ctl_status(const ctl_opts *o, Scape__Reply **reply);
+
+/* Return a failed scape_rc to the caller. */
+#define TRY_CTL(call)                                                          \
+    do {                                                                       \
+        scape_rc rc_ = (call);                                                 \
+        if (rc_ != SCAPE_OK)                                                   \
+            return rc_;                                                        \
+    } while (0)
 
 /* ---- scapectl_print.c: the printer --------------------------------------------- */
 
@@ -109,6 +118,10 @@ scape_rc cmd_status(const ctl_opts *o);
 scape_rc cmd_watch(const ctl_opts *o);
 /* scapectl_metrics.c: Prometheus text exposition. */
 scape_rc cmd_metrics(const ctl_opts *o);
+/* scapectl_checkpoint.c: ask for a checkpoint (and wait for it). */
+scape_rc cmd_checkpoint(const ctl_opts *o);
+/* scapectl_checkpoint.c: the Checkpoint block of status. */
+void print_checkpoint(printer *p, const Scape__CheckpointInfo *c);
 /* scapectl.c: ask the daemon to stop. */
 scape_rc cmd_shutdown(const ctl_opts *o);
 /* scapectl.c: the help text on stdout. */

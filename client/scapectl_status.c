@@ -114,6 +114,7 @@ static void print_status(printer *p, const Scape__StatusReply *st)
             fmt_bytes(b, sizeof b, st->state_bytes));
     print_last(p, st->last);
     print_optional(p, "loss", "Loss", st->has_loss, st->loss);
+    print_checkpoint(p, st->checkpoint);
     pr_str(p, "runtime_dir", "Runtime dir", st->runtime_dir);
 }
 

@@ -128,8 +128,14 @@ static scape_rc send_msg(comm_t *c, int to, int kind, uint64_t seq, uint64_t chu
     static const char none;
     wire_hdr w = { .job = h->job, .seq = seq, .chunk = chunk, .magic = HOST_MAGIC,
                    .kind = (uint16_t)kind, .sender = (uint16_t)c->rank };
-    if (zmq_send(h->push[to], &w, sizeof w, ZMQ_SNDMORE) < 0 ||
-        zmq_send(h->push[to], len ? data : &none, len, 0) < 0) {
+    /* A signal (SIGUSR1 asks for a checkpoint) may interrupt a blocked send. */
+    int r;
+    while ((r = zmq_send(h->push[to], &w, sizeof w, ZMQ_SNDMORE)) < 0 && zmq_errno() == EINTR)
+        ;
+    while (r >= 0 && (r = zmq_send(h->push[to], len ? data : &none, len, 0)) < 0 &&
+           zmq_errno() == EINTR)
+        ;
+    if (r < 0) {
         if (zmq_errno() == EAGAIN)
             return scape_set_error(SCAPE_TIMEOUT,
                                    "comm host: could not queue a message for rank %d "

@@ -20,7 +20,7 @@
 #include "config.h"
 #include "try.h"
 
-#define VALUE_BYTES 1100  /* a printed value: runtime_dir fully escaped, quoted */
+#define VALUE_BYTES 2200  /* a printed value: a 511-byte path fully escaped, quoted */
 #define PRINT_COLUMN 30   /* where cfg_print starts the doc comments */
 #define MAX_KEY_CHARS 64  /* longest key edit_distance compares against */
 
@@ -112,6 +112,17 @@ static const cfg_key s_keys[] = {
     { .name = "comm_timeout_ms", .type = KT_INT, .offset = OFF(comm_timeout_ms), .min = 100,
       .max = 3600000, .def = "300000",
       .doc = "longest wait for another daemon, ms (rendezvous and every collective)" },
+    { .name = "checkpoint_dir", .type = KT_STRING, .offset = OFF(checkpoint_dir),
+      .size = sizeof ((scaped_config *)0)->checkpoint_dir, .def = "",
+      .doc = "directory of checkpoints, shared by the job's daemons (\"\" = none)" },
+    { .name = "checkpoint_every", .type = KT_U32, .offset = OFF(checkpoint_every), .min = 0,
+      .max = UINT32_MAX, .def = "0",
+      .doc = "checkpoint every this many steps (0: on scapectl checkpoint or SIGUSR1 only)" },
+    { .name = "checkpoint_keep", .type = KT_INT, .offset = OFF(checkpoint_keep), .min = 1,
+      .max = 1000, .def = "2", .doc = "complete checkpoints kept; older ones are removed" },
+    { .name = "resume", .type = KT_STRING, .offset = OFF(resume),
+      .size = sizeof ((scaped_config *)0)->resume, .def = "",
+      .doc = "checkpoint to restore when the job starts: a checkpoint_dir or one step-N in it" },
 };
 
 #define KEY_COUNT (sizeof s_keys / sizeof s_keys[0])

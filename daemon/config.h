@@ -32,6 +32,10 @@ typedef struct scaped_config {
     char listen[256];           /* this daemon's data-plane endpoint (world > 1) */
     uint32_t job;               /* job id; daemons of other jobs are refused */
     int comm_timeout_ms;        /* longest wait for another daemon */
+    char checkpoint_dir[512];   /* where checkpoints go; "" = none */
+    uint32_t checkpoint_every;  /* take one every this many steps; 0 = on request */
+    int checkpoint_keep;        /* complete checkpoints kept, 1..1000, default 2 */
+    char resume[512];           /* a checkpoint to restore at the job's start */
 } scaped_config;
 
 /* Every key at its default. */

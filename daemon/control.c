@@ -312,15 +312,21 @@ static scape_rc start_job(server *s, trainer **ts, int n)
         params[i] = ts[i]->params.addr;
     scape_rc rc = eng_create(&s->eng, &s->cfg.engine, &lay, s->comm, n);
     if (rc == SCAPE_OK)
-        rc = eng_init_params(s->eng, params);
+        rc = ckp_start(s, params);
     if (rc != SCAPE_OK) {
         eng_destroy(&s->eng);
         return rc;
     }
     s->eng_trainers = n;
-    LOG_INFO(SUB_ENGINE, "job started: %s, %s, rho=%g, N=%zu, %d trainer(s), parameters of "
-             "trainer %d", eng_optimizer_name(s->cfg.engine.optimizer),
-             eng_mode_name(s->cfg.engine.mode), s->cfg.engine.rho, s->numel, n, ts[0]->index);
+    if (s->resumed_from)
+        LOG_INFO(SUB_ENGINE, "job resumed: %s, %s, rho=%g, N=%zu, %d trainer(s), next step %llu",
+                 eng_optimizer_name(s->cfg.engine.optimizer), eng_mode_name(s->cfg.engine.mode),
+                 s->cfg.engine.rho, s->numel, n, (unsigned long long)s->next_step);
+    else
+        LOG_INFO(SUB_ENGINE, "job started: %s, %s, rho=%g, N=%zu, %d trainer(s), parameters "
+                 "of trainer %d", eng_optimizer_name(s->cfg.engine.optimizer),
+                 eng_mode_name(s->cfg.engine.mode), s->cfg.engine.rho, s->numel, n,
+                 ts[0]->index);
     return SCAPE_OK;
 }
 
@@ -443,6 +449,7 @@ static void run_step(server *s, trainer **ts, int n)
         status_publish(s);
         LOG_DEBUG(SUB_ENGINE, "step %llu done: K=%llu in %.3f ms", (unsigned long long)t,
                   (unsigned long long)s->last.k, 1e3 * s->last_phases.total);
+        ckp_after_step(s, t);
     }
 }
 

@@ -95,7 +95,7 @@ static scape_rc check_config(const eng_config *c)
     return SCAPE_OK;
 }
 
-static uint64_t config_hash(const eng_config *c)
+uint64_t eng_config_hash(const eng_config *c)
 {
     double f[] = { (double)c->optimizer, (double)c->mode, c->rho, (double)c->warmup,
                    (double)c->hyper.beta1, (double)c->hyper.beta2,
@@ -163,7 +163,7 @@ static scape_rc handshake(eng_t *e)
 {
     e->t_total = 0;
     int R = e->comm->size;
-    uint64_t mine[3] = { (uint64_t)e->tr, e->p->hash, config_hash(&e->cfg) };
+    uint64_t mine[3] = { (uint64_t)e->tr, e->p->hash, eng_config_hash(&e->cfg) };
     uint64_t *all = calloc((size_t)R * 3, sizeof *all);
     if (all == NULL)
         return scape_set_error(SCAPE_NOMEM, "engine: out of memory");

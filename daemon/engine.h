@@ -140,4 +140,58 @@ scape_rc eng_set_inspect(eng_t *e, int on);
  * them, elsewhere out[i] = 0.  Needs eng_set_inspect before the step. */
 scape_rc eng_get_ghat(const eng_t *e, float *out, unsigned char *have);
 
+/* ---- checkpoints (engine_ckpt.c) ---------------------------------------- */
+
+/* What a checkpoint of one rank records besides its sections. */
+typedef struct eng_ckpt_meta {
+    uint64_t step;        /* the last completed step */
+    uint64_t layout_hash; /* tensors: names, offsets, lengths */
+    uint64_t config_hash; /* optimizer, mode, rho, warm-up, hyper-parameters */
+    uint32_t rank, world;
+    uint32_t optimizer, mode;
+    uint64_t n, state_base, state_len;
+    uint32_t flags;       /* ENG_CKF_* */
+    uint32_t trainers;    /* T, the trainers of all ranks, when it was taken */
+} eng_ckpt_meta;
+
+enum {
+    ENG_CKF_RESIDUAL_ZERO = 1u << 0, /* the last step was dense: e = 0 */
+    ENG_CKF_MASK_CUR = 1u << 1,      /* the last step used a sparse mask */
+    ENG_CKF_MASK_NEXT = 1u << 2,     /* the next step's mask is known (SCAPE) */
+};
+
+typedef enum eng_ckpt_section {
+    ENG_SEC_M = 1,     /* first moment, this rank's state range */
+    ENG_SEC_V,         /* second moment (AdamW variants) */
+    ENG_SEC_THETA,     /* fp32 master parameters, this rank's state range */
+    ENG_SEC_RESIDUAL,  /* e_r, N floats in comm order */
+    ENG_SEC_MASK_CUR,  /* the last step's mask, packed words */
+    ENG_SEC_MASK_NEXT, /* the next step's mask, packed words */
+    ENG_SEC_COUNT
+} eng_ckpt_section;
+
+/* A run of engine memory that a checkpoint holds. */
+typedef struct eng_ckpt_sec {
+    uint32_t id;   /* eng_ckpt_section */
+    void *ptr;     /* into the engine: read it to save, fill it to restore */
+    size_t bytes;
+} eng_ckpt_sec;
+
+#define ENG_CKPT_MAX_SECS 6
+
+const char *eng_ckpt_section_name(uint32_t id);
+/* Collective: bring the state to rest for a checkpoint after the last step
+ * (finishes the lagged mask all-gather, so the next mask is whole), then
+ * describe it.  secs must hold ENG_CKPT_MAX_SECS. */
+scape_rc eng_ckpt_save(eng_t *e, eng_ckpt_meta *meta, eng_ckpt_sec *secs, int *nsecs);
+/* Check that a checkpoint fits this freshly created engine (same layout,
+ * config, world size and rank) and list the memory to fill, in the order
+ * eng_ckpt_save gave it. */
+scape_rc eng_ckpt_load_begin(eng_t *e, const eng_ckpt_meta *meta, eng_ckpt_sec *secs,
+                             int *nsecs);
+/* After the sections are filled: take up the saved step and masks, and write
+ * the master parameters into every trainer's buffer (collective: sharded
+ * ranks all-gather their shards).  Replaces eng_init_params. */
+scape_rc eng_ckpt_load_finish(eng_t *e, const eng_ckpt_meta *meta, void *const *params);
+
 #endif /* SCAPE_ENGINE_H */

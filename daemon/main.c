@@ -124,8 +124,10 @@ static int has_flag(int argc, char **argv, const char *flag)
 
 static void on_signal(int sig)
 {
-    (void)sig;
-    srv_request_stop();
+    if (sig == SIGUSR1)
+        srv_request_checkpoint();
+    else
+        srv_request_stop();
 }
 
 static int install_signals(void)
@@ -137,7 +139,7 @@ static int install_signals(void)
     struct sigaction ign = sa;
     ign.sa_handler = SIG_IGN;
     return sigaction(SIGTERM, &sa, NULL) | sigaction(SIGINT, &sa, NULL) |
-           sigaction(SIGPIPE, &ign, NULL);
+           sigaction(SIGUSR1, &sa, NULL) | sigaction(SIGPIPE, &ign, NULL);
 }
 
 int main(int argc, char **argv)

@@ -353,7 +353,7 @@ static scape_rc env_long(const char *name, long lo, long hi, long *out)
 
 scape_rc rdv_from_slurm(int *rank, int *world, uint64_t *job, char *host, size_t len)
 {
-    long r, w, j;
+    long r = 0, w = 1, j = 0;
     scape_rc rc = env_long("SLURM_PROCID", 0, 1 << 20, &r);
     if (rc == SCAPE_OK)
         rc = env_long("SLURM_NTASKS", 1, 1 << 20, &w);

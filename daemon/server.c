@@ -185,6 +185,8 @@ scape_rc srv_create(server **out, const scaped_config *cfg)
     if (rc == SCAPE_OK)
         rc = open_socket(s, &s->events, ZMQ_PUB, "events", s->ep_events, sizeof s->ep_events);
     if (rc == SCAPE_OK)
+        rc = ckp_prepare_resume(s);
+    if (rc == SCAPE_OK)
         rc = open_comm(s);
     if (rc != SCAPE_OK) {
         srv_destroy(&s);

@@ -19,5 +19,7 @@ scape_rc srv_run(server *s);
 void srv_destroy(server **s);
 /* Async-signal-safe: ask the running server to stop after the current step. */
 void srv_request_stop(void);
+/* Async-signal-safe: ask for a checkpoint after the next completed step. */
+void srv_request_checkpoint(void);
 
 #endif /* SCAPE_SERVER_H */

@@ -7,6 +7,7 @@
 #include <stdint.h>
 #include <sys/types.h>
 
+#include "ckpt.h"
 #include "config.h"
 #include "engine.h"
 #include "scape.pb-c.h"
@@ -68,6 +69,16 @@ struct server {
     Scape__Phases last_phases;
     double last_loss;
     int have_loss;
+
+    /* Checkpoints (checkpoint.c). */
+    int ckpt_requested;             /* scapectl checkpoint, not yet taken */
+    uint64_t ckpt_step;             /* the newest one taken (0: none) */
+    char ckpt_dir[CKPT_PATH_MAX];
+    char ckpt_error[512];           /* why the last attempt failed ("" = it did not) */
+    uint64_t ckpt_count;
+    int resuming;                   /* the job starts from `resume` */
+    ckpt_ref resume;
+    uint64_t resumed_from;
 };
 
 double srv_now(void);
@@ -90,5 +101,19 @@ int ctl_synced(const server *s);
 void status_serve(server *s);
 /* Publish the last step's Metrics on the events socket. */
 void status_publish(server *s);
+
+/* Check the configured `resume` checkpoint at start-up (before any trainer
+ * attaches): the job will continue after its step. */
+scape_rc ckp_prepare_resume(server *s);
+/* Give the new engine its starting state: the checkpoint when resuming, else
+ * trainer 0's parameters (collective). */
+scape_rc ckp_start(server *s, void *const *params);
+/* After a completed step: agree with the other daemons whether a checkpoint
+ * is due (requested here or there, SIGUSR1, or the period) and take it. */
+void ckp_after_step(server *s, uint64_t step);
+/* scapectl checkpoint. */
+scape_rc ckp_request(server *s);
+/* The checkpoint figures of status replies. */
+void ckp_info(const server *s, Scape__CheckpointInfo *out);
 
 #endif /* SCAPE_SERVER_INTERNAL_H */

@@ -51,6 +51,7 @@ typedef struct status_buf {
     Scape__StatusReply st;
     Scape__TrainerInfo info[SRV_MAX_SLOTS];
     Scape__TrainerInfo *ptrs[SRV_MAX_SLOTS];
+    Scape__CheckpointInfo ckpt;
 } status_buf;
 
 static void fill_status(server *s, status_buf *b)
@@ -92,6 +93,8 @@ static void fill_status(server *s, status_buf *b)
         b->ptrs[st->n_trainers++] = ti;
     }
     st->trainers = b->ptrs;
+    ckp_info(s, &b->ckpt);
+    st->checkpoint = &b->ckpt;
 }
 
 static void send_reply(server *s, const Scape__Reply *r)
@@ -133,6 +136,16 @@ static void answer(server *s, const Scape__Request *q)
         r.status_reply = &b->st;
         send_reply(s, &r);
         break;
+    case SCAPE__REQUEST__BODY_CHECKPOINT:
+        if (ckp_request(s) != SCAPE_OK) {
+            send_error(s, SCAPE_INVALID);
+            break;
+        }
+        ckp_info(s, &b->ckpt);
+        r.body_case = SCAPE__REPLY__BODY_CHECKPOINT;
+        r.checkpoint = &b->ckpt;
+        send_reply(s, &r);
+        break;
     case SCAPE__REQUEST__BODY_SHUTDOWN:
         LOG_INFO(SUB_STATUS, "shutdown requested on the status socket");
         s->stopping = 1;
@@ -140,8 +153,8 @@ static void answer(server *s, const Scape__Request *q)
         break;
     default:
         send_error(s, scape_set_error(SCAPE_INVALID,
-                                      "the status endpoint answers status, metrics and "
-                                      "shutdown only (got request type %d)",
+                                      "the status endpoint answers status, metrics, "
+                                      "checkpoint and shutdown only (got request type %d)",
                                       (int)q->body_case));
     }
     free(b);

@@ -41,6 +41,8 @@ static void *rank_main(void *p)
  * the group.  args receives each rank's result.  Returns 0 on success. */
 static int run_ranks(int R, rank_fn fn, void *ctx, rank_arg *args)
 {
+    if (R < 1 || R > 4096)
+        return 1;
     comm_t **comms = calloc((size_t)R, sizeof *comms);
     pthread_t *th = calloc((size_t)R, sizeof *th);
     rank_thunk *tk = calloc((size_t)R, sizeof *tk);

@@ -1,0 +1,773 @@
+/* ckpt.c - writing, checking and reading checkpoints (see ckpt.h).
+ *
+ * A rank file is little-endian:
+ *   "SCAPECKP" | u32 version | u32 nsecs
+ *   meta: u64 step, layout_hash, config_hash | u32 rank, world, optimizer,
+ *         mode | u64 n, state_base, state_len | u32 flags, trainers
+ *   nsecs x (u32 id, u32 0, u64 offset, u64 bytes, u64 checksum)
+ *   u64 checksum of everything above
+ *   the sections, back to back.
+ * Sections are written straight from the engine's buffers and read straight
+ * back into them, in chunks, checksumming on the way.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "ckpt.h"
+#include "log.h"
+#include "try.h"
+
+#define CKPT_MAGIC "SCAPECKP"
+#define CKPT_VERSION 1u
+#define CKPT_CHUNK (8u << 20) /* bytes written or read at a time; a multiple of 8 */
+#define META_BYTES 72
+#define SEC_BYTES 32
+#define HEADER_MAX (16 + META_BYTES + ENG_CKPT_MAX_SECS * SEC_BYTES + 8)
+#define MANIFEST "MANIFEST"
+#define LATEST "LATEST"
+
+/* ---- checksum ------------------------------------------------------------ */
+
+static uint64_t mix(uint64_t h, uint64_t w)
+{
+    h = (h ^ w) * 0x9e3779b97f4a7c15ull;
+    return h ^ (h >> 32);
+}
+
+uint64_t ckpt_hash(uint64_t h, const void *buf, size_t n)
+{
+    const unsigned char *p = buf;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, p + i, 8);
+        h = mix(h, w);
+    }
+    if (i < n) {
+        uint64_t w = 0;
+        memcpy(&w, p + i, n - i);
+        h = mix(mix(h, w), 0xff00u | (n - i));
+    }
+    return h;
+}
+
+/* ---- little-endian fields -------------------------------------------------- */
+
+static void put32(unsigned char **p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        *(*p)++ = (unsigned char)(v >> (8 * i));
+}
+
+static void put64(unsigned char **p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        *(*p)++ = (unsigned char)(v >> (8 * i));
+}
+
+static uint32_t get32(const unsigned char **p)
+{
+    uint32_t v = 0;
+    for (int i = 0; i < 4; i++)
+        v |= (uint32_t)*(*p)++ << (8 * i);
+    return v;
+}
+
+static uint64_t get64(const unsigned char **p)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++)
+        v |= (uint64_t)*(*p)++ << (8 * i);
+    return v;
+}
+
+typedef struct sec_entry {
+    uint32_t id;
+    uint64_t offset, bytes, hash;
+} sec_entry;
+
+typedef struct header {
+    eng_ckpt_meta meta;
+    uint32_t nsecs;
+    sec_entry sec[ENG_CKPT_MAX_SECS];
+    size_t bytes;      /* of the header itself */
+    uint64_t hash;     /* its checksum */
+} header;
+
+static size_t header_bytes(uint32_t nsecs)
+{
+    return 16 + META_BYTES + nsecs * SEC_BYTES + 8;
+}
+
+static void encode(const header *h, unsigned char *buf)
+{
+    unsigned char *p = buf;
+    memcpy(p, CKPT_MAGIC, 8);
+    p += 8;
+    put32(&p, CKPT_VERSION);
+    put32(&p, h->nsecs);
+    const eng_ckpt_meta *m = &h->meta;
+    put64(&p, m->step);
+    put64(&p, m->layout_hash);
+    put64(&p, m->config_hash);
+    put32(&p, m->rank);
+    put32(&p, m->world);
+    put32(&p, m->optimizer);
+    put32(&p, m->mode);
+    put64(&p, m->n);
+    put64(&p, m->state_base);
+    put64(&p, m->state_len);
+    put32(&p, m->flags);
+    put32(&p, m->trainers);
+    for (uint32_t i = 0; i < h->nsecs; i++) {
+        put32(&p, h->sec[i].id);
+        put32(&p, 0);
+        put64(&p, h->sec[i].offset);
+        put64(&p, h->sec[i].bytes);
+        put64(&p, h->sec[i].hash);
+    }
+    put64(&p, ckpt_hash(CKPT_HASH_SEED, buf, (size_t)(p - buf)));
+}
+
+/* Decode and check a header read from name (len bytes at hand). */
+static scape_rc decode(const unsigned char *buf, size_t len, const char *name, header *h)
+{
+    const unsigned char *p = buf;
+    if (len < 16 || memcmp(p, CKPT_MAGIC, 8) != 0)
+        return scape_set_error(SCAPE_INVALID, "%s: not a scaped checkpoint file", name);
+    p += 8;
+    uint32_t version = get32(&p);
+    h->nsecs = get32(&p);
+    if (version != CKPT_VERSION)
+        return scape_set_error(SCAPE_INVALID, "%s: checkpoint format version %u (this scaped "
+                               "reads %u)", name, version, CKPT_VERSION);
+    if (h->nsecs == 0 || h->nsecs > ENG_CKPT_MAX_SECS)
+        return scape_set_error(SCAPE_INVALID, "%s: corrupted header (%u sections)", name,
+                               h->nsecs);
+    h->bytes = header_bytes(h->nsecs);
+    if (len < h->bytes)
+        return scape_set_error(SCAPE_INVALID, "%s: truncated inside its header", name);
+    const unsigned char *end = buf + h->bytes - 8;
+    uint64_t want = ckpt_hash(CKPT_HASH_SEED, buf, h->bytes - 8);
+    h->hash = get64(&end);
+    if (want != h->hash)
+        return scape_set_error(SCAPE_INVALID, "%s: header checksum mismatch (stored %016llx, "
+                               "computed %016llx): the file is corrupted", name,
+                               (unsigned long long)h->hash, (unsigned long long)want);
+    eng_ckpt_meta *m = &h->meta;
+    m->step = get64(&p);
+    m->layout_hash = get64(&p);
+    m->config_hash = get64(&p);
+    m->rank = get32(&p);
+    m->world = get32(&p);
+    m->optimizer = get32(&p);
+    m->mode = get32(&p);
+    m->n = get64(&p);
+    m->state_base = get64(&p);
+    m->state_len = get64(&p);
+    m->flags = get32(&p);
+    m->trainers = get32(&p);
+    uint64_t at = h->bytes;
+    for (uint32_t i = 0; i < h->nsecs; i++) {
+        sec_entry *s = &h->sec[i];
+        s->id = get32(&p);
+        (void)get32(&p);
+        s->offset = get64(&p);
+        s->bytes = get64(&p);
+        s->hash = get64(&p);
+        if (s->offset != at)
+            return scape_set_error(SCAPE_INVALID, "%s: corrupted section table", name);
+        at += s->bytes;
+    }
+    return SCAPE_OK;
+}
+
+/* ---- files ------------------------------------------------------------------ */
+
+static scape_rc write_all(int fd, const void *buf, size_t n, const char *path)
+{
+    const char *p = buf;
+    while (n > 0) {
+        ssize_t w = write(fd, p, n);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w <= 0)
+            return scape_set_error(SCAPE_SYSTEM, "%s: write: %s", path,
+                                   w < 0 ? strerror(errno) : "no progress");
+        p += w;
+        n -= (size_t)w;
+    }
+    return SCAPE_OK;
+}
+
+/* Read exactly n bytes; a short file is reported as truncated. */
+static scape_rc read_all(int fd, void *buf, size_t n, const char *path)
+{
+    char *p = buf;
+    while (n > 0) {
+        ssize_t r = read(fd, p, n);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0)
+            return scape_set_error(SCAPE_SYSTEM, "%s: read: %s", path, strerror(errno));
+        if (r == 0)
+            return scape_set_error(SCAPE_INVALID, "%s: truncated: the file ends early", path);
+        p += r;
+        n -= (size_t)r;
+    }
+    return SCAPE_OK;
+}
+
+static scape_rc fsync_dir(const char *dir)
+{
+    int fd = open(dir, O_RDONLY | O_DIRECTORY);
+    if (fd < 0)
+        return scape_set_error(SCAPE_SYSTEM, "%s: %s", dir, strerror(errno));
+    int rc = fsync(fd);
+    int err = errno;
+    close(fd);
+    if (rc != 0 && err != EINVAL) /* some file systems cannot sync a directory */
+        return scape_set_error(SCAPE_SYSTEM, "%s: fsync: %s", dir, strerror(err));
+    return SCAPE_OK;
+}
+
+/* Finish a file written at tmp: fsync, close, rename to path, sync the dir. */
+static scape_rc commit(int fd, const char *tmp, const char *path, const char *dir)
+{
+    scape_rc rc = SCAPE_OK;
+    if (fsync(fd) != 0)
+        rc = scape_set_error(SCAPE_SYSTEM, "%s: fsync: %s", tmp, strerror(errno));
+    if (close(fd) != 0 && rc == SCAPE_OK)
+        rc = scape_set_error(SCAPE_SYSTEM, "%s: close: %s", tmp, strerror(errno));
+    if (rc == SCAPE_OK && rename(tmp, path) != 0)
+        rc = scape_set_error(SCAPE_SYSTEM, "rename %s -> %s: %s", tmp, path, strerror(errno));
+    if (rc != SCAPE_OK) {
+        unlink(tmp);
+        return rc;
+    }
+    return fsync_dir(dir);
+}
+
+static scape_rc open_tmp(const char *path, char *tmp, size_t len, int *fd)
+{
+    if ((size_t)snprintf(tmp, len, "%s.tmp.%ld", path, (long)getpid()) >= len)
+        return scape_set_error(SCAPE_INVALID, "%s: path too long", path);
+    *fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (*fd < 0)
+        return scape_set_error(SCAPE_SYSTEM, "%s: %s", tmp, strerror(errno));
+    return SCAPE_OK;
+}
+
+/* A small text file, atomically. */
+static scape_rc write_text(const char *dir, const char *name, const char *text)
+{
+    char path[CKPT_PATH_MAX], tmp[CKPT_PATH_MAX + 32];
+    if ((size_t)snprintf(path, sizeof path, "%s/%s", dir, name) >= sizeof path)
+        return scape_set_error(SCAPE_INVALID, "%s: path too long", dir);
+    int fd;
+    TRY(open_tmp(path, tmp, sizeof tmp, &fd));
+    scape_rc rc = write_all(fd, text, strlen(text), tmp);
+    if (rc != SCAPE_OK) {
+        close(fd);
+        unlink(tmp);
+        return rc;
+    }
+    return commit(fd, tmp, path, dir);
+}
+
+static scape_rc mkdir_p(const char *path)
+{
+    char buf[CKPT_PATH_MAX];
+    if ((size_t)snprintf(buf, sizeof buf, "%s", path) >= sizeof buf)
+        return scape_set_error(SCAPE_INVALID, "%s: path too long", path);
+    for (char *p = buf + 1;; p++) {
+        char c = *p;
+        if (c != '/' && c != '\0')
+            continue;
+        *p = '\0';
+        if (mkdir(buf, 0750) != 0 && errno != EEXIST)
+            return scape_set_error(SCAPE_SYSTEM, "cannot create %s: %s", buf, strerror(errno));
+        *p = c;
+        if (c == '\0')
+            break;
+    }
+    struct stat st;
+    if (stat(path, &st) != 0 || !S_ISDIR(st.st_mode))
+        return scape_set_error(SCAPE_SYSTEM, "%s is not a directory", path);
+    return SCAPE_OK;
+}
+
+/* ---- saving ------------------------------------------------------------------ */
+
+static void rank_file_name(int rank, char *buf, size_t len)
+{
+    snprintf(buf, len, "rank-%05d.ckpt", rank);
+}
+
+/* This rank's file: sections hashed while written, then the header. */
+static scape_rc write_rank_file(const char *dir, const eng_ckpt_meta *meta,
+                                const eng_ckpt_sec *secs, int nsecs, uint64_t *bytes,
+                                uint64_t *hhash)
+{
+    char name[32], path[CKPT_PATH_MAX], tmp[CKPT_PATH_MAX + 32];
+    rank_file_name((int)meta->rank, name, sizeof name);
+    if ((size_t)snprintf(path, sizeof path, "%s/%s", dir, name) >= sizeof path)
+        return scape_set_error(SCAPE_INVALID, "%s: path too long", dir);
+    header h;
+    memset(&h, 0, sizeof h);
+    h.meta = *meta;
+    h.nsecs = (uint32_t)nsecs;
+    h.bytes = header_bytes(h.nsecs);
+    unsigned char hbuf[HEADER_MAX];
+    memset(hbuf, 0, sizeof hbuf);
+    int fd;
+    TRY(open_tmp(path, tmp, sizeof tmp, &fd));
+    scape_rc rc = write_all(fd, hbuf, h.bytes, tmp);
+    uint64_t at = h.bytes;
+    for (int i = 0; rc == SCAPE_OK && i < nsecs; i++) {
+        const char *p = secs[i].ptr;
+        uint64_t hs = CKPT_HASH_SEED;
+        for (size_t off = 0; rc == SCAPE_OK && off < secs[i].bytes; off += CKPT_CHUNK) {
+            size_t n = secs[i].bytes - off < CKPT_CHUNK ? secs[i].bytes - off : CKPT_CHUNK;
+            hs = ckpt_hash(hs, p + off, n);
+            rc = write_all(fd, p + off, n, tmp);
+        }
+        h.sec[i] = (sec_entry){ secs[i].id, at, secs[i].bytes, mix(hs, secs[i].bytes) };
+        at += secs[i].bytes;
+    }
+    if (rc == SCAPE_OK) {
+        encode(&h, hbuf);
+        const unsigned char *e = hbuf + h.bytes - 8;
+        *hhash = get64(&e);
+        *bytes = at;
+        if (pwrite(fd, hbuf, h.bytes, 0) != (ssize_t)h.bytes)
+            rc = scape_set_error(SCAPE_SYSTEM, "%s: write: %s", tmp, strerror(errno));
+    }
+    if (rc != SCAPE_OK) {
+        close(fd);
+        unlink(tmp);
+        return rc;
+    }
+    return commit(fd, tmp, path, dir);
+}
+
+typedef struct rank_result {
+    uint64_t ok, bytes, hhash;
+} rank_result;
+
+static scape_rc write_manifest(const char *dir, const eng_ckpt_meta *m,
+                               const rank_result *all, int world)
+{
+    size_t cap = 1024 + (size_t)world * 96;
+    char *text = malloc(cap);
+    if (text == NULL)
+        return scape_set_error(SCAPE_NOMEM, "checkpoint: out of memory");
+    char when[32];
+    time_t now = time(NULL);
+    struct tm tm;
+    strftime(when, sizeof when, "%Y-%m-%dT%H:%M:%SZ", gmtime_r(&now, &tm));
+    size_t n = (size_t)snprintf(text, cap,
+                                "scaped-checkpoint 1\nstep %llu\nworld %u\noptimizer %s\n"
+                                "mode %s\nn %llu\nlayout_hash %016llx\nconfig_hash %016llx\n"
+                                "trainers %u\ncreated %s\n",
+                                (unsigned long long)m->step, m->world,
+                                eng_optimizer_name((eng_optimizer)m->optimizer),
+                                eng_mode_name((eng_mode)m->mode), (unsigned long long)m->n,
+                                (unsigned long long)m->layout_hash,
+                                (unsigned long long)m->config_hash, m->trainers, when);
+    for (int r = 0; r < world; r++) {
+        char name[32];
+        rank_file_name(r, name, sizeof name);
+        n += (size_t)snprintf(text + n, cap - n, "rank %d %s %llu %016llx\n", r, name,
+                              (unsigned long long)all[r].bytes,
+                              (unsigned long long)all[r].hhash);
+    }
+    snprintf(text + n, cap - n, "end\n");
+    scape_rc rc = write_text(dir, MANIFEST, text);
+    free(text);
+    return rc;
+}
+
+static int parse_step_dir(const char *name, uint64_t *step)
+{
+    char *end;
+    if (strncmp(name, "step-", 5) != 0 || name[5] < '0' || name[5] > '9')
+        return 0;
+    *step = strtoull(name + 5, &end, 10);
+    return *end == '\0';
+}
+
+static int cmp_u64_desc(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+/* Remove this rank's part of the checkpoints older than the newest `keep`
+ * (rank 0 also their manifests); whoever empties a directory removes it. */
+static void prune(const char *root, int rank, int keep, uint64_t latest)
+{
+    DIR *d = opendir(root);
+    if (d == NULL)
+        return;
+    size_t n = 0, cap = 16;
+    uint64_t *steps = malloc(cap * sizeof *steps);
+    struct dirent *de;
+    while (steps && (de = readdir(d)) != NULL) {
+        uint64_t s;
+        if (!parse_step_dir(de->d_name, &s) || s > latest)
+            continue;
+        if (n == cap) {
+            uint64_t *g = realloc(steps, 2 * cap * sizeof *steps);
+            if (g == NULL)
+                break;
+            steps = g;
+            cap *= 2;
+        }
+        steps[n++] = s;
+    }
+    closedir(d);
+    if (steps == NULL)
+        return;
+    qsort(steps, n, sizeof *steps, cmp_u64_desc);
+    for (size_t i = (size_t)keep; i < n; i++) {
+        char dir[CKPT_PATH_MAX], path[CKPT_PATH_MAX + 64], name[32];
+        snprintf(dir, sizeof dir, "%s/step-%llu", root, (unsigned long long)steps[i]);
+        rank_file_name(rank, name, sizeof name);
+        snprintf(path, sizeof path, "%s/%s", dir, name);
+        unlink(path);
+        if (rank == 0) {
+            snprintf(path, sizeof path, "%s/%s", dir, MANIFEST);
+            unlink(path);
+        }
+        if (rmdir(dir) == 0)
+            LOG_INFO(SUB_ENGINE, "removed old checkpoint %s", dir);
+    }
+    free(steps);
+}
+
+scape_rc ckpt_save(const char *root, eng_t *e, comm_t *comm, int keep, uint64_t *step_out,
+                   char *dir_out, size_t dir_len)
+{
+    eng_ckpt_meta meta;
+    eng_ckpt_sec secs[ENG_CKPT_MAX_SECS];
+    int nsecs = 0;
+    char dir[CKPT_PATH_MAX] = "", err[512] = "";
+    memset(&meta, 0, sizeof meta);
+    rank_result mine = { 0, 0, 0 };
+    /* A failure here is this rank's: it still takes part in the exchange
+     * below, so the others learn of it instead of waiting. */
+    scape_rc rc = eng_ckpt_save(e, &meta, secs, &nsecs);
+    if (rc == SCAPE_OK && (root == NULL || root[0] == '\0'))
+        rc = scape_set_error(SCAPE_INVALID, "no checkpoint_dir is configured on rank %d (set "
+                             "checkpoint_dir, SCAPE_CHECKPOINT_DIR or --checkpoint-dir)",
+                             comm->rank);
+    if (rc == SCAPE_OK && (size_t)snprintf(dir, sizeof dir, "%s/step-%llu", root,
+                                           (unsigned long long)meta.step) >= sizeof dir)
+        rc = scape_set_error(SCAPE_INVALID, "checkpoint_dir %s: path too long", root);
+    if (rc == SCAPE_OK)
+        rc = mkdir_p(dir);
+    if (rc == SCAPE_OK)
+        rc = write_rank_file(dir, &meta, secs, nsecs, &mine.bytes, &mine.hhash);
+    mine.ok = rc == SCAPE_OK;
+    if (rc != SCAPE_OK)
+        snprintf(err, sizeof err, "%s", scape_last_error());
+    /* Every rank learns every rank's outcome; only then is the manifest
+     * written and LATEST moved, by rank 0. */
+    int R = comm->size;
+    rank_result *all = calloc((size_t)R, sizeof *all);
+    size_t *counts = calloc((size_t)R, sizeof *counts);
+    if (all == NULL || counts == NULL) {
+        free(all);
+        free(counts);
+        return scape_set_error(SCAPE_NOMEM, "checkpoint: out of memory");
+    }
+    for (int r = 0; r < R; r++)
+        counts[r] = sizeof mine;
+    rc = comm_allgather(comm, &mine, all, counts);
+    free(counts);
+    int failed = -1;
+    for (int r = 0; rc == SCAPE_OK && r < R && failed < 0; r++)
+        if (!all[r].ok)
+            failed = r;
+    uint64_t committed = 0;
+    if (rc == SCAPE_OK && failed < 0 && comm->rank == 0) {
+        char latest[64];
+        snprintf(latest, sizeof latest, "step-%llu\n", (unsigned long long)meta.step);
+        scape_rc w = write_manifest(dir, &meta, all, R);
+        if (w == SCAPE_OK)
+            w = write_text(root, LATEST, latest);
+        committed = w == SCAPE_OK;
+        if (w != SCAPE_OK)
+            snprintf(err, sizeof err, "%s", scape_last_error());
+    }
+    free(all);
+    if (rc != SCAPE_OK)
+        return rc;
+    if (failed < 0)
+        TRY(comm_broadcast(comm, &committed, sizeof committed, 0));
+    if (failed >= 0 || !committed) {
+        if (err[0])
+            return scape_set_error(SCAPE_SYSTEM, "checkpoint after step %llu failed: %s",
+                                   (unsigned long long)meta.step, err);
+        return scape_set_error(SCAPE_SYSTEM, "checkpoint after step %llu failed on rank %d "
+                               "(see that daemon's log); the previous checkpoint stands",
+                               (unsigned long long)meta.step, failed >= 0 ? failed : 0);
+    }
+    prune(root, comm->rank, keep, meta.step);
+    if (step_out)
+        *step_out = meta.step;
+    if (dir_out)
+        snprintf(dir_out, dir_len, "%s", dir);
+    return SCAPE_OK;
+}
+
+/* ---- checking and restoring --------------------------------------------------- */
+
+/* Read path's first line into buf, without the newline. */
+static scape_rc read_line_file(const char *path, char *buf, size_t len)
+{
+    FILE *f = fopen(path, "r");
+    if (f == NULL)
+        return scape_set_error(SCAPE_SYSTEM, "%s: %s", path, strerror(errno));
+    char *got = fgets(buf, (int)len, f);
+    fclose(f);
+    if (got == NULL)
+        return scape_set_error(SCAPE_INVALID, "%s is empty", path);
+    buf[strcspn(buf, "\r\n")] = '\0';
+    return SCAPE_OK;
+}
+
+typedef struct manifest {
+    uint64_t step;
+    uint32_t world;
+    char file[64];
+    uint64_t bytes, hhash;
+    int have_rank, complete;
+} manifest;
+
+static scape_rc read_manifest(const char *dir, int rank, manifest *m)
+{
+    char path[CKPT_PATH_MAX + 16], line[256];
+    snprintf(path, sizeof path, "%s/%s", dir, MANIFEST);
+    FILE *f = fopen(path, "r");
+    if (f == NULL)
+        return scape_set_error(SCAPE_SYSTEM, "%s: %s (an incomplete checkpoint?)", path,
+                               strerror(errno));
+    memset(m, 0, sizeof *m);
+    int lines = 0, have_step = 0, have_world = 0;
+    while (fgets(line, sizeof line, f)) {
+        unsigned long long a, b, c;
+        int r;
+        char name[64];
+        if (lines++ == 0 && strcmp(line, "scaped-checkpoint 1\n") != 0)
+            break;
+        if (sscanf(line, "step %llu", &a) == 1) {
+            m->step = a;
+            have_step = 1;
+        } else if (sscanf(line, "world %llu", &a) == 1) {
+            m->world = (uint32_t)a;
+            have_world = 1;
+        } else if (sscanf(line, "rank %d %63s %llu %llx", &r, name, &b, &c) == 4 && r == rank) {
+            snprintf(m->file, sizeof m->file, "%s", name);
+            m->bytes = b;
+            m->hhash = c;
+            m->have_rank = 1;
+        } else if (strcmp(line, "end\n") == 0) {
+            m->complete = 1;
+        }
+    }
+    fclose(f);
+    if (lines == 0 || !have_step || !have_world || !m->complete)
+        return scape_set_error(SCAPE_INVALID, "%s: not a complete scaped manifest", path);
+    if (m->world == 0 || (uint32_t)rank >= m->world)
+        return SCAPE_OK; /* the caller reports the other world size */
+    if (!m->have_rank || strchr(m->file, '/'))
+        return scape_set_error(SCAPE_INVALID, "%s: lists no file for rank %d", path, rank);
+    return SCAPE_OK;
+}
+
+/* Open a rank file and read its header; checks it against the manifest. */
+static scape_rc open_rank_file(const char *path, const manifest *mf, int rank, int *fd_out,
+                               header *h)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return scape_set_error(SCAPE_SYSTEM, "%s: %s", path, strerror(errno));
+    struct stat st;
+    unsigned char buf[HEADER_MAX];
+    scape_rc rc = SCAPE_OK;
+    if (fstat(fd, &st) != 0)
+        rc = scape_set_error(SCAPE_SYSTEM, "%s: %s", path, strerror(errno));
+    else if ((uint64_t)st.st_size != mf->bytes)
+        rc = scape_set_error(SCAPE_INVALID, "%s: %s: the file has %llu bytes, the manifest "
+                             "says %llu", path,
+                             (uint64_t)st.st_size < mf->bytes ? "truncated" : "wrong size",
+                             (unsigned long long)st.st_size, (unsigned long long)mf->bytes);
+    size_t got = 0;
+    if (rc == SCAPE_OK) {
+        ssize_t r = pread(fd, buf, sizeof buf, 0);
+        if (r < 0)
+            rc = scape_set_error(SCAPE_SYSTEM, "%s: read: %s", path, strerror(errno));
+        got = r > 0 ? (size_t)r : 0;
+    }
+    if (rc == SCAPE_OK)
+        rc = decode(buf, got, path, h);
+    if (rc == SCAPE_OK && h->hash != mf->hhash)
+        rc = scape_set_error(SCAPE_INVALID, "%s: header checksum %016llx differs from the "
+                             "manifest's %016llx", path, (unsigned long long)h->hash,
+                             (unsigned long long)mf->hhash);
+    if (rc == SCAPE_OK && (h->meta.rank != (uint32_t)rank || h->meta.world != mf->world ||
+                           h->meta.step != mf->step))
+        rc = scape_set_error(SCAPE_INVALID, "%s: holds rank %u of %u after step %llu; the "
+                             "manifest wants rank %d of %u after step %llu", path,
+                             h->meta.rank, h->meta.world, (unsigned long long)h->meta.step,
+                             rank, mf->world, (unsigned long long)mf->step);
+    if (rc == SCAPE_OK && lseek(fd, (off_t)h->bytes, SEEK_SET) < 0)
+        rc = scape_set_error(SCAPE_SYSTEM, "%s: seek: %s", path, strerror(errno));
+    if (rc != SCAPE_OK) {
+        close(fd);
+        return rc;
+    }
+    *fd_out = fd;
+    return SCAPE_OK;
+}
+
+/* Read every section in order, into dst[i] when given (else into scratch),
+ * checking each checksum. */
+static scape_rc read_sections(int fd, const char *path, const header *h,
+                              const eng_ckpt_sec *dst)
+{
+    char *scratch = dst ? NULL : malloc(CKPT_CHUNK);
+    if (dst == NULL && scratch == NULL)
+        return scape_set_error(SCAPE_NOMEM, "checkpoint: out of memory");
+    scape_rc rc = SCAPE_OK;
+    for (uint32_t i = 0; rc == SCAPE_OK && i < h->nsecs; i++) {
+        const sec_entry *s = &h->sec[i];
+        uint64_t hs = CKPT_HASH_SEED;
+        for (uint64_t off = 0; rc == SCAPE_OK && off < s->bytes; off += CKPT_CHUNK) {
+            size_t n = s->bytes - off < CKPT_CHUNK ? (size_t)(s->bytes - off) : CKPT_CHUNK;
+            char *to = dst ? (char *)dst[i].ptr + off : scratch;
+            rc = read_all(fd, to, n, path);
+            if (rc == SCAPE_OK)
+                hs = ckpt_hash(hs, to, n);
+        }
+        if (rc == SCAPE_OK && mix(hs, s->bytes) != s->hash)
+            rc = scape_set_error(SCAPE_INVALID, "%s: section '%s' checksum mismatch (stored "
+                                 "%016llx, computed %016llx): the file is corrupted", path,
+                                 eng_ckpt_section_name(s->id), (unsigned long long)s->hash,
+                                 (unsigned long long)mix(hs, s->bytes));
+    }
+    free(scratch);
+    return rc;
+}
+
+scape_rc ckpt_open(const char *path, int rank, int world, ckpt_ref *out)
+{
+    if (path == NULL || path[0] == '\0' || out == NULL)
+        return scape_set_error(SCAPE_INVALID, "resume: no checkpoint path");
+    memset(out, 0, sizeof *out);
+    char latest[CKPT_PATH_MAX + 16], name[256];
+    snprintf(latest, sizeof latest, "%s/%s", path, LATEST);
+    if (access(latest, F_OK) == 0) {
+        TRY(read_line_file(latest, name, sizeof name));
+        uint64_t s;
+        if (!parse_step_dir(name, &s))
+            return scape_set_error(SCAPE_INVALID, "%s: '%s' is not a step directory", latest,
+                                   name);
+        if ((size_t)snprintf(out->dir, sizeof out->dir, "%s/%s", path, name) >= sizeof out->dir)
+            return scape_set_error(SCAPE_INVALID, "%s: path too long", path);
+    } else {
+        snprintf(out->dir, sizeof out->dir, "%s", path);
+        char mpath[CKPT_PATH_MAX + 16];
+        snprintf(mpath, sizeof mpath, "%s/%s", path, MANIFEST);
+        if (access(mpath, F_OK) != 0)
+            return scape_set_error(SCAPE_INVALID, "resume: %s holds no checkpoint (neither "
+                                   "LATEST nor MANIFEST)", path);
+    }
+    manifest mf;
+    TRY(read_manifest(out->dir, rank, &mf));
+    if (mf.world != (uint32_t)world)
+        return scape_set_error(SCAPE_INVALID, "resume: %s was taken by %u daemon(s); this job "
+                               "has world=%d (resharding to another world size is not "
+                               "supported)", out->dir, mf.world, world);
+    if ((size_t)snprintf(out->file, sizeof out->file, "%s/%s", out->dir, mf.file) >=
+        sizeof out->file)
+        return scape_set_error(SCAPE_INVALID, "%s: path too long", out->dir);
+    int fd;
+    header h;
+    TRY(open_rank_file(out->file, &mf, rank, &fd, &h));
+    scape_rc rc = read_sections(fd, out->file, &h, NULL);
+    close(fd);
+    out->step = mf.step;
+    out->world = mf.world;
+    return rc;
+}
+
+/* This rank's part of a restore: the file into the engine's buffers. */
+static scape_rc restore_local(const ckpt_ref *ref, eng_t *e, int rank, eng_ckpt_meta *meta)
+{
+    manifest mf;
+    TRY(read_manifest(ref->dir, rank, &mf));
+    if (!mf.have_rank)
+        return scape_set_error(SCAPE_INVALID, "%s: lists no file for rank %d", ref->dir, rank);
+    int fd;
+    header h;
+    TRY(open_rank_file(ref->file, &mf, rank, &fd, &h));
+    eng_ckpt_sec secs[ENG_CKPT_MAX_SECS];
+    int nsecs = 0;
+    scape_rc rc = eng_ckpt_load_begin(e, &h.meta, secs, &nsecs);
+    if (rc == SCAPE_OK && (uint32_t)nsecs != h.nsecs)
+        rc = scape_set_error(SCAPE_INVALID, "%s: %u sections, the engine expects %d",
+                             ref->file, h.nsecs, nsecs);
+    for (int i = 0; rc == SCAPE_OK && i < nsecs; i++)
+        if (h.sec[i].id != secs[i].id || h.sec[i].bytes != secs[i].bytes)
+            rc = scape_set_error(SCAPE_INVALID, "%s: section %d is '%s' of %llu bytes, the "
+                                 "engine expects '%s' of %zu", ref->file, i,
+                                 eng_ckpt_section_name(h.sec[i].id),
+                                 (unsigned long long)h.sec[i].bytes,
+                                 eng_ckpt_section_name(secs[i].id), secs[i].bytes);
+    if (rc == SCAPE_OK)
+        rc = read_sections(fd, ref->file, &h, secs);
+    close(fd);
+    *meta = h.meta;
+    return rc;
+}
+
+scape_rc ckpt_restore(const ckpt_ref *ref, eng_t *e, comm_t *comm, void *const *params)
+{
+    eng_ckpt_meta meta;
+    uint64_t ok = restore_local(ref, e, comm->rank, &meta) == SCAPE_OK;
+    char err[512];
+    snprintf(err, sizeof err, "%s", ok ? "" : scape_last_error());
+    int R = comm->size;
+    uint64_t *all = calloc((size_t)R, sizeof *all);
+    size_t *counts = calloc((size_t)R, sizeof *counts);
+    scape_rc rc = all && counts ? SCAPE_OK : scape_set_error(SCAPE_NOMEM, "out of memory");
+    for (int r = 0; rc == SCAPE_OK && r < R; r++)
+        counts[r] = sizeof ok;
+    if (rc == SCAPE_OK)
+        rc = comm_allgather(comm, &ok, all, counts);
+    int failed = -1;
+    for (int r = 0; rc == SCAPE_OK && r < R && failed < 0; r++)
+        if (!all[r])
+            failed = r;
+    free(all);
+    free(counts);
+    if (rc != SCAPE_OK)
+        return rc;
+    if (!ok)
+        return scape_set_error(SCAPE_INVALID, "restore from %s refused: %s", ref->dir, err);
+    if (failed >= 0)
+        return scape_set_error(SCAPE_INVALID, "restore from %s refused: rank %d could not "
+                               "read its part (see that daemon's log)", ref->dir, failed);
+    return eng_ckpt_load_finish(e, &meta, params);
+}

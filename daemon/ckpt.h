@@ -1,0 +1,50 @@
+/* ckpt.h - checkpoints on disk (docs/operations.md, "Checkpoints").
+ *
+ * A checkpoint after step t is the directory <root>/step-<t>/ holding one
+ * file per rank (rank-<r>.ckpt: a header with the engine's meta and a table
+ * of sections, each with its 64-bit checksum, then the sections) and, from
+ * rank 0, a text MANIFEST listing every rank's file with its size and header
+ * checksum.  <root>/LATEST names the newest complete checkpoint.  Every file
+ * is written to a temporary name, fsync'ed and renamed, and LATEST moves only
+ * after every rank's file and the manifest are down: a crash at any moment
+ * leaves the previous checkpoint whole.  The root must be one directory that
+ * every daemon of the job sees (a shared file system across nodes).
+ */
+#ifndef SCAPE_CKPT_H
+#define SCAPE_CKPT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "comm.h"
+#include "engine.h"
+
+#define CKPT_PATH_MAX 1024
+
+typedef struct ckpt_ref {
+    char dir[CKPT_PATH_MAX];  /* the step directory */
+    char file[CKPT_PATH_MAX]; /* this rank's file in it */
+    uint64_t step;
+    uint32_t world;
+} ckpt_ref;
+
+/* Collective: write this rank's state after its last step under
+ * root/step-<t>/; rank 0 writes the manifest and moves LATEST once every rank
+ * succeeded, then checkpoints beyond the newest `keep` are removed.  On
+ * success *step_out is t and dir_out the step directory. */
+scape_rc ckpt_save(const char *root, eng_t *e, comm_t *comm, int keep, uint64_t *step_out,
+                   char *dir_out, size_t dir_len);
+/* Resolve path (a checkpoint root with LATEST, or one step directory), read
+ * its manifest, check that it was taken by `world` ranks, and check this
+ * rank's file completely (size, header, every section's checksum). */
+scape_rc ckpt_open(const char *path, int rank, int world, ckpt_ref *out);
+/* Collective: restore a freshly created engine from the checked checkpoint
+ * and write its parameters into every trainer's buffer.  Every rank learns
+ * whether every rank succeeded; on failure the engine must be destroyed. */
+scape_rc ckpt_restore(const ckpt_ref *ref, eng_t *e, comm_t *comm, void *const *params);
+/* 64-bit checksum of n bytes, continuing from h (start with CKPT_HASH_SEED):
+ * a change confined to one 8-byte word always changes it. */
+#define CKPT_HASH_SEED 0x5343415045434b50ull
+uint64_t ckpt_hash(uint64_t h, const void *buf, size_t n);
+
+#endif /* SCAPE_CKPT_H */

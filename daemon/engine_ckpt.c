@@ -1,0 +1,189 @@
+/* engine_ckpt.c - the engine's side of checkpoints: which memory holds the
+ * state after a step, and how a fresh engine takes it back.
+ *
+ * After step t the state that step t+1 needs is: m (and v) and the master
+ * parameters of this rank's range, the residual e_r, and for SCAPE the mask
+ * M_{t+1} that the lagged all-gather is bringing in.  Saving finishes that
+ * all-gather first, so the next mask is whole in memory and no collective is
+ * in flight.  The file format and the writing live in ckpt.c; the engine only
+ * lists its buffers, so nothing is copied on the way to the disk.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine_internal.h"
+
+static const char *const s_sec_names[ENG_SEC_COUNT] = {
+    [ENG_SEC_M] = "m", [ENG_SEC_V] = "v", [ENG_SEC_THETA] = "theta",
+    [ENG_SEC_RESIDUAL] = "residual", [ENG_SEC_MASK_CUR] = "mask_cur",
+    [ENG_SEC_MASK_NEXT] = "mask_next",
+};
+
+const char *eng_ckpt_section_name(uint32_t id)
+{
+    return id > 0 && id < ENG_SEC_COUNT ? s_sec_names[id] : "?";
+}
+
+static void describe(eng_t *e, uint32_t flags, eng_ckpt_sec *secs, int *nsecs)
+{
+    size_t sl = e->state_len * sizeof(float), wb = e->p->nwords * sizeof(uint32_t);
+    int n = 0;
+    secs[n++] = (eng_ckpt_sec){ ENG_SEC_M, e->m, sl };
+    if (eng_uses_v(e))
+        secs[n++] = (eng_ckpt_sec){ ENG_SEC_V, e->v, sl };
+    secs[n++] = (eng_ckpt_sec){ ENG_SEC_THETA, e->theta, sl };
+    if (!(flags & ENG_CKF_RESIDUAL_ZERO))
+        secs[n++] = (eng_ckpt_sec){ ENG_SEC_RESIDUAL, e->e, e->p->n * sizeof(float) };
+    /* A fresh engine's next mask is buffer 0; the last one goes to buffer 1. */
+    if (flags & ENG_CKF_MASK_CUR)
+        secs[n++] = (eng_ckpt_sec){ ENG_SEC_MASK_CUR,
+                                    e->mask_cur ? (void *)e->mask_cur : e->mask_buf[1], wb };
+    if (flags & ENG_CKF_MASK_NEXT)
+        secs[n++] = (eng_ckpt_sec){ ENG_SEC_MASK_NEXT, e->mask_next, wb };
+    *nsecs = n;
+}
+
+static void fill_meta(const eng_t *e, eng_ckpt_meta *m)
+{
+    memset(m, 0, sizeof *m);
+    m->step = e->last_step;
+    m->layout_hash = e->p->hash;
+    m->config_hash = eng_config_hash(&e->cfg);
+    m->rank = (uint32_t)e->rank;
+    m->world = (uint32_t)e->comm->size;
+    m->optimizer = (uint32_t)e->cfg.optimizer;
+    m->mode = (uint32_t)e->cfg.mode;
+    m->n = e->p->n;
+    m->state_base = e->state_base;
+    m->state_len = e->state_len;
+    m->trainers = (uint32_t)e->t_total;
+}
+
+scape_rc eng_ckpt_save(eng_t *e, eng_ckpt_meta *meta, eng_ckpt_sec *secs, int *nsecs)
+{
+    if (e == NULL || meta == NULL || secs == NULL || nsecs == NULL)
+        return scape_set_error(SCAPE_INVALID, "eng_ckpt_save: NULL argument");
+    if (e->broken)
+        return scape_set_error(SCAPE_INVALID, "checkpoint: a step failed part-way; the "
+                               "state is inconsistent and is not saved");
+    if (!e->initialised)
+        return scape_set_error(SCAPE_INVALID, "checkpoint: the job has not started");
+    if (e->mask_pending) {
+        TRY(comm_iallgather_wait(e->comm));
+        e->mask_pending = 0;
+    }
+    fill_meta(e, meta);
+    /* topk-adamw chooses its mask afresh each step: only SCAPE carries one. */
+    int scape = e->cfg.optimizer == ENG_OPT_SCAPE;
+    if (e->e_stale)
+        meta->flags |= ENG_CKF_RESIDUAL_ZERO;
+    if (scape && e->mask_cur)
+        meta->flags |= ENG_CKF_MASK_CUR;
+    if (scape && e->last_step + 1 > e->cfg.warmup)
+        meta->flags |= ENG_CKF_MASK_NEXT;
+    describe(e, meta->flags, secs, nsecs);
+    return SCAPE_OK;
+}
+
+scape_rc eng_ckpt_load_begin(eng_t *e, const eng_ckpt_meta *meta, eng_ckpt_sec *secs,
+                             int *nsecs)
+{
+    if (e == NULL || meta == NULL || secs == NULL || nsecs == NULL)
+        return scape_set_error(SCAPE_INVALID, "eng_ckpt_load_begin: NULL argument");
+    if (e->initialised)
+        return scape_set_error(SCAPE_INVALID, "restore: the engine has already started");
+    eng_ckpt_meta mine;
+    fill_meta(e, &mine);
+    if (meta->world != mine.world)
+        return scape_set_error(SCAPE_INVALID,
+                               "restore: the checkpoint was taken by %u rank(s), this job has "
+                               "%u; resharding to another world size is not supported",
+                               meta->world, mine.world);
+    if (meta->rank != mine.rank)
+        return scape_set_error(SCAPE_INVALID, "restore: the file is rank %u's, this is rank %u",
+                               meta->rank, mine.rank);
+    if (meta->n != mine.n || meta->layout_hash != mine.layout_hash)
+        return scape_set_error(SCAPE_INVALID,
+                               "restore: the checkpoint's tensor layout (N=%llu, hash "
+                               "%016llx) differs from the trainers' (N=%llu, hash %016llx)",
+                               (unsigned long long)meta->n,
+                               (unsigned long long)meta->layout_hash,
+                               (unsigned long long)mine.n,
+                               (unsigned long long)mine.layout_hash);
+    if (meta->config_hash != mine.config_hash || meta->optimizer != mine.optimizer ||
+        meta->mode != mine.mode)
+        return scape_set_error(SCAPE_INVALID,
+                               "restore: the checkpoint was taken with other optimizer settings "
+                               "(%s, %s); this job runs %s, %s (optimizer, mode, rho, warmup "
+                               "and the hyper-parameters must match)",
+                               eng_optimizer_name((eng_optimizer)meta->optimizer),
+                               eng_mode_name((eng_mode)meta->mode),
+                               eng_optimizer_name(e->cfg.optimizer), eng_mode_name(e->cfg.mode));
+    if (meta->state_base != mine.state_base || meta->state_len != mine.state_len)
+        return scape_set_error(SCAPE_INVALID, "restore: the checkpoint's shard [%llu, +%llu) "
+                               "differs from this rank's [%llu, +%llu)",
+                               (unsigned long long)meta->state_base,
+                               (unsigned long long)meta->state_len,
+                               (unsigned long long)mine.state_base,
+                               (unsigned long long)mine.state_len);
+    uint32_t known = ENG_CKF_RESIDUAL_ZERO | ENG_CKF_MASK_CUR | ENG_CKF_MASK_NEXT;
+    if (meta->flags & ~known)
+        return scape_set_error(SCAPE_INVALID, "restore: unknown flags %#x", meta->flags);
+    if (meta->step == 0)
+        return scape_set_error(SCAPE_INVALID, "restore: the checkpoint holds no step");
+    describe(e, meta->flags, secs, nsecs);
+    return SCAPE_OK;
+}
+
+/* The master parameters, coordinate order per tensor, into every trainer's
+ * buffer; sharded ranks first gather the whole vector (comm order). */
+static scape_rc publish_theta(eng_t *e, void *const *params)
+{
+    const float *src = e->theta;
+    float *whole = NULL;
+    if (e->cfg.mode == ENG_MODE_SHARDED) {
+        whole = malloc((e->p->n ? e->p->n : 1) * sizeof *whole);
+        if (whole == NULL)
+            return scape_set_error(SCAPE_NOMEM, "restore: out of memory");
+        for (int r = 0; r < e->comm->size; r++)
+            e->counts[r] = e->p->shard[r].len * sizeof(float);
+        scape_rc rc = comm_allgather(e->comm, e->theta, whole, e->counts);
+        if (rc != SCAPE_OK) {
+            free(whole);
+            return rc;
+        }
+        src = whole;
+    }
+    size_t esz = kern_dtype_size(e->pdt);
+    scape_rc rc = SCAPE_OK;
+    for (size_t i = 0; rc == SCAPE_OK && i < e->p->ntensors; i++) {
+        const plan_tensor *t = &e->p->t[i];
+        for (int q = 0; rc == SCAPE_OK && q < e->tr; q++) {
+            char *dst = (char *)params[q] + t->off * esz;
+            if (e->pdt == KERN_F32)
+                memcpy(dst, src + t->pos, t->len * sizeof(float));
+            else
+                rc = kern_f32_to_bf16(src + t->pos, (uint16_t *)(void *)dst, t->len);
+        }
+    }
+    free(whole);
+    return rc;
+}
+
+scape_rc eng_ckpt_load_finish(eng_t *e, const eng_ckpt_meta *meta, void *const *params)
+{
+    if (e == NULL || meta == NULL || params == NULL)
+        return scape_set_error(SCAPE_INVALID, "eng_ckpt_load_finish: NULL argument");
+    for (int q = 0; q < e->tr; q++)
+        if (params[q] == NULL)
+            return scape_set_error(SCAPE_INVALID, "restore: params[%d] is NULL", q);
+    TRY(publish_theta(e, params));
+    e->last_step = meta->step;
+    e->e_stale = (meta->flags & ENG_CKF_RESIDUAL_ZERO) != 0;
+    e->mask_cur = (meta->flags & ENG_CKF_MASK_CUR) ? e->mask_buf[1] : NULL;
+    e->mask_next = e->mask_buf[0];
+    e->mask_pending = 0;
+    e->initialised = 1;
+    return SCAPE_OK;
+}

@@ -1,0 +1,253 @@
+/* test_ckpt.c - checkpoints of the engine on the local backend: for every
+ * optimizer and mode, with uneven trainers per rank, saving after a warm-up
+ * step, at the warm-up boundary and after sparse steps, then restoring into
+ * fresh engines gives bitwise the parameters of an uninterrupted run; the
+ * checksum catches any one changed word; and a checkpoint of other settings
+ * is refused on every rank. */
+#define _POSIX_C_SOURCE 200809L
+#include <check.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "ckpt.h"
+#include "rank_threads.h"
+
+#define R 3
+#define STEPS 12
+#define MAX_TR 3
+
+static const eng_tensor s_tensors[] = {
+    { "a", 0, 700 }, { "b", 700, 33 }, { "c", 733, 1 }, { "d", 734, 290 },
+};
+#define NT (sizeof s_tensors / sizeof s_tensors[0])
+#define NUMEL 1024
+
+typedef struct job {
+    eng_config cfg;
+    eng_config restore_cfg; /* the settings the restoring engines run with */
+    int save_at;            /* 0: uninterrupted */
+    char root[256];
+    float out[R][NUMEL];    /* trainer 0's parameters at the end, per rank */
+    int expect_refusal;
+} job;
+
+static uint64_t mix(uint64_t x)
+{
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdull;
+    x ^= x >> 33;
+    return x;
+}
+
+static float grad(int r, int j, uint64_t t, size_t i, float p)
+{
+    uint64_t h = mix((uint64_t)r * 1000003u + (uint64_t)j * 7919u + t * 104729u + i);
+    return (float)((double)(h >> 11) / 9007199254740992.0 - 0.5) + 0.1f * p;
+}
+
+static scape_rc make_engine(rank_arg *a, const eng_config *cfg, eng_t **e)
+{
+    eng_layout lay = { s_tensors, NT, KERN_F32, KERN_F32 };
+    return eng_create(e, cfg, &lay, a->comm, a->rank + 1);
+}
+
+static scape_rc steps(eng_t *e, rank_arg *a, uint64_t from, uint64_t to, float **g, float **p)
+{
+    for (uint64_t t = from; t <= to; t++) {
+        for (int j = 0; j <= a->rank; j++)
+            for (size_t i = 0; i < NUMEL; i++)
+                g[j][i] = grad(a->rank, j, t, i, p[j][i]);
+        scape_rc rc = eng_step(e, t, 1e-2f, (const void *const *)g, (void *const *)p);
+        if (rc != SCAPE_OK)
+            return rc;
+    }
+    return SCAPE_OK;
+}
+
+static scape_rc rank_job(rank_arg *a)
+{
+    job *jb = a->ctx;
+    float *g[MAX_TR], *p[MAX_TR];
+    for (int j = 0; j <= a->rank; j++) {
+        g[j] = calloc(NUMEL, sizeof(float));
+        p[j] = calloc(NUMEL, sizeof(float));
+        for (size_t i = 0; i < NUMEL; i++)
+            p[j][i] = (float)(j + 1) * 0.01f * (float)(i % 17); /* trainer 0's win */
+    }
+    eng_t *e = NULL;
+    scape_rc rc = make_engine(a, &jb->cfg, &e);
+    if (rc == SCAPE_OK)
+        rc = eng_init_params(e, (void *const *)p);
+    uint64_t upto = jb->save_at ? (uint64_t)jb->save_at : STEPS;
+    if (rc == SCAPE_OK)
+        rc = steps(e, a, 1, upto, g, p);
+    if (rc == SCAPE_OK && jb->save_at) {
+        uint64_t at = 0;
+        rc = ckpt_save(jb->root, e, a->comm, 2, &at, NULL, 0);
+        eng_destroy(&e);
+        /* The trainers' buffers are lost with the job: scribble over them. */
+        for (int j = 0; j <= a->rank; j++)
+            memset(p[j], 0x7f, NUMEL * sizeof(float));
+        ckpt_ref ref;
+        if (rc == SCAPE_OK)
+            rc = ckpt_open(jb->root, a->rank, R, &ref);
+        if (rc == SCAPE_OK && ref.step != (uint64_t)jb->save_at)
+            rc = scape_set_error(SCAPE_INVALID, "LATEST is step %llu", (unsigned long long)ref.step);
+        if (rc == SCAPE_OK)
+            rc = make_engine(a, &jb->restore_cfg, &e);
+        if (rc == SCAPE_OK)
+            rc = ckpt_restore(&ref, e, a->comm, (void *const *)p);
+        if (rc == SCAPE_OK)
+            rc = steps(e, a, upto + 1, STEPS, g, p);
+    }
+    if (rc == SCAPE_OK)
+        memcpy(jb->out[a->rank], p[0], sizeof jb->out[a->rank]);
+    eng_destroy(&e);
+    for (int j = 0; j <= a->rank; j++) {
+        free(g[j]);
+        free(p[j]);
+    }
+    return rc;
+}
+
+static void run_job(job *jb)
+{
+    rank_arg args[R];
+    ck_assert_int_eq(run_ranks(R, rank_job, jb, args), 0);
+    for (int r = 0; r < R; r++) {
+        if (jb->expect_refusal) {
+            ck_assert_msg(args[r].rc == SCAPE_INVALID, "rank %d: rc %d (%s)", r,
+                          (int)args[r].rc, args[r].err);
+            ck_assert_msg(strstr(args[r].err, "refused"), "rank %d: %s", r, args[r].err);
+        } else {
+            ck_assert_msg(args[r].rc == SCAPE_OK, "rank %d: %s", r, args[r].err);
+        }
+    }
+}
+
+static void temp_root(job *jb)
+{
+    snprintf(jb->root, sizeof jb->root, "/tmp/scape-ckpt-XXXXXX");
+    ck_assert_ptr_nonnull(mkdtemp(jb->root));
+}
+
+static void remove_root(const char *root)
+{
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", root);
+    ck_assert_int_eq(system(cmd), 0);
+}
+
+static void roundtrip(eng_optimizer opt, eng_mode mode)
+{
+    static job full, part;
+    memset(&full, 0, sizeof full);
+    eng_config_default(&full.cfg);
+    full.cfg.optimizer = opt;
+    full.cfg.mode = mode;
+    full.cfg.rho = 0.05;
+    full.cfg.warmup = 3;
+    full.cfg.intake_chunk = 64;
+    run_job(&full);
+    for (int r = 1; r < R; r++)
+        ck_assert_int_eq(memcmp(full.out[0], full.out[r], sizeof full.out[0]), 0);
+    const int at[] = { 2, 3, 7 }; /* warm-up; the boundary; after sparse steps */
+    for (size_t k = 0; k < sizeof at / sizeof at[0]; k++) {
+        memset(&part, 0, sizeof part);
+        part.cfg = part.restore_cfg = full.cfg;
+        part.save_at = at[k];
+        temp_root(&part);
+        run_job(&part);
+        for (int r = 0; r < R; r++)
+            ck_assert_msg(memcmp(full.out[r], part.out[r], sizeof full.out[r]) == 0,
+                          "%s/%s: resumed after step %d differs on rank %d",
+                          eng_optimizer_name(opt), eng_mode_name(mode), at[k], r);
+        remove_root(part.root);
+    }
+}
+
+START_TEST(roundtrip_every_optimizer_and_mode)
+{
+    for (int opt = 0; opt < ENG_OPT_COUNT; opt++)
+        for (int mode = 0; mode < ENG_MODE_COUNT; mode++)
+            roundtrip((eng_optimizer)opt, (eng_mode)mode);
+}
+END_TEST
+
+START_TEST(other_settings_are_refused_on_every_rank)
+{
+    static job jb;
+    memset(&jb, 0, sizeof jb);
+    eng_config_default(&jb.cfg);
+    jb.cfg.rho = 0.05;
+    jb.cfg.warmup = 3;
+    jb.restore_cfg = jb.cfg;
+    jb.restore_cfg.rho = 0.1;
+    jb.save_at = 5;
+    jb.expect_refusal = 1;
+    temp_root(&jb);
+    run_job(&jb);
+    remove_root(jb.root);
+}
+END_TEST
+
+START_TEST(checksum_sees_every_word)
+{
+    unsigned char buf[4096];
+    for (size_t i = 0; i < sizeof buf; i++)
+        buf[i] = (unsigned char)mix(i);
+    uint64_t h = ckpt_hash(CKPT_HASH_SEED, buf, sizeof buf);
+    /* Continuing over pieces of whole words is the same as one pass. */
+    uint64_t h2 = ckpt_hash(ckpt_hash(CKPT_HASH_SEED, buf, 1024), buf + 1024, 3072);
+    ck_assert_uint_eq(h, h2);
+    for (int trial = 0; trial < 2000; trial++) {
+        size_t at = mix((uint64_t)trial) % sizeof buf;
+        unsigned char flip = (unsigned char)(1u + mix((uint64_t)trial + 99) % 255);
+        buf[at] ^= flip;
+        ck_assert_uint_ne(ckpt_hash(CKPT_HASH_SEED, buf, sizeof buf), h);
+        buf[at] ^= flip;
+    }
+    /* A tail shorter than a word counts, and so does its length. */
+    ck_assert_uint_ne(ckpt_hash(CKPT_HASH_SEED, buf, 13), ckpt_hash(CKPT_HASH_SEED, buf, 12));
+    unsigned char z[9] = { 0 };
+    ck_assert_uint_ne(ckpt_hash(CKPT_HASH_SEED, z, 9), ckpt_hash(CKPT_HASH_SEED, z, 8));
+}
+END_TEST
+
+START_TEST(missing_checkpoints_are_named)
+{
+    ckpt_ref ref;
+    ck_assert_int_ne(ckpt_open("/nonexistent/scape", 0, 1, &ref), SCAPE_OK);
+    ck_assert_ptr_nonnull(strstr(scape_last_error(), "holds no checkpoint"));
+    char root[64] = "/tmp/scape-ckpt-XXXXXX";
+    ck_assert_ptr_nonnull(mkdtemp(root));
+    char latest[128];
+    snprintf(latest, sizeof latest, "%s/LATEST", root);
+    FILE *f = fopen(latest, "w");
+    ck_assert_ptr_nonnull(f);
+    fputs("step-5\n", f);
+    fclose(f);
+    ck_assert_int_ne(ckpt_open(root, 0, 1, &ref), SCAPE_OK);
+    ck_assert_ptr_nonnull(strstr(scape_last_error(), "MANIFEST"));
+    remove_root(root);
+}
+END_TEST
+
+int main(void)
+{
+    Suite *s = suite_create("ckpt");
+    TCase *tc = tcase_create("ckpt");
+    tcase_set_timeout(tc, 300);
+    tcase_add_test(tc, checksum_sees_every_word);
+    tcase_add_test(tc, roundtrip_every_optimizer_and_mode);
+    tcase_add_test(tc, other_settings_are_refused_on_every_rank);
+    tcase_add_test(tc, missing_checkpoints_are_named);
+    suite_add_tcase(s, tc);
+    SRunner *sr = srunner_create(s);
+    srunner_run_all(sr, CK_NORMAL);
+    int failed = srunner_ntests_failed(sr);
+    srunner_free(sr);
+    return failed ? 1 : 0;
+}
