@@ -4,6 +4,7 @@
 #   scape-node.sh daemon        exec this node's scaped (job shape from Slurm)
 #   scape-node.sh wait SECONDS  until this node's scaped answers (rendezvous done)
 #   scape-node.sh run CMD...    exec CMD with this node's runtime dir exported
+#   scape-node.sh checkpoint S  checkpoint after the next step; wait up to S seconds
 #   scape-node.sh stop          ask this node's scaped to shut down
 # Settings come from the environment:
 #   SCAPE_BIN         directory of scaped and scapectl     (default: found on PATH)
@@ -13,6 +14,7 @@
 #   SCAPE_LISTEN_HOST this node's address for the data plane (default: first of hostname -I)
 #   SCAPE_DATA_PORT   data-plane port, plus the rank        (default: 29600)
 #   SCAPE_ARGS        further scaped flags (--rho 0.01 --trainers 2 ...)
+#   SCAPE_CHECKPOINT_DIR, SCAPE_RESUME  read by scaped itself (checkpoint_dir, resume)
 set -euo pipefail
 : "${SLURM_JOB_ID:?run me inside a Slurm job step}"
 node=${SLURMD_NODENAME:-$(hostname -s)}
@@ -48,6 +50,9 @@ case "${1:-}" in
 daemon) daemon ;;
 wait) wait_ready "${2:-120}" ;;
 run) shift; exec "$@" ;;
+checkpoint) "$(bin scapectl)" --timeout-ms 5000 checkpoint --wait \
+               --wait-ms "$((${2:-240} * 1000))" ;;
 stop) "$(bin scapectl)" --timeout-ms 5000 shutdown || true ;;
-*) echo "usage: scape-node.sh daemon | wait SECONDS | run CMD... | stop" >&2; exit 64 ;;
+*) echo "usage: scape-node.sh daemon | wait SECONDS | run CMD... | checkpoint SECONDS | stop" >&2
+   exit 64 ;;
 esac

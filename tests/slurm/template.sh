@@ -3,7 +3,7 @@
 # per node (4 daemons, host backend over loopback), TRAINERS trainers per node
 # (trainer_c through libscape), SCAPE at rho 0.1.  The job's output must show
 # every trainer of every node finishing with the same parameters and a loss
-# that fell.  Usage: tests/slurm/template.sh BUILD_DIR [TRAINERS]   (root)
+# that fell.  Usage: tests/slurm/template.sh BUILD_DIR [TRAINERS [requeue]]   (root)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 build=$(cd "$1" && pwd)
@@ -16,6 +16,7 @@ cleanup() {
   trap - EXIT
   set +e
   [ "$rc" -ne 0 ] && [ -f "$DIR/job.out" ] && tail -n 40 "$DIR/job.out" >&2
+  [ "$rc" -ne 0 ] && [ -f "$DIR/requeue.out" ] && tail -n 60 "$DIR/requeue.out" >&2
   bash "$cluster" stop "$DIR" >/dev/null
   rm -rf "$DIR"
   exit "$rc"
@@ -33,6 +34,7 @@ export SCAPE_COORD_HOST=127.0.0.1 SCAPE_LISTEN_HOST=127.0.0.1 TRAINERS_PER_NODE=
 export SCAPE_RDV_PORT=$((30000 + RANDOM % 2000)) SCAPE_DATA_PORT=$((32000 + RANDOM % 2000))
 export SCAPE_ARGS="--rho 0.1 --warmup 5 --comm-timeout-ms 60000"
 export TRAINER_CMD="$build/tests/integration/trainer_c --n 4000 --steps $steps"
+export SCAPE_CHECKPOINT_DIR=$DIR/ckpt-plain
 timeout 300 sbatch --wait --nodes=4 --output="$DIR/job.out" --export=ALL \
   "$root/slurm/generic.sbatch" >/dev/null || fail "the job failed"
 
@@ -46,3 +48,41 @@ falling=$(grep -o "loss [0-9.]* -> [0-9.]*" "$DIR/job.out" |
 [ "$falling" -eq "$want" ] || fail "the loss fell for $falling of $want trainers"
 grep -q "scape: every daemon is up" "$DIR/job.out" || fail "the template did not report its daemons"
 echo "template: 4 nodes x $trainers trainers, identical parameters, loss falling: ok"
+[ "${3:-}" = requeue ] || exit 0
+
+# The same job, slowed down, gets SIGUSR1 part-way (as --signal=B:USR1@300
+# would send it), checkpoints, is requeued, resumes, and must end with the
+# uninterrupted job's parameters, bit for bit.
+plain=$(grep -o "params [0-9a-f]*" "$DIR/job.out" | sort -u)
+export SCAPE_CHECKPOINT_DIR=$DIR/ckpt-requeue
+export TRAINER_CMD="$TRAINER_CMD --sleep-ms 40"
+job=$(sbatch --parsable --nodes=4 --output="$DIR/requeue.out" --open-mode=append \
+      --export=ALL "$root/slurm/generic.sbatch") || fail "sbatch refused the job"
+deadline=$((SECONDS + 120))
+until grep -q "scape: every daemon is up" "$DIR/requeue.out" 2>/dev/null; do
+  [ "$SECONDS" -lt "$deadline" ] || fail "the job did not start its daemons"
+  sleep 0.5
+done
+sleep 2
+scancel --signal=USR1 --batch "$job" || fail "scancel --signal=USR1 failed"
+deadline=$((SECONDS + 300))
+while :; do
+  state=$(scontrol show job "$job" | grep -o "JobState=[A-Z_]*" | cut -d= -f2)
+  restarts=$(scontrol show job "$job" | grep -o "Restarts=[0-9]*" | cut -d= -f2)
+  case "$state" in
+  COMPLETED) break ;;
+  FAILED|CANCELLED|TIMEOUT|NODE_FAIL|OUT_OF_MEMORY) fail "the requeued job ended $state" ;;
+  esac
+  [ "$SECONDS" -lt "$deadline" ] || fail "the requeued job did not finish (state $state)"
+  sleep 1
+done
+[ "${restarts:-0}" -ge 1 ] || fail "the job was not requeued (Restarts=${restarts:-0})"
+grep -q "checkpoint written; requeueing" "$DIR/requeue.out" || fail "no checkpoint before the requeue"
+grep -q "resumes from" "$DIR/requeue.out" || fail "the second run did not resume"
+first=$(grep -o "steps [0-9]*..$steps done" "$DIR/requeue.out" | sort -u)
+[ "$(echo "$first" | wc -l)" -eq 1 ] || fail "trainers resumed at different steps: $first"
+case "$first" in "steps 1..$steps done") fail "the trainers started over at step 1" ;; esac
+resumed=$(grep -o "params [0-9a-f]*" "$DIR/requeue.out" | sort -u)
+[ "$(echo "$resumed" | wc -l)" -eq 1 ] || fail "the resumed trainers differ"
+[ "$resumed" = "$plain" ] || fail "resumed $resumed, uninterrupted $plain"
+echo "template: SIGUSR1 -> checkpoint -> requeue -> resume ($first), parameters equal to the uninterrupted job: ok"
