@@ -1,0 +1,251 @@
+/* bench_quality.c - does SCAPE train as well as dense AdamS?  The GPT of
+ * client/examples on the fortunes corpus, R ranks (threads on the local
+ * backend, one trainer each, each with its own data order), the same model
+ * seed, data seeds, schedule and steps for every optimizer:
+ * adamw, adams, scape at rho 0.1 and 0.01, topk-adamw at rho 0.01.
+ *
+ * Per optimizer it reports the final validation loss, the mean collective
+ * payload per step (from the comm counters, the mask all-gather included) and
+ * its ratio to dense AdamS's, and the wall time; and writes one CSV per
+ * optimizer (step, lr, mean train loss, val loss, bytes) for the plot.  It
+ * never fails on a figure: tests/bench/quality_report.py compares them with
+ * the targets and writes docs/benchmarks.md rows and the plot.
+ *
+ * usage: bench_quality --corpus FILE [--ranks R] [--out DIR] [--only NAME]
+ *                      [gpt_run options: --steps --lr --d --layers ...]
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "engine.h"
+#include "gpt_run.h"
+#include "../unit/rank_threads.h"
+
+#define MAX_RANKS 16
+
+typedef struct variant {
+    const char *name;
+    eng_optimizer opt;
+    double rho;
+} variant;
+
+static const variant s_variants[] = {
+    { "adamw", ENG_OPT_ADAMW, 1.0 },
+    { "adams", ENG_OPT_ADAMS, 1.0 },
+    { "scape-0.1", ENG_OPT_SCAPE, 0.1 },
+    { "scape-0.01", ENG_OPT_SCAPE, 0.01 },
+    { "topk-adamw-0.01", ENG_OPT_TOPK_ADAMW, 0.01 },
+};
+#define NVARIANTS (sizeof s_variants / sizeof s_variants[0])
+
+typedef struct shared {
+    const gpt_run *run;
+    const gpt_corpus *corpus;
+    const variant *v;
+    eng_tensor *layout;
+    int ntensors;
+    int ranks;
+    float *train_loss; /* [steps][ranks] */
+    double *val_loss;  /* [steps], NaN where not measured */
+    uint64_t *bytes;   /* [steps], rank 0's payload */
+} shared;
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static scape_rc rank_train(rank_arg *a)
+{
+    shared *sh = a->ctx;
+    const gpt_run *r = sh->run;
+    size_t n = gpt_num_params(&r->model), bt = (size_t)r->batch * (size_t)r->seq;
+    float *p = malloc(n * sizeof *p), *g = malloc(n * sizeof *g);
+    int *x = malloc(bt * sizeof *x), *y = malloc(bt * sizeof *y);
+    gpt_work *w = gpt_work_new(&r->model, r->batch, r->seq);
+    eng_t *e = NULL;
+    scape_rc rc = p && g && x && y && w ? SCAPE_OK
+                                        : scape_set_error(SCAPE_NOMEM, "out of memory");
+    eng_config cfg;
+    eng_config_default(&cfg);
+    cfg.optimizer = sh->v->opt;
+    cfg.rho = sh->v->rho;
+    cfg.mode = ENG_MODE_SHARDED;
+    cfg.warmup = 10;
+    eng_layout lay = { sh->layout, (size_t)sh->ntensors, KERN_F32, KERN_F32 };
+    if (rc == SCAPE_OK) {
+        gpt_init(&r->model, p, r->model_seed);
+        rc = eng_create(&e, &cfg, &lay, a->comm, 1);
+    }
+    if (rc == SCAPE_OK)
+        rc = eng_init_params(e, (void *const *)&p);
+    uint64_t seed = r->seed + 1000u * (uint64_t)a->rank;
+    for (uint64_t t = 1; rc == SCAPE_OK && t <= r->steps; t++) {
+        if (gpt_run_batch(r, sh->corpus, seed, t, x, y) != 0) {
+            rc = scape_set_error(SCAPE_INVALID, "the training split is shorter than --seq");
+            break;
+        }
+        float l = gpt_forward_backward(&r->model, w, p, g, x, y, r->batch, r->seq);
+        sh->train_loss[(t - 1) * (uint64_t)sh->ranks + (uint64_t)a->rank] = l;
+        const void *gs[1] = { g };
+        rc = eng_step(e, t, gpt_run_lr(r, t), gs, (void *const *)&p);
+        if (rc != SCAPE_OK || a->rank != 0)
+            continue;
+        eng_step_stats st;
+        eng_last_stats(e, &st);
+        uint64_t b = 0;
+        for (int op = 0; op < COMM_OP_COUNT; op++)
+            b += st.comm.bytes[op];
+        sh->bytes[t - 1] = b;
+        int eval = (r->eval_every && t % r->eval_every == 0) || t == r->steps;
+        sh->val_loss[t - 1] = eval ? gpt_run_val_loss(r, sh->corpus, w, p, x, y) : NAN;
+        if (eval) {
+            fprintf(stderr, "\r  %-16s step %llu/%llu  val %.4f", sh->v->name,
+                    (unsigned long long)t, (unsigned long long)r->steps, sh->val_loss[t - 1]);
+            fflush(stderr);
+        }
+    }
+    eng_destroy(&e);
+    gpt_work_free(w);
+    free(p);
+    free(g);
+    free(x);
+    free(y);
+    return rc;
+}
+
+static int write_csv(const char *dir, const shared *sh)
+{
+    char path[1024];
+    snprintf(path, sizeof path, "%s/quality-%s.csv", dir, sh->v->name);
+    FILE *f = fopen(path, "w");
+    if (f == NULL) {
+        perror(path);
+        return 1;
+    }
+    fprintf(f, "step,lr,loss,val_loss,bytes\n");
+    for (uint64_t t = 1; t <= sh->run->steps; t++) {
+        double mean = 0.0;
+        for (int q = 0; q < sh->ranks; q++)
+            mean += sh->train_loss[(t - 1) * (uint64_t)sh->ranks + (uint64_t)q];
+        fprintf(f, "%llu,%.6g,%.6f,%.6f,%llu\n", (unsigned long long)t,
+                (double)gpt_run_lr(sh->run, t), mean / sh->ranks, sh->val_loss[t - 1],
+                (unsigned long long)sh->bytes[t - 1]);
+    }
+    return fclose(f) != 0;
+}
+
+int main(int argc, char **argv)
+{
+    gpt_run run;
+    gpt_run_defaults(&run);
+    run.steps = 3000;
+    run.eval_every = 250;
+    run.eval_batches = 16;
+    int ranks = 4;
+    const char *out = ".", *only = NULL;
+    for (int i = 1; i < argc; i++) {
+        int took = gpt_run_option(&run, argc, argv, &i);
+        if (took < 0)
+            return 2;
+        if (took)
+            continue;
+        if (i + 1 < argc && !strcmp(argv[i], "--ranks")) ranks = atoi(argv[++i]);
+        else if (i + 1 < argc && !strcmp(argv[i], "--out")) out = argv[++i];
+        else if (i + 1 < argc && !strcmp(argv[i], "--only")) only = argv[++i];
+        else {
+            fprintf(stderr, "usage: bench_quality --corpus FILE [--ranks R] [--out DIR] "
+                            "[--only NAME] [options]\n%s", gpt_run_usage());
+            return 2;
+        }
+    }
+    if (run.corpus == NULL || ranks < 1 || ranks > MAX_RANKS) {
+        fprintf(stderr, "bench_quality: --corpus is required; --ranks in [1, %d]\n", MAX_RANKS);
+        return 2;
+    }
+    gpt_corpus corpus;
+    char err[256];
+    if (gpt_corpus_load(run.corpus, &corpus, err, sizeof err) != 0) {
+        fprintf(stderr, "bench_quality: %s\n", err);
+        return 1;
+    }
+    run.model.vocab = corpus.vocab;
+    if (run.seq > run.model.ctx)
+        run.seq = run.model.ctx;
+    int nt = gpt_layout(&run.model, NULL, 0);
+    if (nt <= 0) {
+        fprintf(stderr, "bench_quality: invalid model shape\n");
+        return 2;
+    }
+    gpt_tensor *gt = calloc((size_t)nt, sizeof *gt);
+    eng_tensor *lay = calloc((size_t)nt, sizeof *lay);
+    float *tl = calloc(run.steps * (uint64_t)ranks, sizeof *tl);
+    double *vl = calloc(run.steps, sizeof *vl);
+    uint64_t *by = calloc(run.steps, sizeof *by);
+    if (!gt || !lay || !tl || !vl || !by) {
+        fprintf(stderr, "bench_quality: out of memory\n");
+        return 1;
+    }
+    gpt_layout(&run.model, gt, nt);
+    for (int i = 0; i < nt; i++)
+        lay[i] = (eng_tensor){ gt[i].name, gt[i].offset, gt[i].length };
+    size_t n = gpt_num_params(&run.model);
+    printf("bench_quality: GPT d=%d layers=%d heads=%d ctx=%d vocab=%d, N=%zu; %d ranks x "
+           "batch %d x seq %d; %llu steps, lr %g (warm-up %llu, cosine), sharded, W=10; "
+           "corpus %zu train / %zu val tokens\n",
+           run.model.d, run.model.layers, run.model.heads, run.model.ctx, run.model.vocab, n,
+           ranks, run.batch, run.seq, (unsigned long long)run.steps, (double)run.lr,
+           (unsigned long long)run.lr_warmup, corpus.n_train, corpus.n_val);
+    printf("%-16s %10s %10s %14s %9s %9s\n", "optimizer", "val loss", "train loss",
+           "bytes/step", "of adams", "wall s");
+    double adams_bytes = 4.0 * (double)n * 2.0; /* dense sharded: reduce-scatter + all-gather */
+    int rc = 0;
+    for (size_t v = 0; v < NVARIANTS && rc == 0; v++) {
+        if (only && strcmp(only, s_variants[v].name) != 0)
+            continue;
+        shared sh = { &run, &corpus, &s_variants[v], lay, nt, ranks, tl, vl, by };
+        rank_arg args[MAX_RANKS];
+        double t0 = now_s();
+        if (run_ranks(ranks, rank_train, &sh, args) != 0) {
+            fprintf(stderr, "bench_quality: cannot start the ranks\n");
+            return 1;
+        }
+        double wall = now_s() - t0;
+        fprintf(stderr, "\r\033[K");
+        for (int r = 0; r < ranks; r++)
+            if (args[r].rc != SCAPE_OK) {
+                fprintf(stderr, "bench_quality: %s rank %d: %s\n", s_variants[v].name, r,
+                        args[r].err);
+                rc = 1;
+            }
+        if (rc)
+            break;
+        double sum = 0.0, tail = 0.0;
+        uint64_t from = run.steps > 100 ? run.steps - 100 : 0;
+        for (uint64_t t = 0; t < run.steps; t++) {
+            sum += (double)by[t];
+            if (t >= from)
+                for (int q = 0; q < ranks; q++)
+                    tail += tl[t * (uint64_t)ranks + (uint64_t)q];
+        }
+        double mean_bytes = sum / (double)run.steps;
+        printf("%-16s %10.4f %10.4f %14.0f %8.2f%% %9.1f\n", s_variants[v].name,
+               vl[run.steps - 1], tail / (double)((run.steps - from) * (uint64_t)ranks),
+               mean_bytes, 100.0 * mean_bytes / adams_bytes, wall);
+        fflush(stdout);
+        rc = write_csv(out, &sh);
+    }
+    free(gt);
+    free(lay);
+    free(tl);
+    free(vl);
+    free(by);
+    gpt_corpus_free(&corpus);
+    return rc;
+}
