@@ -1,15 +1,106 @@
 #!/usr/bin/env bash
-# The README's main command.  Until the training demo exists it builds scaped
-# and runs the kernel benchmark, which prints per-operation bandwidth against
-# a memcpy measured in the same run and the top-k speedup over sorting.
-# Usage: deploy/demo.sh [bench_kernels flags, e.g. --quick]
+# The README's main command: set up, build, and train a small GPT on the
+# fortunes corpus with a local group of 2 scaped daemons (host backend over
+# loopback TCP, sharded) and 2 trainer processes on each: first SCAPE at
+# rho 0.01, then dense AdamS with the same model, data and seeds.  Shows a
+# progress bar, prints a closing table and writes a plot (SVG).
+#
+# Usage: deploy/demo.sh [--steps N] [--rho X]      (STEPS, RHO in the environment too)
+# While it runs, `build-demo/client/scapectl --runtime-dir DIR watch` (the
+# directory is printed) follows a daemon from another terminal.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
+STEPS=${STEPS:-300}
+RHO=${RHO:-0.01}
+while [ $# -gt 0 ]; do
+  case "$1" in
+  --steps) STEPS=$2; shift 2 ;;
+  --rho) RHO=$2; shift 2 ;;
+  *) echo "usage: deploy/demo.sh [--steps N] [--rho X]" >&2; exit 64 ;;
+  esac
+done
+
 bash deploy/setup.sh
-echo "==> build (Release)"
-cmake -S . -B build-demo -DCMAKE_BUILD_TYPE=Release -DSCAPE_CUDA="${SCAPE_CUDA:-AUTO}" >build-demo.configure.log 2>&1 ||
-  { cat build-demo.configure.log; exit 1; }
-cmake --build build-demo -j"$(nproc)" --target bench_kernels
-echo "==> kernel benchmark"
-./build-demo/tests/bench/bench_kernels "$@"
+echo "==> build (Release) in build-demo"
+cmake -S . -B build-demo -DCMAKE_BUILD_TYPE=Release -DSCAPE_CUDA="${SCAPE_CUDA:-AUTO}" \
+  >build-demo.configure.log 2>&1 || { cat build-demo.configure.log; exit 1; }
+cmake --build build-demo -j"$(nproc)" --target scaped scapectl gpt_train >build-demo.build.log 2>&1 ||
+  { tail -n 40 build-demo.build.log; exit 1; }
+
+out=$root/build-demo/demo
+mkdir -p "$out"
+corpus=$out/fortunes.txt
+bash client/examples/fortunes-corpus.sh "$corpus"
+# Runtime directories hold ipc:// sockets, whose paths must stay short.
+rt=$(mktemp -d /tmp/scape-demo.XXXXXX)
+pids=()
+cleanup() {
+  local rc=$?
+  trap - EXIT INT TERM
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$rt"
+  [ "$rc" -eq 0 ] || echo "demo: failed; logs are in $out" >&2
+  exit "$rc"
+}
+trap cleanup EXIT INT TERM
+
+free_port() {
+  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+ctl() { build-demo/client/scapectl --runtime-dir "$1" "${@:2}"; }
+
+# run_group NAME SCAPED-FLAGS...: 2 daemons x 2 trainers; trainer 0 of rank 0
+# reports (validation loss, CSV log, progress bar).
+run_group() {
+  local name=$1; shift
+  local coord; coord="tcp://127.0.0.1:$(free_port)"
+  pids=()
+  for r in 0 1; do
+    build-demo/daemon/scaped --runtime-dir "$rt/$name-$r" --world 2 --rank "$r" \
+      --coordinator "$coord" --listen "tcp://127.0.0.1:$(free_port)" --job $$ \
+      --trainers 2 --mode sharded --log-level warn "$@" >"$out/$name-scaped-$r.log" 2>&1 &
+    pids+=($!)
+  done
+  for r in 0 1; do
+    local deadline=$((SECONDS + 60))
+    until ctl "$rt/$name-$r" --timeout-ms 1000 status >/dev/null 2>&1; do
+      [ "$SECONDS" -lt "$deadline" ] || { cat "$out/$name-scaped-$r.log" >&2; exit 1; }
+      sleep 0.2
+    done
+  done
+  echo "    watch it: build-demo/client/scapectl --runtime-dir $rt/$name-0 watch"
+  local trainers=()
+  for r in 0 1; do
+    for j in 0 1; do
+      local extra=()
+      [ "$r$j" = 00 ] && extra=(--report --progress --log "$out/$name.csv")
+      build-demo/client/examples/gpt_train --endpoint "ipc://$rt/$name-$r/control" \
+        --index "$j" --corpus "$corpus" --steps "$STEPS" --seed $((1 + 1000 * r + j)) \
+        "${extra[@]}" >"$out/$name-trainer-$r-$j.log" 2>"$out/$name-trainer-$r-$j.err" &
+      trainers+=($!)
+    done
+  done
+  tail -f -n +1 "$out/$name-trainer-0-0.err" --pid "${trainers[0]}" 2>/dev/null &
+  local tailer=$! failed=0
+  for p in "${trainers[@]}"; do wait "$p" || failed=1; done
+  wait "$tailer" 2>/dev/null || true
+  if [ "$failed" = 1 ]; then
+    tail -n 5 "$out/$name"-trainer-*.err "$out/$name"-scaped-*.log >&2
+    exit 1
+  fi
+  for r in 0 1; do ctl "$rt/$name-$r" shutdown >/dev/null; done
+  for p in "${pids[@]}"; do wait "$p"; done
+  pids=()
+}
+
+echo "==> SCAPE, rho $RHO: 2 daemons x 2 trainers, $STEPS steps (GPT d=64, 2 layers, fortunes)"
+run_group scape --optimizer scape --rho "$RHO" --warmup 10
+echo "==> dense AdamS, the same model, data and seeds (the baseline)"
+run_group adams --optimizer adams
+echo "==> results"
+python3 client/examples/demo_report.py --svg "$out/demo.svg" \
+  "scape rho=$RHO=$out/scape.csv" "dense adams=$out/adams.csv"
+echo "logs: $out"

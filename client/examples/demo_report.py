@@ -1,0 +1,84 @@
+#!/usr/bin/env python3
+"""demo_report.py - the demo's closing table and plot, from the CSV logs the
+reporting trainer of each run wrote (client/examples/gpt_train.c --log).
+
+usage: demo_report.py --svg OUT.svg NAME=LOG.csv [NAME=LOG.csv ...]
+The first run is compared with the last (the dense baseline)."""
+import argparse
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import scape_plot  # noqa: E402
+
+
+def last_finite(xs):
+    for x in reversed(xs):
+        if math.isfinite(x):
+            return x
+    return float("nan")
+
+
+def median(xs):
+    s = sorted(xs)
+    return s[len(s) // 2]
+
+
+def human(b):
+    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if b >= scale:
+            return "%.1f %s" % (b / scale, unit)
+    return "%.0f B" % b
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--svg", required=True)
+    ap.add_argument("runs", nargs="+", metavar="NAME=LOG.csv")
+    a = ap.parse_args()
+    runs = []
+    for spec in a.runs:
+        name, _, path = spec.rpartition("=")
+        runs.append((name, scape_plot.read_log(path)))
+    dense_bytes = median(runs[-1][1]["bytes"])
+
+    rows = []
+    for name, log in runs:
+        steps = len(log["step"])
+        tail = log["loss"][-max(1, steps // 10):]
+        per_step = median(log["bytes"])
+        wall = log["wall_s"][-1]
+        rows.append((name, int(log["step"][-1]), sum(tail) / len(tail),
+                     last_finite(log["val_loss"]), human(per_step),
+                     100.0 * per_step / dense_bytes, human(sum(log["bytes"])), wall,
+                     steps / wall if wall > 0 else float("nan")))
+    head = ("run", "steps", "train loss", "val loss", "sent/step", "of dense", "total sent",
+            "wall s", "step/s")
+    fmt = "%-20s %6s %10s %9s %11s %9s %11s %7s %7s"
+    print(fmt % head)
+    for r in rows:
+        print(fmt % (r[0], r[1], "%.4f" % r[2], "%.4f" % r[3], r[4], "%.2f%%" % r[5], r[6],
+                     "%.1f" % r[7], "%.1f" % r[8]))
+    print("train loss: mean of the last 10% of steps (reporting trainer); val loss: the "
+          "validation split at the end;\nsent/step: median collective payload per step "
+          "(per daemon, mask all-gather included); total sent: all steps, dense warm-up "
+          "included.")
+
+    loss, sent = [], []
+    for i, (name, log) in enumerate(runs):
+        dashed = i == len(runs) - 1
+        sm = scape_plot.smooth(log["loss"], 10)
+        loss.append((name + " train", scape_plot.finite(log["step"], sm), dashed))
+        sent.append((name, scape_plot.finite(log["step"], log["bytes"]), dashed))
+    for name, log in runs:
+        loss.append((name + " val", scape_plot.finite(log["step"], log["val_loss"]), True))
+    scape_plot.write_svg(a.svg, [
+        scape_plot.panel("Loss", "step", "cross-entropy (nats)", loss),
+        scape_plot.panel("Bytes sent per step", "step", "collective payload", sent, log=True),
+    ])
+    print("plot: %s" % a.svg)
+
+
+if __name__ == "__main__":
+    main()
