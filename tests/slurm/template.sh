@@ -86,3 +86,21 @@ resumed=$(grep -o "params [0-9a-f]*" "$DIR/requeue.out" | sort -u)
 [ "$(echo "$resumed" | wc -l)" -eq 1 ] || fail "the resumed trainers differ"
 [ "$resumed" = "$plain" ] || fail "resumed $resumed, uninterrupted $plain"
 echo "template: SIGUSR1 -> checkpoint -> requeue -> resume ($first), parameters equal to the uninterrupted job: ok"
+
+# A corrupted checkpoint: one flipped byte in rank 2's file.  The job that
+# would resume from it fails at start-up with the reason, and the files on
+# disk stay as they were.
+latest=$SCAPE_CHECKPOINT_DIR/$(cat "$SCAPE_CHECKPOINT_DIR/LATEST")
+victim=$latest/rank-00002.ckpt
+size=$(stat -c %s "$victim")
+printf '\x5a' | dd of="$victim" bs=1 seek=$((size / 2)) conv=notrunc 2>/dev/null
+before=$(cd "$SCAPE_CHECKPOINT_DIR" && find . -type f -exec sha256sum {} + | sort)
+if timeout 300 sbatch --wait --nodes=4 --output="$DIR/corrupt.out" --export=ALL \
+     "$root/slurm/generic.sbatch" >/dev/null 2>&1; then
+  fail "a job resumed from a corrupted checkpoint"
+fi
+grep -q "rank-00002.ckpt: section '[a-z_]*' checksum mismatch" "$DIR/corrupt.out" ||
+  { tail -n 30 "$DIR/corrupt.out" >&2; fail "the refusal does not give its reason"; }
+after=$(cd "$SCAPE_CHECKPOINT_DIR" && find . -type f -exec sha256sum {} + | sort)
+[ "$before" = "$after" ] || fail "the refused resume changed the checkpoint directory"
+echo "template: a corrupted checkpoint is refused with its reason, the files untouched: ok"
