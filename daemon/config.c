@@ -49,6 +49,25 @@ typedef struct cfg_key {
 static scape_rc parse_log_level(const char *s, void *f) { return log_level_parse(s, f); }
 static scape_rc parse_optimizer(const char *s, void *f) { return eng_optimizer_parse(s, f); }
 static scape_rc parse_mode(const char *s, void *f) { return eng_mode_parse(s, f); }
+static scape_rc parse_backend(const char *s, void *f) { return comm_backend_parse(s, f); }
+
+static const char *const s_backend_names[COMM_BACKEND_COUNT] = { "host", "nccl" };
+
+const char *comm_backend_name(comm_backend b)
+{
+    return (unsigned)b < COMM_BACKEND_COUNT ? s_backend_names[b] : "?";
+}
+
+scape_rc comm_backend_parse(const char *s, comm_backend *out)
+{
+    for (int i = 0; s && out && i < COMM_BACKEND_COUNT; i++)
+        if (strcmp(s, s_backend_names[i]) == 0) {
+            *out = (comm_backend)i;
+            return SCAPE_OK;
+        }
+    return scape_set_error(SCAPE_INVALID, "unknown comm_backend '%s' (host, nccl)",
+                           s ? s : "(null)");
+}
 
 static const char *name_log_level(const void *f)
 {
@@ -59,6 +78,10 @@ static const char *name_optimizer(const void *f)
     return eng_optimizer_name(*(const eng_optimizer *)f);
 }
 static const char *name_mode(const void *f) { return eng_mode_name(*(const eng_mode *)f); }
+static const char *name_backend(const void *f)
+{
+    return comm_backend_name(*(const comm_backend *)f);
+}
 
 #define OFF(field) offsetof(scaped_config, field)
 
@@ -112,6 +135,11 @@ static const cfg_key s_keys[] = {
     { .name = "comm_timeout_ms", .type = KT_INT, .offset = OFF(comm_timeout_ms), .min = 100,
       .max = 3600000, .def = "300000",
       .doc = "longest wait for another daemon, ms (rendezvous and every collective)" },
+    { .name = "comm_backend", .type = KT_ENUM, .offset = OFF(backend), .parse = parse_backend,
+      .name_of = name_backend, .def = "host",
+      .doc = "between daemons: host (ZeroMQ TCP) or nccl (the node's GPU)" },
+    { .name = "cuda_device", .type = KT_INT, .offset = OFF(cuda_device), .min = 0, .max = 63,
+      .def = "0", .doc = "CUDA device of the nccl backend" },
     { .name = "checkpoint_dir", .type = KT_STRING, .offset = OFF(checkpoint_dir),
       .size = sizeof ((scaped_config *)0)->checkpoint_dir, .def = "",
       .doc = "directory of checkpoints, shared by the job's daemons (\"\" = none)" },

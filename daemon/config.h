@@ -18,6 +18,15 @@
 #include "engine.h"
 #include "log.h"
 
+typedef enum comm_backend {
+    COMM_BACKEND_HOST = 0, /* ZeroMQ over TCP between daemons, host memory */
+    COMM_BACKEND_NCCL,     /* NCCL on the daemon's GPU */
+    COMM_BACKEND_COUNT
+} comm_backend;
+
+const char *comm_backend_name(comm_backend b);
+scape_rc comm_backend_parse(const char *s, comm_backend *out);
+
 typedef struct scaped_config {
     char runtime_dir[256];      /* "" = default (resolved later by the daemon) */
     log_level log_level;        /* default info */
@@ -32,6 +41,8 @@ typedef struct scaped_config {
     char listen[256];           /* this daemon's data-plane endpoint (world > 1) */
     uint32_t job;               /* job id; daemons of other jobs are refused */
     int comm_timeout_ms;        /* longest wait for another daemon */
+    comm_backend backend;       /* host (default) or nccl */
+    int cuda_device;            /* the GPU the nccl backend uses, 0..63 */
     char checkpoint_dir[512];   /* where checkpoints go; "" = none */
     uint32_t checkpoint_every;  /* take one every this many steps; 0 = on request */
     int checkpoint_keep;        /* complete checkpoints kept, 1..1000, default 2 */

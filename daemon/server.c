@@ -19,10 +19,12 @@
 #include <zmq.h>
 
 #include "comm_host.h"
+#include "comm_nccl.h"
 #include "log.h"
 #include "rendezvous.h"
 #include "scape_wire.h"
 #include "server_internal.h"
+#include "try.h"
 
 static volatile sig_atomic_t s_stop;
 
@@ -130,15 +132,51 @@ static scape_rc open_socket(server *s, void **sock, int type, const char *name, 
     return SCAPE_OK;
 }
 
+/* The nccl backend: rank 0 makes the communicators' ids, the rendezvous
+ * hands them out (with one daemon there is nobody to meet). */
+static scape_rc open_nccl(server *s)
+{
+    const scaped_config *c = &s->cfg;
+    comm_nccl_opts o = { .rank = c->rank, .size = c->world, .device = c->cuda_device,
+                         .timeout_ms = c->comm_timeout_ms };
+    if (c->rank == 0)
+        TRY(comm_nccl_make_ids(o.ids, sizeof o.ids));
+    if (c->world > 1) {
+        if (!c->coordinator[0])
+            return scape_set_error(SCAPE_INVALID, "world %d needs a coordinator endpoint",
+                                   c->world);
+        rdv_opts ro = { .rank = c->rank, .world = c->world, .coordinator = c->coordinator,
+                        .endpoint = c->listen[0] ? c->listen : "nccl", .job = c->job,
+                        .timeout_ms = c->comm_timeout_ms, .blob = o.ids,
+                        .blob_len = sizeof o.ids };
+        rdv_result r;
+        TRY(rdv_run(&ro, &r));
+        int ok = r.blob_len == sizeof o.ids;
+        if (ok)
+            memcpy(o.ids, r.blob, sizeof o.ids);
+        rdv_result_free(&r);
+        if (!ok)
+            return scape_set_error(SCAPE_PROTO, "rendezvous: rank 0 sent no NCCL ids (is it "
+                                   "running comm_backend host?)");
+    }
+    LOG_INFO(SUB_COMM, "joining the NCCL communicators: rank %d of %d on CUDA device %d",
+             c->rank, c->world, c->cuda_device);
+    TRY(comm_nccl_create(&o, &s->comm));
+    LOG_INFO(SUB_COMM, "connected over NCCL");
+    return SCAPE_OK;
+}
+
 /* One daemon: the local backend with one rank.  Several: meet the others at
- * the rendezvous, then talk to them over the host backend. */
+ * the rendezvous, then talk to them over the host backend (or NCCL). */
 static scape_rc open_comm(server *s)
 {
     const scaped_config *c = &s->cfg;
-    if (c->world == 1)
-        return comm_local_create(1, &s->comm);
     if (c->rank >= c->world)
         return scape_set_error(SCAPE_INVALID, "rank %d is outside world %d", c->rank, c->world);
+    if (c->backend == COMM_BACKEND_NCCL)
+        return open_nccl(s);
+    if (c->world == 1)
+        return comm_local_create(1, &s->comm);
     if (!c->coordinator[0] || !c->listen[0])
         return scape_set_error(SCAPE_INVALID, "world %d needs coordinator and listen endpoints",
                                c->world);

@@ -47,13 +47,14 @@ build_cmake() {
     command -v cmake >/dev/null 2>&1 || return 1
     if ! cmake -S . -B "$BUILD" -DSCAPE_CUDA=ON -DCMAKE_BUILD_TYPE=Release \
         -DCMAKE_CUDA_COMPILER="$NVCC" >"$LOGS/cmake.txt" 2>&1 ||
-        ! cmake --build "$BUILD" -j "$(nproc)" --target gpu_check gpu_bench \
-            >>"$LOGS/cmake.txt" 2>&1; then
+        ! cmake --build "$BUILD" -j "$(nproc)" --target gpu_check gpu_bench gpu_nccl \
+            scaped trainer_c reference >>"$LOGS/cmake.txt" 2>&1; then
         echo "run.sh: CMake build failed, falling back to nvcc + cc (see $LOGS/cmake.txt)"
         tail -n 5 "$LOGS/cmake.txt"
         return 1
     fi
     BIN=$BUILD/tests/gpu
+    DAEMON=$BUILD/daemon/scaped
     HOW="cmake (Release)"
 }
 
@@ -62,7 +63,7 @@ cc_one() {
     local obj
     obj="$OBJ/$(basename "${1%.c}").o"
     "$CC" -std=c11 -O2 -Wall -Wextra -ffp-contract=off -DSCAPE_HAVE_CUDA=1 \
-        -Ikernels -Itests/gpu -I"$CUDA_HOME/include" -c "$1" -o "$obj" || return 1
+        -Ikernels -Itests/gpu -I"$CUDA_HOME/include" "${@:2}" -c "$1" -o "$obj" || return 1
     echo "$obj"
 }
 
@@ -84,6 +85,16 @@ build_direct() {
     lib+=("$OBJ/cuda_kernels.o")
     "$NVCC" -o "$OBJ/gpu_check" "${check[@]}" "${lib[@]}" -lm || die "linking gpu_check failed"
     "$NVCC" -o "$OBJ/gpu_bench" "${bench[@]}" "${lib[@]}" -lm || die "linking gpu_bench failed"
+    # gpu_nccl: the engine and the local and nccl backends (no ZeroMQ needed).
+    local eng=()
+    for src in daemon/engine.c daemon/engine_step.c daemon/engine_inspect.c \
+               daemon/engine_ckpt.c daemon/plan.c daemon/comm.c daemon/comm_local.c \
+               daemon/comm_nccl.c tests/gpu/gpu_nccl.c; do
+        eng+=("$(cc_one "$src" -Idaemon)") || die "compiling $src failed"
+    done
+    "$NVCC" -o "$OBJ/gpu_nccl" "${eng[@]}" "${lib[@]}" -L"$CUDA_HOME/lib64" \
+        -Xlinker -rpath -Xlinker "$CUDA_HOME/lib64" -lnccl -lpthread -lm ||
+        die "linking gpu_nccl failed"
     BIN=$OBJ
     HOW="direct (nvcc + $(basename "$CC"))"
 }
@@ -104,6 +115,41 @@ run_bench() {
     fi
 }
 
+# The nccl backend with one rank: its collectives and the engine on it
+# (gpu_nccl), then a whole scaped on it with two trainer processes, whose
+# parameters must equal the in-process reference's bit for bit.
+run_nccl() {
+    NCCL_STATUS="not run"
+    "$BIN/gpu_nccl" | tee "$LOGS/gpu_nccl.txt"
+    NCCL_RC=${PIPESTATUS[0]}
+    [ "$NCCL_RC" -eq 77 ] && { NCCL_RC=0; NCCL_STATUS="skipped"; return; }
+    NCCL_STATUS=$(tail -n 1 "$LOGS/gpu_nccl.txt")
+    [ -n "${DAEMON:-}" ] || { NCCL_STATUS="$NCCL_STATUS; daemon: not built (direct build)"; return; }
+    local rt ti=$BUILD/tests/integration
+    rt=$(mktemp -d /tmp/scape-gpu.XXXXXX)
+    "$DAEMON" --runtime-dir "$rt/rt" --comm-backend nccl --trainers 2 --rho 0.01 --warmup 3 \
+        >"$LOGS/scaped_nccl.txt" 2>&1 &
+    local dpid=$!
+    for _ in $(seq 100); do [ -S "$rt/rt/control" ] && break; sleep 0.1; done
+    local ok=1 tp=()
+    for i in 0 1; do
+        "$ti/trainer_c" --endpoint "ipc://$rt/rt/control" --index "$i" --n 1000000 \
+            --steps 100 --out "$rt/t$i" >"$LOGS/trainer_$i.txt" 2>&1 &
+        tp+=($!)
+    done
+    for p in "${tp[@]}"; do wait "$p" || ok=0; done
+    kill "$dpid" 2>/dev/null; wait "$dpid"
+    "$ti/reference" --trainers 2 --n 1000000 --steps 100 --rho 0.01 --warmup 3 \
+        --out "$rt/ref" >"$LOGS/reference.txt" 2>&1 || ok=0
+    if [ "$ok" = 1 ] && cmp -s "$rt/t0" "$rt/ref" && cmp -s "$rt/t1" "$rt/ref"; then
+        NCCL_STATUS="$NCCL_STATUS; scaped on nccl, 2 trainers, 100 steps == reference: ok"
+    else
+        NCCL_STATUS="$NCCL_STATUS; scaped on nccl vs reference: FAIL (see $LOGS)"
+        NCCL_RC=1
+    fi
+    rm -rf "$rt"
+}
+
 print_summary() {
     local gpu status
     gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -n 1)
@@ -115,6 +161,7 @@ print_summary() {
     echo "gpu       : $gpu (nvcc $("$NVCC" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'))"
     echo "build     : $HOW"
     echo "check     : ${status:-gpu_check exited with status $CHECK_RC}"
+    echo "nccl      : ${NCCL_STATUS:-not run}"
     awk '$1 != "BENCH" { next }
          !($2 in seen) { seen[$2] = 1; order[++nops] = $2 }
          { gbs[$3, $2] = $5; pct[$3, $2] = $6; if ($3 > max) max = $3 }
@@ -145,5 +192,6 @@ mkdir -p "$LOGS"
 build_cmake || build_direct
 run_check
 run_bench
+run_nccl
 print_summary
-[ "$CHECK_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ]
+[ "$CHECK_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$NCCL_RC" -eq 0 ]

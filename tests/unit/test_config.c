@@ -12,7 +12,7 @@
 
 #include "config.h"
 
-#define NKEYS 24
+#define NKEYS 26
 
 /* Every key with a valid value other than its default. */
 static const struct {
@@ -38,6 +38,8 @@ static const struct {
     { "listen", "tcp://node3:29602" },
     { "job", "4242" },
     { "comm_timeout_ms", "5000" },
+    { "comm_backend", "nccl" },
+    { "cuda_device", "3" },
     { "checkpoint_dir", "/scratch/ck points" },
     { "checkpoint_every", "500" },
     { "checkpoint_keep", "3" },
@@ -66,6 +68,8 @@ static void check_full(const scaped_config *c)
     ck_assert_str_eq(c->listen, "tcp://node3:29602");
     ck_assert_uint_eq(c->job, 4242);
     ck_assert_int_eq(c->comm_timeout_ms, 5000);
+    ck_assert_int_eq(c->backend, COMM_BACKEND_NCCL);
+    ck_assert_int_eq(c->cuda_device, 3);
     ck_assert_str_eq(c->checkpoint_dir, "/scratch/ck points");
     ck_assert_uint_eq(c->checkpoint_every, 500);
     ck_assert_int_eq(c->checkpoint_keep, 3);
@@ -95,6 +99,8 @@ static void check_same(const scaped_config *a, const scaped_config *b)
     ck_assert_str_eq(a->listen, b->listen);
     ck_assert_uint_eq(a->job, b->job);
     ck_assert_int_eq(a->comm_timeout_ms, b->comm_timeout_ms);
+    ck_assert_int_eq(a->backend, b->backend);
+    ck_assert_int_eq(a->cuda_device, b->cuda_device);
     ck_assert_str_eq(a->checkpoint_dir, b->checkpoint_dir);
     ck_assert_uint_eq(a->checkpoint_every, b->checkpoint_every);
     ck_assert_int_eq(a->checkpoint_keep, b->checkpoint_keep);
@@ -498,7 +504,8 @@ START_TEST(print_format)
         "weight_decay: 0",    "max_trainers: 64",      "max_message_bytes: 1048576",
         "liveness_ms: 200",   "trainers: 0",           "world: 1",
         "rank: 0",            "coordinator: \"\"",       "listen: \"\"",
-        "job: 0",             "comm_timeout_ms: 300000",
+        "job: 0",             "comm_timeout_ms: 300000", "comm_backend: host",
+        "cuda_device: 0",
         "checkpoint_dir: \"\"", "checkpoint_every: 0",    "checkpoint_keep: 2",
         "resume: \"\"",
     };
