@@ -11,6 +11,7 @@
 #include "plan.h"
 #include "scape_wire.h"
 #include "server_internal.h"
+#include "try.h"
 
 #define SCAPED_VERSION "0.1.0"
 #define MAX_TENSORS (1u << 20)
@@ -170,33 +171,58 @@ static scape_rc agree_layout(server *s, const eng_tensor *ts, size_t nt, kern_dt
     return SCAPE_OK;
 }
 
-static scape_rc map_buffers(const Scape__Register *g, size_t numel, kern_dtype pdt,
-                            kern_dtype gdt, trainer *t)
+/* One buffer: host shared memory by name, or a CUDA IPC handle. */
+static scape_rc map_one(const server *s, const Scape__MemHandle *h, size_t need,
+                        const char *what, shm_map *m)
 {
-    const Scape__MemHandle *h[2] = { g->params, g->grads };
-    for (int i = 0; i < 2; i++)
-        if (h[i]->kind != SCAPE__MEM_KIND__SHM)
-            return scape_set_error(SCAPE_UNSUPPORTED,
-                                   "register: CUDA IPC buffers are not supported by this "
-                                   "scaped (host shared memory only)");
-    scape_rc rc = shm_map_open(&t->params, g->params->shm_name, (size_t)g->params->bytes,
-                               numel * kern_dtype_size(pdt), "params");
+    if (h->kind == SCAPE__MEM_KIND__SHM)
+        return shm_map_open(m, h->shm_name, (size_t)h->bytes, need, what);
+    if (h->kind != SCAPE__MEM_KIND__CUDA_IPC)
+        return scape_set_error(SCAPE_INVALID, "register: %s: unknown memory kind %d", what,
+                               (int)h->kind);
+    if (!h->has_ipc_handle)
+        return scape_set_error(SCAPE_INVALID, "register: %s: CUDA_IPC without a handle", what);
+    return shm_map_open_cuda(m, h->ipc_handle.data, h->ipc_handle.len, (size_t)h->bytes, need,
+                             s->cfg.cuda_device, what);
+}
+
+static scape_rc map_buffers(const server *s, const Scape__Register *g, size_t numel,
+                            kern_dtype pdt, kern_dtype gdt, trainer *t)
+{
+    scape_rc rc = map_one(s, g->params, numel * kern_dtype_size(pdt), "params", &t->params);
     if (rc == SCAPE_OK)
-        rc = shm_map_open(&t->grads, g->grads->shm_name, (size_t)g->grads->bytes,
-                          numel * kern_dtype_size(gdt), "grads");
+        rc = map_one(s, g->grads, numel * kern_dtype_size(gdt), "grads", &t->grads);
     if (rc != SCAPE_OK)
         shm_map_close(&t->params, 0);
     return rc;
 }
 
+/* CUDA IPC buffers: the engine works on host copies.  Pull the trainers'
+ * buffers into them (grads before a step, trainer 0's params before the
+ * start) or push the new parameters back; shm buffers need nothing. */
+static scape_rc pull(trainer **ts, int n, int grads, size_t bytes, uint64_t *copied)
+{
+    for (int i = 0; i < n; i++)
+        TRY(shm_map_pull(grads ? &ts[i]->grads : &ts[i]->params, bytes, copied));
+    return SCAPE_OK;
+}
+
+static scape_rc push_params(trainer **ts, int n, size_t bytes, uint64_t *copied)
+{
+    for (int i = 0; i < n; i++)
+        TRY(shm_map_push(&ts[i]->params, bytes, copied));
+    return SCAPE_OK;
+}
+
 /* A trainer joining a running job gets the current parameters. */
 static scape_rc seed_params(server *s, trainer *t)
 {
+    size_t pb = s->numel * kern_dtype_size(s->pdt);
     for (int i = 0; i < SRV_MAX_SLOTS; i++) {
         const trainer *o = &s->slots[i];
         if (o != t && o->used && o->synced) {
-            memcpy(t->params.addr, o->params.addr, s->numel * kern_dtype_size(s->pdt));
-            return SCAPE_OK;
+            memcpy(t->params.addr, o->params.addr, pb);
+            return shm_map_push(&t->params, pb, NULL);
         }
     }
     float *theta = malloc(s->numel * sizeof *theta);
@@ -209,7 +235,7 @@ static scape_rc seed_params(server *s, trainer *t)
         rc = kern_f32_to_bf16(theta, t->params.addr, s->numel);
     free(theta);
     free(have);
-    return rc;
+    return rc == SCAPE_OK ? shm_map_push(&t->params, pb, NULL) : rc;
 }
 
 static scape_rc on_register(server *s, trainer *t, const Scape__Register *g)
@@ -233,7 +259,7 @@ static scape_rc on_register(server *s, trainer *t, const Scape__Register *g)
     free(ts);
     if (rc == SCAPE_OK) {
         s->numel = numel;
-        rc = map_buffers(g, numel, pdt, gdt, t);
+        rc = map_buffers(s, g, numel, pdt, gdt, t);
     }
     if (rc != SCAPE_OK) {
         if (!had_layout && s->layout && ctl_registered(s) == 0 && s->eng == NULL) {
@@ -310,9 +336,14 @@ static scape_rc start_job(server *s, trainer **ts, int n)
     void *params[SRV_MAX_SLOTS];
     for (int i = 0; i < n; i++)
         params[i] = ts[i]->params.addr;
-    scape_rc rc = eng_create(&s->eng, &s->cfg.engine, &lay, s->comm, n);
+    size_t pb = s->numel * kern_dtype_size(s->pdt);
+    scape_rc rc = pull(ts, 1, 0, pb, NULL); /* trainer 0's initial parameters */
+    if (rc == SCAPE_OK)
+        rc = eng_create(&s->eng, &s->cfg.engine, &lay, s->comm, n);
     if (rc == SCAPE_OK)
         rc = ckp_start(s, params);
+    if (rc == SCAPE_OK)
+        rc = push_params(ts, n, pb, NULL);
     if (rc != SCAPE_OK) {
         eng_destroy(&s->eng);
         return rc;
@@ -344,7 +375,7 @@ static scape_rc follow_trainers(server *s, int n)
 }
 
 static void fill_step_done(server *s, const eng_step_stats *st, double wait, double total,
-                           size_t control_bytes)
+                           size_t control_bytes, uint64_t copied)
 {
     Scape__Phases *ph = &s->last_phases;
     scape__phases__init(ph);
@@ -376,10 +407,10 @@ static void fill_step_done(server *s, const eng_step_stats *st, double wait, dou
     d->mask_churn = st->mask_churn;
     d->has_mask_overlap = st->phase_s[ENG_PH_MASK_WAIT] > 0.0 || st->mask_overlap > 0.0;
     d->mask_overlap = st->mask_overlap;
-    /* The engine reads the gradients where the trainers wrote them: host
-     * shared memory has no staging path, so nothing is copied to get them. */
+    /* Host shared memory is read and written where the trainers have it: 0.
+     * CUDA IPC buffers are staged through host copies: what moved. */
     d->has_handover_copy_bytes = 1;
-    d->handover_copy_bytes = 0;
+    d->handover_copy_bytes = copied;
     d->has_control_bytes = 1;
     d->control_bytes = control_bytes;
     s->have_last = 1;
@@ -427,9 +458,15 @@ static void run_step(server *s, trainer **ts, int n)
         grads[i] = ts[i]->grads.addr;
         params[i] = ts[i]->params.addr;
     }
+    uint64_t copied = 0;
+    size_t gb = s->numel * kern_dtype_size(s->gdt), pb = s->numel * kern_dtype_size(s->pdt);
     scape_rc rc = follow_trainers(s, n);
+    if (rc == SCAPE_OK)
+        rc = pull(ts, n, 1, gb, &copied);
     if (rc == SCAPE_OK) {
         rc = eng_step(s->eng, t, ts[0]->lr, grads, params);
+        if (rc == SCAPE_OK)
+            rc = push_params(ts, n, pb, &copied);
         if (rc != SCAPE_OK) {
             s->broken = 1;
             LOG_ERROR(SUB_ENGINE, "step %llu failed: %s", (unsigned long long)t,
@@ -439,7 +476,7 @@ static void run_step(server *s, trainer **ts, int n)
     if (rc == SCAPE_OK) {
         eng_step_stats st;
         eng_last_stats(s->eng, &st);
-        fill_step_done(s, &st, t0 - first, srv_now() - t0, control_bytes);
+        fill_step_done(s, &st, t0 - first, srv_now() - t0, control_bytes, copied);
         s->have_loss = nloss > 0;
         s->last_loss = nloss ? loss / nloss : 0.0;
         s->next_step = t + 1;

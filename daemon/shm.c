@@ -66,6 +66,10 @@ scape_rc shm_map_open(shm_map *m, const char *name, size_t declared, size_t need
 
 void shm_map_close(shm_map *m, int unlink_it)
 {
+    if (m->dev) {
+        shm_map_close_cuda(m);
+        return;
+    }
     if (m->addr)
         munmap(m->addr, m->bytes);
     if (unlink_it && m->name[0])

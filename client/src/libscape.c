@@ -1,7 +1,8 @@
 /* libscape.c - the trainer's side: attach, shared buffers, steps, detach.
  *
  * The trainer's buffers are POSIX shared-memory objects that this library
- * creates and the daemon maps by name; only small protobuf messages cross
+ * creates and the daemon maps by name, or (SCAPE_MEMORY_CUDA) cudaMalloc'd
+ * buffers whose IPC handles the daemon opens; only small protobuf messages cross
  * the DEALER socket.  Replies are matched to requests by order: a DEALER
  * sees exactly one reply per request, except for the daemon's unsolicited
  * farewell, which is an error reply and ends the session.
@@ -18,6 +19,7 @@
 #include <unistd.h>
 #include <zmq.h>
 
+#include "lsc_cuda.h"
 #include "scape.pb-c.h"
 #include "scape/scape.h"
 #include "scape_wire.h"
@@ -38,6 +40,7 @@ struct scape_session {
     int index;
     uint64_t next_step;
     shm_buf params, grads;
+    lsc_dev_buf dparams, dgrads;  /* SCAPE_MEMORY_CUDA */
     int in_flight;  /* a step was begun and not yet waited for */
     int dead;       /* the daemon said goodbye */
 };
@@ -56,8 +59,17 @@ void scape_options_default(scape_options *o)
 
 const char *scape_version(void) { return LIBSCAPE_VERSION; }
 
-void *scape_params(const scape_session *s) { return s ? s->params.addr : NULL; }
-void *scape_grads(const scape_session *s) { return s ? s->grads.addr : NULL; }
+static int on_device(const scape_session *s) { return s->opts.memory == SCAPE_MEMORY_CUDA; }
+
+void *scape_params(const scape_session *s)
+{
+    return s ? (on_device(s) ? s->dparams.ptr : s->params.addr) : NULL;
+}
+
+void *scape_grads(const scape_session *s)
+{
+    return s ? (on_device(s) ? s->dgrads.ptr : s->grads.addr) : NULL;
+}
 size_t scape_numel(const scape_session *s) { return s ? s->numel : 0; }
 int scape_index(const scape_session *s) { return s ? s->index : -1; }
 uint64_t scape_next_step(const scape_session *s) { return s ? s->next_step : 0; }
@@ -178,10 +190,11 @@ static scape_rc check_attach(const scape_tensor *layout, size_t nt, const scape_
 {
     if (out == NULL || layout == NULL || nt == 0)
         return scape_set_error(SCAPE_INVALID, "scape_attach: need a layout and an out pointer");
-    if (o->memory != SCAPE_MEMORY_HOST)
-        return scape_set_error(SCAPE_UNSUPPORTED,
-                               "scape_attach: CUDA buffers are not supported yet; use "
-                               "SCAPE_MEMORY_HOST");
+    if (o->memory != SCAPE_MEMORY_HOST && o->memory != SCAPE_MEMORY_CUDA)
+        return scape_set_error(SCAPE_INVALID, "scape_attach: unknown memory kind %d",
+                               (int)o->memory);
+    if (o->memory == SCAPE_MEMORY_CUDA && o->device < 0)
+        return scape_set_error(SCAPE_INVALID, "scape_attach: CUDA device %d", o->device);
     if ((unsigned)o->param_dtype > SCAPE_DTYPE_BF16 || (unsigned)o->grad_dtype > SCAPE_DTYPE_BF16)
         return scape_set_error(SCAPE_INVALID, "scape_attach: unknown dtype");
     if (o->timeout_ms < 1)
@@ -264,10 +277,24 @@ static scape_rc register_layout(scape_session *s, const scape_tensor *layout, si
         tp[i] = &ts[i];
     }
     Scape__MemHandle mp = SCAPE__MEM_HANDLE__INIT, mg = SCAPE__MEM_HANDLE__INIT;
-    mp.shm_name = s->params.name;
-    mp.bytes = s->params.bytes;
-    mg.shm_name = s->grads.name;
-    mg.bytes = s->grads.bytes;
+    if (on_device(s)) {
+        Scape__MemHandle *m[2] = { &mp, &mg };
+        lsc_dev_buf *b[2] = { &s->dparams, &s->dgrads };
+        for (int i = 0; i < 2; i++) {
+            m[i]->kind = SCAPE__MEM_KIND__CUDA_IPC;
+            m[i]->has_ipc_handle = 1;
+            m[i]->ipc_handle.data = b[i]->handle;
+            m[i]->ipc_handle.len = sizeof b[i]->handle;
+            m[i]->has_device = 1;
+            m[i]->device = b[i]->device;
+            m[i]->bytes = b[i]->bytes;
+        }
+    } else {
+        mp.shm_name = s->params.name;
+        mp.bytes = s->params.bytes;
+        mg.shm_name = s->grads.name;
+        mg.bytes = s->grads.bytes;
+    }
     Scape__Register g = SCAPE__REGISTER__INIT;
     g.n_tensors = nt;
     g.tensors = tp;
@@ -292,6 +319,8 @@ static void session_free(scape_session *s)
         zmq_ctx_term(s->zctx);
     shm_free(&s->params);
     shm_free(&s->grads);
+    lsc_cuda_free(&s->dparams);
+    lsc_cuda_free(&s->dgrads);
     free(s);
 }
 
@@ -314,9 +343,15 @@ scape_rc scape_attach(const char *endpoint, const scape_tensor *layout, size_t n
     s->numel = numel;
     size_t pb = numel * (o.param_dtype == SCAPE_DTYPE_BF16 ? 2 : 4);
     size_t gb = numel * (o.grad_dtype == SCAPE_DTYPE_BF16 ? 2 : 4);
-    rc = shm_create(&s->params, "p", pb);
-    if (rc == SCAPE_OK)
-        rc = shm_create(&s->grads, "g", gb);
+    if (on_device(s)) {
+        rc = lsc_cuda_alloc(&s->dparams, o.device, pb);
+        if (rc == SCAPE_OK)
+            rc = lsc_cuda_alloc(&s->dgrads, o.device, gb);
+    } else {
+        rc = shm_create(&s->params, "p", pb);
+        if (rc == SCAPE_OK)
+            rc = shm_create(&s->grads, "g", gb);
+    }
     if (rc == SCAPE_OK)
         rc = connect_socket(s, endpoint);
     if (rc == SCAPE_OK)
@@ -339,6 +374,8 @@ scape_rc scape_sync(scape_session *s)
         return scape_set_error(SCAPE_INVALID, "scape_sync: session is NULL");
     if (s->in_flight)
         return scape_set_error(SCAPE_INVALID, "scape_sync: a step is in flight");
+    if (on_device(s) && lsc_cuda_sync(s->opts.device) != SCAPE_OK)
+        return SCAPE_CUDA; /* the initial parameters must be in place */
     Scape__Sync y = SCAPE__SYNC__INIT;
     Scape__Request q = SCAPE__REQUEST__INIT;
     q.body_case = SCAPE__REQUEST__BODY_SYNC;
@@ -360,6 +397,9 @@ scape_rc scape_step_begin(scape_session *s, uint64_t step, float lr, const float
         return scape_set_error(SCAPE_INVALID, "scape_step_begin: a step is already in flight");
     if (s->dead)
         return scape_set_error(SCAPE_REMOTE, "scaped has shut down this session");
+    /* The daemon reads the gradients as soon as it has the step. */
+    if (on_device(s) && lsc_cuda_sync(s->opts.device) != SCAPE_OK)
+        return SCAPE_CUDA;
     Scape__Step st = SCAPE__STEP__INIT;
     st.step = step;
     st.lr = lr;

@@ -48,7 +48,7 @@ build_cmake() {
     if ! cmake -S . -B "$BUILD" -DSCAPE_CUDA=ON -DCMAKE_BUILD_TYPE=Release \
         -DCMAKE_CUDA_COMPILER="$NVCC" >"$LOGS/cmake.txt" 2>&1 ||
         ! cmake --build "$BUILD" -j "$(nproc)" --target gpu_check gpu_bench gpu_nccl \
-            scaped trainer_c reference >>"$LOGS/cmake.txt" 2>&1; then
+            scaped trainer_c reference gpu_trainer >>"$LOGS/cmake.txt" 2>&1; then
         echo "run.sh: CMake build failed, falling back to nvcc + cc (see $LOGS/cmake.txt)"
         tail -n 5 "$LOGS/cmake.txt"
         return 1
@@ -116,8 +116,9 @@ run_bench() {
 }
 
 # The nccl backend with one rank: its collectives and the engine on it
-# (gpu_nccl), then a whole scaped on it with two trainer processes, whose
-# parameters must equal the in-process reference's bit for bit.
+# (gpu_nccl), then a whole scaped on it with two trainer processes, one with
+# host shared memory (trainer_c) and one with CUDA IPC buffers (gpu_trainer),
+# whose parameters must equal the in-process reference's bit for bit.
 run_nccl() {
     NCCL_STATUS="not run"
     "$BIN/gpu_nccl" | tee "$LOGS/gpu_nccl.txt"
@@ -132,17 +133,18 @@ run_nccl() {
     local dpid=$!
     for _ in $(seq 100); do [ -S "$rt/rt/control" ] && break; sleep 0.1; done
     local ok=1 tp=()
-    for i in 0 1; do
-        "$ti/trainer_c" --endpoint "ipc://$rt/rt/control" --index "$i" --n 1000000 \
-            --steps 100 --out "$rt/t$i" >"$LOGS/trainer_$i.txt" 2>&1 &
-        tp+=($!)
-    done
+    "$ti/trainer_c" --endpoint "ipc://$rt/rt/control" --index 0 --n 1000000 \
+        --steps 100 --out "$rt/t0" >"$LOGS/trainer_0.txt" 2>&1 &
+    tp+=($!)
+    "$BIN/gpu_trainer" --endpoint "ipc://$rt/rt/control" --index 1 --n 1000000 \
+        --steps 100 --out "$rt/t1" >"$LOGS/trainer_1.txt" 2>&1 &
+    tp+=($!)
     for p in "${tp[@]}"; do wait "$p" || ok=0; done
     kill "$dpid" 2>/dev/null; wait "$dpid"
     "$ti/reference" --trainers 2 --n 1000000 --steps 100 --rho 0.01 --warmup 3 \
         --out "$rt/ref" >"$LOGS/reference.txt" 2>&1 || ok=0
     if [ "$ok" = 1 ] && cmp -s "$rt/t0" "$rt/ref" && cmp -s "$rt/t1" "$rt/ref"; then
-        NCCL_STATUS="$NCCL_STATUS; scaped on nccl, 2 trainers, 100 steps == reference: ok"
+        NCCL_STATUS="$NCCL_STATUS; scaped on nccl, a host and a CUDA IPC trainer, 100 steps == reference: ok"
     else
         NCCL_STATUS="$NCCL_STATUS; scaped on nccl vs reference: FAIL (see $LOGS)"
         NCCL_RC=1

@@ -1,6 +1,7 @@
 """The Python binding against the real scaped: Python and C trainers in one
 job matching the in-process engine bit for bit, numpy views that alias the
 shared memory, errors, and the torch optimizer."""
+import ctypes
 import os
 import signal
 import subprocess
@@ -129,13 +130,26 @@ def test_errors(daemon_factory, tmp_path):
         assert e.value.code == scape.Rc.INVALID
         assert s.step(0.1).step == 1
 
-    with pytest.raises(scape.ScapeError, match="CUDA") as e:
-        scape.attach(d.endpoint, [("w", 10)], device="cuda")
-    assert e.value.code == scape.Rc.UNSUPPORTED
+    if not cuda_usable():
+        # A CPU-only libscape refuses device buffers; a CUDA build on a
+        # machine without a usable GPU fails to allocate them: either way a
+        # clear error, and the daemon is unaffected.
+        with pytest.raises(scape.ScapeError, match="CUDA|cuda") as e:
+            scape.attach(d.endpoint, [("w", 10)], device="cuda")
+        assert e.value.code in (scape.Rc.UNSUPPORTED, scape.Rc.CUDA)
     for bad in (dict(layout=[]), dict(layout=[("w", 1), ("b", 1, 1)]),
                 dict(layout=[("w", 1)], dtype="float16"), dict(layout=[("w", 1)], device="tpu")):
         with pytest.raises(ValueError):
             scape.attach(d.endpoint, **bad)
+
+
+def cuda_usable():
+    try:
+        cudart = ctypes.CDLL("libcudart.so")
+    except OSError:
+        return False
+    n = ctypes.c_int(0)
+    return cudart.cudaGetDeviceCount(ctypes.byref(n)) == 0 and n.value > 0
 
 
 def test_rc_names_match_libscape():
@@ -177,14 +191,42 @@ def test_torch_optimizer_trains_in_shared_memory(daemon_factory):
     assert float(torch.nn.functional.mse_loss(model(x), y)) < losses[0]
 
 
-def test_torch_optimizer_cuda_is_unsupported(daemon_factory):
+def test_torch_optimizer_on_cuda_matches_host(daemon_factory):
+    """Two trainers on one daemon, one with its parameters in CUDA IPC
+    buffers, one in host shared memory, the same data: after every step
+    both hold the same parameters (the daemon stages the device buffers)."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     import scape.torch
 
-    d = daemon_factory()
-    model = torch.nn.Linear(8, 1).cuda()
-    with pytest.raises(scape.ScapeError, match="CUDA") as e:
-        scape.torch.ScapeOptimizer(model.parameters(), endpoint=d.endpoint)
-    assert e.value.code == scape.Rc.UNSUPPORTED
+    d = daemon_factory("--rho", "0.5", "--warmup", "5", "--trainers", "2")
+    torch.manual_seed(0)
+    x = torch.randn(64, 8)
+    y = x @ torch.randn(8, 1)
+    models = [torch.nn.Linear(8, 1), torch.nn.Linear(8, 1).cuda()]
+    opts = [None, None]
+
+    def make(i):
+        opts[i] = scape.torch.ScapeOptimizer(models[i].named_parameters(),
+                                             endpoint=d.endpoint, lr=0.05, index=i)
+
+    import threading
+    ts = [threading.Thread(target=make, args=(i,)) for i in (0, 1)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    try:
+        assert models[1].weight.is_cuda
+        for _ in range(20):
+            for m, o in zip(models, opts):
+                o.zero_grad()
+                dev = m.weight.device
+                torch.nn.functional.mse_loss(m(x.to(dev)), y.to(dev)).backward()
+            ws = [threading.Thread(target=o.step) for o in opts]
+            [w.start() for w in ws]
+            [w.join() for w in ws]
+            assert torch.equal(models[0].weight.detach(), models[1].weight.detach().cpu())
+        assert opts[1].last_info.step == 20
+    finally:
+        for o in opts:
+            o.detach()

@@ -91,7 +91,10 @@ uint64_t scape_next_step(const scape_session *s);
 scape_rc scape_sync(scape_session *s);
 
 /* Hand step `step` over (gradients must be in place) and wait for the new
- * parameters.  loss may be NULL; info may be NULL. */
+ * parameters.  loss may be NULL; info may be NULL.  With SCAPE_MEMORY_CUDA
+ * the device is synchronised first (gradients written by kernels on any
+ * stream are complete), and the daemon stages the buffers through host
+ * memory: scape_step_info reports no copies for host memory only. */
 scape_rc scape_step(scape_session *s, uint64_t step, float lr, const float *loss,
                     scape_step_info *info);
 /* The same, split: begin posts the step and returns at once; wait blocks until

@@ -104,7 +104,8 @@ def _view(ptr, ctype, n):
 class Session:
     """One attached trainer.  params and grads are numpy views of the shared
     buffers (float32, or uint16 holding the bits of bfloat16); they are None for
-    device memory and after detach()."""
+    device memory, whose addresses are device_ptrs (params, grads), and after
+    detach().  scape.torch turns device buffers into CUDA tensors."""
 
     def __init__(self, handle, layout, param_ctype, grad_ctype, host):
         self._handle = handle
@@ -114,6 +115,7 @@ class Session:
         self.next_step = lib.scape_next_step(handle)  # the step step() posts next
         self.params = _view(lib.scape_params(handle), param_ctype, self.numel) if host else None
         self.grads = _view(lib.scape_grads(handle), grad_ctype, self.numel) if host else None
+        self.device_ptrs = None if host else (lib.scape_params(handle), lib.scape_grads(handle))
         self._pending = None
 
     def _live(self):
@@ -154,7 +156,7 @@ class Session:
         params/grads before this point must not be used afterwards."""
         if self._handle.value is None:
             return
-        self.params = self.grads = None
+        self.params = self.grads = self.device_ptrs = None
         _check(lib.scape_detach(ctypes.byref(self._handle)))
 
     def __enter__(self):

@@ -9,14 +9,23 @@ import torch
 import scape
 
 
+class _CudaBuffer:
+    """A float32 device buffer of n elements, for torch.as_tensor (no copy)."""
+
+    def __init__(self, ptr, n):
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "<f4",
+                                          "data": (ptr, False), "version": 2}
+
+
 class ScapeOptimizer(torch.optim.Optimizer):
     """ScapeOptimizer(model.parameters()) or ScapeOptimizer(model.named_parameters()).
 
     Construction attaches and syncs: it returns once the parameters are the
     job's (trainer 0's at the start, after every expected trainer is there).
     One parameter group; lr is param_groups[0]["lr"] at each step.  Parameters
-    must be float32, all on the CPU or all on one CUDA device (which libscape
-    does not support yet: attaching raises ScapeError UNSUPPORTED)."""
+    must be float32, all on the CPU or all on one CUDA device; on CUDA the
+    flat buffers are libscape's cudaMalloc'd IPC buffers, seen as CUDA tensors
+    through __cuda_array_interface__ (unverified on a GPU so far)."""
 
     def __init__(self, params, endpoint=None, lr=1e-3, index=-1, timeout_ms=600000):
         named = [p if isinstance(p, tuple) else ("p%d" % i, p) for i, p in enumerate(params)]
@@ -25,11 +34,16 @@ class ScapeOptimizer(torch.optim.Optimizer):
         if len(devices) != 1 or any(p.dtype != torch.float32 for _, p in named):
             raise ValueError("ScapeOptimizer: float32 parameters on one device, got %s" %
                              sorted({"%s %s" % (p.dtype, p.device) for _, p in named}))
+        device = devices.pop()
         self.session = scape.attach(endpoint, [(n, p.numel()) for n, p in named],
-                                    index=index, timeout_ms=timeout_ms,
-                                    device=str(devices.pop()))
-        flat_p = torch.from_numpy(self.session.params)
-        flat_g = torch.from_numpy(self.session.grads)
+                                    index=index, timeout_ms=timeout_ms, device=str(device))
+        if self.session.device_ptrs is None:
+            flat_p = torch.from_numpy(self.session.params)
+            flat_g = torch.from_numpy(self.session.grads)
+        else:
+            n = self.session.numel
+            flat_p, flat_g = (torch.as_tensor(_CudaBuffer(ptr, n), device=device)
+                              for ptr in self.session.device_ptrs)
         spans = [(p, off, n) for (_, p), (_, off, n) in zip(named, self.session.layout)]
         with torch.no_grad():
             for p, off, n in spans:

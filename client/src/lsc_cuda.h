@@ -1,0 +1,27 @@
+/* lsc_cuda.h - libscape's device buffers: cudaMalloc'd and exported with
+ * cudaIpcGetMemHandle for the daemon to open (lsc_cuda.c), or a refusal in a
+ * build without CUDA (lsc_cuda_none.c). */
+#ifndef SCAPE_LSC_CUDA_H
+#define SCAPE_LSC_CUDA_H
+
+#include <stddef.h>
+
+#include "scape/scape.h"
+
+#define LSC_IPC_HANDLE_BYTES 64
+
+typedef struct lsc_dev_buf {
+    void *ptr;
+    size_t bytes;
+    int device;
+    unsigned char handle[LSC_IPC_HANDLE_BYTES];
+} lsc_dev_buf;
+
+/* Allocate bytes (zeroed) on device and export its IPC handle. */
+scape_rc lsc_cuda_alloc(lsc_dev_buf *b, int device, size_t bytes);
+void lsc_cuda_free(lsc_dev_buf *b);
+/* Wait until the device has finished all work (the gradients the trainer
+ * wrote), before the daemon reads the buffer. */
+scape_rc lsc_cuda_sync(int device);
+
+#endif /* SCAPE_LSC_CUDA_H */

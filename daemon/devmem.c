@@ -1,0 +1,121 @@
+/* devmem.c - trainers' CUDA IPC buffers (shm.h).
+ *
+ * The daemon opens the trainer's allocation on its own device and keeps a
+ * pinned host copy of it, which is what the engine (host memory) reads and
+ * writes: the gradients are pulled into it before a step and the new
+ * parameters pushed back after.  Before opening, the handle's allocation is
+ * measured with the driver's cuMemGetAddressRange (looked up in the already
+ * loaded libcuda), so a trainer that declares more than it allocated is
+ * refused instead of making a copy fault, which would poison the daemon's
+ * CUDA context for every trainer.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include <cuda_runtime.h>
+
+#include "shm.h"
+
+_Static_assert(sizeof(cudaIpcMemHandle_t) == SHM_IPC_HANDLE_BYTES, "IPC handle size");
+
+typedef int (*get_range_fn)(unsigned long long *base, size_t *size, unsigned long long ptr);
+
+static get_range_fn address_range(void)
+{
+    static get_range_fn fn;
+    if (fn == NULL) {
+        void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+        if (h == NULL)
+            h = dlopen("libcuda.so.1", RTLD_NOW);
+        if (h)
+            fn = (get_range_fn)dlsym(h, "cuMemGetAddressRange_v2");
+    }
+    return fn;
+}
+
+scape_rc shm_map_open_cuda(shm_map *m, const void *handle, size_t handle_len, size_t declared,
+                           size_t need, int device, const char *what)
+{
+    memset(m, 0, sizeof *m);
+    if (handle == NULL || handle_len != SHM_IPC_HANDLE_BYTES)
+        return scape_set_error(SCAPE_INVALID, "%s: a CUDA IPC handle has %d bytes, not %zu",
+                               what, SHM_IPC_HANDLE_BYTES, handle_len);
+    if (declared < need)
+        return scape_set_error(SCAPE_INVALID,
+                               "%s: buffer of %zu bytes is too small, the layout needs %zu",
+                               what, declared, need);
+    cudaError_t e = cudaSetDevice(device);
+    if (e != cudaSuccess)
+        return scape_set_error(SCAPE_CUDA, "%s: cudaSetDevice(%d): %s", what, device,
+                               cudaGetErrorString(e));
+    cudaIpcMemHandle_t h;
+    memcpy(&h, handle, sizeof h);
+    void *dev = NULL;
+    e = cudaIpcOpenMemHandle(&dev, h, cudaIpcMemLazyEnablePeerAccess);
+    if (e != cudaSuccess)
+        return scape_set_error(SCAPE_INVALID, "%s: cudaIpcOpenMemHandle: %s (a handle of "
+                               "another process on this node?)", what, cudaGetErrorString(e));
+    get_range_fn range = address_range();
+    unsigned long long base = 0;
+    size_t size = 0;
+    scape_rc rc = SCAPE_OK;
+    if (range == NULL || range(&base, &size, (unsigned long long)(uintptr_t)dev) != 0)
+        rc = scape_set_error(SCAPE_CUDA, "%s: cannot measure the CUDA IPC buffer "
+                             "(cuMemGetAddressRange)", what);
+    else if (size - ((unsigned long long)(uintptr_t)dev - base) < declared)
+        rc = scape_set_error(SCAPE_INVALID, "%s: the CUDA buffer holds %zu bytes, the trainer "
+                             "declared %zu", what,
+                             (size_t)(size - ((unsigned long long)(uintptr_t)dev - base)),
+                             declared);
+    void *host = NULL;
+    if (rc == SCAPE_OK && (e = cudaMallocHost(&host, declared ? declared : 1)) != cudaSuccess)
+        rc = scape_set_error(SCAPE_NOMEM, "%s: cudaMallocHost(%zu): %s", what, declared,
+                             cudaGetErrorString(e));
+    if (rc != SCAPE_OK) {
+        cudaIpcCloseMemHandle(dev);
+        return rc;
+    }
+    *m = (shm_map){ .addr = host, .bytes = declared, .dev = dev };
+    snprintf(m->name, sizeof m->name, "cuda-ipc:%d", device);
+    return SCAPE_OK;
+}
+
+static scape_rc copy(shm_map *m, size_t bytes, uint64_t *copied, int to_host)
+{
+    if (m->dev == NULL || bytes == 0)
+        return SCAPE_OK;
+    if (bytes > m->bytes)
+        return scape_set_error(SCAPE_INVALID, "devmem: copy of %zu bytes past a %zu-byte "
+                               "buffer", bytes, m->bytes);
+    cudaError_t e = to_host ? cudaMemcpy(m->addr, m->dev, bytes, cudaMemcpyDeviceToHost)
+                            : cudaMemcpy(m->dev, m->addr, bytes, cudaMemcpyHostToDevice);
+    if (e != cudaSuccess)
+        return scape_set_error(SCAPE_CUDA, "devmem: %s copy of %zu bytes: %s",
+                               to_host ? "device-to-host" : "host-to-device", bytes,
+                               cudaGetErrorString(e));
+    if (copied)
+        *copied += bytes;
+    return SCAPE_OK;
+}
+
+scape_rc shm_map_pull(shm_map *m, size_t bytes, uint64_t *copied)
+{
+    return copy(m, bytes, copied, 1);
+}
+
+scape_rc shm_map_push(shm_map *m, size_t bytes, uint64_t *copied)
+{
+    return copy(m, bytes, copied, 0);
+}
+
+void shm_map_close_cuda(shm_map *m)
+{
+    if (m->dev)
+        cudaIpcCloseMemHandle(m->dev);
+    if (m->addr)
+        cudaFreeHost(m->addr);
+    memset(m, 0, sizeof *m);
+}

@@ -1,0 +1,97 @@
+/* gpu_trainer.c - trainer_c's synthetic problem with its buffers on the GPU:
+ * libscape allocates them with cudaMalloc and hands their IPC handles to
+ * scaped.  Each step it copies the parameters to the host, computes the
+ * gradients of synth.h there, copies them into the device buffer and posts
+ * the step; the final parameters must match trainer_c's and the in-process
+ * reference's bit for bit (tests/gpu/run.sh).
+ *
+ * usage: gpu_trainer --endpoint EP --index I --n N --steps S [--seed X]
+ *                    [--lr LR] [--device D] --out FILE
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime.h>
+
+#include "scape/scape.h"
+#include "synth.h"
+
+static int fail(const char *what, const char *why)
+{
+    fprintf(stderr, "gpu_trainer: %s: %s\n", what, why);
+    return 1;
+}
+
+int main(int argc, char **argv)
+{
+    const char *endpoint = NULL, *out = NULL;
+    int index = -1, device = 0;
+    size_t n = 1000;
+    uint64_t steps = 10, seed = 1;
+    float lr = 1e-2f;
+    for (int i = 1; i + 1 < argc; i += 2) {
+        const char *k = argv[i], *v = argv[i + 1];
+        if (!strcmp(k, "--endpoint")) endpoint = v;
+        else if (!strcmp(k, "--out")) out = v;
+        else if (!strcmp(k, "--index")) index = atoi(v);
+        else if (!strcmp(k, "--device")) device = atoi(v);
+        else if (!strcmp(k, "--n")) n = strtoull(v, NULL, 0);
+        else if (!strcmp(k, "--steps")) steps = strtoull(v, NULL, 0);
+        else if (!strcmp(k, "--seed")) seed = strtoull(v, NULL, 0);
+        else if (!strcmp(k, "--lr")) lr = strtof(v, NULL);
+        else return fail("usage", k);
+    }
+    size_t off[SYNTH_MAX_TENSORS], len[SYNTH_MAX_TENSORS];
+    char names[SYNTH_MAX_TENSORS][16];
+    size_t nt = synth_layout(n, off, len, names);
+    scape_tensor ts[SYNTH_MAX_TENSORS];
+    for (size_t l = 0; l < nt; l++)
+        ts[l] = (scape_tensor){ names[l], off[l], len[l] };
+    scape_options o;
+    scape_options_default(&o);
+    o.index = index;
+    o.memory = SCAPE_MEMORY_CUDA;
+    o.device = device;
+    scape_session *s = NULL;
+    if (scape_attach(endpoint, ts, nt, &o, &s) != SCAPE_OK)
+        return fail("attach", scape_last_error());
+    index = scape_index(s);
+    n = scape_numel(s);
+    float *p = malloc(n * sizeof *p), *g = malloc(n * sizeof *g);
+    if (p == NULL || g == NULL)
+        return fail("malloc", "out of memory");
+    for (size_t i = 0; i < n; i++)
+        p[i] = synth_init(seed, index, i);
+    if (cudaMemcpy(scape_params(s), p, n * sizeof *p, cudaMemcpyHostToDevice) != cudaSuccess)
+        return fail("cudaMemcpy", "params in");
+    if (scape_sync(s) != SCAPE_OK)
+        return fail("sync", scape_last_error());
+    uint64_t first = scape_next_step(s), copied = 0;
+    for (uint64_t t = first; t <= steps; t++) {
+        if (cudaMemcpy(p, scape_params(s), n * sizeof *p, cudaMemcpyDeviceToHost) != cudaSuccess)
+            return fail("cudaMemcpy", "params out");
+        for (size_t l = 0; l < nt; l++)
+            for (size_t i = off[l]; i < off[l] + len[l]; i++)
+                g[i] = synth_grad(seed, index, t, i, p[i], synth_scale(l));
+        if (cudaMemcpy(scape_grads(s), g, n * sizeof *g, cudaMemcpyHostToDevice) != cudaSuccess)
+            return fail("cudaMemcpy", "grads in");
+        scape_step_info info;
+        if (scape_step(s, t, lr, NULL, &info) != SCAPE_OK)
+            return fail("step", scape_last_error());
+        copied = info.bytes;
+    }
+    if (cudaMemcpy(p, scape_params(s), n * sizeof *p, cudaMemcpyDeviceToHost) != cudaSuccess)
+        return fail("cudaMemcpy", "final params");
+    FILE *f = out ? fopen(out, "wb") : NULL;
+    if (out && (f == NULL || fwrite(p, sizeof *p, n, f) != n || fclose(f) != 0))
+        return fail(out, "cannot write");
+    printf("gpu_trainer %d: steps %llu..%llu done on CUDA device %d, N=%zu, last step sent "
+           "%llu B, params %016llx\n", index, (unsigned long long)first,
+           (unsigned long long)steps, device, n, (unsigned long long)copied,
+           (unsigned long long)synth_hash(p, n));
+    free(p);
+    free(g);
+    return scape_detach(&s) == SCAPE_OK ? 0 : fail("detach", scape_last_error());
+}
