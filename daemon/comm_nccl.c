@@ -219,24 +219,40 @@ static scape_rc gather_group(nccl_impl *x, lane *l, const comm_t *c, const size_
     return settle(x, l, r != ncclSuccess ? r : g, what);
 }
 
-static scape_rc nc_allgather(comm_t *c, const void *send, void *recv, const size_t *counts)
+/* Copy this rank's segment in (through pinned memory when `pinned`, so the
+ * call never waits for the GPU) and start the grouped broadcasts; *total is
+ * the gathered size in bytes, left in the lane's device buffer. */
+static scape_rc gather_start(nccl_impl *x, lane *l, const comm_t *c, const void *send,
+                             const size_t *counts, int pinned, size_t *total, const char *what)
 {
-    nccl_impl *x = c->impl;
-    lane *l = &x->main;
     TRY_RC(usable(l));
     size_t *offs = malloc((size_t)c->size * sizeof *offs);
     if (offs == NULL)
         return scape_set_error(SCAPE_NOMEM, "comm nccl: out of memory");
-    size_t total = total_of(c, counts, offs), mine = counts[c->rank], at = offs[c->rank];
-    scape_rc rc = grow(l, total + 1, 0);
+    *total = total_of(c, counts, offs);
+    size_t mine = counts[c->rank], at = offs[c->rank];
+    scape_rc rc = grow(l, *total + 1, pinned ? *total + 1 : 0);
+    const void *from = send;
+    if (rc == SCAPE_OK && mine && pinned) {
+        memcpy((char *)l->pinned + at, send, mine);
+        from = (char *)l->pinned + at;
+    }
     if (rc == SCAPE_OK && mine &&
-        cudaMemcpyAsync((char *)l->dev + at, send, mine, cudaMemcpyHostToDevice, l->stream) !=
+        cudaMemcpyAsync((char *)l->dev + at, from, mine, cudaMemcpyHostToDevice, l->stream) !=
             cudaSuccess)
-        rc = scape_set_error(SCAPE_CUDA, "comm nccl: all-gather copy-in failed");
+        rc = scape_set_error(SCAPE_CUDA, "comm nccl: %s copy-in failed", what);
     if (rc == SCAPE_OK)
-        rc = gather_group(x, l, c, counts, offs, "all-gather");
+        rc = gather_group(x, l, c, counts, offs, what);
     free(offs);
-    TRY_RC(rc);
+    return rc;
+}
+
+static scape_rc nc_allgather(comm_t *c, const void *send, void *recv, const size_t *counts)
+{
+    nccl_impl *x = c->impl;
+    lane *l = &x->main;
+    size_t total = 0;
+    TRY_RC(gather_start(x, l, c, send, counts, 0, &total, "all-gather"));
     if (total)
         CUDA_TRY(cudaMemcpyAsync(recv, l->dev, total, cudaMemcpyDeviceToHost, l->stream));
     return drain(x, l, "all-gather");
@@ -269,23 +285,8 @@ static scape_rc nc_iallgather(comm_t *c, const void *send, void *recv, const siz
 {
     nccl_impl *x = c->impl;
     lane *l = &x->mask;
-    TRY_RC(usable(l));
-    size_t *offs = malloc((size_t)c->size * sizeof *offs);
-    if (offs == NULL)
-        return scape_set_error(SCAPE_NOMEM, "comm nccl: out of memory");
-    size_t total = total_of(c, counts, offs), mine = counts[c->rank], at = offs[c->rank];
-    scape_rc rc = grow(l, total + 1, total + 1);
-    /* Through pinned memory both ways, so nothing here waits for the GPU. */
-    if (rc == SCAPE_OK && mine) {
-        memcpy((char *)l->pinned + at, send, mine);
-        if (cudaMemcpyAsync((char *)l->dev + at, (char *)l->pinned + at, mine,
-                            cudaMemcpyHostToDevice, l->stream) != cudaSuccess)
-            rc = scape_set_error(SCAPE_CUDA, "comm nccl: mask all-gather copy-in failed");
-    }
-    if (rc == SCAPE_OK)
-        rc = gather_group(x, l, c, counts, offs, "mask all-gather");
-    free(offs);
-    TRY_RC(rc);
+    size_t total = 0;
+    TRY_RC(gather_start(x, l, c, send, counts, 1, &total, "mask all-gather"));
     if (total)
         CUDA_TRY(cudaMemcpyAsync(l->pinned, l->dev, total, cudaMemcpyDeviceToHost, l->stream));
     x->mask_recv = recv;
