@@ -40,7 +40,8 @@ def smooth(ys, window):
 def _ticks(lo, hi, log):
     if log:
         a, b = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
-        return [10.0 ** e for e in range(a, b + 1)]
+        steps = (1, 2, 5) if b - a <= 3 else (1,)
+        return [m * 10.0 ** e for e in range(a, b + 1) for m in steps]
     span = hi - lo or 1.0
     step = 10 ** math.floor(math.log10(span / 4))
     for m in (1, 2, 5, 10):
@@ -55,8 +56,8 @@ def _ticks(lo, hi, log):
 
 
 def _fmt(v, log):
-    if log:
-        for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+    if log:  # bytes, in decimal units so that the decade ticks read round
+        for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
             if v >= scale:
                 return "%g %s" % (round(v / scale, 1), unit)
         return "%g B" % v
@@ -68,9 +69,10 @@ def panel(title, xlabel, ylabel, series, log=False):
     return {"title": title, "xlabel": xlabel, "ylabel": ylabel, "series": series, "log": log}
 
 
-def write_svg(path, panels, width=520, height=360):
-    """Panels side by side, each with axes, ticks, its series and a legend."""
-    ml, mr, mt, mb = 70, 20, 40, 50
+def write_svg(path, panels, width=640, height=360):
+    """Panels side by side, each with axes, ticks, its series and a legend
+    to the right of its plot area."""
+    ml, mr, mt, mb = 78, 170, 40, 50
     out = ['<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" '
            'font-family="sans-serif" font-size="12">' % (width * len(panels), height),
            '<rect width="100%" height="100%" fill="white"/>']
@@ -117,7 +119,7 @@ def write_svg(path, panels, width=520, height=360):
         out.append('<text x="%g" y="%g" text-anchor="middle">%s</text>'
                    % (ox + ml + w / 2, height - 12, escape(p["xlabel"])))
         out.append('<text x="%g" y="%g" text-anchor="middle" transform="rotate(-90 %g %g)">'
-                   '%s</text>' % (ox + 16, mt + h / 2, ox + 16, mt + h / 2,
+                   '%s</text>' % (ox + 14, mt + h / 2, ox + 14, mt + h / 2,
                                   escape(p["ylabel"])))
         for i, (label, s, dashed) in enumerate(p["series"]):
             s = [(x, y) for x, y in s if not p["log"] or y > 0]
@@ -128,12 +130,12 @@ def write_svg(path, panels, width=520, height=360):
                          for j, (x, y) in enumerate(s))
             out.append('<path d="%s" fill="none" stroke="%s" stroke-width="1.6"%s/>'
                        % (d, color, ' stroke-dasharray="5,3"' if dashed else ""))
-            ly = mt + 16 + 16 * i
+            ly = mt + 12 + 18 * i
+            lx = ox + ml + w + 12
             out.append('<line x1="%g" y1="%g" x2="%g" y2="%g" stroke="%s" stroke-width="2"%s/>'
-                       % (ox + ml + w - 150, ly - 4, ox + ml + w - 130, ly - 4, color,
+                       % (lx, ly - 4, lx + 20, ly - 4, color,
                           ' stroke-dasharray="5,3"' if dashed else ""))
-            out.append('<text x="%g" y="%g">%s</text>' % (ox + ml + w - 125, ly,
-                                                           escape(label)))
+            out.append('<text x="%g" y="%g">%s</text>' % (lx + 25, ly, escape(label)))
     out.append("</svg>")
     with open(path, "w") as f:
         f.write("\n".join(out) + "\n")
