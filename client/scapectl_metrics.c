@@ -145,6 +145,8 @@ static void exposition(const prom *m, const Scape__StatusReply *st)
           (double)st->rss_bytes);
     gauge(m, "scape_state_bytes", "Bytes of optimizer state and residual.",
           (double)st->state_bytes);
+    gauge(m, "scape_device_bytes", "GPU memory scaped holds (nccl staging buffers).",
+          (double)st->device_bytes);
     if (st->last != NULL)
         last_step(m, st->last);
     if (st->has_loss)

@@ -112,6 +112,11 @@ static void print_status(printer *p, const Scape__StatusReply *st)
     pr_uint(p, "rss_bytes", "RSS", st->rss_bytes, fmt_bytes(b, sizeof b, st->rss_bytes));
     pr_uint(p, "state_bytes", "State memory", st->state_bytes,
             fmt_bytes(b, sizeof b, st->state_bytes));
+    char dev[64];
+    snprintf(dev, sizeof dev, "%s (%.2f B/param)", fmt_bytes(b, sizeof b, st->device_bytes),
+             st->device_bytes_per_param);
+    pr_uint(p, "device_bytes", "Device memory", st->device_bytes, dev);
+    pr_real(p, "device_bytes_per_param", NULL, st->device_bytes_per_param, NULL);
     print_last(p, st->last);
     print_optional(p, "loss", "Loss", st->has_loss, st->loss);
     print_checkpoint(p, st->checkpoint);

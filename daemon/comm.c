@@ -140,6 +140,11 @@ scape_rc comm_barrier(comm_t *c)
     return rc;
 }
 
+uint64_t comm_device_bytes(const comm_t *c)
+{
+    return c && c->ops && c->ops->device_bytes ? c->ops->device_bytes(c) : 0;
+}
+
 void comm_destroy(comm_t **c)
 {
     if (c == NULL || *c == NULL)

@@ -57,6 +57,8 @@ typedef struct comm_ops {
     scape_rc (*broadcast)(comm_t *c, void *buf, size_t bytes, int root);
     scape_rc (*barrier)(comm_t *c);
     void (*destroy)(comm_t *c);
+    /* Device memory the backend holds, bytes (NULL: none). */
+    uint64_t (*device_bytes)(const comm_t *c);
 } comm_ops;
 
 struct comm {
@@ -83,6 +85,8 @@ scape_rc comm_iallgather_wait(comm_t *c);
 scape_rc comm_broadcast(comm_t *c, void *buf, size_t bytes, int root);
 /* Wait until every rank has arrived. */
 scape_rc comm_barrier(comm_t *c);
+/* Device memory the backend holds (staging buffers), bytes. */
+uint64_t comm_device_bytes(const comm_t *c);
 /* Free one rank's handle and set *c to NULL. */
 void comm_destroy(comm_t **c);
 

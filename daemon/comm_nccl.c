@@ -332,6 +332,12 @@ static void nc_destroy(comm_t *c)
     free(c);
 }
 
+static uint64_t nc_device_bytes(const comm_t *c)
+{
+    const nccl_impl *x = c->impl;
+    return (uint64_t)x->main.dev_cap + (uint64_t)x->mask.dev_cap;
+}
+
 static const comm_ops s_nccl_ops = {
     .name = "nccl",
     .allreduce_sum = nc_allreduce,
@@ -342,6 +348,7 @@ static const comm_ops s_nccl_ops = {
     .broadcast = nc_broadcast,
     .barrier = nc_barrier,
     .destroy = nc_destroy,
+    .device_bytes = nc_device_bytes,
 };
 
 int comm_nccl_built(void) { return 1; }

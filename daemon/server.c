@@ -210,6 +210,10 @@ scape_rc srv_create(server **out, const scaped_config *cfg)
     scape_rc rc = cfg->runtime_dir[0]
                       ? (snprintf(s->dir, sizeof s->dir, "%s", cfg->runtime_dir), SCAPE_OK)
                       : wire_runtime_dir(s->dir, sizeof s->dir);
+    /* A checkpoint that cannot be resumed stops the daemon before it binds
+     * anything that trainers or scapectl could find. */
+    if (rc == SCAPE_OK)
+        rc = ckp_prepare_resume(s);
     if (rc == SCAPE_OK)
         rc = make_runtime_dir(s->dir);
     if (rc == SCAPE_OK)
@@ -222,8 +226,6 @@ scape_rc srv_create(server **out, const scaped_config *cfg)
         rc = open_socket(s, &s->status, ZMQ_REP, "status", s->ep_status, sizeof s->ep_status);
     if (rc == SCAPE_OK)
         rc = open_socket(s, &s->events, ZMQ_PUB, "events", s->ep_events, sizeof s->ep_events);
-    if (rc == SCAPE_OK)
-        rc = ckp_prepare_resume(s);
     if (rc == SCAPE_OK)
         rc = open_comm(s);
     if (rc != SCAPE_OK) {

@@ -70,6 +70,12 @@ static void fill_status(server *s, status_buf *b)
     st->uptime_ms = (uint64_t)(1e3 * (srv_now() - s->started_at));
     st->rss_bytes = rss_bytes();
     st->state_bytes = state_bytes(s);
+    /* The engine's state is in host memory; what the daemon holds on a GPU is
+     * the nccl backend's staging (the trainers' CUDA IPC buffers are theirs). */
+    st->has_device_bytes = 1;
+    st->device_bytes = comm_device_bytes(s->comm);
+    st->has_device_bytes_per_param = 1;
+    st->device_bytes_per_param = s->numel ? (double)st->device_bytes / (double)s->numel : 0.0;
     st->runtime_dir = s->dir;
     /* The residual norm is a pass over N floats: taken when asked, not on
      * the per-step path. */
