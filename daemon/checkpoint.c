@@ -113,7 +113,7 @@ void ckp_after_step(server *s, uint64_t step)
     int due = 0;
     scape_rc rc = agree(s, wanted_here(s, step), &due);
     if (rc != SCAPE_OK) {
-        s->broken = 1;
+        srv_mark_broken(s);
         LOG_ERROR(SUB_COMM, "after step %llu: lost the other daemons: %s",
                   (unsigned long long)step, scape_last_error());
         return;
@@ -130,7 +130,7 @@ void ckp_after_step(server *s, uint64_t step)
         snprintf(s->ckpt_error, sizeof s->ckpt_error, "%s", scape_last_error());
         LOG_ERROR(SUB_ENGINE, "%s", s->ckpt_error);
         if (rc == SCAPE_TIMEOUT || rc == SCAPE_ZMQ || rc == SCAPE_REMOTE)
-            s->broken = 1; /* the daemons are no longer in step */
+            srv_mark_broken(s); /* the daemons are no longer in step */
         return;
     }
     s->ckpt_error[0] = '\0';

@@ -292,9 +292,9 @@ static scape_rc on_step(server *s, trainer *t, const Scape__Step *st)
         return scape_set_error(SCAPE_INVALID, "step: trainer %d has not synced its parameters "
                                "(scape_sync) yet", t->index);
     if (s->broken)
-        return scape_set_error(SCAPE_INVALID,
-                               "step: the optimizer failed part-way through a step; restart "
-                               "the daemon from a checkpoint");
+        return scape_set_error(SCAPE_REMOTE,
+                               "step: the optimizer failed part-way through a step (%s); "
+                               "restart the job from a checkpoint", s->broken_why);
     if (t->posted)
         return scape_set_error(SCAPE_INVALID, "step %llu: already posted by trainer %d",
                                (unsigned long long)st->step, t->index);
@@ -468,7 +468,7 @@ static void run_step(server *s, trainer **ts, int n)
         if (rc == SCAPE_OK)
             rc = push_params(ts, n, pb, &copied);
         if (rc != SCAPE_OK) {
-            s->broken = 1;
+            srv_mark_broken(s);
             LOG_ERROR(SUB_ENGINE, "step %llu failed: %s", (unsigned long long)t,
                       scape_last_error());
         }

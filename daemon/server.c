@@ -30,6 +30,12 @@ static volatile sig_atomic_t s_stop;
 
 void srv_request_stop(void) { s_stop = 1; }
 
+void srv_mark_broken(server *s)
+{
+    s->broken = 1;
+    snprintf(s->broken_why, sizeof s->broken_why, "%s", scape_last_error());
+}
+
 double srv_now(void)
 {
     struct timespec ts;

@@ -60,6 +60,7 @@ struct server {
     int eng_trainers;               /* T_r the engine runs with */
     uint64_t next_step;
     int broken;                     /* the engine failed mid-step */
+    char broken_why[512];           /* what failed, for the trainers' later steps */
     int stopping;
     size_t msg_bytes;               /* size of the request being handled */
 
@@ -97,6 +98,9 @@ void ctl_maybe_step(server *s);
 /* Number of registered trainers, and of those that may step. */
 int ctl_registered(const server *s);
 int ctl_synced(const server *s);
+/* Mark the job broken (the ranks are no longer in step) with the current
+ * last error as the reason. */
+void srv_mark_broken(server *s);
 /* Answer one request on the status socket. */
 void status_serve(server *s);
 /* Publish the last step's Metrics on the events socket. */
