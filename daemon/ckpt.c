@@ -361,6 +361,7 @@ static scape_rc write_rank_file(const char *dir, const eng_ckpt_meta *meta,
 
 typedef struct rank_result {
     uint64_t ok, bytes, hhash;
+    char why[200];          /* the failure, for the other ranks' messages */
 } rank_result;
 
 static scape_rc write_manifest(const char *dir, const eng_ckpt_meta *m,
@@ -462,7 +463,8 @@ scape_rc ckpt_save(const char *root, eng_t *e, comm_t *comm, int keep, uint64_t 
     int nsecs = 0;
     char dir[CKPT_PATH_MAX] = "", err[512] = "";
     memset(&meta, 0, sizeof meta);
-    rank_result mine = { 0, 0, 0 };
+    rank_result mine;
+    memset(&mine, 0, sizeof mine);
     /* A failure here is this rank's: it still takes part in the exchange
      * below, so the others learn of it instead of waiting. */
     scape_rc rc = eng_ckpt_save(e, &meta, secs, &nsecs);
@@ -478,8 +480,10 @@ scape_rc ckpt_save(const char *root, eng_t *e, comm_t *comm, int keep, uint64_t 
     if (rc == SCAPE_OK)
         rc = write_rank_file(dir, &meta, secs, nsecs, &mine.bytes, &mine.hhash);
     mine.ok = rc == SCAPE_OK;
-    if (rc != SCAPE_OK)
+    if (rc != SCAPE_OK) {
         snprintf(err, sizeof err, "%s", scape_last_error());
+        snprintf(mine.why, sizeof mine.why, "%s", err);
+    }
     /* Every rank learns every rank's outcome; only then is the manifest
      * written and LATEST moved, by rank 0. */
     int R = comm->size;
@@ -498,6 +502,10 @@ scape_rc ckpt_save(const char *root, eng_t *e, comm_t *comm, int keep, uint64_t 
     for (int r = 0; rc == SCAPE_OK && r < R && failed < 0; r++)
         if (!all[r].ok)
             failed = r;
+    if (failed >= 0 && err[0] == '\0') {
+        all[failed].why[sizeof all[failed].why - 1] = '\0';
+        snprintf(err, sizeof err, "rank %d: %s", failed, all[failed].why);
+    }
     uint64_t committed = 0;
     if (rc == SCAPE_OK && failed < 0 && comm->rank == 0) {
         char latest[64];
@@ -769,5 +777,9 @@ scape_rc ckpt_restore(const ckpt_ref *ref, eng_t *e, comm_t *comm, void *const *
     if (failed >= 0)
         return scape_set_error(SCAPE_INVALID, "restore from %s refused: rank %d could not "
                                "read its part (see that daemon's log)", ref->dir, failed);
+    if ((int)meta.trainers != eng_total_trainers(e))
+        LOG_WARN(SUB_ENGINE, "the checkpoint was taken with %u trainer(s) in the job, it "
+                 "resumes with %d: the gradient average changes from here on", meta.trainers,
+                 eng_total_trainers(e));
     return eng_ckpt_load_finish(e, &meta, params);
 }

@@ -12,7 +12,7 @@ import subprocess
 import time
 
 from conftest import binary, run_reference, run_trainer
-from test_multinode import ENGINE, read, start_group, train_group
+from test_multinode import ENGINE, free_endpoints, read, start_group, train_group
 
 N = 3000
 
@@ -134,6 +134,33 @@ def test_requested_and_signalled_checkpoints_reach_every_daemon(daemon_factory, 
         steps = {status(d)["checkpoint"]["step"] for d in daemons}
         assert len(steps) == 1 and steps.pop() > first, "daemons disagree: %s" % steps
         assert all(t.poll() is None for t in ts), "training stopped"
+    finally:
+        for t in ts:
+            t.kill()
+            t.wait()
+
+
+def test_a_daemon_without_a_directory_fails_the_checkpoint_not_the_job(daemon_factory,
+                                                                       tmp_path):
+    """Only rank 1 has a checkpoint_dir: a checkpoint asked of it fails on
+    both daemons with the reason, nothing hangs, and training goes on."""
+    coord, l0, l1 = free_endpoints(3)
+    group = ["--world", "2", "--coordinator", coord, "--job", "9", "--trainers", "1",
+             "--comm-timeout-ms", "20000"]
+    daemons = [daemon_factory(*ENGINE, *group, "--rank", "0", "--listen", l0),
+               daemon_factory(*ENGINE, *group, "--rank", "1", "--listen", l1,
+                              "--checkpoint-dir", str(tmp_path / "ck"))]
+    ts = [run_trainer(d.endpoint, 0, N, 10 ** 6, sleep_ms=20, seed=1 + 1000 * r, wait=False)
+          for r, d in enumerate(daemons)]
+    try:
+        rc, out, err = scapectl(daemons[1], "checkpoint", "--wait", "--wait-ms", "30000")
+        assert rc == 3, (rc, out, err)
+        assert "no checkpoint_dir is configured on rank 0" in err, err
+        assert "no checkpoint_dir" in status(daemons[0])["checkpoint"]["error"]
+        step = status(daemons[0])["step"]
+        time.sleep(1.0)
+        assert status(daemons[0])["step"] > step, "training stopped"
+        assert all(t.poll() is None for t in ts)
     finally:
         for t in ts:
             t.kill()
