@@ -133,6 +133,7 @@ def main():
     ap.add_argument("--seed", type=int, default=1, help="this trainer's data order")
     ap.add_argument("--model-seed", type=int, default=1234)
     ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--out", help="write the final parameters here (raw float32, layout order)")
     a = ap.parse_args()
 
     vocab, train, val = load_corpus(a.corpus)
@@ -161,6 +162,11 @@ def main():
             print("step %d  loss %.4f  val %.4f  sent %d B/step  %.1f step/s" % (
                 t, float(loss), vloss, info.bytes, (t - first + 1) / (time.time() - t0)),
                 flush=True)
+    if a.out:
+        with torch.no_grad():
+            flat = torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
+        flat.numpy().tofile(a.out)
+    print("torch_train: steps %d..%d done, loss %.4f" % (first, a.steps, float(loss)))
     opt.detach()
 
 

@@ -179,7 +179,7 @@ def test_torch_optimizer_trains_in_shared_memory(daemon_factory):
             loss.backward()
             return loss
 
-        losses = [float(opt.step(closure)) for _ in range(100)]
+        losses = [float(opt.step(closure).detach()) for _ in range(100)]
         assert losses[-1] < 0.5 * losses[0], losses
         assert opt.last_info.step == 100
         for p, (_, off, _) in zip(model.parameters(), s.layout):

@@ -72,7 +72,9 @@ class ScapeOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.last_info = self.session.step(self.param_groups[0]["lr"],
-                                           loss=None if loss is None else float(loss))
+                                           loss=None if loss is None else
+                                           float(loss.detach() if torch.is_tensor(loss)
+                                                 else loss))
         return loss
 
     def detach(self):
