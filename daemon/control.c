@@ -608,9 +608,15 @@ static scape_rc on_detach(server *s, trainer *t)
         return scape_set_error(SCAPE_INVALID,
                                "detach: trainer %d has a step in flight; wait for it first",
                                t->index);
-    Scape__Reply r = SCAPE__REPLY__INIT;
-    reply_ok(s, t, &r);
+    /* Unmap first, then answer: a CUDA IPC buffer must be closed here before
+     * the trainer frees it. */
+    unsigned char rid[SRV_RID_MAX];
+    size_t rid_len = t->rid_len;
+    memcpy(rid, t->rid, rid_len);
     ctl_drop(s, t, 0);
+    Scape__Reply r = SCAPE__REPLY__INIT;
+    r.status = SCAPE__STATUS__OK;
+    srv_reply(s, rid, rid_len, &r);
     return SCAPE_OK;
 }
 

@@ -56,6 +56,17 @@ def load_corpus(path):
     return len(vocab), to_ids(train), to_ids(val)
 
 
+def attention(q, k, v):
+    """Causal softmax attention over [B, heads, T, dh] (PyTorch's fused kernel
+    where it has one, the same arithmetic spelled out where it has not)."""
+    if hasattr(F, "scaled_dot_product_attention"):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    T = q.shape[-2]
+    s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    return torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1) @ v
+
+
 class Block(nn.Module):
     def __init__(self, d, heads):
         super().__init__()
@@ -69,7 +80,7 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
         shape = (B, T, self.heads, C // self.heads)
         q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        a = attention(q, k, v)
         x = x + self.proj(a.transpose(1, 2).reshape(B, T, C))
         return x + self.fc_proj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
 

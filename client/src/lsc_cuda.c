@@ -23,7 +23,11 @@ scape_rc lsc_cuda_alloc(lsc_dev_buf *b, int device, size_t bytes)
     b->bytes = bytes;
     b->device = device;
     cudaIpcMemHandle_t h;
+    /* The daemon reads the buffers from another process: the zeros must be
+     * there before anyone can be told about them. */
     cudaError_t e = cudaMemset(b->ptr, 0, bytes);
+    if (e == cudaSuccess)
+        e = cudaDeviceSynchronize();
     if (e == cudaSuccess)
         e = cudaIpcGetMemHandle(&h, b->ptr);
     if (e != cudaSuccess) {
@@ -40,6 +44,7 @@ void lsc_cuda_free(lsc_dev_buf *b)
 {
     if (b->ptr) {
         cudaSetDevice(b->device);
+        cudaDeviceSynchronize(); /* cudaFree need not wait for work on the buffer */
         cudaFree(b->ptr);
     }
     memset(b, 0, sizeof *b);

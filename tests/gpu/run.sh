@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # tests/gpu/run.sh - the whole GPU check in one call, from any directory:
-# build the GPU programs (CMake when it can configure the project, otherwise
-# nvcc + cc directly, so a machine without CMake, Check or ZeroMQ still
-# works), run gpu_check (CUDA twins against the CPU reference), gpu_bench
-# (GB/s against a device copy) and, when PyTorch with CUDA is importable, the
-# torch.topk timing; print a short summary table last.
+# take the programs from build-gpu-pack/ (tests/gpu/pack.sh builds it on a
+# machine with every build dependency; carry it along) when they load here,
+# else build them (CMake when it can configure the project, otherwise nvcc +
+# cc directly, so a machine without CMake, Check or ZeroMQ still works); run
+# gpu_check (CUDA twins against the CPU reference), the nccl backend with one
+# rank and a whole scaped on it with a host and a CUDA IPC trainer (run_nccl),
+# gpu_bench (GB/s against a device copy) and, when PyTorch with CUDA is
+# importable, the torch.topk timing; print a short summary table last.
 #
 #   tests/gpu/run.sh [--quick]     --quick: sizes up to 2^20+7 / 1e7 only
+#
+# NCCL comes from NCCL_HOME, the CUDA toolkit, /usr, or the pip wheel
+# (nvidia/nccl in python3's site-packages), in that order.
 #
 # Exit 0 when gpu_check passes or when there is nothing to run on (no GPU or
 # no nvcc: "SKIP: <reason>"); 1 when a check fails or a step breaks.
@@ -43,18 +49,64 @@ find_tools() {
     CC=${CC:-$(command -v cc || command -v gcc || true)}
 }
 
+# NCCL_INC and NCCL_LIB (directories), and the library on LD_LIBRARY_PATH.
+find_nccl() {
+    NCCL_INC="" NCCL_LIB=""
+    local py dir
+    py=$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null || true)
+    for dir in "${NCCL_HOME:-}" "$CUDA_HOME" /usr "$py"; do
+        [ -n "$dir" ] || continue
+        for lib in "$dir/lib" "$dir/lib64" "$dir/lib/x86_64-linux-gnu"; do
+            if [ -e "$lib/libnccl.so.2" ] && [ -z "$NCCL_LIB" ]; then
+                NCCL_LIB=$lib
+                [ -e "$dir/include/nccl.h" ] && NCCL_INC=$dir/include
+            fi
+        done
+    done
+    [ -n "$NCCL_LIB" ] && export LD_LIBRARY_PATH="$NCCL_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    echo "run.sh: NCCL library: ${NCCL_LIB:-not found}, header: ${NCCL_INC:-not found}"
+}
+
+# The programs pack.sh built elsewhere, if they load on this machine.
+use_pack() {
+    local pack=build-gpu-pack
+    [ -x "$pack/bin/gpu_check" ] || return 1
+    export LD_LIBRARY_PATH="$PWD/$pack/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    local b missing=""
+    for b in "$pack"/bin/*; do
+        missing+=$(LD_TRACE_LOADED_OBJECTS=1 "$b" 2>&1 | grep "not found" | sed "s|^|$b: |")
+    done
+    echo "$missing" >"$LOGS/pack.txt"
+    if [ -n "$missing" ] || ! "$pack/bin/scaped" --help >/dev/null 2>>"$LOGS/pack.txt"; then
+        echo "run.sh: the carried programs do not load here, building instead:"
+        head -n 3 "$LOGS/pack.txt"
+        return 1
+    fi
+    BIN=$pack/bin
+    TI=$pack/bin
+    DAEMON=$pack/bin/scaped
+    HOW="carried (tests/gpu/pack.sh)"
+}
+
 build_cmake() {
     command -v cmake >/dev/null 2>&1 || return 1
+    local nccl=()
+    [ -n "$NCCL_LIB" ] && nccl=(-DNCCL_LIBRARY="$NCCL_LIB/libnccl.so.2")
+    [ -n "$NCCL_INC" ] && nccl+=(-DNCCL_INCLUDE_DIR="$NCCL_INC")
     if ! cmake -S . -B "$BUILD" -DSCAPE_CUDA=ON -DCMAKE_BUILD_TYPE=Release \
-        -DCMAKE_CUDA_COMPILER="$NVCC" >"$LOGS/cmake.txt" 2>&1 ||
-        ! cmake --build "$BUILD" -j "$(nproc)" --target gpu_check gpu_bench gpu_nccl \
-            scaped trainer_c reference gpu_trainer >>"$LOGS/cmake.txt" 2>&1; then
+        -DCMAKE_CUDA_COMPILER="$NVCC" "${nccl[@]}" >"$LOGS/cmake.txt" 2>&1 ||
+        ! cmake --build "$BUILD" -j "$(nproc)" --target gpu_check gpu_bench \
+            >>"$LOGS/cmake.txt" 2>&1; then
         echo "run.sh: CMake build failed, falling back to nvcc + cc (see $LOGS/cmake.txt)"
         tail -n 5 "$LOGS/cmake.txt"
         return 1
     fi
+    # The rest is best-effort: each missing piece is reported by run_nccl.
+    cmake --build "$BUILD" -j "$(nproc)" --target gpu_nccl scaped trainer_c reference \
+        gpu_trainer >>"$LOGS/cmake.txt" 2>&1 || echo "run.sh: some nccl/daemon programs did not build"
     BIN=$BUILD/tests/gpu
-    DAEMON=$BUILD/daemon/scaped
+    TI=$BUILD/tests/integration
+    [ -x "$BUILD/daemon/scaped" ] && DAEMON=$BUILD/daemon/scaped
     HOW="cmake (Release)"
 }
 
@@ -85,18 +137,20 @@ build_direct() {
     lib+=("$OBJ/cuda_kernels.o")
     "$NVCC" -o "$OBJ/gpu_check" "${check[@]}" "${lib[@]}" -lm || die "linking gpu_check failed"
     "$NVCC" -o "$OBJ/gpu_bench" "${bench[@]}" "${lib[@]}" -lm || die "linking gpu_bench failed"
-    # gpu_nccl: the engine and the local and nccl backends (no ZeroMQ needed).
-    local eng=()
+    BIN=$OBJ
+    HOW="direct (nvcc + $(basename "$CC"))"
+    # gpu_nccl: the engine and the local and nccl backends (no ZeroMQ needed);
+    # skipped, and reported, without NCCL.
+    [ -n "$NCCL_LIB" ] && [ -n "$NCCL_INC" ] || return 0
+    local eng=() ok=1
     for src in daemon/engine.c daemon/engine_step.c daemon/engine_inspect.c \
                daemon/engine_ckpt.c daemon/plan.c daemon/comm.c daemon/comm_local.c \
                daemon/comm_nccl.c tests/gpu/gpu_nccl.c; do
-        eng+=("$(cc_one "$src" -Idaemon)") || die "compiling $src failed"
+        eng+=("$(cc_one "$src" -Idaemon -I"$NCCL_INC")") || ok=0
     done
-    "$NVCC" -o "$OBJ/gpu_nccl" "${eng[@]}" "${lib[@]}" -L"$CUDA_HOME/lib64" \
-        -Xlinker -rpath -Xlinker "$CUDA_HOME/lib64" -lnccl -lpthread -lm ||
-        die "linking gpu_nccl failed"
-    BIN=$OBJ
-    HOW="direct (nvcc + $(basename "$CC"))"
+    [ "$ok" = 1 ] && "$NVCC" -o "$OBJ/gpu_nccl" "${eng[@]}" "${lib[@]}" -L"$NCCL_LIB" \
+        -Xlinker -rpath -Xlinker "$NCCL_LIB" -l:libnccl.so.2 -lpthread -lm ||
+        echo "run.sh: gpu_nccl did not build"
 }
 
 run_check() {
@@ -120,28 +174,46 @@ run_bench() {
 # host shared memory (trainer_c) and one with CUDA IPC buffers (gpu_trainer),
 # whose parameters must equal the in-process reference's bit for bit.
 run_nccl() {
-    NCCL_STATUS="not run"
-    "$BIN/gpu_nccl" | tee "$LOGS/gpu_nccl.txt"
-    NCCL_RC=${PIPESTATUS[0]}
-    [ "$NCCL_RC" -eq 77 ] && { NCCL_RC=0; NCCL_STATUS="skipped"; return; }
-    NCCL_STATUS=$(tail -n 1 "$LOGS/gpu_nccl.txt")
-    [ -n "${DAEMON:-}" ] || { NCCL_STATUS="$NCCL_STATUS; daemon: not built (direct build)"; return; }
-    local rt ti=$BUILD/tests/integration
+    NCCL_STATUS="not run" NCCL_RC=0
+    export NCCL_DEBUG=${NCCL_DEBUG:-WARN} NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo}
+    if [ -x "$BIN/gpu_nccl" ]; then
+        timeout 240 "$BIN/gpu_nccl" | tee "$LOGS/gpu_nccl.txt"
+        NCCL_RC=${PIPESTATUS[0]}
+        [ "$NCCL_RC" -eq 77 ] && { NCCL_RC=0; NCCL_STATUS="skipped"; return; }
+        NCCL_STATUS=$(tail -n 1 "$LOGS/gpu_nccl.txt")
+        [ "$NCCL_RC" -eq 124 ] && NCCL_STATUS="gpu_nccl: timed out after 240 s"
+    else
+        NCCL_STATUS="gpu_nccl: not built (no NCCL?)"
+    fi
+    if [ -z "${DAEMON:-}" ] || [ ! -x "$BIN/gpu_trainer" ]; then
+        NCCL_STATUS="$NCCL_STATUS; daemon: not built here (carry build-gpu-pack)"
+        return
+    fi
+    local rt ti=${TI:-$BUILD/tests/integration}
     rt=$(mktemp -d /tmp/scape-gpu.XXXXXX)
-    "$DAEMON" --runtime-dir "$rt/rt" --comm-backend nccl --trainers 2 --rho 0.01 --warmup 3 \
-        >"$LOGS/scaped_nccl.txt" 2>&1 &
+    timeout 200 "$DAEMON" --runtime-dir "$rt/rt" --comm-backend nccl --trainers 2 --rho 0.01 \
+        --warmup 3 --comm-timeout-ms 60000 >"$LOGS/scaped_nccl.txt" 2>&1 &
     local dpid=$!
-    for _ in $(seq 100); do [ -S "$rt/rt/control" ] && break; sleep 0.1; done
+    for _ in $(seq 150); do
+        [ -S "$rt/rt/control" ] && break
+        kill -0 "$dpid" 2>/dev/null || break
+        sleep 0.1
+    done
     local ok=1 tp=()
-    "$ti/trainer_c" --endpoint "ipc://$rt/rt/control" --index 0 --n 1000000 \
-        --steps 100 --out "$rt/t0" >"$LOGS/trainer_0.txt" 2>&1 &
-    tp+=($!)
-    "$BIN/gpu_trainer" --endpoint "ipc://$rt/rt/control" --index 1 --n 1000000 \
-        --steps 100 --out "$rt/t1" >"$LOGS/trainer_1.txt" 2>&1 &
-    tp+=($!)
-    for p in "${tp[@]}"; do wait "$p" || ok=0; done
+    if ! kill -0 "$dpid" 2>/dev/null; then
+        ok=0
+        tail -n 5 "$LOGS/scaped_nccl.txt"
+    else
+        timeout 180 "$ti/trainer_c" --endpoint "ipc://$rt/rt/control" --index 0 --n 1000000 \
+            --steps 100 --out "$rt/t0" >"$LOGS/trainer_0.txt" 2>&1 &
+        tp+=($!)
+        timeout 180 "$BIN/gpu_trainer" --endpoint "ipc://$rt/rt/control" --index 1 \
+            --n 1000000 --steps 100 --out "$rt/t1" >"$LOGS/trainer_1.txt" 2>&1 &
+        tp+=($!)
+        for p in "${tp[@]}"; do wait "$p" || ok=0; done
+    fi
     kill "$dpid" 2>/dev/null; wait "$dpid"
-    "$ti/reference" --trainers 2 --n 1000000 --steps 100 --rho 0.01 --warmup 3 \
+    timeout 120 "$ti/reference" --trainers 2 --n 1000000 --steps 100 --rho 0.01 --warmup 3 \
         --out "$rt/ref" >"$LOGS/reference.txt" 2>&1 || ok=0
     if [ "$ok" = 1 ] && cmp -s "$rt/t0" "$rt/ref" && cmp -s "$rt/t1" "$rt/ref"; then
         NCCL_STATUS="$NCCL_STATUS; scaped on nccl, a host and a CUDA IPC trainer, 100 steps == reference: ok"
@@ -191,9 +263,10 @@ print_summary() {
 
 find_tools
 mkdir -p "$LOGS"
-build_cmake || build_direct
+find_nccl
+use_pack || build_cmake || build_direct
 run_check
-run_bench
 run_nccl
+run_bench
 print_summary
 [ "$CHECK_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$NCCL_RC" -eq 0 ]

@@ -80,7 +80,7 @@ class ScapeOptimizer(torch.optim.Optimizer):
     def detach(self):
         """Give the parameters private copies of their values, drop .grad, and
         detach from scaped; idempotent."""
-        if self.session.params is not None:
+        if self._flat_grads is not None:
             with torch.no_grad():
                 for group in self.param_groups:
                     for p in group["params"]:
