@@ -35,6 +35,10 @@ scape_rc ckp_prepare_resume(server *s)
     }
     s->resuming = 1;
     s->next_step = s->resume.step + 1;
+    if (s->resume.reshard)
+        LOG_WARN(SUB_ENGINE, "the checkpoint was taken by %u daemon(s), this job has %d: its "
+                 "state is resharded (bit-identical continuation needs the same world size)",
+                 s->resume.world, s->cfg.world);
     LOG_INFO(SUB_ENGINE, "resuming from %s: checked; the job continues at step %llu",
              s->resume.dir, (unsigned long long)s->next_step);
     return SCAPE_OK;

@@ -23,6 +23,7 @@
 
 #include "ckpt.h"
 #include "log.h"
+#include "plan.h"
 #include "try.h"
 
 #define CKPT_MAGIC "SCAPECKP"
@@ -703,21 +704,28 @@ scape_rc ckpt_open(const char *path, int rank, int world, ckpt_ref *out)
     }
     manifest mf;
     TRY(read_manifest(out->dir, rank, &mf));
-    if (mf.world != (uint32_t)world)
-        return scape_set_error(SCAPE_INVALID, "resume: %s was taken by %u daemon(s); this job "
-                               "has world=%d (resharding to another world size is not "
-                               "supported)", out->dir, mf.world, world);
-    if ((size_t)snprintf(out->file, sizeof out->file, "%s/%s", out->dir, mf.file) >=
-        sizeof out->file)
-        return scape_set_error(SCAPE_INVALID, "%s: path too long", out->dir);
-    int fd;
-    header h;
-    TRY(open_rank_file(out->file, &mf, rank, &fd, &h));
-    scape_rc rc = read_sections(fd, out->file, &h, NULL);
-    close(fd);
     out->step = mf.step;
     out->world = mf.world;
-    return rc;
+    out->reshard = mf.world != (uint32_t)world;
+    /* This rank's file, or every file when resharding. */
+    uint32_t first = out->reshard ? 0 : (uint32_t)rank;
+    uint32_t last = out->reshard ? mf.world : (uint32_t)rank + 1;
+    for (uint32_t q = first; q < last; q++) {
+        manifest mq;
+        TRY(read_manifest(out->dir, (int)q, &mq));
+        if ((size_t)snprintf(out->file, sizeof out->file, "%s/%s", out->dir, mq.file) >=
+            sizeof out->file)
+            return scape_set_error(SCAPE_INVALID, "%s: path too long", out->dir);
+        int fd;
+        header h;
+        TRY(open_rank_file(out->file, &mq, (int)q, &fd, &h));
+        scape_rc rc = read_sections(fd, out->file, &h, NULL);
+        close(fd);
+        TRY(rc);
+    }
+    if (out->reshard)
+        snprintf(out->file, sizeof out->file, "%s", out->dir);
+    return SCAPE_OK;
 }
 
 /* This rank's part of a restore: the file into the engine's buffers. */
@@ -750,10 +758,133 @@ static scape_rc restore_local(const ckpt_ref *ref, eng_t *e, int rank, eng_ckpt_
     return rc;
 }
 
+/* ---- resharding ----------------------------------------------------------- */
+
+typedef struct coords {
+    float *m, *v, *theta, *res;
+    unsigned char *mask_cur, *mask_next;
+    eng_coord_state st;
+} coords;
+
+static void coords_free(coords *c)
+{
+    void *p[] = { c->m, c->v, c->theta, c->res, c->mask_cur, c->mask_next };
+    for (size_t i = 0; i < sizeof p / sizeof p[0]; i++)
+        free(p[i]);
+    memset(c, 0, sizeof *c);
+}
+
+/* Old rank q's sections, in its plan's comm order, into coordinate order:
+ * its shard of m, v and theta; its residual added to ours when q maps to
+ * us; the masks from rank 0. */
+static void take_sections(const plan *old, const header *h, void *const *buf, int mine,
+                          coords *c)
+{
+    const eng_ckpt_meta *m = &h->meta;
+    for (uint32_t s = 0; s < h->nsecs; s++) {
+        uint32_t id = h->sec[s].id;
+        const float *f = buf[s];
+        const uint32_t *w = buf[s];
+        for (size_t l = 0; l < old->ntensors; l++) {
+            const plan_tensor *t = &old->t[l];
+            int in_shard = t->pos >= m->state_base && t->pos < m->state_base + m->state_len;
+            float *dst = id == ENG_SEC_M ? c->m : id == ENG_SEC_V ? c->v
+                       : id == ENG_SEC_THETA ? c->theta : NULL;
+            if (dst && in_shard)
+                memcpy(dst + t->off, f + (t->pos - m->state_base), t->len * sizeof(float));
+            if (id == ENG_SEC_RESIDUAL && mine)
+                for (size_t i = 0; i < t->len; i++)
+                    c->res[t->off + i] += f[t->pos + i];
+            unsigned char *mb = m->rank != 0 ? NULL : id == ENG_SEC_MASK_CUR ? c->mask_cur
+                              : id == ENG_SEC_MASK_NEXT ? c->mask_next : NULL;
+            for (size_t i = 0; mb && i < t->len; i++)
+                mb[t->off + i] = (unsigned char)((w[t->word + i / 32] >> (i % 32)) & 1u);
+        }
+    }
+}
+
+/* Read every old rank's file into coordinate-order state for this rank. */
+static scape_rc reshard_local(const ckpt_ref *ref, eng_t *e, int rank, int R, coords *c)
+{
+    size_t n = eng_n(e), nt = eng_ntensors(e);
+    const eng_config *cfg = eng_get_config(e);
+    int adamw = cfg->optimizer == ENG_OPT_ADAMW || cfg->optimizer == ENG_OPT_TOPK_ADAMW;
+    memset(c, 0, sizeof *c);
+    c->m = calloc(n, sizeof(float));
+    c->v = adamw ? calloc(n, sizeof(float)) : NULL;
+    c->theta = calloc(n, sizeof(float));
+    c->res = calloc(n, sizeof(float));
+    c->mask_cur = calloc(n, 1);
+    c->mask_next = calloc(n, 1);
+    eng_tensor *ts = calloc(nt, sizeof *ts);
+    if (!c->m || (adamw && !c->v) || !c->theta || !c->res || !c->mask_cur || !c->mask_next ||
+        !ts) {
+        free(ts);
+        return scape_set_error(SCAPE_NOMEM, "resharding: out of memory for N=%zu", n);
+    }
+    plan *old = NULL;
+    scape_rc rc = eng_get_layout(e, ts, nt);
+    if (rc == SCAPE_OK)
+        rc = plan_build(&old, ts, nt, (int)ref->world, cfg->rho);
+    free(ts);
+    for (uint32_t q = 0; rc == SCAPE_OK && q < ref->world; q++) {
+        manifest mq;
+        char path[CKPT_PATH_MAX + 80];
+        int fd = -1;
+        header h;
+        memset(&h, 0, sizeof h);
+        rc = read_manifest(ref->dir, (int)q, &mq);
+        if (rc == SCAPE_OK)
+            snprintf(path, sizeof path, "%s/%s", ref->dir, mq.file);
+        if (rc == SCAPE_OK)
+            rc = open_rank_file(path, &mq, (int)q, &fd, &h);
+        if (rc == SCAPE_OK && (h.meta.layout_hash != eng_layout_hash(e) || h.meta.n != n))
+            rc = scape_set_error(SCAPE_INVALID, "restore: the checkpoint's tensor layout "
+                                 "differs from the trainers'");
+        eng_config as_taken = *cfg; /* the mode may change with the world size */
+        as_taken.mode = (eng_mode)h.meta.mode;
+        if (rc == SCAPE_OK && h.meta.config_hash != eng_config_hash(&as_taken))
+            rc = scape_set_error(SCAPE_INVALID, "restore: the checkpoint was taken with other "
+                                 "optimizer settings (optimizer, rho, warmup and the "
+                                 "hyper-parameters must match; the mode may change)");
+        eng_ckpt_sec secs[ENG_CKPT_MAX_SECS];
+        void *bufs[ENG_CKPT_MAX_SECS] = { 0 };
+        for (uint32_t s = 0; rc == SCAPE_OK && s < h.nsecs; s++) {
+            bufs[s] = malloc(h.sec[s].bytes ? (size_t)h.sec[s].bytes : 1);
+            secs[s] = (eng_ckpt_sec){ h.sec[s].id, bufs[s], (size_t)h.sec[s].bytes };
+            if (bufs[s] == NULL)
+                rc = scape_set_error(SCAPE_NOMEM, "resharding: out of memory");
+        }
+        if (rc == SCAPE_OK)
+            rc = read_sections(fd, path, &h, secs);
+        if (rc == SCAPE_OK)
+            take_sections(old, &h, bufs, (int)(q % (uint32_t)R) == rank, c);
+        if (rc == SCAPE_OK && q == 0) {
+            c->st.step = h.meta.step;
+            c->st.flags = h.meta.flags;
+        }
+        for (uint32_t s = 0; s < ENG_CKPT_MAX_SECS; s++)
+            free(bufs[s]);
+        if (fd >= 0)
+            close(fd);
+    }
+    plan_destroy(&old);
+    c->st.m = c->m;
+    c->st.v = c->v;
+    c->st.theta = c->theta;
+    c->st.residual = c->res;
+    c->st.mask_cur = c->mask_cur;
+    c->st.mask_next = c->mask_next;
+    return rc;
+}
+
 scape_rc ckpt_restore(const ckpt_ref *ref, eng_t *e, comm_t *comm, void *const *params)
 {
     eng_ckpt_meta meta;
-    uint64_t ok = restore_local(ref, e, comm->rank, &meta) == SCAPE_OK;
+    coords co;
+    memset(&co, 0, sizeof co);
+    uint64_t ok = (ref->reshard ? reshard_local(ref, e, comm->rank, comm->size, &co)
+                                : restore_local(ref, e, comm->rank, &meta)) == SCAPE_OK;
     char err[512];
     snprintf(err, sizeof err, "%s", ok ? "" : scape_last_error());
     int R = comm->size;
@@ -772,11 +903,20 @@ scape_rc ckpt_restore(const ckpt_ref *ref, eng_t *e, comm_t *comm, void *const *
     free(counts);
     if (rc != SCAPE_OK)
         return rc;
+    if (!ok || failed >= 0)
+        coords_free(&co);
     if (!ok)
         return scape_set_error(SCAPE_INVALID, "restore from %s refused: %s", ref->dir, err);
     if (failed >= 0)
         return scape_set_error(SCAPE_INVALID, "restore from %s refused: rank %d could not "
                                "read its part (see that daemon's log)", ref->dir, failed);
+    if (ref->reshard) {
+        LOG_INFO(SUB_ENGINE, "resharded the checkpoint of %u rank(s) onto %d", ref->world,
+                 comm->size);
+        rc = eng_ckpt_load_coords(e, &co.st, params);
+        coords_free(&co);
+        return rc;
+    }
     if ((int)meta.trainers != eng_total_trainers(e))
         LOG_WARN(SUB_ENGINE, "the checkpoint was taken with %u trainer(s) in the job, it "
                  "resumes with %d: the gradient average changes from here on", meta.trainers,

@@ -25,7 +25,8 @@ typedef struct ckpt_ref {
     char dir[CKPT_PATH_MAX];  /* the step directory */
     char file[CKPT_PATH_MAX]; /* this rank's file in it */
     uint64_t step;
-    uint32_t world;
+    uint32_t world;           /* of the job that took it */
+    int reshard;              /* taken by another number of daemons */
 } ckpt_ref;
 
 /* Collective: write this rank's state after its last step under
@@ -35,12 +36,17 @@ typedef struct ckpt_ref {
 scape_rc ckpt_save(const char *root, eng_t *e, comm_t *comm, int keep, uint64_t *step_out,
                    char *dir_out, size_t dir_len);
 /* Resolve path (a checkpoint root with LATEST, or one step directory), read
- * its manifest, check that it was taken by `world` ranks, and check this
- * rank's file completely (size, header, every section's checksum). */
+ * its manifest, and check this rank's file completely (size, header, every
+ * section's checksum).  A checkpoint of another world size is resharded:
+ * then every rank's file is checked, and out->reshard is set. */
 scape_rc ckpt_open(const char *path, int rank, int world, ckpt_ref *out);
 /* Collective: restore a freshly created engine from the checked checkpoint
  * and write its parameters into every trainer's buffer.  Every rank learns
- * whether every rank succeeded; on failure the engine must be destroyed. */
+ * whether every rank succeeded; on failure the engine must be destroyed.
+ * Resharding reads every old rank's file: m, v and theta are taken whole per
+ * coordinate, the old ranks' residuals are summed onto the new ranks (old
+ * rank q's onto new rank q mod R), so their total is kept, and the masks are
+ * re-laid for the new owners. */
 scape_rc ckpt_restore(const ckpt_ref *ref, eng_t *e, comm_t *comm, void *const *params);
 /* 64-bit checksum of n bytes, continuing from h (start with CKPT_HASH_SEED):
  * a change confined to one 8-byte word always changes it. */

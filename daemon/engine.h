@@ -194,4 +194,28 @@ scape_rc eng_ckpt_load_begin(eng_t *e, const eng_ckpt_meta *meta, eng_ckpt_sec *
  * ranks all-gather their shards).  Replaces eng_init_params. */
 scape_rc eng_ckpt_load_finish(eng_t *e, const eng_ckpt_meta *meta, void *const *params);
 
+/* The whole state in coordinate order, for restoring a checkpoint taken by
+ * another number of ranks (resharding). */
+typedef struct eng_coord_state {
+    uint64_t step;                 /* the last completed step */
+    uint32_t flags;                /* ENG_CKF_MASK_CUR / ENG_CKF_MASK_NEXT as saved */
+    const float *m, *v, *theta;    /* N floats each (v only for the AdamW variants) */
+    const float *residual;         /* this rank's residual, N floats; NULL: zero */
+    const unsigned char *mask_cur; /* N bytes of 0/1 when the flag says so */
+    const unsigned char *mask_next;
+} eng_coord_state;
+
+/* Hash of the settings every rank must share (optimizer, mode, rho, W, hyper). */
+uint64_t eng_config_hash(const eng_config *c);
+/* The layout this engine was created with (names borrowed), ntensors entries. */
+scape_rc eng_get_layout(const eng_t *e, eng_tensor *out, size_t ntensors);
+size_t eng_ntensors(const eng_t *e);
+const eng_config *eng_get_config(const eng_t *e);
+uint64_t eng_layout_hash(const eng_t *e);
+/* Restore a freshly created engine from coordinate-order state: this rank
+ * keeps its own range of m, v and theta, takes `residual` as its residual and
+ * writes theta into every trainer's buffer (collective, like
+ * eng_ckpt_load_finish). */
+scape_rc eng_ckpt_load_coords(eng_t *e, const eng_coord_state *st, void *const *params);
+
 #endif /* SCAPE_ENGINE_H */

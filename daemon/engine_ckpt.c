@@ -98,7 +98,7 @@ scape_rc eng_ckpt_load_begin(eng_t *e, const eng_ckpt_meta *meta, eng_ckpt_sec *
     if (meta->world != mine.world)
         return scape_set_error(SCAPE_INVALID,
                                "restore: the checkpoint was taken by %u rank(s), this job has "
-                               "%u; resharding to another world size is not supported",
+                               "%u (ckpt_restore reshards such a checkpoint)",
                                meta->world, mine.world);
     if (meta->rank != mine.rank)
         return scape_set_error(SCAPE_INVALID, "restore: the file is rank %u's, this is rank %u",
@@ -186,4 +186,71 @@ scape_rc eng_ckpt_load_finish(eng_t *e, const eng_ckpt_meta *meta, void *const *
     e->mask_pending = 0;
     e->initialised = 1;
     return SCAPE_OK;
+}
+
+/* ---- resharding -------------------------------------------------------------- */
+
+size_t eng_ntensors(const eng_t *e) { return e ? e->p->ntensors : 0; }
+
+const eng_config *eng_get_config(const eng_t *e) { return e ? &e->cfg : NULL; }
+
+uint64_t eng_layout_hash(const eng_t *e) { return e ? e->p->hash : 0; }
+
+scape_rc eng_get_layout(const eng_t *e, eng_tensor *out, size_t ntensors)
+{
+    if (e == NULL || out == NULL || ntensors != e->p->ntensors)
+        return scape_set_error(SCAPE_INVALID, "eng_get_layout: bad arguments");
+    for (size_t i = 0; i < ntensors; i++)
+        out[i] = (eng_tensor){ e->p->t[i].name, e->p->t[i].off, e->p->t[i].len };
+    return SCAPE_OK;
+}
+
+/* Pack coordinate bytes into mask words in this plan's comm layout. */
+static void pack_mask(const eng_t *e, const unsigned char *bytes, uint32_t *words)
+{
+    memset(words, 0, e->p->nwords * sizeof *words);
+    for (size_t l = 0; l < e->p->ntensors; l++) {
+        const plan_tensor *t = &e->p->t[l];
+        for (size_t i = 0; i < t->len; i++)
+            if (bytes[t->off + i])
+                words[t->word + i / 32] |= 1u << (i % 32);
+    }
+}
+
+scape_rc eng_ckpt_load_coords(eng_t *e, const eng_coord_state *st, void *const *params)
+{
+    if (e == NULL || st == NULL || params == NULL || st->m == NULL || st->theta == NULL ||
+        (eng_uses_v(e) && st->v == NULL))
+        return scape_set_error(SCAPE_INVALID, "eng_ckpt_load_coords: missing state");
+    if (e->initialised)
+        return scape_set_error(SCAPE_INVALID, "restore: the engine has already started");
+    if (st->step == 0)
+        return scape_set_error(SCAPE_INVALID, "restore: the checkpoint holds no step");
+    for (size_t l = 0; l < e->p->ntensors; l++) {
+        const plan_tensor *t = &e->p->t[l];
+        if (t->pos >= e->state_base && t->pos < e->state_base + e->state_len) {
+            size_t s = t->pos - e->state_base;
+            memcpy(e->m + s, st->m + t->off, t->len * sizeof(float));
+            memcpy(e->theta + s, st->theta + t->off, t->len * sizeof(float));
+            if (eng_uses_v(e))
+                memcpy(e->v + s, st->v + t->off, t->len * sizeof(float));
+        }
+        if (st->residual)
+            memcpy(e->e + t->pos, st->residual + t->off, t->len * sizeof(float));
+        else
+            memset(e->e + t->pos, 0, t->len * sizeof(float));
+    }
+    int cur = (st->flags & ENG_CKF_MASK_CUR) && st->mask_cur;
+    int next = (st->flags & ENG_CKF_MASK_NEXT) && st->mask_next;
+    if (e->cfg.optimizer == ENG_OPT_SCAPE && st->step + 1 > e->cfg.warmup && !next)
+        return scape_set_error(SCAPE_INVALID, "restore: the checkpoint has no next mask");
+    if (cur)
+        pack_mask(e, st->mask_cur, e->mask_buf[1]);
+    if (next)
+        pack_mask(e, st->mask_next, e->mask_buf[0]);
+    eng_ckpt_meta meta;
+    fill_meta(e, &meta);
+    meta.step = st->step;
+    meta.flags = (cur ? ENG_CKF_MASK_CUR : 0) | (next ? ENG_CKF_MASK_NEXT : 0);
+    return eng_ckpt_load_finish(e, &meta, params);
 }

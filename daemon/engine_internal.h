@@ -66,9 +66,6 @@ static inline int eng_uses_v(const eng_t *e)
     return e->cfg.optimizer == ENG_OPT_ADAMW || e->cfg.optimizer == ENG_OPT_TOPK_ADAMW;
 }
 
-/* Hash of the settings every rank must share (optimizer, mode, rho, W, hyper). */
-uint64_t eng_config_hash(const eng_config *c);
-
 /* Allocate the intake buffer the optimizer and trainer count need. */
 scape_rc eng_alloc_intake(eng_t *e);
 

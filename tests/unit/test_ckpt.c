@@ -6,6 +6,8 @@
  * is refused on every rank. */
 #define _POSIX_C_SOURCE 200809L
 #include <check.h>
+#include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -127,11 +129,13 @@ static void run_job(job *jb)
     }
 }
 
-static void temp_root(job *jb)
+static void temp_dir(char *root, size_t len)
 {
-    snprintf(jb->root, sizeof jb->root, "/tmp/scape-ckpt-XXXXXX");
-    ck_assert_ptr_nonnull(mkdtemp(jb->root));
+    snprintf(root, len, "/tmp/scape-ckpt-XXXXXX");
+    ck_assert_ptr_nonnull(mkdtemp(root));
 }
+
+static void temp_root(job *jb) { temp_dir(jb->root, sizeof jb->root); }
 
 static void remove_root(const char *root)
 {
@@ -235,6 +239,152 @@ START_TEST(missing_checkpoints_are_named)
 }
 END_TEST
 
+
+/* ---- resharding: R ranks' checkpoint restored on another number ------------ */
+
+typedef struct rs_job {
+    eng_config cfg;
+    char root[256];
+    int restore;                 /* 0: train and save; 1: restore and continue */
+    pthread_mutex_t lock;
+    float m[NUMEL], theta[NUMEL], params[NUMEL];
+    double res[NUMEL];           /* sum of every rank's residual */
+    double res_abs[NUMEL];       /* and of their magnitudes: the rounding scale */
+    unsigned char mask[NUMEL], have[NUMEL];
+} rs_job;
+
+static scape_rc collect(rank_arg *a, rs_job *jb, eng_t *e, const float *p0)
+{
+    float *buf = malloc(NUMEL * sizeof *buf);
+    unsigned char *have = malloc(NUMEL);
+    scape_rc rc = buf && have ? SCAPE_OK : scape_set_error(SCAPE_NOMEM, "out of memory");
+    pthread_mutex_lock(&jb->lock);
+    if (rc == SCAPE_OK)
+        rc = eng_get_state(e, ENG_VEC_M, buf, have);
+    for (size_t i = 0; rc == SCAPE_OK && i < NUMEL; i++)
+        if (have[i]) {
+            jb->m[i] = buf[i];
+            jb->have[i] = 1;
+        }
+    if (rc == SCAPE_OK)
+        rc = eng_get_state(e, ENG_VEC_THETA, buf, have);
+    for (size_t i = 0; rc == SCAPE_OK && i < NUMEL; i++)
+        if (have[i])
+            jb->theta[i] = buf[i];
+    if (rc == SCAPE_OK)
+        rc = eng_get_residual(e, buf);
+    for (size_t i = 0; rc == SCAPE_OK && i < NUMEL; i++) {
+        jb->res[i] += buf[i];
+        jb->res_abs[i] += fabs(buf[i]);
+    }
+    if (rc == SCAPE_OK && a->rank == 0) {
+        rc = eng_get_mask(e, jb->mask);
+        memcpy(jb->params, p0, sizeof jb->params);
+    }
+    pthread_mutex_unlock(&jb->lock);
+    free(buf);
+    free(have);
+    return rc;
+}
+
+static scape_rc rank_reshard(rank_arg *a)
+{
+    rs_job *jb = a->ctx;
+    float *g[MAX_TR], *p[MAX_TR];
+    int tr = a->rank % 2 + 1;
+    for (int j = 0; j < tr; j++) {
+        g[j] = calloc(NUMEL, sizeof(float));
+        p[j] = calloc(NUMEL, sizeof(float));
+        for (size_t i = 0; i < NUMEL; i++)
+            p[j][i] = 0.01f * (float)(i % 13);
+    }
+    eng_layout lay = { s_tensors, NT, KERN_F32, KERN_F32 };
+    eng_t *e = NULL;
+    scape_rc rc = eng_create(&e, &jb->cfg, &lay, a->comm, tr);
+    uint64_t t = 1;
+    if (rc == SCAPE_OK && !jb->restore) {
+        rc = eng_init_params(e, (void *const *)p);
+        for (; rc == SCAPE_OK && t <= 7; t++) {
+            for (int j = 0; j < tr; j++)
+                for (size_t i = 0; i < NUMEL; i++)
+                    g[j][i] = grad(a->rank, j, t, i, p[j][i]);
+            rc = eng_step(e, t, 1e-2f, (const void *const *)g, (void *const *)p);
+        }
+        uint64_t at = 0;
+        if (rc == SCAPE_OK)
+            rc = ckpt_save(jb->root, e, a->comm, 2, &at, NULL, 0);
+        if (rc == SCAPE_OK)
+            rc = collect(a, jb, e, p[0]);
+    } else if (rc == SCAPE_OK) {
+        ckpt_ref ref;
+        rc = ckpt_open(jb->root, a->rank, a->nranks, &ref);
+        if (rc == SCAPE_OK && !ref.reshard)
+            rc = scape_set_error(SCAPE_INVALID, "not resharded (world %u)", ref.world);
+        if (rc == SCAPE_OK)
+            rc = ckpt_restore(&ref, e, a->comm, (void *const *)p);
+        if (rc == SCAPE_OK)
+            rc = collect(a, jb, e, p[0]);
+        /* ... and it trains on. */
+        for (t = 8; rc == SCAPE_OK && t <= 12; t++) {
+            for (int j = 0; j < tr; j++)
+                for (size_t i = 0; i < NUMEL; i++)
+                    g[j][i] = grad(a->rank, j, t, i, p[j][i]);
+            rc = eng_step(e, t, 1e-2f, (const void *const *)g, (void *const *)p);
+        }
+    }
+    eng_destroy(&e);
+    for (int j = 0; j < tr; j++) {
+        free(g[j]);
+        free(p[j]);
+    }
+    return rc;
+}
+
+static void run_reshard(rs_job *jb, int R_)
+{
+    rank_arg args[8];
+    pthread_mutex_init(&jb->lock, NULL);
+    ck_assert_int_eq(run_ranks(R_, rank_reshard, jb, args), 0);
+    for (int r = 0; r < R_; r++)
+        ck_assert_msg(args[r].rc == SCAPE_OK, "%d ranks, rank %d: %s", R_, r, args[r].err);
+    pthread_mutex_destroy(&jb->lock);
+}
+
+START_TEST(reshard_keeps_state_and_residual_sum)
+{
+    const eng_mode modes[] = { ENG_MODE_SHARDED, ENG_MODE_REPLICATED };
+    const int onto[] = { 2, 5 };
+    static rs_job before, after;
+    for (int k = 0; k < 2; k++) {
+        memset(&before, 0, sizeof before);
+        eng_config_default(&before.cfg);
+        before.cfg.rho = 0.05;
+        before.cfg.warmup = 3;
+        before.cfg.mode = ENG_MODE_SHARDED;
+        temp_dir(before.root, sizeof before.root);
+        run_reshard(&before, R);
+        memset(&after, 0, sizeof after);
+        after.cfg = before.cfg;
+        after.cfg.mode = modes[k];
+        after.restore = 1;
+        memcpy(after.root, before.root, sizeof after.root);
+        run_reshard(&after, onto[k]);
+        for (size_t i = 0; i < NUMEL; i++) {
+            ck_assert_msg(after.have[i], "coordinate %zu has no owner after resharding", i);
+            ck_assert_msg(after.m[i] == before.m[i] && after.theta[i] == before.theta[i],
+                          "coordinate %zu: m or theta changed", i);
+            ck_assert_msg(after.params[i] == before.params[i], "trainer parameter %zu", i);
+            /* float32 sums of the old residuals onto fewer ranks: rounding only */
+            ck_assert_msg(fabs(after.res[i] - before.res[i]) <= 2.4e-7 * before.res_abs[i],
+                          "coordinate %zu: residual total %g became %g", i, before.res[i],
+                          after.res[i]);
+            ck_assert_msg(after.mask[i] == before.mask[i], "mask bit %zu", i);
+        }
+        remove_root(before.root);
+    }
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("ckpt");
@@ -244,6 +394,7 @@ int main(void)
     tcase_add_test(tc, roundtrip_every_optimizer_and_mode);
     tcase_add_test(tc, other_settings_are_refused_on_every_rank);
     tcase_add_test(tc, missing_checkpoints_are_named);
+    tcase_add_test(tc, reshard_keeps_state_and_residual_sum);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);
