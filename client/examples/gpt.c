@@ -12,6 +12,7 @@
  * being applied in the softmax.  Single-threaded; everything is allocated once
  * in gpt_work_new. */
 #include "gpt.h"
+#include "gpt_rand.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -159,19 +160,12 @@ size_t gpt_num_params(const gpt_config *c)
     return total;
 }
 
-static uint64_t splitmix64(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
 
 /* Standard normal by Box-Muller; u1 lies in (0, 1], so the log is finite. */
 static double gauss(uint64_t *s)
 {
-    double u1 = (double)((splitmix64(s) >> 11) + 1) * 0x1.0p-53;
-    double u2 = (double)(splitmix64(s) >> 11) * 0x1.0p-53;
+    double u1 = (double)((gpt_next64(s) >> 11) + 1) * 0x1.0p-53;
+    double u2 = (double)(gpt_next64(s) >> 11) * 0x1.0p-53;
     return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
 }
 

@@ -1,5 +1,6 @@
 /* gpt_data.c - corpus loading, split and batches for the GPT demo (gpt_data.h). */
 #include "gpt_data.h"
+#include "gpt_rand.h"
 
 #include <errno.h>
 #include <math.h>
@@ -7,23 +8,16 @@
 #include <stdlib.h>
 #include <string.h>
 
-static uint64_t mix64(uint64_t z)
-{
-    z += 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
+/* The batch stream: its state advances by the golden ratio before mixing. */
 static uint64_t next_random(uint64_t *state)
 {
     *state += 0x9E3779B97F4A7C15ull;
-    return mix64(*state);
+    return gpt_mix64(*state);
 }
 
 static int is_val_entry(size_t index)
 {
-    return mix64((uint64_t)index) % 10 == 0;
+    return gpt_mix64((uint64_t)index) % 10 == 0;
 }
 
 /* The whole file in a malloc'd buffer; NULL with a message in err. */

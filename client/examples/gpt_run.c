@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "gpt_run.h"
+#include "gpt_rand.h"
 
 void gpt_run_defaults(gpt_run *r)
 {
@@ -114,18 +115,11 @@ float gpt_run_lr(const gpt_run *r, uint64_t t)
     return (float)((double)r->lr * (r->lr_min_frac + (1.0 - r->lr_min_frac) * c));
 }
 
-static uint64_t mix64(uint64_t x)
-{
-    x += 0x9e3779b97f4a7c15ull;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-    return x ^ (x >> 31);
-}
 
 int gpt_run_batch(const gpt_run *r, const gpt_corpus *c, uint64_t seed, uint64_t t, int *x,
                   int *y)
 {
-    uint64_t state = mix64(mix64(seed) ^ t);
+    uint64_t state = gpt_mix64(gpt_mix64(seed) ^ t);
     return gpt_batch(c->train, c->n_train, &state, r->batch, r->seq, x, y);
 }
 

@@ -12,21 +12,15 @@
 
 #include "gpt.h"
 #include "gpt_data.h"
+#include "gpt_rand.h"
 
 /* ---- helpers ---- */
 
-static uint64_t next_u64(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
 
 /* uniform in [-1, 1) */
 static double uniform(uint64_t *s)
 {
-    return (double)(next_u64(s) >> 11) * 0x1.0p-52 - 1.0;
+    return (double)(gpt_next64(s) >> 11) * 0x1.0p-52 - 1.0;
 }
 
 /* gpt_init plus noise of amplitude 0.4 everywhere: weights large enough that
@@ -47,7 +41,7 @@ static double *noisy_params(const gpt_config *c, uint64_t seed)
 static void random_tokens(int *t, int n, int vocab, uint64_t seed)
 {
     for (int i = 0; i < n; i++)
-        t[i] = (int)(next_u64(&seed) % (uint64_t)vocab);
+        t[i] = (int)(gpt_next64(&seed) % (uint64_t)vocab);
 }
 
 static gpt_tensor *layout_of(const gpt_config *c, int *nt)
