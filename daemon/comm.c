@@ -140,6 +140,12 @@ scape_rc comm_barrier(comm_t *c)
     return rc;
 }
 
+static int (*s_interrupt)(void);
+
+void comm_set_interrupt(int (*check)(void)) { s_interrupt = check; }
+
+int comm_interrupted(void) { return s_interrupt != NULL && s_interrupt(); }
+
 uint64_t comm_device_bytes(const comm_t *c)
 {
     return c && c->ops && c->ops->device_bytes ? c->ops->device_bytes(c) : 0;

@@ -85,6 +85,13 @@ scape_rc comm_iallgather_wait(comm_t *c);
 scape_rc comm_broadcast(comm_t *c, void *buf, size_t bytes, int root);
 /* Wait until every rank has arrived. */
 scape_rc comm_barrier(comm_t *c);
+/* A process-wide check that the backends' blocking waits consult a few times
+ * a second: when it returns nonzero, the wait gives up with SCAPE_REMOTE.
+ * The daemon sets it so that a shutdown is not held up by a collective
+ * waiting for a peer that will never come (NULL: never interrupted). */
+void comm_set_interrupt(int (*check)(void));
+int comm_interrupted(void);
+#define COMM_INTERRUPT_SLICE_MS 100
 /* Device memory the backend holds (staging buffers), bytes. */
 uint64_t comm_device_bytes(const comm_t *c);
 /* Free one rank's handle and set *c to NULL. */

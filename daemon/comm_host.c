@@ -347,7 +347,12 @@ static scape_rc pump_one(comm_t *c, long long deadline, int in_op, host_msg **ou
     long long left = deadline - now_ms();
     if (left <= 0)
         return SCAPE_TIMEOUT;
-    int ready = zmq_poll(&it, 1, (long)left);
+    if (comm_interrupted())
+        return scape_set_error(SCAPE_REMOTE, "comm host: %s (op %llu) interrupted: the daemon "
+                               "is shutting down", h->opname ? h->opname : "a wait",
+                               (unsigned long long)h->seq);
+    long slice = left < COMM_INTERRUPT_SLICE_MS ? (long)left : COMM_INTERRUPT_SLICE_MS;
+    int ready = zmq_poll(&it, 1, slice);
     if (ready <= 0)
         return ready == 0 || zmq_errno() == EINTR ? SCAPE_OK : zerr("poll");
     host_msg *m = malloc(sizeof *m);

@@ -106,6 +106,11 @@ static scape_rc settle(nccl_impl *x, lane *l, ncclResult_t r, const char *what)
     while (r == ncclInProgress) {
         if (now_ms() > deadline)
             return timed_out(x, what);
+        if (comm_interrupted()) {
+            abort_all(x);
+            return scape_set_error(SCAPE_REMOTE, "comm nccl: %s interrupted: the daemon is "
+                                   "shutting down", what);
+        }
         nap();
         if (ncclCommGetAsyncError(l->comm, &r) != ncclSuccess)
             r = ncclInternalError;
@@ -137,6 +142,11 @@ static scape_rc drain(nccl_impl *x, lane *l, const char *what)
             return settle(x, l, r, what);
         if (now_ms() > deadline)
             return timed_out(x, what);
+        if (comm_interrupted()) {
+            abort_all(x);
+            return scape_set_error(SCAPE_REMOTE, "comm nccl: %s interrupted: the daemon is "
+                                   "shutting down", what);
+        }
         nap();
     }
 }

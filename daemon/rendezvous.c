@@ -3,6 +3,7 @@
  * coordinator that is not up yet, and its join waits in the queue meanwhile;
  * only the overall deadline ends the wait. */
 #define _POSIX_C_SOURCE 200809L
+#include <errno.h>
 #include <netdb.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -14,6 +15,7 @@
 #include <time.h>
 #include <zmq.h>
 
+#include "comm.h"
 #include "rendezvous.h"
 #include "try.h"
 #include "scape.pb-c.h"
@@ -60,12 +62,22 @@ void rdv_result_free(rdv_result *r)
     }
 }
 
-/* Wait up to the deadline for a message on sock. */
+/* Wait up to the deadline for a message on sock (a shutdown request, see
+ * comm_set_interrupt, ends the wait as if the deadline had passed). */
 static int wait_in(void *sock, double deadline)
 {
-    double left = deadline - now_ms();
     zmq_pollitem_t it = { sock, 0, ZMQ_POLLIN, 0 };
-    return left > 0 && zmq_poll(&it, 1, (long)left) > 0;
+    for (;;) {
+        double left = deadline - now_ms();
+        if (left <= 0 || comm_interrupted())
+            return 0;
+        long slice = left < COMM_INTERRUPT_SLICE_MS ? (long)left : COMM_INTERRUPT_SLICE_MS;
+        int n = zmq_poll(&it, 1, slice);
+        if (n > 0)
+            return 1;
+        if (n < 0 && zmq_errno() != EINTR)
+            return 0;
+    }
 }
 
 /* Send reply r to the peer with routing id rid (rank 0's side). */

@@ -30,6 +30,9 @@ static volatile sig_atomic_t s_stop;
 
 void srv_request_stop(void) { s_stop = 1; }
 
+/* A collective waiting on another daemon gives up when we are told to stop. */
+static int stop_requested(void) { return s_stop != 0; }
+
 void srv_mark_broken(server *s)
 {
     s->broken = 1;
@@ -232,8 +235,10 @@ scape_rc srv_create(server **out, const scaped_config *cfg)
         rc = open_socket(s, &s->status, ZMQ_REP, "status", s->ep_status, sizeof s->ep_status);
     if (rc == SCAPE_OK)
         rc = open_socket(s, &s->events, ZMQ_PUB, "events", s->ep_events, sizeof s->ep_events);
-    if (rc == SCAPE_OK)
+    if (rc == SCAPE_OK) {
+        comm_set_interrupt(stop_requested);
         rc = open_comm(s);
+    }
     if (rc != SCAPE_OK) {
         srv_destroy(&s);
         return rc;

@@ -122,3 +122,24 @@ def test_killed_daemon_fails_the_step_in_time(daemon_factory):
     for d in daemons[:2]:
         assert d.proc.poll() is None, "a surviving daemon exited"
         assert d.stop() == 0
+
+
+def test_stop_is_not_held_up_by_a_missing_peer(daemon_factory):
+    """SIGTERM to a daemon whose step waits for another daemon (whose trainer
+    died) stops it at once, not after the collective's timeout."""
+    daemons = start_group(daemon_factory, [1, 1], timeout_ms=60000)
+    ts = [run_trainer(d.endpoint, 0, 2000, 10 ** 6, sleep_ms=5, seed=1 + 1000 * r, wait=False)
+          for r, d in enumerate(daemons)]
+    try:
+        time.sleep(1.5)
+        ts[1].kill()
+        ts[1].wait()
+        time.sleep(1.0)  # rank 0's trainer has posted; its step waits for rank 1
+        t0 = time.time()
+        daemons[0].proc.send_signal(signal.SIGTERM)
+        daemons[0].proc.wait(30)
+        assert time.time() - t0 < 5.0, "stopping took %.1f s" % (time.time() - t0)
+    finally:
+        for t in ts:
+            t.kill()
+            t.wait()
