@@ -483,7 +483,7 @@ scape_rc ckpt_save(const char *root, eng_t *e, comm_t *comm, int keep, uint64_t 
     mine.ok = rc == SCAPE_OK;
     if (rc != SCAPE_OK) {
         snprintf(err, sizeof err, "%s", scape_last_error());
-        snprintf(mine.why, sizeof mine.why, "%s", err);
+        snprintf(mine.why, sizeof mine.why, "%.*s", (int)sizeof mine.why - 1, err);
     }
     /* Every rank learns every rank's outcome; only then is the manifest
      * written and LATEST moved, by rank 0. */
