@@ -12,6 +12,7 @@
 #   SCAPE_COORD_HOST  host of rank 0's rendezvous           (default: first node of the job)
 #   SCAPE_RDV_PORT    its port                              (default: 29517)
 #   SCAPE_LISTEN_HOST this node's address for the data plane (default: first of hostname -I)
+#   SCAPE_LISTEN_IFACE or the interface whose IPv4 address to use, e.g. ib0
 #   SCAPE_DATA_PORT   data-plane port, plus the rank        (default: 29600)
 #   SCAPE_ARGS        further scaped flags (--rho 0.01 --trainers 2 ...)
 #   SCAPE_CHECKPOINT_DIR, SCAPE_RESUME  read by scaped itself (checkpoint_dir, resume)
@@ -27,7 +28,12 @@ daemon() {
     nodes=${SLURM_STEP_NODELIST:-$SLURM_JOB_NODELIST}
     first=$(scontrol show hostnames "$nodes" | head -n 1)
     coord="tcp://${SCAPE_COORD_HOST:-$first}:${SCAPE_RDV_PORT:-29517}"
-    host=${SCAPE_LISTEN_HOST:-$(hostname -I | awk '{print $1}')}
+    if [ -n "${SCAPE_LISTEN_IFACE:-}" ]; then
+        host=$(ip -o -4 addr show dev "$SCAPE_LISTEN_IFACE" | awk '{ split($4, a, "/"); print a[1]; exit }')
+        [ -n "$host" ] || { echo "scape-node: no IPv4 address on $SCAPE_LISTEN_IFACE" >&2; exit 1; }
+    else
+        host=${SCAPE_LISTEN_HOST:-$(hostname -I | awk '{print $1}')}
+    fi
     listen="tcp://${host}:$((${SCAPE_DATA_PORT:-29600} + SLURM_PROCID))"
     # shellcheck disable=SC2086  # SCAPE_ARGS is a list of flags
     exec "$(bin scaped)" --world "$SLURM_NTASKS" --rank "$SLURM_PROCID" --job "$SLURM_JOB_ID" \
