@@ -9,7 +9,7 @@ PKGS=(
   libyaml-dev check libsubunit-dev
   python3 python3-pytest python3-numpy python3-zmq
   munge slurmctld slurmd slurm-client lmod
-  fortunes python3-torch
+  fortunes python3-torch iproute2
 )
 
 missing=()

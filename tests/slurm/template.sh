@@ -30,7 +30,7 @@ mkdir -p "$DIR/bin"
 ln -s "$build/daemon/scaped" "$build/client/scapectl" "$DIR/bin/"
 steps=150
 export SCAPE_HOME=$root SCAPE_BIN=$DIR/bin SCAPE_RUN_BASE=$DIR READY_TIMEOUT=60
-export SCAPE_COORD_HOST=127.0.0.1 SCAPE_LISTEN_HOST=127.0.0.1 TRAINERS_PER_NODE=$trainers
+export SCAPE_COORD_HOST=127.0.0.1 SCAPE_LISTEN_IFACE=lo TRAINERS_PER_NODE=$trainers
 export SCAPE_RDV_PORT=$((30000 + RANDOM % 2000)) SCAPE_DATA_PORT=$((32000 + RANDOM % 2000))
 export SCAPE_ARGS="--rho 0.1 --warmup 5 --comm-timeout-ms 60000"
 export TRAINER_CMD="$build/tests/integration/trainer_c --n 4000 --steps $steps"
