@@ -44,12 +44,49 @@ scape_rc ckp_prepare_resume(server *s)
     return SCAPE_OK;
 }
 
+/* Every daemon must start the same way: all fresh, or all from the same
+ * checkpoint (the same step, taken by the same world).  One small all-gather
+ * before the start's own collectives, so a mismatch is refused everywhere
+ * instead of pairing one daemon's broadcast with another's restore. */
+static scape_rc agree_start(server *s)
+{
+    if (s->cfg.world == 1)
+        return SCAPE_OK;
+    int R = s->comm->size;
+    uint64_t mine[3] = { (uint64_t)s->resuming, s->resuming ? s->resume.step : 0,
+                         s->resuming ? s->resume.world : 0 };
+    uint64_t *all = calloc((size_t)R * 3, sizeof *all);
+    size_t *counts = calloc((size_t)R, sizeof *counts);
+    scape_rc rc = all && counts ? SCAPE_OK : scape_set_error(SCAPE_NOMEM, "out of memory");
+    for (int r = 0; rc == SCAPE_OK && r < R; r++)
+        counts[r] = sizeof mine;
+    if (rc == SCAPE_OK)
+        rc = comm_allgather(s->comm, mine, all, counts);
+    for (int r = 0; rc == SCAPE_OK && r < R; r++)
+        if (memcmp(all + 3 * r, mine, sizeof mine) != 0)
+            rc = scape_set_error(SCAPE_INVALID,
+                                 "job start: rank %d %s, this rank (%d) %s; every daemon must "
+                                 "resume the same checkpoint or none", r,
+                                 all[3 * r] ? "resumes a checkpoint" : "starts fresh",
+                                 s->cfg.rank, s->resuming ? "resumes one" : "starts fresh");
+    if (rc == SCAPE_OK && s->resuming)
+        for (int r = 0; rc == SCAPE_OK && r < R; r++)
+            if (all[3 * r + 1] != mine[1])
+                rc = scape_set_error(SCAPE_INVALID, "job start: rank %d resumes step %llu, "
+                                     "this rank step %llu", r,
+                                     (unsigned long long)all[3 * r + 1],
+                                     (unsigned long long)mine[1]);
+    free(all);
+    free(counts);
+    return rc;
+}
+
 scape_rc ckp_start(server *s, void *const *params)
 {
+    TRY(agree_start(s));
     if (!s->resuming)
         return eng_init_params(s->eng, params);
     TRY(ckpt_restore(&s->resume, s->eng, s->comm, params));
-    s->resuming = 0;
     s->resumed_from = s->resume.step;
     s->ckpt_step = s->resume.step;
     snprintf(s->ckpt_dir, sizeof s->ckpt_dir, "%s", s->resume.dir);
@@ -57,6 +94,8 @@ scape_rc ckp_start(server *s, void *const *params)
              (unsigned long long)s->resume.step, s->resume.dir);
     return SCAPE_OK;
 }
+
+void ckp_started(server *s) { s->resuming = 0; }
 
 scape_rc ckp_request(server *s)
 {

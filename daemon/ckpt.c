@@ -583,7 +583,7 @@ static scape_rc read_manifest(const char *dir, int rank, manifest *m)
             m->step = a;
             have_step = 1;
         } else if (sscanf(line, "world %llu", &a) == 1) {
-            m->world = (uint32_t)a;
+            m->world = a <= 4096 ? (uint32_t)a : 0;
             have_world = 1;
         } else if (sscanf(line, "rank %d %63s %llu %llx", &r, name, &b, &c) == 4 && r == rank) {
             snprintf(m->file, sizeof m->file, "%s", name);
@@ -597,6 +597,8 @@ static scape_rc read_manifest(const char *dir, int rank, manifest *m)
     fclose(f);
     if (lines == 0 || !have_step || !have_world || !m->complete)
         return scape_set_error(SCAPE_INVALID, "%s: not a complete scaped manifest", path);
+    if (m->world < 1 || m->world > 4096)
+        return scape_set_error(SCAPE_INVALID, "%s: world %u is not in [1, 4096]", path, m->world);
     if (m->world == 0 || (uint32_t)rank >= m->world)
         return SCAPE_OK; /* the caller reports the other world size */
     if (!m->have_rank || strchr(m->file, '/'))
@@ -803,6 +805,48 @@ static void take_sections(const plan *old, const header *h, void *const *buf, in
     }
 }
 
+/* An old rank's file must describe exactly what that rank of the old plan
+ * held: its shard range and the sections an engine of that optimizer writes
+ * for its flags, in order and of their sizes.  Anything else is refused
+ * before a byte of it is used. */
+static scape_rc check_old_file(const plan *old, const header *h, uint32_t q,
+                               const eng_config *cfg, const char *path)
+{
+    const eng_ckpt_meta *m = &h->meta;
+    uint32_t known = ENG_CKF_RESIDUAL_ZERO | ENG_CKF_MASK_CUR | ENG_CKF_MASK_NEXT;
+    if (m->optimizer != (uint32_t)cfg->optimizer || m->mode >= ENG_MODE_COUNT ||
+        (m->flags & ~known))
+        return scape_set_error(SCAPE_INVALID, "%s: optimizer, mode or flags do not fit", path);
+    size_t base = m->mode == ENG_MODE_SHARDED ? old->shard[q].pos0 : 0;
+    size_t len = m->mode == ENG_MODE_SHARDED ? old->shard[q].len : old->n;
+    if (m->state_base != base || m->state_len != len)
+        return scape_set_error(SCAPE_INVALID, "%s: shard [%llu, +%llu) is not rank %u's of %d",
+                               path, (unsigned long long)m->state_base,
+                               (unsigned long long)m->state_len, q, old->nranks);
+    int adamw = cfg->optimizer == ENG_OPT_ADAMW || cfg->optimizer == ENG_OPT_TOPK_ADAMW;
+    uint64_t sl = (uint64_t)len * 4, wb = (uint64_t)old->nwords * 4;
+    struct { uint32_t id; uint64_t bytes; int on; } want[] = {
+        { ENG_SEC_M, sl, 1 },
+        { ENG_SEC_V, sl, adamw },
+        { ENG_SEC_THETA, sl, 1 },
+        { ENG_SEC_RESIDUAL, (uint64_t)old->n * 4, !(m->flags & ENG_CKF_RESIDUAL_ZERO) },
+        { ENG_SEC_MASK_CUR, wb, (m->flags & ENG_CKF_MASK_CUR) != 0 },
+        { ENG_SEC_MASK_NEXT, wb, (m->flags & ENG_CKF_MASK_NEXT) != 0 },
+    };
+    uint32_t k = 0;
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+        if (!want[i].on)
+            continue;
+        if (k >= h->nsecs || h->sec[k].id != want[i].id || h->sec[k].bytes != want[i].bytes)
+            return scape_set_error(SCAPE_INVALID, "%s: its sections are not those of rank %u "
+                                   "(section %u)", path, q, k);
+        k++;
+    }
+    if (k != h->nsecs)
+        return scape_set_error(SCAPE_INVALID, "%s: %u sections, expected %u", path, h->nsecs, k);
+    return SCAPE_OK;
+}
+
 /* Read every old rank's file into coordinate-order state for this rank. */
 static scape_rc reshard_local(const ckpt_ref *ref, eng_t *e, int rank, int R, coords *c)
 {
@@ -841,6 +885,8 @@ static scape_rc reshard_local(const ckpt_ref *ref, eng_t *e, int rank, int R, co
         if (rc == SCAPE_OK && (h.meta.layout_hash != eng_layout_hash(e) || h.meta.n != n))
             rc = scape_set_error(SCAPE_INVALID, "restore: the checkpoint's tensor layout "
                                  "differs from the trainers'");
+        if (rc == SCAPE_OK)
+            rc = check_old_file(old, &h, q, cfg, path);
         eng_config as_taken = *cfg; /* the mode may change with the world size */
         as_taken.mode = (eng_mode)h.meta.mode;
         if (rc == SCAPE_OK && h.meta.config_hash != eng_config_hash(&as_taken))

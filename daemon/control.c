@@ -225,6 +225,16 @@ static scape_rc seed_params(server *s, trainer *t)
             return shm_map_push(&t->params, pb, NULL);
         }
     }
+    /* Nobody here holds them: the buffer of the last trainer that left. */
+    if (s->spare.addr) {
+        memcpy(t->params.addr, s->spare.addr, pb);
+        shm_map_close(&s->spare, 1);
+        return shm_map_push(&t->params, pb, NULL);
+    }
+    /* A sharded rank's master copy is only its shard. */
+    if (s->cfg.engine.mode == ENG_MODE_SHARDED && s->cfg.world > 1)
+        return scape_set_error(SCAPE_INVALID, "sync: this daemon holds no copy of the job's "
+                               "parameters to give a new trainer");
     float *theta = malloc(s->numel * sizeof *theta);
     unsigned char *have = malloc(s->numel);
     scape_rc rc = theta && have ? eng_get_state(s->eng, ENG_VEC_THETA, theta, have)
@@ -348,6 +358,7 @@ static scape_rc start_job(server *s, trainer **ts, int n)
         eng_destroy(&s->eng);
         return rc;
     }
+    ckp_started(s);
     s->eng_trainers = n;
     if (s->resumed_from)
         LOG_INFO(SUB_ENGINE, "job resumed: %s, %s, rho=%g, N=%zu, %d trainer(s), next step %llu",
@@ -573,6 +584,16 @@ void ctl_drop(server *s, trainer *t, int died)
     int was_registered = t->registered;
     LOG_INFO(SUB_CTRL, "trainer %d (%s, pid %d) %s", t->index, t->identity, (int)t->pid,
              died ? "died" : "detached");
+    /* The last trainer holding the job's parameters leaves: keep its buffer
+     * (the parameters after the last completed step) for the next one. */
+    int others = 0;
+    for (int i = 0; i < SRV_MAX_SLOTS; i++)
+        others += &s->slots[i] != t && s->slots[i].used && s->slots[i].synced;
+    if (t->synced && s->eng && others == 0 && t->params.addr && !t->params.dev) {
+        shm_map_close(&s->spare, 1);
+        s->spare = t->params;
+        memset(&t->params, 0, sizeof t->params);
+    }
     shm_map_close(&t->params, died);
     shm_map_close(&t->grads, died);
     int idx = t->index;

@@ -132,6 +132,9 @@ scape_rc eng_ckpt_load_begin(eng_t *e, const eng_ckpt_meta *meta, eng_ckpt_sec *
         return scape_set_error(SCAPE_INVALID, "restore: unknown flags %#x", meta->flags);
     if (meta->step == 0)
         return scape_set_error(SCAPE_INVALID, "restore: the checkpoint holds no step");
+    if (e->cfg.optimizer == ENG_OPT_SCAPE && meta->step + 1 > e->cfg.warmup &&
+        !(meta->flags & ENG_CKF_MASK_NEXT))
+        return scape_set_error(SCAPE_INVALID, "restore: the checkpoint has no next mask");
     describe(e, meta->flags, secs, nsecs);
     return SCAPE_OK;
 }

@@ -364,6 +364,7 @@ void srv_destroy(server **sp)
         return;
     server *s = *sp;
     farewell(s);
+    shm_map_close(&s->spare, 1);
     eng_destroy(&s->eng);
     comm_destroy(&s->comm);
     void *socks[] = { s->ctrl, s->status, s->events };

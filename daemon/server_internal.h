@@ -60,6 +60,7 @@ struct server {
     int eng_trainers;               /* T_r the engine runs with */
     uint64_t next_step;
     int broken;                     /* the engine failed mid-step */
+    shm_map spare;                  /* params of the last trainer that left, for the next */
     char broken_why[512];           /* what failed, for the trainers' later steps */
     int stopping;
     size_t msg_bytes;               /* size of the request being handled */
@@ -112,6 +113,9 @@ scape_rc ckp_prepare_resume(server *s);
 /* Give the new engine its starting state: the checkpoint when resuming, else
  * trainer 0's parameters (collective). */
 scape_rc ckp_start(server *s, void *const *params);
+/* The job has started (the trainers have their parameters): a later start
+ * (after the engine is lost) is a fresh one. */
+void ckp_started(server *s);
 /* After a completed step: agree with the other daemons whether a checkpoint
  * is due (requested here or there, SIGUSR1, or the period) and take it. */
 void ckp_after_step(server *s, uint64_t step);

@@ -143,3 +143,33 @@ def test_stop_is_not_held_up_by_a_missing_peer(daemon_factory):
         for t in ts:
             t.kill()
             t.wait()
+
+
+def test_replacement_trainer_gets_the_whole_parameters_when_sharded(daemon_factory, tmp_path):
+    """Rank 1's only trainer dies; its replacement must get every parameter
+    (rank 1's master copy holds only its shard), and the job ends with the
+    same parameters on both daemons."""
+    daemons = start_group(daemon_factory, [1, 1], ["--mode", "sharded"], timeout_ms=60000)
+    steps = 120
+    ts = [run_trainer(d.endpoint, 0, 3000, steps, sleep_ms=20, seed=1 + 1000 * r,
+                      out=str(tmp_path / ("t%d" % r)), wait=False)
+          for r, d in enumerate(daemons)]
+    try:
+        time.sleep(1.0)
+        ts[1].kill()
+        ts[1].wait()
+        time.sleep(0.5)
+        ts[1] = run_trainer(daemons[1].endpoint, 0, 3000, steps, seed=1001,
+                            out=str(tmp_path / "t1"), wait=False)
+        outs = []
+        for t in ts:
+            o, e = t.communicate(timeout=300)
+            assert t.returncode == 0, o + e
+            outs.append(o)
+        assert "steps 1..%d" % steps not in outs[1], "the replacement started over"
+        assert read(str(tmp_path / "t0")) == read(str(tmp_path / "t1"))
+    finally:
+        for t in ts:
+            if t.poll() is None:
+                t.kill()
+                t.wait()
