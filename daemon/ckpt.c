@@ -306,6 +306,58 @@ static scape_rc mkdir_p(const char *path)
     return SCAPE_OK;
 }
 
+/* Open a regular file for reading; anything else (a FIFO would block the
+ * daemon, a device would be nonsense) is refused. */
+static int open_regular(const char *path, int *err_is_type)
+{
+    *err_is_type = 0;
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0)
+        return -1;
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        close(fd);
+        *err_is_type = 1;
+        return -1;
+    }
+    int fl = fcntl(fd, F_GETFL);
+    if (fl >= 0)
+        fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
+    return fd;
+}
+
+static FILE *fopen_regular(const char *path)
+{
+    int type;
+    int fd = open_regular(path, &type);
+    if (fd < 0) {
+        if (type)
+            errno = EINVAL;
+        return NULL;
+    }
+    FILE *f = fdopen(fd, "r");
+    if (f == NULL)
+        close(fd);
+    return f;
+}
+
+/* pwrite/pread of exactly n bytes at off (EINTR and short transfers retried). */
+static int pio_all(int fd, void *buf, size_t n, off_t off, int writing)
+{
+    char *p = buf;
+    while (n > 0) {
+        ssize_t k = writing ? pwrite(fd, p, n, off) : pread(fd, p, n, off);
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k <= 0)
+            return -1;
+        p += k;
+        off += k;
+        n -= (size_t)k;
+    }
+    return 0;
+}
+
 /* ---- saving ------------------------------------------------------------------ */
 
 static void rank_file_name(int rank, char *buf, size_t len)
@@ -349,7 +401,7 @@ static scape_rc write_rank_file(const char *dir, const eng_ckpt_meta *meta,
         const unsigned char *e = hbuf + h.bytes - 8;
         *hhash = get64(&e);
         *bytes = at;
-        if (pwrite(fd, hbuf, h.bytes, 0) != (ssize_t)h.bytes)
+        if (pio_all(fd, hbuf, h.bytes, 0, 1) != 0)
             rc = scape_set_error(SCAPE_SYSTEM, "%s: write: %s", tmp, strerror(errno));
     }
     if (rc != SCAPE_OK) {
@@ -398,62 +450,153 @@ static scape_rc write_manifest(const char *dir, const eng_ckpt_meta *m,
     return rc;
 }
 
-static int parse_step_dir(const char *name, uint64_t *step)
+/* "step-<t>" or, for a later attempt at the same step, "step-<t>.<k>". */
+static int parse_step_dir2(const char *name, uint64_t *step, uint64_t *attempt)
 {
     char *end;
     if (strncmp(name, "step-", 5) != 0 || name[5] < '0' || name[5] > '9')
         return 0;
     *step = strtoull(name + 5, &end, 10);
+    *attempt = 0;
+    if (*end == '.' && end[1] >= '0' && end[1] <= '9')
+        *attempt = strtoull(end + 1, &end, 10);
     return *end == '\0';
 }
 
-static int cmp_u64_desc(const void *a, const void *b)
+static int parse_step_dir(const char *name, uint64_t *step)
 {
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return x < y ? 1 : x > y ? -1 : 0;
+    uint64_t attempt;
+    return parse_step_dir2(name, step, &attempt);
 }
 
-/* Remove this rank's part of the checkpoints older than the newest `keep`
- * (rank 0 also their manifests); whoever empties a directory removes it. */
-static void prune(const char *root, int rank, int keep, uint64_t latest)
+typedef struct step_dir {
+    uint64_t step, attempt;
+    int complete;          /* has a MANIFEST */
+    char name[64];
+} step_dir;
+
+static int cmp_dir_desc(const void *a, const void *b)
 {
+    const step_dir *x = a, *y = b;
+    if (x->step != y->step)
+        return x->step < y->step ? 1 : -1;
+    return x->attempt < y->attempt ? 1 : x->attempt > y->attempt ? -1 : 0;
+}
+
+/* Rank 0 removes every file of the directory (on the shared file system that
+ * is every rank's part); the others their own file. */
+static void remove_dir(const char *dir, int rank)
+{
+    char path[CKPT_PATH_MAX + 400];
+    if (rank == 0) {
+        DIR *d = opendir(dir);
+        struct dirent *de;
+        while (d && (de = readdir(d)) != NULL) {
+            if (strcmp(de->d_name, ".") == 0 || strcmp(de->d_name, "..") == 0)
+                continue;
+            snprintf(path, sizeof path, "%s/%s", dir, de->d_name);
+            unlink(path);
+        }
+        if (d)
+            closedir(d);
+    } else {
+        char name[32];
+        rank_file_name(rank, name, sizeof name);
+        snprintf(path, sizeof path, "%s/%s", dir, name);
+        unlink(path);
+    }
+    if (rmdir(dir) == 0)
+        LOG_INFO(SUB_ENGINE, "removed old checkpoint %s", dir);
+}
+
+/* Keep the newest `keep` complete checkpoints up to the one just written
+ * (latest); older ones, complete or not, go. */
+static void prune(const char *root, int rank, int keep, const char *latest)
+{
+    uint64_t ls, la;
+    if (!parse_step_dir2(latest, &ls, &la))
+        return;
     DIR *d = opendir(root);
     if (d == NULL)
         return;
     size_t n = 0, cap = 16;
-    uint64_t *steps = malloc(cap * sizeof *steps);
+    step_dir *dirs = malloc(cap * sizeof *dirs);
     struct dirent *de;
-    while (steps && (de = readdir(d)) != NULL) {
-        uint64_t s;
-        if (!parse_step_dir(de->d_name, &s) || s > latest)
+    while (dirs && (de = readdir(d)) != NULL) {
+        step_dir x;
+        if (!parse_step_dir2(de->d_name, &x.step, &x.attempt) ||
+            strlen(de->d_name) >= sizeof x.name ||
+            x.step > ls || (x.step == ls && x.attempt > la))
             continue;
+        memcpy(x.name, de->d_name, strlen(de->d_name) + 1); /* length checked above */
+        char m[CKPT_PATH_MAX + 128];
+        snprintf(m, sizeof m, "%s/%s/%s", root, x.name, MANIFEST);
+        x.complete = access(m, F_OK) == 0;
         if (n == cap) {
-            uint64_t *g = realloc(steps, 2 * cap * sizeof *steps);
+            step_dir *g = realloc(dirs, 2 * cap * sizeof *dirs);
             if (g == NULL)
                 break;
-            steps = g;
+            dirs = g;
             cap *= 2;
         }
-        steps[n++] = s;
+        dirs[n++] = x;
     }
     closedir(d);
-    if (steps == NULL)
+    if (dirs == NULL)
         return;
-    qsort(steps, n, sizeof *steps, cmp_u64_desc);
-    for (size_t i = (size_t)keep; i < n; i++) {
-        char dir[CKPT_PATH_MAX], path[CKPT_PATH_MAX + 64], name[32];
-        snprintf(dir, sizeof dir, "%s/step-%llu", root, (unsigned long long)steps[i]);
-        rank_file_name(rank, name, sizeof name);
-        snprintf(path, sizeof path, "%s/%s", dir, name);
-        unlink(path);
-        if (rank == 0) {
-            snprintf(path, sizeof path, "%s/%s", dir, MANIFEST);
-            unlink(path);
+    qsort(dirs, n, sizeof *dirs, cmp_dir_desc);
+    int kept = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (dirs[i].complete && kept < keep) {
+            kept++;
+            continue;
         }
-        if (rmdir(dir) == 0)
-            LOG_INFO(SUB_ENGINE, "removed old checkpoint %s", dir);
+        char dir[CKPT_PATH_MAX + 80];
+        snprintf(dir, sizeof dir, "%s/%s", root, dirs[i].name);
+        remove_dir(dir, rank);
     }
-    free(steps);
+    free(dirs);
+}
+
+/* Rank 0: a fresh directory for this attempt, so that no complete checkpoint
+ * is ever written over (a job resumed from an older step comes back to steps
+ * it has checkpointed before). */
+static scape_rc fresh_dir(const char *root, uint64_t step, char *name, size_t len)
+{
+    TRY(mkdir_p(root));
+    for (unsigned k = 0; k < 1000; k++) {
+        if (k == 0)
+            snprintf(name, len, "step-%llu", (unsigned long long)step);
+        else
+            snprintf(name, len, "step-%llu.%u", (unsigned long long)step, k);
+        char dir[CKPT_PATH_MAX + 80];
+        if ((size_t)snprintf(dir, sizeof dir, "%s/%s", root, name) >= CKPT_PATH_MAX)
+            return scape_set_error(SCAPE_INVALID, "checkpoint_dir %s: path too long", root);
+        if (mkdir(dir, 0750) == 0)
+            return SCAPE_OK;
+        if (errno != EEXIST)
+            return scape_set_error(SCAPE_SYSTEM, "cannot create %s: %s", dir, strerror(errno));
+    }
+    return scape_set_error(SCAPE_SYSTEM, "%s: 1000 attempts at step %llu already", root,
+                           (unsigned long long)step);
+}
+
+/* Rank 0, before the manifest: every rank's file must be in this directory
+ * with the size its rank reported (a checkpoint_dir that is not one shared
+ * directory fails here, not at resume time). */
+static scape_rc check_peers(const char *dir, const rank_result *all, int R)
+{
+    for (int r = 0; r < R; r++) {
+        char name[32], path[CKPT_PATH_MAX + 64];
+        rank_file_name(r, name, sizeof name);
+        snprintf(path, sizeof path, "%s/%s", dir, name);
+        struct stat st;
+        if (stat(path, &st) != 0 || (uint64_t)st.st_size != all[r].bytes)
+            return scape_set_error(SCAPE_SYSTEM, "rank %d's file is not in %s (is "
+                                   "checkpoint_dir one directory that every node sees?)", r,
+                                   dir);
+    }
+    return SCAPE_OK;
 }
 
 scape_rc ckpt_save(const char *root, eng_t *e, comm_t *comm, int keep, uint64_t *step_out,
@@ -473,8 +616,20 @@ scape_rc ckpt_save(const char *root, eng_t *e, comm_t *comm, int keep, uint64_t 
         rc = scape_set_error(SCAPE_INVALID, "no checkpoint_dir is configured on rank %d (set "
                              "checkpoint_dir, SCAPE_CHECKPOINT_DIR or --checkpoint-dir)",
                              comm->rank);
-    if (rc == SCAPE_OK && (size_t)snprintf(dir, sizeof dir, "%s/step-%llu", root,
-                                           (unsigned long long)meta.step) >= sizeof dir)
+    /* Rank 0 names this attempt's directory; an empty name tells the others
+     * it could not. */
+    char name[64] = "";
+    if (rc == SCAPE_OK && comm->rank == 0 && fresh_dir(root, meta.step, name, sizeof name) !=
+        SCAPE_OK)
+        name[0] = '\0';
+    scape_rc brc = comm_broadcast(comm, name, sizeof name, 0);
+    if (brc != SCAPE_OK)
+        return brc;
+    name[sizeof name - 1] = '\0';
+    if (rc == SCAPE_OK && name[0] == '\0')
+        rc = scape_set_error(SCAPE_SYSTEM, "rank 0 could not create the checkpoint directory "
+                             "under %s", root ? root : "");
+    if (rc == SCAPE_OK && (size_t)snprintf(dir, sizeof dir, "%s/%s", root, name) >= sizeof dir)
         rc = scape_set_error(SCAPE_INVALID, "checkpoint_dir %s: path too long", root);
     if (rc == SCAPE_OK)
         rc = mkdir_p(dir);
@@ -503,18 +658,22 @@ scape_rc ckpt_save(const char *root, eng_t *e, comm_t *comm, int keep, uint64_t 
     for (int r = 0; rc == SCAPE_OK && r < R && failed < 0; r++)
         if (!all[r].ok)
             failed = r;
+    if (failed == 0 && comm->rank != 0 && name[0] == '\0')
+        err[0] = '\0'; /* rank 0's own reason says more than "no directory" */
     if (failed >= 0 && err[0] == '\0') {
         all[failed].why[sizeof all[failed].why - 1] = '\0';
         snprintf(err, sizeof err, "rank %d: %s", failed, all[failed].why);
     }
-    uint64_t committed = 0;
+    uint64_t committed[2] = { 0, (uint64_t)keep }; /* rank 0's verdict and keep */
     if (rc == SCAPE_OK && failed < 0 && comm->rank == 0) {
-        char latest[64];
-        snprintf(latest, sizeof latest, "step-%llu\n", (unsigned long long)meta.step);
-        scape_rc w = write_manifest(dir, &meta, all, R);
+        char latest[80];
+        snprintf(latest, sizeof latest, "%s\n", name);
+        scape_rc w = check_peers(dir, all, R);
+        if (w == SCAPE_OK)
+            w = write_manifest(dir, &meta, all, R);
         if (w == SCAPE_OK)
             w = write_text(root, LATEST, latest);
-        committed = w == SCAPE_OK;
+        committed[0] = w == SCAPE_OK;
         if (w != SCAPE_OK)
             snprintf(err, sizeof err, "%s", scape_last_error());
     }
@@ -522,8 +681,8 @@ scape_rc ckpt_save(const char *root, eng_t *e, comm_t *comm, int keep, uint64_t 
     if (rc != SCAPE_OK)
         return rc;
     if (failed < 0)
-        TRY(comm_broadcast(comm, &committed, sizeof committed, 0));
-    if (failed >= 0 || !committed) {
+        TRY(comm_broadcast(comm, committed, sizeof committed, 0));
+    if (failed >= 0 || !committed[0]) {
         if (err[0])
             return scape_set_error(SCAPE_SYSTEM, "checkpoint after step %llu failed: %s",
                                    (unsigned long long)meta.step, err);
@@ -531,7 +690,7 @@ scape_rc ckpt_save(const char *root, eng_t *e, comm_t *comm, int keep, uint64_t 
                                "(see that daemon's log); the previous checkpoint stands",
                                (unsigned long long)meta.step, failed >= 0 ? failed : 0);
     }
-    prune(root, comm->rank, keep, meta.step);
+    prune(root, comm->rank, (int)committed[1], name);
     if (step_out)
         *step_out = meta.step;
     if (dir_out)
@@ -544,7 +703,7 @@ scape_rc ckpt_save(const char *root, eng_t *e, comm_t *comm, int keep, uint64_t 
 /* Read path's first line into buf, without the newline. */
 static scape_rc read_line_file(const char *path, char *buf, size_t len)
 {
-    FILE *f = fopen(path, "r");
+    FILE *f = fopen_regular(path);
     if (f == NULL)
         return scape_set_error(SCAPE_SYSTEM, "%s: %s", path, strerror(errno));
     char *got = fgets(buf, (int)len, f);
@@ -567,7 +726,7 @@ static scape_rc read_manifest(const char *dir, int rank, manifest *m)
 {
     char path[CKPT_PATH_MAX + 16], line[256];
     snprintf(path, sizeof path, "%s/%s", dir, MANIFEST);
-    FILE *f = fopen(path, "r");
+    FILE *f = fopen_regular(path);
     if (f == NULL)
         return scape_set_error(SCAPE_SYSTEM, "%s: %s (an incomplete checkpoint?)", path,
                                strerror(errno));
@@ -610,9 +769,11 @@ static scape_rc read_manifest(const char *dir, int rank, manifest *m)
 static scape_rc open_rank_file(const char *path, const manifest *mf, int rank, int *fd_out,
                                header *h)
 {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    int not_regular;
+    int fd = open_regular(path, &not_regular);
     if (fd < 0)
-        return scape_set_error(SCAPE_SYSTEM, "%s: %s", path, strerror(errno));
+        return scape_set_error(not_regular ? SCAPE_INVALID : SCAPE_SYSTEM, "%s: %s", path,
+                               not_regular ? "not a regular file" : strerror(errno));
     struct stat st;
     unsigned char buf[HEADER_MAX];
     scape_rc rc = SCAPE_OK;
@@ -625,10 +786,11 @@ static scape_rc open_rank_file(const char *path, const manifest *mf, int rank, i
                              (unsigned long long)st.st_size, (unsigned long long)mf->bytes);
     size_t got = 0;
     if (rc == SCAPE_OK) {
-        ssize_t r = pread(fd, buf, sizeof buf, 0);
-        if (r < 0)
+        /* The header is at most HEADER_MAX bytes; the file is at least as
+         * long as the manifest says, so read what there is of it. */
+        got = (uint64_t)st.st_size < sizeof buf ? (size_t)st.st_size : sizeof buf;
+        if (pio_all(fd, buf, got, 0, 0) != 0)
             rc = scape_set_error(SCAPE_SYSTEM, "%s: read: %s", path, strerror(errno));
-        got = r > 0 ? (size_t)r : 0;
     }
     if (rc == SCAPE_OK)
         rc = decode(buf, got, path, h);

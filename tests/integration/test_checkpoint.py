@@ -255,3 +255,27 @@ def test_other_layout_or_settings_are_refused(daemon_factory, tmp_path):
     o, e = p.communicate(timeout=60)
     assert p.returncode != 0 and "other optimizer settings" in e, e
     assert tree_digest(ck) == before
+
+
+def test_saving_a_step_again_never_overwrites_a_checkpoint(daemon_factory, tmp_path):
+    """A job resumed from an older step checkpoints the same steps again: the
+    new ones go to fresh directories (step-40.1), LATEST follows them, and the
+    old complete ones stay readable until pruned."""
+    ck = str(tmp_path / "ck")
+    args = [*ENGINE, "--trainers", "1", "--checkpoint-dir", ck, "--checkpoint-every", "20",
+            "--checkpoint-keep", "3"]
+    d = daemon_factory(*args)
+    train_one(d, tmp_path, 1, 40, "first")
+    assert d.stop() == 0
+    old40 = tree_digest(os.path.join(ck, "step-40"))
+    d2 = daemon_factory(*args, "--resume", os.path.join(ck, "step-20"))
+    second, _ = train_one(d2, tmp_path, 1, 40, "second")
+    assert d2.stop() == 0
+    assert open(os.path.join(ck, "LATEST")).read().strip() == "step-40.1"
+    assert tree_digest(os.path.join(ck, "step-40")) == old40
+    # the second run started at 21, so it saved 40 only; keep 3 keeps all
+    names = sorted(x for x in os.listdir(ck) if x.startswith("step-"))
+    assert names == ["step-20", "step-40", "step-40.1"], names
+    d3 = daemon_factory(*ENGINE, "--trainers", "1", "--resume", ck)
+    third, outs = train_one(d3, tmp_path, 1, 50, "third")
+    assert "steps 41..50" in outs[0]
