@@ -1,7 +1,9 @@
 /* ckpt.h - checkpoints on disk (docs/operations.md, "Checkpoints").
  *
- * A checkpoint after step t is the directory <root>/step-<t>/ holding one
- * file per rank (rank-<r>.ckpt: a header with the engine's meta and a table
+ * A checkpoint after step t is the directory <root>/step-<t>/ (step-<t>.<k>
+ * for a later attempt at the same step, so nothing complete is overwritten)
+ * holding one file per rank (rank-<r>.ckpt: a header with the engine's meta
+ * and a table
  * of sections, each with its 64-bit checksum, then the sections) and, from
  * rank 0, a text MANIFEST listing every rank's file with its size and header
  * checksum.  <root>/LATEST names the newest complete checkpoint.  Every file
@@ -29,9 +31,10 @@ typedef struct ckpt_ref {
     int reshard;              /* taken by another number of daemons */
 } ckpt_ref;
 
-/* Collective: write this rank's state after its last step under
- * root/step-<t>/; rank 0 writes the manifest and moves LATEST once every rank
- * succeeded, then checkpoints beyond the newest `keep` are removed.  On
+/* Collective: write this rank's state after its last step into a fresh step
+ * directory that rank 0 names; rank 0 writes the manifest and moves LATEST
+ * once every rank succeeded, then checkpoints beyond the newest `keep` are
+ * removed.  On
  * success *step_out is t and dir_out the step directory. */
 scape_rc ckpt_save(const char *root, eng_t *e, comm_t *comm, int keep, uint64_t *step_out,
                    char *dir_out, size_t dir_len);
