@@ -123,6 +123,9 @@ def write_svg(path, panels, width=640, height=360):
                                   escape(p["ylabel"])))
         for i, (label, s, dashed) in enumerate(p["series"]):
             s = [(x, y) for x, y in s if not p["log"] or y > 0]
+            if len(s) > 800:  # a point per pixel or so is all a reader sees
+                step = len(s) // 800 + 1
+                s = s[::step] + ([s[-1]] if (len(s) - 1) % step else [])
             if not s:
                 continue
             color = COLORS[i % len(COLORS)]
