@@ -985,27 +985,14 @@ static scape_rc check_old_file(const plan *old, const header *h, uint32_t q,
         return scape_set_error(SCAPE_INVALID, "%s: shard [%llu, +%llu) is not rank %u's of %d",
                                path, (unsigned long long)m->state_base,
                                (unsigned long long)m->state_len, q, old->nranks);
-    int adamw = cfg->optimizer == ENG_OPT_ADAMW || cfg->optimizer == ENG_OPT_TOPK_ADAMW;
-    uint64_t sl = (uint64_t)len * 4, wb = (uint64_t)old->nwords * 4;
-    struct { uint32_t id; uint64_t bytes; int on; } want[] = {
-        { ENG_SEC_M, sl, 1 },
-        { ENG_SEC_V, sl, adamw },
-        { ENG_SEC_THETA, sl, 1 },
-        { ENG_SEC_RESIDUAL, (uint64_t)old->n * 4, !(m->flags & ENG_CKF_RESIDUAL_ZERO) },
-        { ENG_SEC_MASK_CUR, wb, (m->flags & ENG_CKF_MASK_CUR) != 0 },
-        { ENG_SEC_MASK_NEXT, wb, (m->flags & ENG_CKF_MASK_NEXT) != 0 },
-    };
-    uint32_t k = 0;
-    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
-        if (!want[i].on)
-            continue;
-        if (k >= h->nsecs || h->sec[k].id != want[i].id || h->sec[k].bytes != want[i].bytes)
+    eng_ckpt_sec want[ENG_CKPT_MAX_SECS];
+    int k = eng_ckpt_layout(cfg->optimizer, m->flags, len, old->n, old->nwords, want);
+    if ((uint32_t)k != h->nsecs)
+        return scape_set_error(SCAPE_INVALID, "%s: %u sections, expected %d", path, h->nsecs, k);
+    for (int i = 0; i < k; i++)
+        if (h->sec[i].id != want[i].id || h->sec[i].bytes != want[i].bytes)
             return scape_set_error(SCAPE_INVALID, "%s: its sections are not those of rank %u "
-                                   "(section %u)", path, q, k);
-        k++;
-    }
-    if (k != h->nsecs)
-        return scape_set_error(SCAPE_INVALID, "%s: %u sections, expected %u", path, h->nsecs, k);
+                                   "(section %d)", path, q, i);
     return SCAPE_OK;
 }
 

@@ -90,11 +90,23 @@ static scape_rc cuda_fail(nccl_impl *x, cudaError_t e, const char *what)
             return cuda_fail((x), e_, (what));                                 \
     } while (0)
 
-static scape_rc timed_out(nccl_impl *x, const char *what)
+/* One more round of a wait: past the deadline, or when the daemon is being
+ * stopped, abort both communicators and fail; else nap and go on. */
+static scape_rc wait_more(nccl_impl *x, double deadline, const char *what)
 {
-    abort_all(x);
-    return scape_set_error(SCAPE_TIMEOUT, "comm nccl: %s did not finish within %d ms (a peer "
-                           "is gone?); the communicators were aborted", what, x->timeout_ms);
+    if (now_ms() > deadline) {
+        abort_all(x);
+        return scape_set_error(SCAPE_TIMEOUT, "comm nccl: %s did not finish within %d ms (a "
+                               "peer is gone?); the communicators were aborted", what,
+                               x->timeout_ms);
+    }
+    if (comm_interrupted()) {
+        abort_all(x);
+        return scape_set_error(SCAPE_REMOTE, "comm nccl: %s interrupted: the daemon is "
+                               "shutting down", what);
+    }
+    nap();
+    return SCAPE_OK;
 }
 
 /* Wait until the lane's communicator has no call in progress; r is what the
@@ -104,14 +116,7 @@ static scape_rc settle(nccl_impl *x, lane *l, ncclResult_t r, const char *what)
 {
     double deadline = now_ms() + x->timeout_ms;
     while (r == ncclInProgress) {
-        if (now_ms() > deadline)
-            return timed_out(x, what);
-        if (comm_interrupted()) {
-            abort_all(x);
-            return scape_set_error(SCAPE_REMOTE, "comm nccl: %s interrupted: the daemon is "
-                                   "shutting down", what);
-        }
-        nap();
+        TRY_RC(wait_more(x, deadline, what));
         if (ncclCommGetAsyncError(l->comm, &r) != ncclSuccess)
             r = ncclInternalError;
     }
@@ -140,14 +145,7 @@ static scape_rc drain(nccl_impl *x, lane *l, const char *what)
             r = ncclInternalError;
         if (r != ncclSuccess && r != ncclInProgress)
             return settle(x, l, r, what);
-        if (now_ms() > deadline)
-            return timed_out(x, what);
-        if (comm_interrupted()) {
-            abort_all(x);
-            return scape_set_error(SCAPE_REMOTE, "comm nccl: %s interrupted: the daemon is "
-                                   "shutting down", what);
-        }
-        nap();
+        TRY_RC(wait_more(x, deadline, what));
     }
 }
 

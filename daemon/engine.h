@@ -180,6 +180,12 @@ typedef struct eng_ckpt_sec {
 #define ENG_CKPT_MAX_SECS 6
 
 const char *eng_ckpt_section_name(uint32_t id);
+/* The sections a rank of this optimizer writes for these flags, in order,
+ * with their sizes (ptr NULL): state_len floats for m, v and theta, n for the
+ * residual, nwords for each mask.  Returns how many; secs holds
+ * ENG_CKPT_MAX_SECS.  Saving, restoring and resharding all check against it. */
+int eng_ckpt_layout(eng_optimizer opt, uint32_t flags, size_t state_len, size_t n,
+                    size_t nwords, eng_ckpt_sec *secs);
 /* Collective: bring the state to rest for a checkpoint after the last step
  * (finishes the lagged mask all-gather, so the next mask is whole), then
  * describe it.  secs must hold ENG_CKPT_MAX_SECS. */

@@ -25,23 +25,48 @@ const char *eng_ckpt_section_name(uint32_t id)
     return id > 0 && id < ENG_SEC_COUNT ? s_sec_names[id] : "?";
 }
 
+int eng_ckpt_layout(eng_optimizer opt, uint32_t flags, size_t state_len, size_t n,
+                    size_t nwords, eng_ckpt_sec *secs)
+{
+    size_t sl = state_len * sizeof(float), wb = nwords * sizeof(uint32_t);
+    int k = 0;
+    secs[k++] = (eng_ckpt_sec){ ENG_SEC_M, NULL, sl };
+    if (opt == ENG_OPT_ADAMW || opt == ENG_OPT_TOPK_ADAMW)
+        secs[k++] = (eng_ckpt_sec){ ENG_SEC_V, NULL, sl };
+    secs[k++] = (eng_ckpt_sec){ ENG_SEC_THETA, NULL, sl };
+    if (!(flags & ENG_CKF_RESIDUAL_ZERO))
+        secs[k++] = (eng_ckpt_sec){ ENG_SEC_RESIDUAL, NULL, n * sizeof(float) };
+    if (flags & ENG_CKF_MASK_CUR)
+        secs[k++] = (eng_ckpt_sec){ ENG_SEC_MASK_CUR, NULL, wb };
+    if (flags & ENG_CKF_MASK_NEXT)
+        secs[k++] = (eng_ckpt_sec){ ENG_SEC_MASK_NEXT, NULL, wb };
+    return k;
+}
+
+/* The layout, pointing into this engine's buffers. */
 static void describe(eng_t *e, uint32_t flags, eng_ckpt_sec *secs, int *nsecs)
 {
-    size_t sl = e->state_len * sizeof(float), wb = e->p->nwords * sizeof(uint32_t);
-    int n = 0;
-    secs[n++] = (eng_ckpt_sec){ ENG_SEC_M, e->m, sl };
-    if (eng_uses_v(e))
-        secs[n++] = (eng_ckpt_sec){ ENG_SEC_V, e->v, sl };
-    secs[n++] = (eng_ckpt_sec){ ENG_SEC_THETA, e->theta, sl };
-    if (!(flags & ENG_CKF_RESIDUAL_ZERO))
-        secs[n++] = (eng_ckpt_sec){ ENG_SEC_RESIDUAL, e->e, e->p->n * sizeof(float) };
-    /* A fresh engine's next mask is buffer 0; the last one goes to buffer 1. */
-    if (flags & ENG_CKF_MASK_CUR)
-        secs[n++] = (eng_ckpt_sec){ ENG_SEC_MASK_CUR,
-                                    e->mask_cur ? (void *)e->mask_cur : e->mask_buf[1], wb };
-    if (flags & ENG_CKF_MASK_NEXT)
-        secs[n++] = (eng_ckpt_sec){ ENG_SEC_MASK_NEXT, e->mask_next, wb };
-    *nsecs = n;
+    *nsecs = eng_ckpt_layout(e->cfg.optimizer, flags, e->state_len, e->p->n, e->p->nwords,
+                             secs);
+    for (int i = 0; i < *nsecs; i++) {
+        switch (secs[i].id) {
+        case ENG_SEC_M: secs[i].ptr = e->m; break;
+        case ENG_SEC_V: secs[i].ptr = e->v; break;
+        case ENG_SEC_THETA: secs[i].ptr = e->theta; break;
+        case ENG_SEC_RESIDUAL: secs[i].ptr = e->e; break;
+        /* A fresh engine's next mask is buffer 0; the last one goes to buffer 1. */
+        case ENG_SEC_MASK_CUR:
+            secs[i].ptr = e->mask_cur ? (void *)e->mask_cur : e->mask_buf[1];
+            break;
+        default: secs[i].ptr = e->mask_next; break;
+        }
+    }
+}
+
+/* SCAPE knows the mask of the step after `step` once its warm-up is over. */
+static int next_mask_due(const eng_t *e, uint64_t step)
+{
+    return e->cfg.optimizer == ENG_OPT_SCAPE && step + 1 > e->cfg.warmup;
 }
 
 static void fill_meta(const eng_t *e, eng_ckpt_meta *m)
@@ -80,7 +105,7 @@ scape_rc eng_ckpt_save(eng_t *e, eng_ckpt_meta *meta, eng_ckpt_sec *secs, int *n
         meta->flags |= ENG_CKF_RESIDUAL_ZERO;
     if (scape && e->mask_cur)
         meta->flags |= ENG_CKF_MASK_CUR;
-    if (scape && e->last_step + 1 > e->cfg.warmup)
+    if (next_mask_due(e, e->last_step))
         meta->flags |= ENG_CKF_MASK_NEXT;
     describe(e, meta->flags, secs, nsecs);
     return SCAPE_OK;
@@ -132,8 +157,7 @@ scape_rc eng_ckpt_load_begin(eng_t *e, const eng_ckpt_meta *meta, eng_ckpt_sec *
         return scape_set_error(SCAPE_INVALID, "restore: unknown flags %#x", meta->flags);
     if (meta->step == 0)
         return scape_set_error(SCAPE_INVALID, "restore: the checkpoint holds no step");
-    if (e->cfg.optimizer == ENG_OPT_SCAPE && meta->step + 1 > e->cfg.warmup &&
-        !(meta->flags & ENG_CKF_MASK_NEXT))
+    if (next_mask_due(e, meta->step) && !(meta->flags & ENG_CKF_MASK_NEXT))
         return scape_set_error(SCAPE_INVALID, "restore: the checkpoint has no next mask");
     describe(e, meta->flags, secs, nsecs);
     return SCAPE_OK;
@@ -245,7 +269,7 @@ scape_rc eng_ckpt_load_coords(eng_t *e, const eng_coord_state *st, void *const *
     }
     int cur = (st->flags & ENG_CKF_MASK_CUR) && st->mask_cur;
     int next = (st->flags & ENG_CKF_MASK_NEXT) && st->mask_next;
-    if (e->cfg.optimizer == ENG_OPT_SCAPE && st->step + 1 > e->cfg.warmup && !next)
+    if (next_mask_due(e, st->step) && !next)
         return scape_set_error(SCAPE_INVALID, "restore: the checkpoint has no next mask");
     if (cur)
         pack_mask(e, st->mask_cur, e->mask_buf[1]);

@@ -68,7 +68,7 @@ int main(int argc, char **argv)
         return fail("cudaMemcpy", "params in");
     if (scape_sync(s) != SCAPE_OK)
         return fail("sync", scape_last_error());
-    uint64_t first = scape_next_step(s), copied = 0;
+    uint64_t first = scape_next_step(s), sent = 0;
     for (uint64_t t = first; t <= steps; t++) {
         if (cudaMemcpy(p, scape_params(s), n * sizeof *p, cudaMemcpyDeviceToHost) != cudaSuccess)
             return fail("cudaMemcpy", "params out");
@@ -80,7 +80,7 @@ int main(int argc, char **argv)
         scape_step_info info;
         if (scape_step(s, t, lr, NULL, &info) != SCAPE_OK)
             return fail("step", scape_last_error());
-        copied = info.bytes;
+        sent = info.bytes;
     }
     if (cudaMemcpy(p, scape_params(s), n * sizeof *p, cudaMemcpyDeviceToHost) != cudaSuccess)
         return fail("cudaMemcpy", "final params");
@@ -89,7 +89,7 @@ int main(int argc, char **argv)
         return fail(out, "cannot write");
     printf("gpu_trainer %d: steps %llu..%llu done on CUDA device %d, N=%zu, last step sent "
            "%llu B, params %016llx\n", index, (unsigned long long)first,
-           (unsigned long long)steps, device, n, (unsigned long long)copied,
+           (unsigned long long)steps, device, n, (unsigned long long)sent,
            (unsigned long long)synth_hash(p, n));
     free(p);
     free(g);
