@@ -1,7 +1,8 @@
 /* libscape.c - the trainer's side: attach, shared buffers, steps, detach.
  *
  * The trainer's buffers are POSIX shared-memory objects that this library
- * creates and the daemon maps by name, or (SCAPE_MEMORY_CUDA) cudaMalloc'd
+ * creates and the daemon maps by name (the name is unlinked as soon as the
+ * daemon has it mapped), or (SCAPE_MEMORY_CUDA) cudaMalloc'd
  * buffers whose IPC handles the daemon opens; only small protobuf messages cross
  * the DEALER socket.  Replies are matched to requests by order: a DEALER
  * sees exactly one reply per request, except for the daemon's unsolicited
@@ -16,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <unistd.h>
 #include <zmq.h>
 
@@ -30,6 +32,7 @@ typedef struct shm_buf {
     char name[64];
     void *addr;
     size_t bytes;
+    int linked; /* the name still exists in /dev/shm */
 } shm_buf;
 
 struct scape_session {
@@ -78,9 +81,21 @@ uint64_t scape_next_step(const scape_session *s) { return s ? s->next_step : 0; 
 
 static scape_rc shm_create(shm_buf *b, const char *tag, size_t bytes)
 {
-    snprintf(b->name, sizeof b->name, "/scape-%d-%u-%s", (int)getpid(),
-             atomic_fetch_add(&s_counter, 1), tag);
-    int fd = shm_open(b->name, O_RDWR | O_CREAT | O_EXCL, 0600);
+    /* The pid keeps names apart between live processes; the random part keeps a
+     * new trainer clear of a segment that a killed process with the same (reused)
+     * pid left behind.  The name lives only until the daemon has mapped it (see
+     * shm_unlink_names), so a trainer killed with its daemon leaves nothing. */
+    int fd = -1;
+    for (int attempt = 0; attempt < 8 && fd < 0; attempt++) {
+        uint32_t nonce = 0;
+        if (getrandom(&nonce, sizeof nonce, GRND_NONBLOCK) != (ssize_t)sizeof nonce)
+            nonce = (uint32_t)rand() ^ (uint32_t)attempt << 24;
+        snprintf(b->name, sizeof b->name, "/scape-%d-%08x-%u-%s", (int)getpid(),
+                 (unsigned)nonce, atomic_fetch_add(&s_counter, 1), tag);
+        fd = shm_open(b->name, O_RDWR | O_CREAT | O_EXCL, 0600);
+        if (fd < 0 && errno != EEXIST)
+            break;
+    }
     if (fd < 0)
         return scape_set_error(SCAPE_SYSTEM, "shm_open('%s'): %s", b->name, strerror(errno));
     scape_rc rc = SCAPE_OK;
@@ -96,19 +111,30 @@ static scape_rc shm_create(shm_buf *b, const char *tag, size_t bytes)
         }
     }
     close(fd);
-    if (rc != SCAPE_OK)
+    if (rc != SCAPE_OK) {
         shm_unlink(b->name);
-    else
+    } else {
         b->bytes = bytes;
+        b->linked = 1;
+    }
     return rc;
+}
+
+/* Once the daemon has mapped a buffer (it answered the registration) the
+ * name is no longer needed: both mappings keep the memory alive, and the
+ * kernel frees it when the last one goes, however the processes end. */
+static void shm_unlink_name(shm_buf *b)
+{
+    if (b->linked && shm_unlink(b->name) != 0 && errno != ENOENT)
+        fprintf(stderr, "libscape: shm_unlink('%s'): %s\n", b->name, strerror(errno));
+    b->linked = 0;
 }
 
 static void shm_free(shm_buf *b)
 {
-    if (b->addr) {
+    if (b->addr)
         munmap(b->addr, b->bytes);
-        shm_unlink(b->name);
-    }
+    shm_unlink_name(b);
     memset(b, 0, sizeof *b);
 }
 
@@ -358,6 +384,10 @@ scape_rc scape_attach(const char *endpoint, const scape_tensor *layout, size_t n
         rc = hello(s);
     if (rc == SCAPE_OK)
         rc = register_layout(s, layout, ntensors);
+    if (rc == SCAPE_OK && !on_device(s)) {
+        shm_unlink_name(&s->params);
+        shm_unlink_name(&s->grads);
+    }
     if (rc != SCAPE_OK) {
         session_free(s);
         return rc;

@@ -2,6 +2,7 @@
 host backend over loopback TCP, trainers on every daemon, the result bitwise
 equal to the in-process engine on the local backend, and a killed daemon."""
 import math
+import os
 import signal
 import time
 
@@ -122,6 +123,10 @@ def test_killed_daemon_fails_the_step_in_time(daemon_factory):
     for d in daemons[:2]:
         assert d.proc.poll() is None, "a surviving daemon exited"
         assert d.stop() == 0
+    # rank 2's trainer and daemon were both killed: the shared memory went with
+    # them (libscape unlinks the names once the daemon has mapped them)
+    ts[2].wait()
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("scape-%d-" % ts[2].pid)]
 
 
 def test_stop_is_not_held_up_by_a_missing_peer(daemon_factory):
