@@ -435,12 +435,22 @@ static void finish_step(server *s, trainer **ts, int n, scape_rc rc)
         r.body_case = SCAPE__REPLY__BODY_STEP_DONE;
         r.step_done = &s->last;
     }
+    /* Latest poster first: it is the straggler, on the job's critical path,
+     * while the others only get back to work earlier (and, where trainers
+     * share cores, would take the cores the straggler needs to wake up on). */
+    trainer *order[SRV_MAX_SLOTS];
     for (int i = 0; i < n; i++) {
-        ts[i]->posted = 0;
+        int j = i;
+        for (; j > 0 && order[j - 1]->posted_at < ts[i]->posted_at; j--)
+            order[j] = order[j - 1];
+        order[j] = ts[i];
+    }
+    for (int i = 0; i < n; i++) {
+        order[i]->posted = 0;
         if (rc == SCAPE_OK)
-            srv_reply(s, ts[i]->rid, ts[i]->rid_len, &r);
+            srv_reply(s, order[i]->rid, order[i]->rid_len, &r);
         else
-            srv_reply_error(s, ts[i]->rid, ts[i]->rid_len, rc);
+            srv_reply_error(s, order[i]->rid, order[i]->rid_len, rc);
     }
 }
 

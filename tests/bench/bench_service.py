@@ -6,12 +6,15 @@ in-process engine in the same run.
      baseline is `reference`, the engine called in-process with the same
      trainers' gradients.  Through the daemon, the cost of a step is what the
      last trainer to post waits for its reply (the others also wait for it).
+     In-process and daemon runs alternate (--rounds, default 5); each run's
+     figure is its median step, and the rounds' medians are reported, with
+     the per-step means and every round's ratio next to them.
   2. handover: bytes of control messages per step, and gradient bytes the
      daemon copied to get at the gradients, against the gradient bytes.
   3. memory at N = 1e8: the daemon's private resident memory beyond the
      optimizer state and residual it must hold.
 
-Usage: bench_service.py BUILD_DIR [--quick] [--markdown FILE]
+Usage: bench_service.py BUILD_DIR [--quick] [--rounds R] [--markdown FILE]
 Prints figures; it does not pass or fail on them.
 """
 import argparse
@@ -71,15 +74,20 @@ def wait_all(procs, what):
             sys.exit("bench_service: a %s process failed" % what)
 
 
-def overhead(build, work, n, steps, trainers=4):
+def overhead_round(build, work, n, steps, trainers, tag):
+    """One in-process run and one run through scaped on the same inputs:
+    per-step seconds of the in-process engine step, the last poster's wait
+    and the engine step inside the daemon."""
     engine = ["--rho", "0.01", "--warmup", "1"]
-    ref = subprocess.run([os.path.join(build, "tests", "integration", "reference"),
-                          "--trainers", str(trainers), "--n", str(int(n)), "--steps",
-                          str(steps), *engine], capture_output=True, text=True, check=True)
-    inproc_ms = float(ref.stdout.split("mean engine step")[1].split("ms")[0])
-    rt = os.path.join(work, "rt1")
+    ref_timing = os.path.join(work, "ref-%s" % tag)
+    subprocess.run([os.path.join(build, "tests", "integration", "reference"),
+                    "--trainers", str(trainers), "--n", str(int(n)), "--steps",
+                    str(steps), "--timing", ref_timing, *engine],
+                   capture_output=True, text=True, check=True)
+    inproc = [float(l.split()[1]) for l in open(ref_timing)]
+    rt = os.path.join(work, "rt-%s" % tag)
     d = start_daemon(build, rt, *engine, "--trainers", str(trainers))
-    files = [os.path.join(work, "timing%d" % i) for i in range(trainers)]
+    files = [os.path.join(work, "timing-%s-%d" % (tag, i)) for i in range(trainers)]
     procs = [subprocess.Popen(trainer_cmd(build, rt, i, n, steps, ["--timing", files[i]]))
              for i in range(trainers)]
     wait_all(procs, "trainer")
@@ -87,14 +95,36 @@ def overhead(build, work, n, steps, trainers=4):
     d.terminate()
     d.wait()
     rows = [[list(map(float, l.split())) for l in open(f)] for f in files]
-    last_poster = [min(r[k][1] for r in rows) for k in range(steps)]
-    engine_in_daemon = [rows[0][k][3] for k in range(steps)]
     return {
-        "inproc_ms": inproc_ms,
-        "daemon_ms": 1e3 * statistics.mean(last_poster),
-        "daemon_engine_ms": 1e3 * statistics.mean(engine_in_daemon),
+        "inproc": inproc,
+        "last_poster": [min(r[k][1] for r in rows) for k in range(steps)],
+        "engine_in_daemon": [rows[0][k][3] for k in range(steps)],
         "control_bytes": int(last.get(10, [0])[0]),
         "copied_bytes": int(last.get(9, [0])[0]),
+    }
+
+
+def overhead(build, work, n, steps, rounds, trainers=4):
+    """Alternates in-process and daemon runs `rounds` times.  Per run, the
+    median step (a VM's scheduling hiccups land in the mean) and the mean;
+    the figures are the medians over the rounds."""
+    per = []
+    for k in range(rounds):
+        print("bench_service: overhead round %d/%d ..." % (k + 1, rounds), file=sys.stderr)
+        per.append(overhead_round(build, work, n, steps, trainers, str(k)))
+    def fig(key, stat):
+        return 1e3 * statistics.median(stat(r[key]) for r in per)
+    ratios = [statistics.median(r["last_poster"]) / statistics.median(r["inproc"]) for r in per]
+    return {
+        "rounds": rounds,
+        "inproc_ms": fig("inproc", statistics.median),
+        "daemon_ms": fig("last_poster", statistics.median),
+        "daemon_engine_ms": fig("engine_in_daemon", statistics.median),
+        "inproc_mean_ms": fig("inproc", statistics.mean),
+        "daemon_mean_ms": fig("last_poster", statistics.mean),
+        "round_ratios": ratios,
+        "control_bytes": per[-1]["control_bytes"],
+        "copied_bytes": per[-1]["copied_bytes"],
         "grad_bytes": trainers * 4 * int(n),
     }
 
@@ -122,11 +152,13 @@ def main():
     ap.add_argument("build")
     ap.add_argument("--quick", action="store_true", help="N=1e7 for the memory figure")
     ap.add_argument("--markdown")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="alternating in-process / daemon runs for the overhead")
     a = ap.parse_args()
     work = tempfile.mkdtemp(prefix="scape-bench-")
     try:
         print("bench_service: overhead at N=1e6, 4 trainers, rho=0.01 ...", file=sys.stderr)
-        o = overhead(a.build, work, 1e6, 60)
+        o = overhead(a.build, work, 1e6, 60, a.rounds)
         mem_n = 1e7 if a.quick else 1e8
         mems = []
         for trainers in (1, 4):
@@ -138,10 +170,14 @@ def main():
     lines = [
         "| figure | value | baseline (same run) | ratio |",
         "|---|---|---|---|",
-        "| step, through scaped (last poster's wait) | %.2f ms | in-process engine %.2f ms "
-        "| %.2fx (overhead %+.1f%%) |" % (o["daemon_ms"], o["inproc_ms"],
-                                          o["daemon_ms"] / o["inproc_ms"],
-                                          100 * (o["daemon_ms"] / o["inproc_ms"] - 1)),
+        "| step, through scaped (last poster's wait; median of %d rounds of per-step "
+        "medians) | %.2f ms | in-process engine %.2f ms | %.2fx (overhead %+.1f%%) |"
+        % (o["rounds"], o["daemon_ms"], o["inproc_ms"], o["daemon_ms"] / o["inproc_ms"],
+           100 * (o["daemon_ms"] / o["inproc_ms"] - 1)),
+        "| the same with per-step means | %.2f ms | in-process engine %.2f ms | %.2fx |"
+        % (o["daemon_mean_ms"], o["inproc_mean_ms"], o["daemon_mean_ms"] / o["inproc_mean_ms"]),
+        "| overhead in each round (per-step medians) | %s | | |"
+        % ", ".join("%+.1f%%" % (100 * (x - 1)) for x in o["round_ratios"]),
         "| engine step inside scaped | %.2f ms | in-process engine %.2f ms | %.2fx |"
         % (o["daemon_engine_ms"], o["inproc_ms"], o["daemon_engine_ms"] / o["inproc_ms"]),
         "| control bytes per step (4 trainers) | %d B | gradient bytes %d B | %.2g |"

@@ -4,6 +4,7 @@
  *
  * usage: reference --trainers T --n N --steps S [--seed X] [--lr LR]
  *                  [--optimizer O] [--mode M] [--rho R] [--warmup W] --out FILE
+ *                  [--timing FILE]   (rank 0's engine step per step, seconds)
  */
 #define _POSIX_C_SOURCE 200809L
 #include <stdio.h>
@@ -23,7 +24,7 @@ typedef struct args {
     size_t n;
     uint64_t steps, seed;
     float lr;
-    const char *out;
+    const char *out, *timing;
     eng_config cfg;
 } args;
 
@@ -54,6 +55,7 @@ static int parse(int argc, char **argv, args *a)
         else if (!strcmp(k, "--seed")) a->seed = strtoull(v, NULL, 0);
         else if (!strcmp(k, "--lr")) a->lr = strtof(v, NULL);
         else if (!strcmp(k, "--out")) a->out = v;
+        else if (!strcmp(k, "--timing")) a->timing = v;
         else if (!strcmp(k, "--rho")) a->cfg.rho = strtod(v, NULL);
         else if (!strcmp(k, "--warmup")) a->cfg.warmup = (uint32_t)atoi(v);
         else if (!strcmp(k, "--optimizer")) rc = eng_optimizer_parse(v, &a->cfg.optimizer);
@@ -74,6 +76,7 @@ typedef struct rank_job {
     const eng_tensor *ts;
     size_t nt, n;
     double step_s;
+    FILE *timing;    /* rank 0: one line per step */
     float *out;      /* rank 0: trainer 0's final parameters */
     scape_rc rc;
     char err[512];
@@ -94,7 +97,10 @@ static scape_rc train(rank_job *j, eng_t *e, float **p, float **g)
         if (rc != SCAPE_OK)
             return rc;
         clock_gettime(CLOCK_MONOTONIC, &t1);
-        j->step_s += (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+        double dt = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+        j->step_s += dt;
+        if (j->timing)
+            fprintf(j->timing, "%llu %.9f\n", (unsigned long long)t, dt);
     }
     if (j->out)
         memcpy(j->out, p[0], j->n * sizeof(float));
@@ -150,9 +156,15 @@ int main(int argc, char **argv)
         fprintf(stderr, "reference: %s\n", scape_last_error());
         return 1;
     }
+    FILE *timing = a.timing ? fopen(a.timing, "w") : NULL;
+    if (a.timing && timing == NULL) {
+        perror(a.timing);
+        return 1;
+    }
     for (int r = 0; r < a.ranks; r++) {
         jobs[r] = (rank_job){ .a = &a, .rank = r, .comm = comms[r], .ts = ts, .nt = nt,
-                              .n = n, .out = r == 0 ? out : NULL };
+                              .n = n, .out = r == 0 ? out : NULL,
+                              .timing = r == 0 ? timing : NULL };
         pthread_create(&th[r], NULL, rank_main, &jobs[r]);
     }
     int bad = 0;
@@ -163,6 +175,10 @@ int main(int argc, char **argv)
             bad = 1;
         }
         comm_destroy(&comms[r]);
+    }
+    if (timing && fclose(timing) != 0) {
+        perror(a.timing);
+        bad = 1;
     }
     printf("reference: %llu steps, N=%zu, %d rank(s), mean engine step %.3f ms\n",
            (unsigned long long)a.steps, n, a.ranks, 1e3 * jobs[0].step_s / (double)a.steps);
