@@ -133,12 +133,24 @@ static scape_rc alloc_state(eng_t *e)
     e->mask_buf[0] = calloc(w, sizeof(uint32_t));
     e->mask_buf[1] = calloc(w, sizeof(uint32_t));
     e->own_bits = calloc(topk ? w : (me->words ? me->words : 1), sizeof(uint32_t));
-    e->gathered = topk ? calloc(w * R, sizeof(uint32_t)) : NULL;
     e->toff = calloc(p->ntensors + 1, sizeof(size_t));
     e->counts = calloc(R, sizeof(size_t));
+    e->code_bytes = calloc(R, sizeof(size_t));
+    if (e->code_bytes == NULL)
+        return scape_set_error(SCAPE_NOMEM, "engine: cannot allocate state for N=%zu", n);
+    /* SCAPE: each rank sends its shard's bits; topk-adamw: every rank all of its own. */
+    size_t code_total = 0;
+    for (size_t r = 0; r < R; r++) {
+        const plan_shard *sh = &p->shard[r];
+        e->code_bytes[r] = topk ? mcode_bytes(p, 0, p->ntensors)
+                                : mcode_bytes(p, sh->first, sh->count);
+        code_total += e->code_bytes[r];
+    }
+    e->code_own = calloc(e->code_bytes[e->rank] / 4 + 1, sizeof(uint32_t));
+    e->code_all = calloc(code_total / 4 + 1, sizeof(uint32_t));
     if (!e->m || (eng_uses_v(e) && !e->v) || !e->theta || !e->e || !e->send || !e->upd ||
         !e->topk_scratch || !e->mask_buf[0] || !e->mask_buf[1] || !e->own_bits ||
-        (topk && !e->gathered) || !e->toff || !e->counts)
+        !e->code_own || !e->code_all || !e->toff || !e->counts)
         return scape_set_error(SCAPE_NOMEM, "engine: cannot allocate state for N=%zu", n);
     e->mask_cur = NULL;
     e->mask_next = e->mask_buf[0];
@@ -230,8 +242,8 @@ void eng_destroy(eng_t **ep)
     plan_destroy(&e->p);
     void *bufs[] = { e->m, e->v, e->theta, e->e, e->g, e->gchunk, e->send, e->upd,
                      e->topk_scratch,
-                     e->mask_buf[0], e->mask_buf[1], e->own_bits, e->gathered, e->toff,
-                     e->counts, e->ghat, e->ghave };
+                     e->mask_buf[0], e->mask_buf[1], e->own_bits, e->code_own, e->code_all,
+                     e->code_bytes, e->toff, e->counts, e->ghat, e->ghave };
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         free(bufs[i]);
     free(e);

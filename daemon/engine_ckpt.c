@@ -94,10 +94,7 @@ scape_rc eng_ckpt_save(eng_t *e, eng_ckpt_meta *meta, eng_ckpt_sec *secs, int *n
                                "state is inconsistent and is not saved");
     if (!e->initialised)
         return scape_set_error(SCAPE_INVALID, "checkpoint: the job has not started");
-    if (e->mask_pending) {
-        TRY(comm_iallgather_wait(e->comm));
-        e->mask_pending = 0;
-    }
+    TRY(eng_mask_finish(e, NULL));
     fill_meta(e, meta);
     /* topk-adamw chooses its mask afresh each step: only SCAPE carries one. */
     int scape = e->cfg.optimizer == ENG_OPT_SCAPE;

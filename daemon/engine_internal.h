@@ -13,6 +13,7 @@
 #define SCAPE_ENGINE_INTERNAL_H
 
 #include "engine.h"
+#include "maskcode.h"
 #include "plan.h"
 #include "try.h"
 
@@ -48,7 +49,9 @@ struct eng {
     int mask_pending;    /* that all-gather is outstanding */
     double mask_started; /* when it started (monotonic seconds) */
     uint32_t *own_bits;  /* scape: this shard's next-mask words; topk: local mask */
-    uint32_t *gathered;  /* topk: every rank's local mask */
+    uint32_t *code_own;  /* this rank's mask bits in wire form (maskcode.h) */
+    uint32_t *code_all;  /* every rank's, as the mask all-gather leaves them */
+    size_t *code_bytes;  /* per rank: the size of its code */
     size_t *toff;        /* packed offset of each tensor, comm order, ntensors + 1 */
 
     size_t *counts;      /* per rank, scratch for collective counts */
@@ -65,6 +68,10 @@ static inline int eng_uses_v(const eng_t *e)
 {
     return e->cfg.optimizer == ENG_OPT_ADAMW || e->cfg.optimizer == ENG_OPT_TOPK_ADAMW;
 }
+
+/* Finish an outstanding lagged mask all-gather and decode every rank's
+ * bits into mask_next; *waited (may be NULL) gets the seconds it blocked. */
+scape_rc eng_mask_finish(eng_t *e, double *waited);
 
 /* Allocate the intake buffer the optimizer and trainer count need. */
 scape_rc eng_alloc_intake(eng_t *e);

@@ -68,15 +68,36 @@ static void clean_residual(eng_t *e)
     }
 }
 
+scape_rc eng_mask_finish(eng_t *e, double *waited)
+{
+    if (waited)
+        *waited = 0.0;
+    if (!e->mask_pending)
+        return SCAPE_OK;
+    double t0 = now_s();
+    TRY(comm_iallgather_wait(e->comm));
+    if (waited)
+        *waited = now_s() - t0;
+    e->mask_pending = 0;
+    const plan *p = e->p;
+    size_t off = 0;
+    for (int r = 0; r < e->comm->size; r++) {
+        const plan_shard *sh = &p->shard[r];
+        TRY(mcode_decode(p, sh->first, sh->count, e->code_all + off / 4, e->code_bytes[r],
+                         e->mask_next + sh->word0, 0, r));
+        off += e->code_bytes[r];
+    }
+    return SCAPE_OK;
+}
+
 /* SCAPE: finish the lagged all-gather; M_t is all ones (NULL) in warm-up. */
 static scape_rc scape_mask(eng_t *e, uint64_t t)
 {
     if (e->mask_pending) {
-        double t0 = now_s();
-        TRY(comm_iallgather_wait(e->comm));
-        double waited = now_s() - t0, life = now_s() - e->mask_started;
+        double waited;
+        TRY(eng_mask_finish(e, &waited));
+        double life = now_s() - e->mask_started;
         e->last.mask_overlap = life > 0.0 ? 1.0 - waited / life : 1.0;
-        e->mask_pending = 0;
     }
     const uint32_t *prev = e->mask_cur;
     if (t <= e->cfg.warmup) {
@@ -111,9 +132,8 @@ static scape_rc scape_select(eng_t *e)
                              (float)e->tr, t->k, e->own_bits + (t->word - me->word0),
                              e->topk_scratch, e->topk_scratch_bytes));
     }
-    for (int r = 0; r < e->comm->size; r++)
-        e->counts[r] = p->shard[r].words * sizeof(uint32_t);
-    TRY(comm_iallgather(e->comm, e->own_bits, e->mask_next, e->counts));
+    TRY(mcode_encode(p, me->first, me->count, e->own_bits, e->code_own));
+    TRY(comm_iallgather(e->comm, e->code_own, e->code_all, e->code_bytes));
     e->mask_pending = 1;
     e->mask_started = now_s();
     return SCAPE_OK;
@@ -129,13 +149,15 @@ static scape_rc topk_union_mask(eng_t *e, const float *g)
         TRY(kern_topk_ef(NULL, g + t->off, e->e + t->pos, t->len, 0.0f, 1.0f, t->k,
                          e->own_bits + t->word, e->topk_scratch, e->topk_scratch_bytes));
     }
-    for (int r = 0; r < e->comm->size; r++)
-        e->counts[r] = p->nwords * sizeof(uint32_t);
-    TRY(comm_allgather(e->comm, e->own_bits, e->gathered, e->counts));
+    TRY(mcode_encode(p, 0, p->ntensors, e->own_bits, e->code_own));
+    TRY(comm_allgather(e->comm, e->code_own, e->code_all, e->code_bytes));
     uint32_t *u = e->mask_buf[0];
-    memcpy(u, e->gathered, p->nwords * sizeof *u);
-    for (int r = 1; r < e->comm->size; r++)
-        TRY(kern_mask_or(u, e->gathered + (size_t)r * p->nwords, p->nwords));
+    memset(u, 0, p->nwords * sizeof *u);
+    size_t off = 0;
+    for (int r = 0; r < e->comm->size; r++) {
+        TRY(mcode_decode(p, 0, p->ntensors, e->code_all + off / 4, e->code_bytes[r], u, 1, r));
+        off += e->code_bytes[r];
+    }
     e->mask_cur = u;
     return SCAPE_OK;
 }

@@ -17,6 +17,8 @@
 
 #include "comm_host.h"
 #include "engine.h"
+#include "maskcode.h"
+#include "plan.h"
 #include "synth.h"
 #include "try.h"
 #include "bench_host.h"
@@ -63,6 +65,7 @@ typedef struct result {
     spec s;
     size_t n;
     double k, reduce_b, mask_b, model_b, real_b, real_max_b, step_ms;
+    double code_b; /* the mask all-gather's payload from the plan: every rank's code */
 } result;
 
 typedef struct report {
@@ -260,6 +263,16 @@ static int run_case(const spec *s, result *res)
     comm_t *c[MAXR] = { 0 };
     size_t nt, n = make_layout(s->n_req, ts, names, &nt);
     *res = (result){ .s = *s, .n = n };
+    plan *p = NULL;
+    if (plan_build(&p, ts, nt, s->R, s->rho) != SCAPE_OK) {
+        fprintf(stderr, "bench_comm: %s\n", scape_last_error());
+        return 1;
+    }
+    for (int r = 0; r < s->R; r++)
+        res->code_b += s->opt == ENG_OPT_TOPK_ADAMW
+                           ? (double)mcode_bytes(p, 0, p->ntensors)
+                           : (double)mcode_bytes(p, p->shard[r].first, p->shard[r].count);
+    plan_destroy(&p);
     fprintf(stderr, "bench_comm: %s rho=%g R=%d N=%zu ...\n", eng_optimizer_name(s->opt),
             s->rho, s->R, n);
     if (group_open(s->R, c) != SCAPE_OK) {
@@ -286,16 +299,18 @@ static int run_case(const spec *s, result *res)
 }
 
 /* algorithm.md's bytes received per rank and step: ring all-reduce of the
- * values plus the mask all-gather (SCAPE: N bits in all; topk-adamw: every
- * rank's N-bit mask). */
+ * values plus the mask all-gather, whose payload is the mask code
+ * (maskcode.h) instead of algorithm.md's N-bit bitmap: a rank receives every
+ * other rank's code, (R-1)/R of the total on average (SCAPE: the owners'
+ * bits, sum_l k_l in all; topk-adamw: every rank's bits of every tensor). */
 static double formula(const result *r)
 {
     double R = r->s.R, ring = 2.0 * (R - 1.0) / R, n = (double)r->n;
     switch (r->s.opt) {
     case ENG_OPT_SCAPE:
-        return ring * 4.0 * r->k + (R - 1.0) / R * n / 8.0;
+        return ring * 4.0 * r->k + (R - 1.0) / R * r->code_b;
     case ENG_OPT_TOPK_ADAMW:
-        return ring * 4.0 * r->k + (R - 1.0) * n / 8.0;
+        return ring * 4.0 * r->k + (R - 1.0) / R * r->code_b;
     default:
         return ring * 4.0 * n;
     }

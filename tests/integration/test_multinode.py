@@ -75,13 +75,42 @@ def last_step(d):
     return done[3][0], done[5][0]
 
 
-def expected_bytes(n, mode):
+def owners(lens, ranks):
+    """algorithm.md: largest tensor first (ties: lower index) to the
+    least-loaded rank (ties: lower rank)."""
+    load, own = [0] * ranks, [0] * len(lens)
+    for i in sorted(range(len(lens)), key=lambda i: (-lens[i], i)):
+        r = min(range(ranks), key=lambda r: (load[r], r))
+        own[i] = r
+        load[r] += lens[i]
+    return own
+
+
+def mask_code_bytes(lens, ks):
+    """The wire form of a rank's mask bits (docs/design.md): per tensor, k
+    positions of bits(len - 1) bits where that is smaller than its bitmap
+    words, else the words; the positions in one stream padded to a word."""
+    words = bits = 0
+    for n, k in zip(lens, ks):
+        b = max(1, (n - 1).bit_length())
+        if k * b < 32 * ((n + 31) // 32):
+            bits += k * b
+        else:
+            words += (n + 31) // 32
+    return 4 * (words + (bits + 31) // 32)
+
+
+def expected_bytes(n, mode, ranks):
     """One reduction of K floats (plus, sharded, the all-gather of K updated
-    values) and the mask all-gather of every tensor's words: algorithm.md."""
-    layout = synth_layout(n)
-    k = sum(max(1, math.ceil(0.01 * t[2])) for t in layout)
-    words = sum((t[2] + 31) // 32 for t in layout)
-    return k, 4 * k * (2 if mode == "sharded" else 1) + 4 * words
+    values) and the mask all-gather of every owner's coded bits."""
+    lens = [t[2] for t in synth_layout(n)]
+    ks = [max(1, math.ceil(0.01 * x)) for x in lens]
+    own = owners(lens, ranks)
+    mask = sum(mask_code_bytes([x for x, o in zip(lens, own) if o == r],
+                               [k for k, o in zip(ks, own) if o == r]) for r in range(ranks))
+    bitmap = 4 * sum((x + 31) // 32 for x in lens)
+    assert mask < bitmap / 2, "the coded mask should be well under the bitmap at rho 0.01"
+    return sum(ks), 4 * sum(ks) * (2 if mode == "sharded" else 1) + mask
 
 
 @pytest.mark.parametrize("trainers", [[1, 2], [2, 1, 3]])
@@ -92,7 +121,7 @@ def test_daemons_match_local_backend(daemon_factory, tmp_path, trainers):
         daemons = start_group(daemon_factory, trainers, ["--mode", mode])
         got = train_group(daemons, trainers, tmp_path, n, steps, mode)
         assert all(g == got[0] for g in got), "trainers disagree (%s)" % mode
-        want = expected_bytes(n, mode)
+        want = expected_bytes(n, mode, len(trainers))
         for r, d in enumerate(daemons):
             assert last_step(d) == want, "rank %d: (K, bytes) %s, want %s" % (
                 r, last_step(d), want)

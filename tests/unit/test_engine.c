@@ -303,16 +303,40 @@ static void check_lagged_selection(ctx *c, uint64_t t, eng_t *e0)
     }
 }
 
-static size_t expected_mask_bytes(const ctx *c)
+/* Bytes of the mask code of the tensors `owner` owns (-1: of all tensors),
+ * maskcode.h's rule restated: k positions of b = bits(len - 1) bits where
+ * that is fewer bits than the tensor's bitmap words, else the words; the
+ * positions of a rank's tensors form one stream padded to a word. */
+static size_t code_bytes(const ctx *c, const eng_t *e, int owner)
 {
-    size_t words = 0;
-    for (size_t l = 0; l < NT; l++)
-        words += (c->ts[l].length + 31) / 32;
-    return words * 4;
+    size_t words = 0, bits = 0;
+    for (size_t l = 0; l < NT; l++) {
+        if (owner >= 0 && eng_tensor_owner(e, l) != owner)
+            continue;
+        size_t len = c->ts[l].length, k = eng_tensor_k(e, l), w = (len + 31) / 32;
+        size_t b = 1;
+        while ((len - 1) >> b)
+            b++;
+        if (k * b < 32 * w)
+            bits += k * b;
+        else
+            words += w;
+    }
+    return 4 * (words + (bits + 31) / 32);
+}
+
+/* What a mask all-gather moves in all: SCAPE, every owner's bits of its
+ * shard; topk-adamw, every rank's bits of every tensor. */
+static size_t expected_mask_bytes(const ctx *c, const eng_t *e, int topk)
+{
+    size_t total = 0;
+    for (int r = 0; r < c->sp->R; r++)
+        total += code_bytes(c, e, topk ? -1 : r);
+    return total;
 }
 
 /* One reduction collective of K values; one (lagged) mask all-gather. */
-static void check_collectives(ctx *c, uint64_t t, size_t K)
+static void check_collectives(ctx *c, uint64_t t, size_t K, const eng_t *e0)
 {
     const spec *sp = c->sp;
     int sharded = sp->cfg.mode == ENG_MODE_SHARDED;
@@ -328,7 +352,7 @@ static void check_collectives(ctx *c, uint64_t t, size_t K)
                  (unsigned long long)s->bytes[red], 4 * K);
         uint64_t want_ag = (uint64_t)sharded + (uint64_t)topk_sparse;
         uint64_t want_ag_bytes = (sharded ? 4 * K : 0) +
-                                 (topk_sparse ? (uint64_t)sp->R * expected_mask_bytes(c) : 0);
+                                 (topk_sparse ? expected_mask_bytes(c, e0, 1) : 0);
         if (s->calls[COMM_ALLGATHER] != want_ag || s->bytes[COMM_ALLGATHER] != want_ag_bytes)
             note_fail(c, "step %llu rank %d: %llu all-gathers of %llu bytes, want %llu of %llu",
                  (unsigned long long)t, r, (unsigned long long)s->calls[COMM_ALLGATHER],
@@ -336,7 +360,7 @@ static void check_collectives(ctx *c, uint64_t t, size_t K)
                  (unsigned long long)want_ag_bytes);
         uint64_t want_iag = scape && t + 1 > sp->cfg.warmup;
         if (s->calls[COMM_IALLGATHER] != want_iag ||
-            s->bytes[COMM_IALLGATHER] != want_iag * expected_mask_bytes(c))
+            s->bytes[COMM_IALLGATHER] != want_iag * expected_mask_bytes(c, e0, 0))
             note_fail(c, "step %llu rank %d: %llu mask all-gathers of %llu bytes",
                  (unsigned long long)t, r, (unsigned long long)s->calls[COMM_IALLGATHER],
                  (unsigned long long)s->bytes[COMM_IALLGATHER]);
@@ -370,7 +394,7 @@ static void check_step(ctx *c, uint64_t t, eng_t *e0)
         (K < k_sum || K > (size_t)sp->R * k_sum))
         note_fail(c, "step %llu: union mask K=%zu outside [%zu, %zu]", (unsigned long long)t, K,
              k_sum, (size_t)sp->R * k_sum);
-    check_collectives(c, t, K);
+    check_collectives(c, t, K, e0);
     for (size_t i = 0; i < c->n && !c->failed; i++) {
         int owner = eng_tensor_owner(e0, tensor_of(c, i));
         int holder = holder_of(c, i, owner);

@@ -1,0 +1,191 @@
+/* maskcode.c - bitmap words or fixed-width positions per tensor; see maskcode.h. */
+#include "maskcode.h"
+
+#include <string.h>
+
+#include "try.h"
+
+static size_t words_of(const plan_tensor *t) { return (t->len + 31) / 32; }
+
+/* Bits that hold any position in [0, len). */
+static unsigned pos_bits(size_t len)
+{
+    unsigned b = 1;
+    while (b < 64 && (len - 1) >> b)
+        b++;
+    return b;
+}
+
+int mcode_by_index(const plan_tensor *t)
+{
+    return t->k * pos_bits(t->len) < 32 * words_of(t); /* k <= len < 2^57: no overflow */
+}
+
+static const plan_tensor *at(const plan *p, size_t j) { return &p->t[p->order[j]]; }
+
+size_t mcode_bytes(const plan *p, size_t first, size_t count)
+{
+    size_t words = 0, bits = 0;
+    for (size_t j = first; j < first + count; j++) {
+        const plan_tensor *t = at(p, j);
+        if (mcode_by_index(t))
+            bits += t->k * pos_bits(t->len);
+        else
+            words += words_of(t);
+    }
+    return 4 * (words + (bits + 31) / 32);
+}
+
+/* ---- bit stream: little-endian, 32 bits at a time --------------------------- */
+
+typedef struct bitw {
+    uint32_t *out;
+    uint64_t acc;
+    unsigned n; /* bits in acc, < 32 between calls */
+} bitw;
+
+static void put(bitw *w, uint64_t v, unsigned b)
+{
+    while (b) {
+        unsigned take = b > 32 ? 32 : b;
+        uint64_t part = v & ((1ull << take) - 1);
+        w->acc |= part << w->n;
+        w->n += take;
+        if (w->n >= 32) {
+            *w->out++ = (uint32_t)w->acc;
+            w->acc >>= 32;
+            w->n -= 32;
+        }
+        v >>= take;
+        b -= take;
+    }
+}
+
+static void put_flush(bitw *w)
+{
+    if (w->n)
+        *w->out++ = (uint32_t)w->acc;
+    w->acc = 0;
+    w->n = 0;
+}
+
+typedef struct bitr {
+    const uint32_t *in, *end;
+    uint64_t acc;
+    unsigned n;
+} bitr;
+
+static int get(bitr *r, unsigned b, uint64_t *v)
+{
+    uint64_t out = 0;
+    unsigned have = 0;
+    while (have < b) {
+        if (r->n == 0) {
+            if (r->in == r->end)
+                return -1;
+            r->acc = *r->in++;
+            r->n = 32;
+        }
+        unsigned take = b - have < r->n ? b - have : r->n;
+        out |= (r->acc & ((1ull << take) - 1)) << have;
+        r->acc >>= take;
+        r->n -= take;
+        have += take;
+    }
+    *v = out;
+    return 0;
+}
+
+/* ---- encode / decode --------------------------------------------------------- */
+
+scape_rc mcode_encode(const plan *p, size_t first, size_t count, const uint32_t *words,
+                      uint32_t *out)
+{
+    size_t w0 = count ? at(p, first)->word : 0;
+    uint32_t *o = out;
+    for (size_t j = first; j < first + count; j++) {
+        const plan_tensor *t = at(p, j);
+        if (!mcode_by_index(t)) {
+            memcpy(o, words + (t->word - w0), words_of(t) * sizeof *o);
+            o += words_of(t);
+        }
+    }
+    bitw w = { o, 0, 0 };
+    for (size_t j = first; j < first + count; j++) {
+        const plan_tensor *t = at(p, j);
+        if (!mcode_by_index(t))
+            continue;
+        const uint32_t *tw = words + (t->word - w0);
+        unsigned b = pos_bits(t->len);
+        size_t got = 0;
+        for (size_t i = 0; i < words_of(t); i++)
+            for (uint32_t x = tw[i]; x; x &= x - 1, got++) {
+                size_t pos = 32 * i + (size_t)__builtin_ctz(x);
+                if (got == t->k || pos >= t->len)
+                    return scape_set_error(SCAPE_INVALID,
+                                           "mask code: tensor %s has more than k=%zu bits",
+                                           t->name, t->k);
+                put(&w, pos, b);
+            }
+        if (got != t->k)
+            return scape_set_error(SCAPE_INVALID, "mask code: tensor %s has %zu bits, k=%zu",
+                                   t->name, got, t->k);
+    }
+    put_flush(&w);
+    return SCAPE_OK;
+}
+
+static scape_rc bad(int from, const plan_tensor *t, const char *what)
+{
+    return scape_set_error(SCAPE_PROTO, "mask from rank %d: tensor %s: %s", from,
+                           t ? t->name : "-", what);
+}
+
+scape_rc mcode_decode(const plan *p, size_t first, size_t count, const uint32_t *code,
+                      size_t nbytes, uint32_t *words, int merge, int from)
+{
+    if (nbytes != mcode_bytes(p, first, count))
+        return scape_set_error(SCAPE_PROTO, "mask from rank %d: %zu bytes, the plan says %zu",
+                               from, nbytes, mcode_bytes(p, first, count));
+    size_t w0 = count ? at(p, first)->word : 0;
+    const uint32_t *c = code;
+    for (size_t j = first; j < first + count; j++) {
+        const plan_tensor *t = at(p, j);
+        if (mcode_by_index(t))
+            continue;
+        size_t nw = words_of(t), ones = 0;
+        if (t->len % 32 && c[nw - 1] >> (t->len % 32))
+            return bad(from, t, "bits set past the tensor's end");
+        for (size_t i = 0; i < nw; i++)
+            ones += (size_t)__builtin_popcount(c[i]);
+        if (ones != t->k)
+            return bad(from, t, "not exactly k bits");
+        uint32_t *tw = words + (t->word - w0);
+        for (size_t i = 0; i < nw; i++)
+            tw[i] = merge ? tw[i] | c[i] : c[i];
+        c += nw;
+    }
+    bitr r = { c, code + nbytes / 4, 0, 0 };
+    for (size_t j = first; j < first + count; j++) {
+        const plan_tensor *t = at(p, j);
+        if (!mcode_by_index(t))
+            continue;
+        uint32_t *tw = words + (t->word - w0);
+        if (!merge)
+            memset(tw, 0, words_of(t) * sizeof *tw);
+        unsigned b = pos_bits(t->len);
+        uint64_t prev = 0;
+        for (size_t q = 0; q < t->k; q++) {
+            uint64_t pos;
+            if (get(&r, b, &pos) != 0)
+                return bad(from, t, "code ends early");
+            if (pos >= t->len || (q && pos <= prev))
+                return bad(from, t, "positions not ascending inside the tensor");
+            tw[pos / 32] |= 1u << (pos % 32);
+            prev = pos;
+        }
+    }
+    if ((r.n && r.acc) || r.in != r.end)
+        return bad(from, NULL, "padding is not zero");
+    return SCAPE_OK;
+}
