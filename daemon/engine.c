@@ -132,7 +132,6 @@ static scape_rc alloc_state(eng_t *e)
     e->topk_scratch = malloc(e->topk_scratch_bytes ? e->topk_scratch_bytes : 1);
     e->mask_buf[0] = calloc(w, sizeof(uint32_t));
     e->mask_buf[1] = calloc(w, sizeof(uint32_t));
-    e->own_bits = calloc(topk ? w : (me->words ? me->words : 1), sizeof(uint32_t));
     e->toff = calloc(p->ntensors + 1, sizeof(size_t));
     e->counts = calloc(R, sizeof(size_t));
     e->code_bytes = calloc(R, sizeof(size_t));
@@ -144,13 +143,14 @@ static scape_rc alloc_state(eng_t *e)
         const plan_shard *sh = &p->shard[r];
         e->code_bytes[r] = topk ? mcode_bytes(p, 0, p->ntensors)
                                 : mcode_bytes(p, sh->first, sh->count);
+        if ((int)r == e->rank)
+            e->code_off = code_total;
         code_total += e->code_bytes[r];
     }
-    e->code_own = calloc(e->code_bytes[e->rank] / 4 + 1, sizeof(uint32_t));
     e->code_all = calloc(code_total / 4 + 1, sizeof(uint32_t));
     if (!e->m || (eng_uses_v(e) && !e->v) || !e->theta || !e->e || !e->send || !e->upd ||
-        !e->topk_scratch || !e->mask_buf[0] || !e->mask_buf[1] || !e->own_bits ||
-        !e->code_own || !e->code_all || !e->toff || !e->counts)
+        !e->topk_scratch || !e->mask_buf[0] || !e->mask_buf[1] || !e->code_all || !e->toff ||
+        !e->counts)
         return scape_set_error(SCAPE_NOMEM, "engine: cannot allocate state for N=%zu", n);
     e->mask_cur = NULL;
     e->mask_next = e->mask_buf[0];
@@ -242,7 +242,7 @@ void eng_destroy(eng_t **ep)
     plan_destroy(&e->p);
     void *bufs[] = { e->m, e->v, e->theta, e->e, e->g, e->gchunk, e->send, e->upd,
                      e->topk_scratch,
-                     e->mask_buf[0], e->mask_buf[1], e->own_bits, e->code_own, e->code_all,
+                     e->mask_buf[0], e->mask_buf[1], e->code_all,
                      e->code_bytes, e->toff, e->counts, e->ghat, e->ghave };
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         free(bufs[i]);

@@ -48,10 +48,11 @@ struct eng {
     uint32_t *mask_next; /* target of the lagged all-gather */
     int mask_pending;    /* that all-gather is outstanding */
     double mask_started; /* when it started (monotonic seconds) */
-    uint32_t *own_bits;  /* scape: this shard's next-mask words; topk: local mask */
-    uint32_t *code_own;  /* this rank's mask bits in wire form (maskcode.h) */
-    uint32_t *code_all;  /* every rank's, as the mask all-gather leaves them */
+    uint32_t *code_all;  /* every rank's mask bits in wire form (maskcode.h), as
+                          * the mask all-gather leaves them; this rank's code is
+                          * encoded in place at code_off */
     size_t *code_bytes;  /* per rank: the size of its code */
+    size_t code_off;     /* bytes before this rank's code */
     size_t *toff;        /* packed offset of each tensor, comm order, ntensors + 1 */
 
     size_t *counts;      /* per rank, scratch for collective counts */

@@ -129,11 +129,14 @@ static scape_rc scape_select(eng_t *e)
         const uint32_t *sent = e->mask_cur ? e->mask_cur + t->word : NULL;
         TRY(kern_topk_packed(e->m + (t->pos - e->state_base), e->e + t->pos, sent,
                              sent ? e->send + e->toff[j] : NULL, t->len, e->cfg.hyper.beta1,
-                             (float)e->tr, t->k, e->own_bits + (t->word - me->word0),
+                             (float)e->tr, t->k, e->mask_next + t->word,
                              e->topk_scratch, e->topk_scratch_bytes));
     }
-    TRY(mcode_encode(p, me->first, me->count, e->own_bits, e->code_own));
-    TRY(comm_iallgather(e->comm, e->code_own, e->code_all, e->code_bytes));
+    /* The own bits go straight into M_{t+1}'s words (the decode rewrites them
+     * the same) and the code into this rank's place of the gathered code. */
+    uint32_t *own = e->code_all + e->code_off / 4;
+    TRY(mcode_encode(p, me->first, me->count, e->mask_next + me->word0, own));
+    TRY(comm_iallgather(e->comm, own, e->code_all, e->code_bytes));
     e->mask_pending = 1;
     e->mask_started = now_s();
     return SCAPE_OK;
@@ -147,10 +150,12 @@ static scape_rc topk_union_mask(eng_t *e, const float *g)
     for (size_t i = 0; i < p->ntensors; i++) {
         const plan_tensor *t = &p->t[i];
         TRY(kern_topk_ef(NULL, g + t->off, e->e + t->pos, t->len, 0.0f, 1.0f, t->k,
-                         e->own_bits + t->word, e->topk_scratch, e->topk_scratch_bytes));
+                         e->mask_buf[1] + t->word, e->topk_scratch, e->topk_scratch_bytes));
     }
-    TRY(mcode_encode(p, 0, p->ntensors, e->own_bits, e->code_own));
-    TRY(comm_allgather(e->comm, e->code_own, e->code_all, e->code_bytes));
+    /* this rank's own mask in the spare mask buffer, the union in the other */
+    uint32_t *own = e->code_all + e->code_off / 4;
+    TRY(mcode_encode(p, 0, p->ntensors, e->mask_buf[1], own));
+    TRY(comm_allgather(e->comm, own, e->code_all, e->code_bytes));
     uint32_t *u = e->mask_buf[0];
     memset(u, 0, p->nwords * sizeof *u);
     size_t off = 0;
