@@ -1,10 +1,13 @@
 /* cpu_topk.c - the mask statistics and exact per-tensor top-k selection.
  *
  * Selection is a radix select on the bits of |stat|: for non-negative floats
- * the IEEE bit pattern orders like the value, so three digit passes (11, 10
- * and 10 bits) find the exact k-th largest key tau and how many keys equal to
- * tau still have to be taken.  A last pass in index order takes every key
- * above tau and the first `need` keys equal to it, which is the ties rule.
+ * the IEEE bit pattern orders like the value, so digit passes (11, 10 and 10
+ * bits) find the exact k-th largest key tau and how many keys equal to tau
+ * still have to be taken; every key above tau and the first `need` keys
+ * equal to it, in index order, are the top k (the ties rule).  As soon as
+ * the bucket holding tau is small (usually after the first pass) one more
+ * pass sets every key above the bucket and collects the bucket's keys, and
+ * the rest runs on those: two passes over the data instead of four.
  */
 #include <string.h>
 
@@ -103,7 +106,19 @@ static void word_keys(const key_src *s, size_t base, size_t len, size_t *j, uint
             out[i] = key_of(fabsf(a[i]));
 }
 
-size_t kern_topk_scratch_bytes(size_t n) { return n ? NBUCKETS * sizeof(uint32_t) : 0; }
+/* A key that may be the k-th largest: in the histogram bucket that holds it. */
+typedef struct cand {
+    uint32_t idx, key;
+} cand;
+
+#define CAND_CAP 32768u /* candidates kept in the scratch: 256 KiB */
+
+static size_t cand_cap(size_t n) { return n < CAND_CAP ? n : CAND_CAP; }
+
+size_t kern_topk_scratch_bytes(size_t n)
+{
+    return n ? NBUCKETS * sizeof(uint32_t) + cand_cap(n) * sizeof(cand) : 0;
+}
 
 /* Walk the histogram from the top; return the bucket holding the need-th
  * largest key and reduce *need by the count of all larger buckets. */
@@ -120,29 +135,25 @@ static uint32_t pick_bucket(const uint32_t *hist, uint32_t nb, size_t *need)
     return d;
 }
 
-/* Three digit passes (bits 30..20, 19..10, 9..0), each over the keys that
- * match the digits chosen so far: the exact k-th largest key tau, and in
- * *need how many keys equal to tau belong to the top k. */
-static uint32_t select_tau(const key_src *src, size_t n, size_t *need, uint32_t *hist)
+/* The three digits of a 31-bit key: bits 30..20, 19..10, 9..0. */
+static const int s_shift[3] = { 20, 10, 0 };
+static const int s_bits[3] = { DIGIT_BITS, 10, 10 };
+
+/* Histogram of digit d over the keys whose higher digits equal prefix. */
+static void hist_pass(const key_src *src, size_t n, int d, uint32_t prefix, uint32_t *hist)
 {
-    static const int shift[3] = { 20, 10, 0 };
-    static const uint32_t bins[3] = { NBUCKETS, 1024, 1024 };
-    uint32_t prefix = 0;
-    for (int d = 0; d < 3; d++) {
-        memset(hist, 0, bins[d] * sizeof *hist);
-        int hi = shift[d] + (d == 0 ? DIGIT_BITS : 10); /* bits above this digit */
-        size_t j = 0;
-        uint32_t keys[32];
-        for (size_t base = 0; base < n; base += 32) {
-            size_t len = n - base < 32 ? n - base : 32;
-            word_keys(src, base, len, &j, keys);
-            for (size_t i = 0; i < len; i++)
-                if (d == 0 || (keys[i] >> hi) == prefix)
-                    hist[(keys[i] >> shift[d]) & (bins[d] - 1)]++;
-        }
-        prefix = (prefix << (d == 0 ? DIGIT_BITS : 10)) | pick_bucket(hist, bins[d], need);
+    memset(hist, 0, ((size_t)1 << s_bits[d]) * sizeof *hist);
+    int hi = s_shift[d] + s_bits[d]; /* bits above this digit */
+    uint32_t dmask = (1u << s_bits[d]) - 1u;
+    size_t j = 0;
+    uint32_t keys[32];
+    for (size_t base = 0; base < n; base += 32) {
+        size_t len = n - base < 32 ? n - base : 32;
+        word_keys(src, base, len, &j, keys);
+        for (size_t i = 0; i < len; i++)
+            if (d == 0 || (keys[i] >> hi) == prefix)
+                hist[(keys[i] >> s_shift[d]) & dmask]++;
     }
-    return prefix;
 }
 
 /* Final pass in index order: every key above tau, and the first `need` keys
@@ -165,6 +176,51 @@ static void write_mask(const key_src *src, size_t n, uint32_t tau, size_t need,
     }
 }
 
+/* Once the bucket of the k-th largest key (its top bits `prefix`, `shift`
+ * low bits undecided) holds few enough keys: one pass sets the bits of every
+ * key above the bucket and collects the bucket's keys in index order; the
+ * rest of the selection runs on those alone. */
+static void finish_in_bucket(const key_src *src, size_t n, uint32_t prefix, int shift,
+                             size_t need, uint32_t *mask, cand *c, uint32_t *hist)
+{
+    size_t nw = kern_mask_words(n), j = 0, nc = 0;
+    uint32_t keys[32];
+    for (size_t w = 0; w < nw; w++) {
+        size_t base = w * 32, len = n - base < 32 ? n - base : 32;
+        uint32_t word = 0;
+        word_keys(src, base, len, &j, keys);
+        for (size_t i = 0; i < len; i++) {
+            uint32_t top = keys[i] >> shift;
+            if (top > prefix)
+                word |= 1u << i;
+            else if (top == prefix)
+                c[nc++] = (cand){ (uint32_t)(base + i), keys[i] };
+        }
+        mask[w] = word;
+    }
+    /* the remaining digits, 10 bits each, over the candidates */
+    uint32_t low = 0, lmask = (1u << shift) - 1u;
+    for (int done = 0; done < shift; done += 10) {
+        int sh = shift - done - 10;
+        memset(hist, 0, 1024 * sizeof *hist);
+        for (size_t q = 0; q < nc; q++) {
+            uint32_t l = c[q].key & lmask;
+            if ((l >> (sh + 10)) == low)
+                hist[(l >> sh) & 1023u]++;
+        }
+        low = (low << 10) | pick_bucket(hist, 1024, &need);
+    }
+    uint32_t tau = (prefix << shift) | low;
+    for (size_t q = 0; q < nc; q++)
+        if (c[q].key > tau || (c[q].key == tau && need > 0 && need--))
+            mask[c[q].idx / 32] |= 1u << (c[q].idx % 32);
+}
+
+/* Radix select, digit by digit from the top: after each histogram pass, if
+ * the bucket holding the k-th largest key has at most `cap` keys the
+ * selection finishes on those (two passes over the data for most inputs);
+ * otherwise the next digit narrows it, and with all three digits known a
+ * last pass writes the mask. */
 static scape_rc topk_run(const char *fn, const key_src *src, size_t n, size_t k,
                          uint32_t *mask, void *scratch, size_t scratch_bytes)
 {
@@ -179,9 +235,22 @@ static scape_rc topk_run(const char *fn, const key_src *src, size_t n, size_t k,
     memset(mask, 0, nw * sizeof *mask);
     if (k == 0)
         return SCAPE_OK;
+    uint32_t *hist = scratch;
+    cand *c = (cand *)(void *)((char *)scratch + NBUCKETS * sizeof(uint32_t));
+    size_t cap = (scratch_bytes - NBUCKETS * sizeof(uint32_t)) / sizeof(cand);
     size_t need = k;
-    uint32_t tau = select_tau(src, n, &need, scratch);
-    write_mask(src, n, tau, need, mask);
+    uint32_t prefix = 0;
+    for (int d = 0; d < 3; d++) {
+        hist_pass(src, n, d, prefix, hist);
+        uint32_t b = pick_bucket(hist, 1u << s_bits[d], &need);
+        size_t in_bucket = hist[b];
+        prefix = (prefix << s_bits[d]) | b;
+        if (d < 2 && in_bucket <= cap) {
+            finish_in_bucket(src, n, prefix, s_shift[d], need, mask, c, hist);
+            return SCAPE_OK;
+        }
+    }
+    write_mask(src, n, prefix, need, mask);
     return SCAPE_OK;
 }
 

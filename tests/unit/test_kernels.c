@@ -459,7 +459,7 @@ static void run_topk(const float *stat, size_t n, size_t k, const ranked *order)
     gfree(mask), free(want), gfree(scratch);
 }
 
-enum { D_RANDOM, D_EQUAL, D_TINY, D_SPECIAL, D_NEAR, D_COUNT };
+enum { D_RANDOM, D_EQUAL, D_TINY, D_SPECIAL, D_NEAR, D_LOW20, D_COUNT };
 
 static float special_value(rng *r)
 {
@@ -472,7 +472,9 @@ static float special_value(rng *r)
 
 /* Statistics: random; all equal; from {0,1,2,3} with signs (ties at the
  * threshold); random with NaN/inf/zeros/denormals; near 1.0, where only
- * the low key bits differ. */
+ * the low key bits differ; in [1, 1.125) with the low 20 bits random, so
+ * that all keys share the top digit and the second one spreads them (each
+ * of the selection's three ways to finish is taken at n = 2^20 + 7). */
 static float stat_value(rng *r, int dist)
 {
     uint32_t x = rng_u32(r), sign = (x & 1u) << 31;
@@ -481,6 +483,7 @@ static float stat_value(rng *r, int dist)
     case D_TINY: return u2f(f2u((float)((x >> 1) & 3u)) | sign);
     case D_SPECIAL: return (x & 0x70u) ? rng_float(r) : special_value(r);
     case D_NEAR: return u2f((0x3f800000u + ((x >> 1) & 0xfffu)) | sign);
+    case D_LOW20: return u2f((0x3f800000u + ((x >> 1) & 0xfffffu)) | sign);
     default: return rng_float(r);
     }
 }
@@ -1037,7 +1040,7 @@ END_TEST
 typedef struct fx {
     float g[BN], e[BN], m[BN], v[BN], theta[BN], stat[BN], sum[BN], out[BN];
     _Alignas(16) uint16_t h16[BN + 1];
-    uint32_t mask[2], mask2[2], prefix[3], scratch[2048];
+    uint32_t mask[2], mask2[2], prefix[3], scratch[2048 + 2 * BN];
     size_t count;
 } fx;
 
