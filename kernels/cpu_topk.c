@@ -156,30 +156,12 @@ static void hist_pass(const key_src *src, size_t n, int d, uint32_t prefix, uint
     }
 }
 
-/* Final pass in index order: every key above tau, and the first `need` keys
- * equal to it (the ties rule). */
-static void write_mask(const key_src *src, size_t n, uint32_t tau, size_t need,
-                       uint32_t *mask)
-{
-    size_t nw = kern_mask_words(n), j = 0;
-    uint32_t keys[32];
-    for (size_t w = 0; w < nw; w++) {
-        size_t base = w * 32, len = n - base < 32 ? n - base : 32;
-        uint32_t word = 0;
-        word_keys(src, base, len, &j, keys);
-        for (size_t i = 0; i < len; i++) {
-            uint32_t u = keys[i];
-            if (u > tau || (u == tau && need > 0 && need--))
-                word |= 1u << i;
-        }
-        mask[w] = word;
-    }
-}
-
-/* Once the bucket of the k-th largest key (its top bits `prefix`, `shift`
- * low bits undecided) holds few enough keys: one pass sets the bits of every
- * key above the bucket and collects the bucket's keys in index order; the
- * rest of the selection runs on those alone. */
+/* The last pass over the data, in index order.  With the bucket of the
+ * k-th largest key known (its top bits `prefix`, `shift` low bits
+ * undecided) and small enough: set the bits of every key above the bucket
+ * and collect the bucket's keys in c; the rest of the selection runs on those
+ * alone.  With every bit known (shift 0, prefix = tau, c NULL): every key
+ * above tau and the first `need` keys equal to it (the ties rule). */
 static void finish_in_bucket(const key_src *src, size_t n, uint32_t prefix, int shift,
                              size_t need, uint32_t *mask, cand *c, uint32_t *hist)
 {
@@ -193,8 +175,10 @@ static void finish_in_bucket(const key_src *src, size_t n, uint32_t prefix, int 
             uint32_t top = keys[i] >> shift;
             if (top > prefix)
                 word |= 1u << i;
-            else if (top == prefix)
+            else if (top == prefix && c)
                 c[nc++] = (cand){ (uint32_t)(base + i), keys[i] };
+            else if (top == prefix && need > 0 && need--)
+                word |= 1u << i;
         }
         mask[w] = word;
     }
@@ -250,7 +234,7 @@ static scape_rc topk_run(const char *fn, const key_src *src, size_t n, size_t k,
             return SCAPE_OK;
         }
     }
-    write_mask(src, n, prefix, need, mask);
+    finish_in_bucket(src, n, prefix, 0, need, mask, NULL, hist);
     return SCAPE_OK;
 }
 
