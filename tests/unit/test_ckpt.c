@@ -15,6 +15,7 @@
 
 #include "ckpt.h"
 #include "rank_threads.h"
+#include "check_run.h"
 
 #define R 3
 #define STEPS 12
@@ -396,9 +397,5 @@ int main(void)
     tcase_add_test(tc, missing_checkpoints_are_named);
     tcase_add_test(tc, reshard_keeps_state_and_residual_sum);
     suite_add_tcase(s, tc);
-    SRunner *sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? 1 : 0;
+    return check_run(s);
 }

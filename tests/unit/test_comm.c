@@ -8,6 +8,7 @@
 #include <time.h>
 
 #include "rank_threads.h"
+#include "check_run.h"
 
 static const int s_sizes[] = { 1, 2, 3, 4, 8 };
 #define NSIZES (int)(sizeof s_sizes / sizeof s_sizes[0])
@@ -300,9 +301,5 @@ int main(void)
     tcase_add_test(tc, bad_arguments);
     tcase_add_test(tc, barrier_times_out_naming_missing_rank);
     suite_add_tcase(s, tc);
-    SRunner *sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+    return check_run(s);
 }

@@ -12,6 +12,7 @@
 #include "comm_host.h"
 #include "rank_threads.h"
 #include "try.h"
+#include "check_run.h"
 
 #define CHUNK 4096
 #define MAXR 8
@@ -411,9 +412,5 @@ int main(void)
     tcase_add_test(tc, wire_counters_balance);
     tcase_add_test(tc, bad_arguments);
     suite_add_tcase(s, tc);
-    SRunner *sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+    return check_run(s);
 }

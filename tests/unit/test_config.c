@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "config.h"
+#include "check_run.h"
 
 #define NKEYS 26
 
@@ -570,9 +571,5 @@ int main(void)
     tcase_add_test(tc, print_format);
     tcase_add_test(tc, print_write_error);
     suite_add_tcase(s, tc);
-    SRunner *sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+    return check_run(s);
 }

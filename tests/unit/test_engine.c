@@ -26,6 +26,7 @@
 
 #include "engine.h"
 #include "rank_threads.h"
+#include "check_run.h"
 
 #define MAX_R 8
 #define MAX_TR 4
@@ -955,9 +956,5 @@ int main(void)
     tcase_add_test(bad, bad_create_arguments);
     tcase_add_test(bad, bad_step_arguments);
     suite_add_tcase(s, bad);
-    SRunner *sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+    return check_run(s);
 }

@@ -13,6 +13,7 @@
 #include "gpt.h"
 #include "gpt_data.h"
 #include "gpt_rand.h"
+#include "check_run.h"
 
 /* ---- helpers ---- */
 
@@ -573,9 +574,5 @@ int main(void)
     tcase_add_test(data, unigram_entropy_by_hand);
     tcase_add_test(data, bad_corpus_files);
     suite_add_tcase(s, data);
-    SRunner *sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+    return check_run(s);
 }

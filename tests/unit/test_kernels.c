@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include "scape_kernels.h"
+#include "check_run.h"
 
 /* ---- random inputs ------------------------------------------------------ */
 
@@ -1544,9 +1545,5 @@ int main(void)
     printf("test_kernels: seed %" PRIu64 " (SCAPE_TEST_SEED=%" PRIu64
            " replays this run)\n", s_seed, s_seed);
     fflush(stdout);
-    SRunner *sr = srunner_create(kernels_suite());
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+    return check_run(kernels_suite());
 }

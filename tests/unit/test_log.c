@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "log.h"
+#include "check_run.h"
 
 #define STAMP "[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\\.[0-9]{3}Z "
 #define THREADS 8
@@ -198,9 +199,5 @@ int main(void)
     tcase_add_test(tc, one_line_per_call);
     tcase_add_test(tc, threads_never_mix_lines);
     suite_add_tcase(s, tc);
-    SRunner *sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+    return check_run(s);
 }

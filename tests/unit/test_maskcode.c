@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "maskcode.h"
+#include "check_run.h"
 
 /* a random mask with exactly k bits per tensor, comm-space words */
 static void random_mask(const plan *p, uint32_t *words, unsigned *seed)
@@ -193,9 +194,5 @@ int main(void)
     tcase_add_test(tc, union_of_ranks);
     tcase_add_test(tc, malformed_codes_refused);
     suite_add_tcase(s, tc);
-    SRunner *sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+    return check_run(s);
 }

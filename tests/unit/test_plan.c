@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "plan.h"
+#include "check_run.h"
 
 START_TEST(k_formula)
 {
@@ -109,9 +110,5 @@ int main(void)
     tcase_add_test(tc, unordered_layout_tiles);
     tcase_add_test(tc, bad_layouts);
     suite_add_tcase(s, tc);
-    SRunner *sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+    return check_run(s);
 }

@@ -10,6 +10,7 @@
 #include <zmq.h>
 
 #include "rendezvous.h"
+#include "check_run.h"
 
 #define MAX_R 8
 
@@ -198,9 +199,5 @@ int main(void)
     tcase_add_test(tc, slurm_host_lists);
     tcase_add_test(tc, slurm_environment);
     suite_add_tcase(s, tc);
-    SRunner *sr = srunner_create(s);
-    srunner_run_all(sr, CK_NORMAL);
-    int failed = srunner_ntests_failed(sr);
-    srunner_free(sr);
-    return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+    return check_run(s);
 }
