@@ -30,7 +30,7 @@ static void random_mask(const plan *p, uint32_t *words, unsigned *seed)
 static plan *build(const size_t *lens, size_t nt, int ranks, double rho)
 {
     eng_tensor ts[16];
-    static char names[16][8];
+    static char names[16][24];
     size_t off = 0;
     for (size_t i = 0; i < nt; i++) {
         snprintf(names[i], sizeof names[i], "t%zu", i);
