@@ -83,8 +83,15 @@ scape_rc eng_mask_finish(eng_t *e, double *waited)
     size_t off = 0;
     for (int r = 0; r < e->comm->size; r++) {
         const plan_shard *sh = &p->shard[r];
-        TRY(mcode_decode(p, sh->first, sh->count, e->code_all + off / 4, e->code_bytes[r],
-                         e->mask_next + sh->word0, 0, r));
+        scape_rc rc = mcode_decode(p, sh->first, sh->count, e->code_all + off / 4,
+                                   e->code_bytes[r], e->mask_next + sh->word0, 0, r);
+        if (rc != SCAPE_OK) {
+            /* M_{t+1} is half written and the ranks no longer agree on it:
+             * no further step may use it (outside eng_step, e.g. from a
+             * checkpoint, nothing else would say so). */
+            e->broken = 1;
+            return rc;
+        }
         off += e->code_bytes[r];
     }
     return SCAPE_OK;

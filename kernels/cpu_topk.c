@@ -161,11 +161,15 @@ static void hist_pass(const key_src *src, size_t n, int d, uint32_t prefix, uint
  * undecided) and small enough: set the bits of every key above the bucket
  * and collect the bucket's keys in c; the rest of the selection runs on those
  * alone.  With every bit known (shift 0, prefix = tau, c NULL): every key
- * above tau and the first `need` keys equal to it (the ties rule). */
-static void finish_in_bucket(const key_src *src, size_t n, uint32_t prefix, int shift,
-                             size_t need, uint32_t *mask, cand *c, uint32_t *hist)
+ * above tau and the first `need` keys equal to it (the ties rule).
+ * Returns nonzero when the bucket held more than the `cap` keys the
+ * histogram counted: the input changed between the passes (a trainer writing
+ * the gradient it posted); the mask is then incomplete. */
+static int finish_in_bucket(const key_src *src, size_t n, uint32_t prefix, int shift,
+                            size_t need, uint32_t *mask, cand *c, size_t cap, uint32_t *hist)
 {
     size_t nw = kern_mask_words(n), j = 0, nc = 0;
+    int overflow = 0;
     uint32_t keys[32];
     for (size_t w = 0; w < nw; w++) {
         size_t base = w * 32, len = n - base < 32 ? n - base : 32;
@@ -175,8 +179,10 @@ static void finish_in_bucket(const key_src *src, size_t n, uint32_t prefix, int 
             uint32_t top = keys[i] >> shift;
             if (top > prefix)
                 word |= 1u << i;
-            else if (top == prefix && c)
+            else if (top == prefix && c && nc < cap)
                 c[nc++] = (cand){ (uint32_t)(base + i), keys[i] };
+            else if (top == prefix && c)
+                overflow = 1;
             else if (top == prefix && need > 0 && need--)
                 word |= 1u << i;
         }
@@ -198,6 +204,7 @@ static void finish_in_bucket(const key_src *src, size_t n, uint32_t prefix, int 
     for (size_t q = 0; q < nc; q++)
         if (c[q].key > tau || (c[q].key == tau && need > 0 && need--))
             mask[c[q].idx / 32] |= 1u << (c[q].idx % 32);
+    return overflow;
 }
 
 /* Radix select, digit by digit from the top: after each histogram pass, if
@@ -230,11 +237,14 @@ static scape_rc topk_run(const char *fn, const key_src *src, size_t n, size_t k,
         size_t in_bucket = hist[b];
         prefix = (prefix << s_bits[d]) | b;
         if (d < 2 && in_bucket <= cap) {
-            finish_in_bucket(src, n, prefix, s_shift[d], need, mask, c, hist);
+            if (finish_in_bucket(src, n, prefix, s_shift[d], need, mask, c, in_bucket, hist))
+                return scape_set_error(SCAPE_INVALID,
+                                       "%s: the input changed while it was being selected "
+                                       "from (is its writer still running?)", fn);
             return SCAPE_OK;
         }
     }
-    finish_in_bucket(src, n, prefix, 0, need, mask, NULL, hist);
+    finish_in_bucket(src, n, prefix, 0, need, mask, NULL, 0, hist);
     return SCAPE_OK;
 }
 

@@ -73,7 +73,10 @@ scape_rc kern_topk_mask(const float *stat, size_t n, size_t k, uint32_t *mask,
  * statistic of kern_mask_stat (m given) or kern_abs_stat (m == NULL), bit for
  * bit, with the statistic recomputed in each pass instead of stored: no
  * n-element buffer.  beta1 and t_r are ignored when m is NULL.  Scratch as
- * kern_topk_scratch_bytes(n). */
+ * kern_topk_scratch_bytes(n).  The inputs are read in several passes and
+ * must not change during the call; if a change is noticed (another process
+ * writing a shared gradient) the call fails with SCAPE_INVALID instead of
+ * writing past its scratch, and the mask is not a valid top-k. */
 scape_rc kern_topk_ef(const float *m, const float *g, const float *e, size_t n,
                       float beta1, float t_r, size_t k, uint32_t *mask, void *scratch,
                       size_t scratch_bytes);

@@ -18,6 +18,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/random.h>
+#include <time.h>
 #include <unistd.h>
 #include <zmq.h>
 
@@ -88,8 +89,12 @@ static scape_rc shm_create(shm_buf *b, const char *tag, size_t bytes)
     int fd = -1;
     for (int attempt = 0; attempt < 8 && fd < 0; attempt++) {
         uint32_t nonce = 0;
-        if (getrandom(&nonce, sizeof nonce, GRND_NONBLOCK) != (ssize_t)sizeof nonce)
-            nonce = (uint32_t)rand() ^ (uint32_t)attempt << 24;
+        if (getrandom(&nonce, sizeof nonce, GRND_NONBLOCK) != (ssize_t)sizeof nonce) {
+            struct timespec ts;
+            clock_gettime(CLOCK_MONOTONIC, &ts);
+            nonce = (uint32_t)ts.tv_nsec * 2654435761u ^ (uint32_t)ts.tv_sec ^
+                    (uint32_t)attempt << 24;
+        }
         snprintf(b->name, sizeof b->name, "/scape-%d-%08x-%u-%s", (int)getpid(),
                  (unsigned)nonce, atomic_fetch_add(&s_counter, 1), tag);
         fd = shm_open(b->name, O_RDWR | O_CREAT | O_EXCL, 0600);
