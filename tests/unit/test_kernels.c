@@ -12,6 +12,7 @@
 #include <check.h>
 #include <inttypes.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -540,6 +541,68 @@ START_TEST(test_topk_all_equal)
         gfree(mask), gfree(scratch);
     }
     free(stat);
+}
+END_TEST
+
+/* A gradient rewritten while it is being selected from (a trainer that
+ * keeps writing the buffer it posted): the fused top-k reads its input in
+ * several passes, and must then fail or give a mask, never write past its
+ * scratch (the sanitizer build watches).  The rewrite starts at a different
+ * moment in each round, from before the first pass to after the last. */
+#define RACE_N (1u << 20)
+typedef struct racer {
+    float *g;
+    long delay_ns;
+    volatile int go;
+} racer;
+
+static void *rewrite_later(void *arg)
+{
+    racer *r = arg;
+    while (!__atomic_load_n(&r->go, __ATOMIC_ACQUIRE))
+        ;
+    nanosleep(&(struct timespec){ r->delay_ns / 1000000000L, r->delay_ns % 1000000000L }, NULL);
+    for (size_t i = 0; i < RACE_N; i++)
+        __atomic_store_n((uint32_t *)(void *)&r->g[i], 0x42c80000u, __ATOMIC_RELAXED); /* 100 */
+    return NULL;
+}
+
+START_TEST(test_topk_input_changing_underneath)
+{
+    const size_t k = 10;
+    float *g = xalloc(RACE_N * 4), *e = xalloc(RACE_N * 4);
+    uint32_t *mask = xalloc(kern_mask_words(RACE_N) * 4);
+    size_t sb = kern_topk_scratch_bytes(RACE_N);
+    void *scratch = galloc(sb);
+    memset(e, 0, RACE_N * 4);
+    for (size_t i = 0; i < RACE_N; i++)
+        g[i] = i < k ? 100.0f : 1.0f;
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    assert_ok(kern_topk_ef(NULL, g, e, RACE_N, 0.0f, 1.0f, k, mask, scratch, sb), "kern_topk_ef",
+              RACE_N);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    long call_ns = (t1.tv_sec - t0.tv_sec) * 1000000000L + (t1.tv_nsec - t0.tv_nsec);
+    int failed = 0;
+    for (int round = 0; round < 16; round++) {
+        for (size_t i = 0; i < RACE_N; i++)
+            g[i] = i < k ? 100.0f : 1.0f;
+        racer r = { g, call_ns * round / 12, 0 };
+        pthread_t th;
+        ck_assert_int_eq(pthread_create(&th, NULL, rewrite_later, &r), 0);
+        __atomic_store_n(&r.go, 1, __ATOMIC_RELEASE);
+        scape_rc rc = kern_topk_ef(NULL, g, e, RACE_N, 0.0f, 1.0f, k, mask, scratch, sb);
+        ck_assert_int_eq(pthread_join(th, NULL), 0);
+        ck_assert_msg(rc == SCAPE_OK || rc == SCAPE_INVALID, "round %d: rc %d", round, rc);
+        if (rc == SCAPE_INVALID) {
+            ck_assert_msg(strstr(scape_last_error(), "changed"), "%s", scape_last_error());
+            failed++;
+        }
+        gcheck(scratch, "topk scratch");
+    }
+    fprintf(stderr, "topk_input_changing_underneath: %d of 16 rounds noticed the change\n",
+            failed);
+    free(g), free(e), free(mask), gfree(scratch);
 }
 END_TEST
 
@@ -1519,6 +1582,7 @@ static Suite *kernels_suite(void)
 
     tc = tcase_create("fixed");
     tcase_add_test(tc, test_topk_crafted);
+    tcase_add_test(tc, test_topk_input_changing_underneath);
     tcase_add_test(tc, test_bf16_crafted);
     tcase_add_test(tc, test_bf16_exhaustive);
     suite_add_tcase(s, tc);
