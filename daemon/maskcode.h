@@ -5,8 +5,8 @@
  * b = bits(len - 1) bits, whichever is smaller; both sides decide the same
  * way from the plan alone, so every rank knows every other rank's code size
  * before anything is sent and the all-gather stays one fixed-size collective.
- * At rho = 0.01 a tensor of 2^14 coordinates sends 164 x 14 bits instead of
- * 512 words: about a fifth.
+ * At rho = 0.01 a tensor of 2^14 coordinates sends 164 x 14 bits (72 words)
+ * instead of 512 words: about a seventh.
  *
  * A range of tensors (comm order) codes as: the bitmap words of its
  * bitmap-coded tensors, in comm order, then one little-endian bit stream of

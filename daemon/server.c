@@ -317,7 +317,8 @@ static void check_liveness(server *s)
             ctl_drop(s, &s->slots[i], 1);
 }
 
-/* Tell every attached trainer, then forget them and unlink their memory. */
+/* Tell every attached trainer, then forget them and unmap their buffers (the
+ * unlink is for names a trainer had not yet unlinked itself). */
 static void farewell(server *s)
 {
     for (int i = 0; i < SRV_MAX_SLOTS; i++) {
