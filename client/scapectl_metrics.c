@@ -115,6 +115,10 @@ static void last_step(const prom *m, const Scape__StepDone *d)
           (double)d->bytes);
     gauge(m, "scape_last_step_wire_bytes", "Bytes this daemon received in the last step.",
           (double)d->wire_bytes);
+    if (d->has_mask_bytes)
+        gauge(m, "scape_last_step_mask_bytes",
+              "Of the last step's payload, the mask all-gather's (coded mask bits).",
+              (double)d->mask_bytes);
     if (d->has_residual_norm)
         gauge(m, "scape_residual_norm", "Norm of the error-feedback residual.",
               d->residual_norm);

@@ -74,6 +74,11 @@ static void print_last(printer *p, const Scape__StepDone *d)
     pr_uint(p, "k", "K", d->k, NULL);
     pr_real(p, "density", "Density", d->density, fmt_percent(b, sizeof b, d->density));
     pr_uint(p, "bytes", "Bytes/step", d->bytes, fmt_bytes(b, sizeof b, d->bytes));
+    if (d->has_mask_bytes)
+        pr_uint(p, "mask_bytes", "  of it mask", d->mask_bytes,
+                fmt_bytes(b, sizeof b, d->mask_bytes));
+    else
+        pr_null(p, "mask_bytes", "  of it mask");
     pr_uint(p, "wire_bytes", "Wire bytes", d->wire_bytes, fmt_bytes(b, sizeof b, d->wire_bytes));
     print_optional(p, "residual_norm", "Residual norm", d->has_residual_norm, d->residual_norm);
     print_optional(p, "mask_churn", "Mask churn", d->has_mask_churn, d->mask_churn);

@@ -424,6 +424,8 @@ static void fill_step_done(server *s, const eng_step_stats *st, double wait, dou
     d->handover_copy_bytes = copied;
     d->has_control_bytes = 1;
     d->control_bytes = control_bytes;
+    d->has_mask_bytes = 1;
+    d->mask_bytes = st->mask_bytes;
     s->have_last = 1;
 }
 

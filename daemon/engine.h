@@ -78,6 +78,8 @@ typedef struct eng_step_stats {
     double mask_overlap;  /* of the lagged mask all-gather's life, from its start
                              to its completion, the fraction not spent waiting
                              for it: how much of it hid behind other work */
+    uint64_t mask_bytes;  /* payload of the mask all-gather this step started
+                             (every rank's code, maskcode.h); 0 if none */
     double phase_s[ENG_PH_COUNT];
     comm_stats comm;      /* this step's collectives only */
 } eng_step_stats;

@@ -68,6 +68,14 @@ static void clean_residual(eng_t *e)
     }
 }
 
+static uint64_t code_total(const eng_t *e)
+{
+    uint64_t total = 0;
+    for (int r = 0; r < e->comm->size; r++)
+        total += e->code_bytes[r];
+    return total;
+}
+
 scape_rc eng_mask_finish(eng_t *e, double *waited)
 {
     if (waited)
@@ -144,6 +152,7 @@ static scape_rc scape_select(eng_t *e)
     uint32_t *own = e->code_all + e->code_off / 4;
     TRY(mcode_encode(p, me->first, me->count, e->mask_next + me->word0, own));
     TRY(comm_iallgather(e->comm, own, e->code_all, e->code_bytes));
+    e->last.mask_bytes = code_total(e);
     e->mask_pending = 1;
     e->mask_started = now_s();
     return SCAPE_OK;
@@ -163,6 +172,7 @@ static scape_rc topk_union_mask(eng_t *e, const float *g)
     uint32_t *own = e->code_all + e->code_off / 4;
     TRY(mcode_encode(p, 0, p->ntensors, e->mask_buf[1], own));
     TRY(comm_allgather(e->comm, own, e->code_all, e->code_bytes));
+    e->last.mask_bytes = code_total(e);
     uint32_t *u = e->mask_buf[0];
     memset(u, 0, p->nwords * sizeof *u);
     size_t off = 0;

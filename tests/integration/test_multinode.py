@@ -58,7 +58,8 @@ def train_group(daemons, trainers, tmp_path, n, steps, tag):
 
 
 def last_step(d):
-    """k and payload bytes of the daemon's last step, from its status socket."""
+    """k, payload bytes and, of those, the mask all-gather's bytes of the
+    daemon's last step, from its status socket."""
     ctx = zmq.Context()
     s = ctx.socket(zmq.REQ)
     s.setsockopt(zmq.LINGER, 0)
@@ -72,7 +73,7 @@ def last_step(d):
     done = pbwire.parse(pbwire.parse(f[6][0])[14][0])
     overlap = done[11][0]
     assert 0.0 < overlap <= 1.0, "mask overlap %r" % overlap
-    return done[3][0], done[5][0]
+    return done[3][0], done[5][0], done[12][0]
 
 
 def owners(lens, ranks):
@@ -110,7 +111,7 @@ def expected_bytes(n, mode, ranks):
                                [k for k, o in zip(ks, own) if o == r]) for r in range(ranks))
     bitmap = 4 * sum((x + 31) // 32 for x in lens)
     assert mask < bitmap / 2, "the coded mask should be well under the bitmap at rho 0.01"
-    return sum(ks), 4 * sum(ks) * (2 if mode == "sharded" else 1) + mask
+    return sum(ks), 4 * sum(ks) * (2 if mode == "sharded" else 1) + mask, mask
 
 
 @pytest.mark.parametrize("trainers", [[1, 2], [2, 1, 3]])
@@ -123,7 +124,7 @@ def test_daemons_match_local_backend(daemon_factory, tmp_path, trainers):
         assert all(g == got[0] for g in got), "trainers disagree (%s)" % mode
         want = expected_bytes(n, mode, len(trainers))
         for r, d in enumerate(daemons):
-            assert last_step(d) == want, "rank %d: (K, bytes) %s, want %s" % (
+            assert last_step(d) == want, "rank %d: (K, bytes, mask bytes) %s, want %s" % (
                 r, last_step(d), want)
         for d in daemons:
             assert d.stop() == 0, d.output()

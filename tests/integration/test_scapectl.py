@@ -107,6 +107,8 @@ def test_status_json_and_step_advances(job):
     assert last["step"] == b["step"] and 0 < last["k"] <= b["numel"]
     assert last["density"] == pytest.approx(last["k"] / b["numel"])
     assert last["bytes"] > 0 and isinstance(last["phases_s"]["total"], float)
+    # the lagged mask all-gather of a SCAPE step: coded bits, part of `bytes`
+    assert 0 < last["mask_bytes"] < last["bytes"]
     assert "loss" in b and b["uptime_ms"] > 0 and b["rss_bytes"] > 0
 
 
@@ -143,7 +145,8 @@ def test_metrics_exposition(job):
     assert s[("scape_rho", '{rank="0"}')] == pytest.approx(0.01)
     for name in ("scape_numel", "scape_rss_bytes", "scape_state_bytes", "scape_last_step_k",
                  "scape_last_step_density", "scape_last_step_bytes",
-                 "scape_last_step_wire_bytes", "scape_residual_norm", "scape_mask_churn",
+                 "scape_last_step_wire_bytes", "scape_last_step_mask_bytes",
+                 "scape_residual_norm", "scape_mask_churn",
                  "scape_uptime_seconds"):
         assert (name, '{rank="0"}') in s, name
     assert ("scape_phase_seconds", '{rank="0",phase="pack"}') in s

@@ -365,6 +365,12 @@ static void check_collectives(ctx *c, uint64_t t, size_t K, const eng_t *e0)
             note_fail(c, "step %llu rank %d: %llu mask all-gathers of %llu bytes",
                  (unsigned long long)t, r, (unsigned long long)s->calls[COMM_IALLGATHER],
                  (unsigned long long)s->bytes[COMM_IALLGATHER]);
+        uint64_t want_mask = want_iag ? expected_mask_bytes(c, e0, 0)
+                                      : topk_sparse ? expected_mask_bytes(c, e0, 1) : 0;
+        if (c->pub[r].st.mask_bytes != want_mask)
+            note_fail(c, "step %llu rank %d: stats say %llu mask bytes, want %llu",
+                 (unsigned long long)t, r, (unsigned long long)c->pub[r].st.mask_bytes,
+                 (unsigned long long)want_mask);
     }
 }
 
