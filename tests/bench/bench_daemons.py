@@ -1,0 +1,151 @@
+#!/usr/bin/env python3
+"""bench_daemons - step time of a real group of daemons on the host backend,
+dense AdamS against SCAPE, measured in the same run.
+
+R scaped processes (world R, one per "node", ZeroMQ TCP over 127.0.0.1,
+sharded state) with one trainer_c each, N parameters; first dense AdamS, then
+SCAPE at rho (warm-up 1), the same seeds and steps.  Per optimizer: the
+median over steps 3..S of the daemons' engine step (mean over ranks), of the
+trainers' wait for a step (post to reply, mean over trainers), and rank 0's
+collective payload and mask bytes from its status.  Before anything is
+reported every trainer's final parameters must agree (the hash trainer_c
+prints).  Prints figures; it does not pass or fail on them.
+
+Usage: bench_daemons.py BUILD_DIR [--ranks R] [--n N] [--steps S] [--rho RHO]
+                        [--markdown FILE]
+"""
+import argparse
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import zmq
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                "integration"))
+import pbwire  # noqa: E402
+
+
+def free_endpoints(count):
+    ctx = zmq.Context()
+    socks, eps = [], []
+    for _ in range(count):
+        s = ctx.socket(zmq.REP)
+        s.bind("tcp://127.0.0.1:*")
+        eps.append(s.getsockopt_string(zmq.LAST_ENDPOINT))
+        socks.append(s)
+    for s in socks:
+        s.close(linger=0)
+    ctx.term()
+    return eps
+
+
+def last_step(rt):
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.REQ)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, 10000)
+    s.connect("ipc://%s/status" % rt)
+    s.send(pbwire.status_request())
+    code, msg, f = pbwire.reply(s.recv())
+    s.close()
+    ctx.term()
+    if code != 0:
+        sys.exit("bench_daemons: status: %s" % msg)
+    done = pbwire.parse(pbwire.parse(f[6][0])[14][0])
+    return int(done[5][0]), int(done.get(12, [0])[0])
+
+
+def run(build, work, tag, ranks, n, steps, engine):
+    eps = free_endpoints(ranks + 1)
+    daemons, rts = [], []
+    for r in range(ranks):
+        rt = os.path.join(work, "%s-rt%d" % (tag, r))
+        rts.append(rt)
+        log = open(os.path.join(work, "%s-scaped%d.log" % (tag, r)), "w")
+        daemons.append(subprocess.Popen(
+            [os.path.join(build, "daemon", "scaped"), "--runtime-dir", rt, "--log-level",
+             "warn", *engine, "--mode", "sharded", "--world", str(ranks), "--rank", str(r),
+             "--coordinator", eps[0], "--listen", eps[r + 1], "--job", "4242",
+             "--trainers", "1", "--comm-timeout-ms", "600000"], stdout=log, stderr=log))
+    deadline = time.time() + 30
+    for rt, d in zip(rts, daemons):
+        while not os.path.exists(os.path.join(rt, "control")):
+            if d.poll() is not None or time.time() > deadline:
+                sys.exit("bench_daemons: scaped did not start (logs in %s)" % work)
+            time.sleep(0.02)
+    files = [os.path.join(work, "%s-timing%d" % (tag, r)) for r in range(ranks)]
+    trainers = [subprocess.Popen(
+        [os.path.join(build, "tests", "integration", "trainer_c"), "--endpoint",
+         "ipc://%s/control" % rts[r], "--index", "0", "--n", str(int(n)), "--steps",
+         str(steps), "--seed", str(1 + 1000 * r), "--timing", files[r]],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(ranks)]
+    hashes = []
+    for p in trainers:
+        out, err = p.communicate(timeout=3600)
+        if p.returncode != 0:
+            sys.exit("bench_daemons: a trainer failed: %s" % err)
+        hashes.append(re.search(r"params ([0-9a-f]+)", out).group(1))
+    if len(set(hashes)) != 1:
+        sys.exit("bench_daemons: trainers disagree: %s" % hashes)
+    payload, mask = last_step(rts[0])
+    for d in daemons:
+        d.terminate()
+    for d in daemons:
+        d.wait(60)
+    rows = [[list(map(float, l.split())) for l in open(f)] for f in files]
+    measured = range(2, steps)  # steps 3..S
+    engine_ms = [1e3 * statistics.mean(rows[r][k][3] for r in range(ranks)) for k in measured]
+    wait_ms = [1e3 * statistics.mean(rows[r][k][1] for r in range(ranks)) for k in measured]
+    return {"engine_ms": statistics.median(engine_ms), "wait_ms": statistics.median(wait_ms),
+            "bytes": payload, "mask": mask}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("build")
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--n", type=float, default=1e7)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rho", type=float, default=0.01)
+    ap.add_argument("--markdown")
+    a = ap.parse_args()
+    if a.steps < 4:
+        sys.exit("bench_daemons: --steps must be at least 4 (steps 3.. are measured)")
+    work = tempfile.mkdtemp(prefix="scape-bench-daemons-")
+    try:
+        res = {}
+        for name, engine in (("adams", ["--optimizer", "adams"]),
+                             ("scape", ["--optimizer", "scape", "--rho", str(a.rho),
+                                        "--warmup", "1"])):
+            print("bench_daemons: %s, %d daemons, N=%g, %d steps ..." %
+                  (name, a.ranks, a.n, a.steps), file=sys.stderr)
+            res[name] = run(a.build, work, name, a.ranks, a.n, a.steps, engine)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    d = res["adams"]
+    lines = [
+        "| optimizer | engine step ms (median, mean over ranks) | trainer wait ms | "
+        "payload B/step (rank 0) | of it mask B | step vs dense | bytes vs dense |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, label in (("adams", "adams (dense)"), ("scape", "scape rho=%g" % a.rho)):
+        r = res[name]
+        lines.append("| %s | %.1f | %.1f | %d | %d | %.3f | %.4f |" % (
+            label, r["engine_ms"], r["wait_ms"], r["bytes"], r["mask"],
+            r["engine_ms"] / d["engine_ms"], r["bytes"] / d["bytes"]))
+    print("%d daemons (host backend, 127.0.0.1, sharded), 1 trainer each, N = %g, "
+          "steps 3..%d" % (a.ranks, a.n, a.steps))
+    print("\n".join(lines))
+    if a.markdown:
+        with open(a.markdown, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
