@@ -12,6 +12,7 @@
  * the targets and writes docs/benchmarks.md rows and the plot.
  *
  * usage: bench_quality --corpus FILE [--ranks R] [--out DIR] [--only NAME]
+ *                      [--warmup W (dense warm-up of the sparse optimizers, 10)]
  *                      [gpt_run options: --steps --lr --d --layers ...]
  */
 #define _POSIX_C_SOURCE 200809L
@@ -49,6 +50,7 @@ typedef struct shared {
     eng_tensor *layout;
     int ntensors;
     int ranks;
+    uint32_t warmup;   /* W of the sparse optimizers */
     float *train_loss; /* [steps][ranks] */
     double *val_loss;  /* [steps], NaN where not measured */
     uint64_t *bytes;   /* [steps], rank 0's payload */
@@ -77,7 +79,7 @@ static scape_rc rank_train(rank_arg *a)
     cfg.optimizer = sh->v->opt;
     cfg.rho = sh->v->rho;
     cfg.mode = ENG_MODE_SHARDED;
-    cfg.warmup = 10;
+    cfg.warmup = sh->warmup;
     eng_layout lay = { sh->layout, (size_t)sh->ntensors, KERN_F32, KERN_F32 };
     if (rc == SCAPE_OK) {
         gpt_init(&r->model, p, r->model_seed);
@@ -149,6 +151,7 @@ int main(int argc, char **argv)
     run.eval_every = 250;
     run.eval_batches = 16;
     int ranks = 4;
+    long warmup = 10;
     const char *out = ".", *only = NULL;
     for (int i = 1; i < argc; i++) {
         int took = gpt_run_option(&run, argc, argv, &i);
@@ -159,14 +162,17 @@ int main(int argc, char **argv)
         if (i + 1 < argc && !strcmp(argv[i], "--ranks")) ranks = atoi(argv[++i]);
         else if (i + 1 < argc && !strcmp(argv[i], "--out")) out = argv[++i];
         else if (i + 1 < argc && !strcmp(argv[i], "--only")) only = argv[++i];
+        else if (i + 1 < argc && !strcmp(argv[i], "--warmup")) warmup = atol(argv[++i]);
         else {
             fprintf(stderr, "usage: bench_quality --corpus FILE [--ranks R] [--out DIR] "
-                            "[--only NAME] [options]\n%s", gpt_run_usage());
+                            "[--only NAME] [--warmup W] [options]\n%s", gpt_run_usage());
             return 2;
         }
     }
-    if (run.corpus == NULL || ranks < 1 || ranks > MAX_RANKS) {
-        fprintf(stderr, "bench_quality: --corpus is required; --ranks in [1, %d]\n", MAX_RANKS);
+    if (run.corpus == NULL || ranks < 1 || ranks > MAX_RANKS || warmup < 1 ||
+        warmup > 1000000) {
+        fprintf(stderr, "bench_quality: --corpus is required; --ranks in [1, %d]; --warmup in "
+                        "[1, 1000000]\n", MAX_RANKS);
         return 2;
     }
     gpt_corpus corpus;
@@ -197,11 +203,11 @@ int main(int argc, char **argv)
         lay[i] = (eng_tensor){ gt[i].name, gt[i].offset, gt[i].length };
     size_t n = gpt_num_params(&run.model);
     printf("bench_quality: GPT d=%d layers=%d heads=%d ctx=%d vocab=%d, N=%zu; %d ranks x "
-           "batch %d x seq %d; %llu steps, lr %g (warm-up %llu, cosine), sharded, W=10; "
+           "batch %d x seq %d; %llu steps, lr %g (warm-up %llu, cosine), sharded, W=%ld; "
            "corpus %zu train / %zu val tokens\n",
            run.model.d, run.model.layers, run.model.heads, run.model.ctx, run.model.vocab, n,
            ranks, run.batch, run.seq, (unsigned long long)run.steps, (double)run.lr,
-           (unsigned long long)run.lr_warmup, corpus.n_train, corpus.n_val);
+           (unsigned long long)run.lr_warmup, warmup, corpus.n_train, corpus.n_val);
     printf("%-16s %10s %10s %14s %9s %9s\n", "optimizer", "val loss", "train loss",
            "bytes/step", "of adams", "wall s");
     double adams_bytes = 4.0 * (double)n * 2.0; /* dense sharded: reduce-scatter + all-gather */
@@ -209,7 +215,7 @@ int main(int argc, char **argv)
     for (size_t v = 0; v < NVARIANTS && rc == 0; v++) {
         if (only && strcmp(only, s_variants[v].name) != 0)
             continue;
-        shared sh = { &run, &corpus, &s_variants[v], lay, nt, ranks, tl, vl, by };
+        shared sh = { &run, &corpus, &s_variants[v], lay, nt, ranks, (uint32_t)warmup, tl, vl, by };
         rank_arg args[MAX_RANKS];
         double t0 = now_s();
         if (run_ranks(ranks, rank_train, &sh, args) != 0) {
