@@ -25,6 +25,7 @@
 #include <nccl.h>
 
 #include "comm_nccl.h"
+#include "try.h"
 
 _Static_assert(sizeof(ncclUniqueId) == COMM_NCCL_ID_BYTES, "ncclUniqueId size");
 
@@ -44,13 +45,6 @@ typedef struct nccl_impl {
     void *mask_recv;      /* where the outstanding all-gather's result goes */
     size_t mask_bytes;
 } nccl_impl;
-
-#define TRY_RC(x)                                                              \
-    do {                                                                       \
-        scape_rc rc_ = (x);                                                    \
-        if (rc_ != SCAPE_OK)                                                   \
-            return rc_;                                                        \
-    } while (0)
 
 static double now_ms(void)
 {
@@ -116,7 +110,7 @@ static scape_rc settle(nccl_impl *x, lane *l, ncclResult_t r, const char *what)
 {
     double deadline = now_ms() + x->timeout_ms;
     while (r == ncclInProgress) {
-        TRY_RC(wait_more(x, deadline, what));
+        TRY(wait_more(x, deadline, what));
         if (ncclCommGetAsyncError(l->comm, &r) != ncclSuccess)
             r = ncclInternalError;
     }
@@ -145,7 +139,7 @@ static scape_rc drain(nccl_impl *x, lane *l, const char *what)
             r = ncclInternalError;
         if (r != ncclSuccess && r != ncclInProgress)
             return settle(x, l, r, what);
-        TRY_RC(wait_more(x, deadline, what));
+        TRY(wait_more(x, deadline, what));
     }
 }
 
@@ -218,28 +212,40 @@ static size_t *offsets(const comm_t *c, const size_t *counts, size_t *total)
  * failed call, if any. */
 static scape_rc end_group(nccl_impl *x, lane *l, ncclResult_t first, const char *what)
 {
-    TRY_RC(settle(x, l, ncclGroupEnd(), what));
+    TRY(settle(x, l, ncclGroupEnd(), what));
     return settle(x, l, first, what);
 }
 
 /* ---- blocking collectives on the main lane ---------------------------- */
 
+/* An in-place collective on the lane's device buffer: bytes of buf go in
+ * before the caller enqueues it, and come back into buf after it. */
+static scape_rc staged_in(nccl_impl *x, lane *l, const void *buf, size_t bytes)
+{
+    TRY(grow(x, l, bytes));
+    return copy_in(x, l, 0, buf, bytes);
+}
+
+static scape_rc staged_out(nccl_impl *x, lane *l, void *buf, size_t bytes, const char *what)
+{
+    TRY(copy_back(x, l, 0, bytes));
+    TRY(drain(x, l, what));
+    memcpy(buf, l->pinned, bytes);
+    return SCAPE_OK;
+}
+
 static scape_rc nc_allreduce(comm_t *c, float *buf, size_t n)
 {
     nccl_impl *x = c->impl;
     lane *l = &x->main;
-    TRY_RC(usable(x));
+    TRY(usable(x));
     if (n == 0)
         return SCAPE_OK;
     size_t b = n * sizeof(float);
-    TRY_RC(grow(x, l, b));
-    TRY_RC(copy_in(x, l, 0, buf, b));
-    TRY_RC(settle(x, l, ncclAllReduce(l->dev, l->dev, n, ncclFloat32, ncclSum, l->comm,
-                                      l->stream), "all-reduce"));
-    TRY_RC(copy_back(x, l, 0, b));
-    TRY_RC(drain(x, l, "all-reduce"));
-    memcpy(buf, l->pinned, b);
-    return SCAPE_OK;
+    TRY(staged_in(x, l, buf, b));
+    TRY(settle(x, l, ncclAllReduce(l->dev, l->dev, n, ncclFloat32, ncclSum, l->comm,
+                                   l->stream), "all-reduce"));
+    return staged_out(x, l, buf, b, "all-reduce");
 }
 
 static scape_rc nc_reduce_scatter(comm_t *c, const float *send, float *recv,
@@ -247,7 +253,7 @@ static scape_rc nc_reduce_scatter(comm_t *c, const float *send, float *recv,
 {
     nccl_impl *x = c->impl;
     lane *l = &x->main;
-    TRY_RC(usable(x));
+    TRY(usable(x));
     size_t total;
     size_t *offs = offsets(c, counts, &total);
     if (offs == NULL)
@@ -271,9 +277,9 @@ static scape_rc nc_reduce_scatter(comm_t *c, const float *send, float *recv,
         rc = end_group(x, l, first, "reduce-scatter");
     }
     free(offs);
-    TRY_RC(rc);
-    TRY_RC(copy_back(x, l, total * sizeof(float), mine * sizeof(float)));
-    TRY_RC(drain(x, l, "reduce-scatter"));
+    TRY(rc);
+    TRY(copy_back(x, l, total * sizeof(float), mine * sizeof(float)));
+    TRY(drain(x, l, "reduce-scatter"));
     if (mine)
         memcpy(recv, (char *)l->pinned + total * sizeof(float), mine * sizeof(float));
     return SCAPE_OK;
@@ -285,7 +291,7 @@ static scape_rc nc_reduce_scatter(comm_t *c, const float *send, float *recv,
 static scape_rc gather_start(nccl_impl *x, lane *l, const comm_t *c, const void *send,
                              const size_t *counts, size_t *total, const char *what)
 {
-    TRY_RC(usable(x));
+    TRY(usable(x));
     size_t *offs = offsets(c, counts, total);
     if (offs == NULL)
         return scape_set_error(SCAPE_NOMEM, "comm nccl: out of memory");
@@ -305,7 +311,7 @@ static scape_rc gather_start(nccl_impl *x, lane *l, const comm_t *c, const void 
         rc = end_group(x, l, first, what);
     }
     free(offs);
-    TRY_RC(rc);
+    TRY(rc);
     return copy_back(x, l, 0, *total);
 }
 
@@ -314,8 +320,8 @@ static scape_rc nc_allgather(comm_t *c, const void *send, void *recv, const size
     nccl_impl *x = c->impl;
     lane *l = &x->main;
     size_t total = 0;
-    TRY_RC(gather_start(x, l, c, send, counts, &total, "all-gather"));
-    TRY_RC(drain(x, l, "all-gather"));
+    TRY(gather_start(x, l, c, send, counts, &total, "all-gather"));
+    TRY(drain(x, l, "all-gather"));
     if (total)
         memcpy(recv, l->pinned, total);
     return SCAPE_OK;
@@ -325,17 +331,13 @@ static scape_rc nc_broadcast(comm_t *c, void *buf, size_t bytes, int root)
 {
     nccl_impl *x = c->impl;
     lane *l = &x->main;
-    TRY_RC(usable(x));
+    TRY(usable(x));
     if (bytes == 0)
         return SCAPE_OK;
-    TRY_RC(grow(x, l, bytes));
-    TRY_RC(copy_in(x, l, 0, buf, bytes));
-    TRY_RC(settle(x, l, ncclBroadcast(l->dev, l->dev, bytes, ncclUint8, root, l->comm,
-                                      l->stream), "broadcast"));
-    TRY_RC(copy_back(x, l, 0, bytes));
-    TRY_RC(drain(x, l, "broadcast"));
-    memcpy(buf, l->pinned, bytes);
-    return SCAPE_OK;
+    TRY(staged_in(x, l, buf, bytes));
+    TRY(settle(x, l, ncclBroadcast(l->dev, l->dev, bytes, ncclUint8, root, l->comm,
+                                   l->stream), "broadcast"));
+    return staged_out(x, l, buf, bytes, "broadcast");
 }
 
 static scape_rc nc_barrier(comm_t *c)
@@ -350,7 +352,7 @@ static scape_rc nc_iallgather(comm_t *c, const void *send, void *recv, const siz
 {
     nccl_impl *x = c->impl;
     size_t total = 0;
-    TRY_RC(gather_start(x, &x->mask, c, send, counts, &total, "mask all-gather"));
+    TRY(gather_start(x, &x->mask, c, send, counts, &total, "mask all-gather"));
     x->mask_recv = recv;
     x->mask_bytes = total;
     return SCAPE_OK;
@@ -359,8 +361,8 @@ static scape_rc nc_iallgather(comm_t *c, const void *send, void *recv, const siz
 static scape_rc nc_iallgather_wait(comm_t *c)
 {
     nccl_impl *x = c->impl;
-    TRY_RC(usable(x));
-    TRY_RC(drain(x, &x->mask, "mask all-gather"));
+    TRY(usable(x));
+    TRY(drain(x, &x->mask, "mask all-gather"));
     if (x->mask_bytes)
         memcpy(x->mask_recv, x->mask.pinned, x->mask_bytes);
     x->mask_bytes = 0;
