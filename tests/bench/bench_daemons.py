@@ -24,40 +24,15 @@ import sys
 import tempfile
 import time
 
-import zmq
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
                                 "integration"))
-import pbwire  # noqa: E402
-
-
-def free_endpoints(count):
-    ctx = zmq.Context()
-    socks, eps = [], []
-    for _ in range(count):
-        s = ctx.socket(zmq.REP)
-        s.bind("tcp://127.0.0.1:*")
-        eps.append(s.getsockopt_string(zmq.LAST_ENDPOINT))
-        socks.append(s)
-    for s in socks:
-        s.close(linger=0)
-    ctx.term()
-    return eps
+from bench_service import status  # noqa: E402
+from conftest import free_endpoints  # noqa: E402
 
 
 def last_step(rt):
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.REQ)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.RCVTIMEO, 10000)
-    s.connect("ipc://%s/status" % rt)
-    s.send(pbwire.status_request())
-    code, msg, f = pbwire.reply(s.recv())
-    s.close()
-    ctx.term()
-    if code != 0:
-        sys.exit("bench_daemons: status: %s" % msg)
-    done = pbwire.parse(pbwire.parse(f[6][0])[14][0])
+    """rank 0's collective payload and mask bytes of its last step."""
+    _, done = status(rt)
     return int(done[5][0]), int(done.get(12, [0])[0])
 
 

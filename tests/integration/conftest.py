@@ -8,6 +8,7 @@ import tempfile
 import time
 
 import pytest
+import zmq
 
 BUILD = os.environ.get("SCAPE_BUILD_DIR")
 SOURCE = os.environ.get("SCAPE_SOURCE_DIR",
@@ -111,3 +112,18 @@ def synth_layout(n):
         pos += length
     out.append(("bias", pos, 1))
     return out
+
+
+def free_endpoints(count):
+    """count tcp://127.0.0.1:PORT endpoints that were free a moment ago."""
+    ctx = zmq.Context()
+    socks, eps = [], []
+    for _ in range(count):
+        s = ctx.socket(zmq.REP)
+        s.bind("tcp://127.0.0.1:*")
+        eps.append(s.getsockopt_string(zmq.LAST_ENDPOINT))
+        socks.append(s)
+    for s in socks:
+        s.close(linger=0)
+    ctx.term()
+    return eps

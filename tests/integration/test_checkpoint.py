@@ -12,8 +12,8 @@ import signal
 import subprocess
 import time
 
-from conftest import binary, run_reference, run_trainer
-from test_multinode import ENGINE, free_endpoints, read, start_group, train_group
+from conftest import binary, free_endpoints, run_reference, run_trainer
+from test_multinode import ENGINE, read, start_group, train_group
 
 N = 3000
 

@@ -10,23 +10,9 @@ import pytest
 import zmq
 
 import pbwire
-from conftest import run_reference, run_trainer, synth_layout
+from conftest import free_endpoints, run_reference, run_trainer, synth_layout
 
 ENGINE = ["--rho", "0.01", "--warmup", "3"]
-
-
-def free_endpoints(count):
-    ctx = zmq.Context()
-    socks, eps = [], []
-    for _ in range(count):
-        s = ctx.socket(zmq.REP)
-        s.bind("tcp://127.0.0.1:*")
-        eps.append(s.getsockopt_string(zmq.LAST_ENDPOINT))
-        socks.append(s)
-    for s in socks:
-        s.close(linger=0)
-    ctx.term()
-    return eps
 
 
 def start_group(daemon_factory, trainers, extra=(), timeout_ms=20000):
