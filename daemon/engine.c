@@ -138,16 +138,15 @@ static scape_rc alloc_state(eng_t *e)
     if (e->code_bytes == NULL)
         return scape_set_error(SCAPE_NOMEM, "engine: cannot allocate state for N=%zu", n);
     /* SCAPE: each rank sends its shard's bits; topk-adamw: every rank all of its own. */
-    size_t code_total = 0;
     for (size_t r = 0; r < R; r++) {
         const plan_shard *sh = &p->shard[r];
         e->code_bytes[r] = topk ? mcode_bytes(p, 0, p->ntensors)
                                 : mcode_bytes(p, sh->first, sh->count);
         if ((int)r == e->rank)
-            e->code_off = code_total;
-        code_total += e->code_bytes[r];
+            e->code_off = e->code_total;
+        e->code_total += e->code_bytes[r];
     }
-    e->code_all = calloc(code_total / 4 + 1, sizeof(uint32_t));
+    e->code_all = calloc(e->code_total / 4 + 1, sizeof(uint32_t));
     if (!e->m || (eng_uses_v(e) && !e->v) || !e->theta || !e->e || !e->send || !e->upd ||
         !e->topk_scratch || !e->mask_buf[0] || !e->mask_buf[1] || !e->code_all || !e->toff ||
         !e->counts)

@@ -53,6 +53,7 @@ struct eng {
                           * encoded in place at code_off */
     size_t *code_bytes;  /* per rank: the size of its code */
     size_t code_off;     /* bytes before this rank's code */
+    size_t code_total;   /* bytes of all ranks' codes: a mask all-gather's payload */
     size_t *toff;        /* packed offset of each tensor, comm order, ntensors + 1 */
 
     size_t *counts;      /* per rank, scratch for collective counts */

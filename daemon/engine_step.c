@@ -68,14 +68,6 @@ static void clean_residual(eng_t *e)
     }
 }
 
-static uint64_t code_total(const eng_t *e)
-{
-    uint64_t total = 0;
-    for (int r = 0; r < e->comm->size; r++)
-        total += e->code_bytes[r];
-    return total;
-}
-
 scape_rc eng_mask_finish(eng_t *e, double *waited)
 {
     if (waited)
@@ -89,7 +81,9 @@ scape_rc eng_mask_finish(eng_t *e, double *waited)
     e->mask_pending = 0;
     const plan *p = e->p;
     size_t off = 0;
-    for (int r = 0; r < e->comm->size; r++) {
+    for (int r = 0; r < e->comm->size; off += e->code_bytes[r], r++) {
+        if (r == e->rank)
+            continue; /* its bits were selected straight into mask_next */
         const plan_shard *sh = &p->shard[r];
         scape_rc rc = mcode_decode(p, sh->first, sh->count, e->code_all + off / 4,
                                    e->code_bytes[r], e->mask_next + sh->word0, 0, r);
@@ -100,7 +94,6 @@ scape_rc eng_mask_finish(eng_t *e, double *waited)
             e->broken = 1;
             return rc;
         }
-        off += e->code_bytes[r];
     }
     return SCAPE_OK;
 }
@@ -152,7 +145,7 @@ static scape_rc scape_select(eng_t *e)
     uint32_t *own = e->code_all + e->code_off / 4;
     TRY(mcode_encode(p, me->first, me->count, e->mask_next + me->word0, own));
     TRY(comm_iallgather(e->comm, own, e->code_all, e->code_bytes));
-    e->last.mask_bytes = code_total(e);
+    e->last.mask_bytes = e->code_total;
     e->mask_pending = 1;
     e->mask_started = now_s();
     return SCAPE_OK;
@@ -172,7 +165,7 @@ static scape_rc topk_union_mask(eng_t *e, const float *g)
     uint32_t *own = e->code_all + e->code_off / 4;
     TRY(mcode_encode(p, 0, p->ntensors, e->mask_buf[1], own));
     TRY(comm_allgather(e->comm, own, e->code_all, e->code_bytes));
-    e->last.mask_bytes = code_total(e);
+    e->last.mask_bytes = e->code_total;
     uint32_t *u = e->mask_buf[0];
     memset(u, 0, p->nwords * sizeof *u);
     size_t off = 0;
