@@ -59,6 +59,9 @@ typedef struct comm_ops {
     void (*destroy)(comm_t *c);
     /* Device memory the backend holds, bytes (NULL: none). */
     uint64_t (*device_bytes)(const comm_t *c);
+    /* Messages dropped as not of this job (NULL: none can arrive); the last
+     * one described into why. */
+    uint64_t (*foreign)(const comm_t *c, char *why, size_t len);
 } comm_ops;
 
 struct comm {
@@ -94,6 +97,10 @@ int comm_interrupted(void);
 #define COMM_INTERRUPT_SLICE_MS 100
 /* Device memory the backend holds (staging buffers), bytes. */
 uint64_t comm_device_bytes(const comm_t *c);
+/* Messages the backend dropped because they cannot be from a rank of this
+ * job (another job's, or not its framing): how many so far, and (why, len
+ * bytes) what the last one was.  0 for backends that cannot receive any. */
+uint64_t comm_foreign(const comm_t *c, char *why, size_t len);
 /* Free one rank's handle and set *c to NULL. */
 void comm_destroy(comm_t **c);
 

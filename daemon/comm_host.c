@@ -12,7 +12,11 @@
  * fast rank may start the next collective before this one finished here; an
  * earlier op's message is an error), that the kind and sender are what the
  * schedule expects and that chunks of each stream arrive in order with the
- * expected length.  Anything else fails the call with SCAPE_PROTO.
+ * expected length.  A message that cannot be from a rank of this job (not
+ * header + payload, a bad magic number, another job's id) is dropped and
+ * counted (comm_foreign): a stray sender, such as a rank of an earlier job
+ * still pushing to a reused port, must not bring this job down.  Anything
+ * else, from a rank of this job, fails the call with SCAPE_PROTO.
  *
  * Sum order.  Reduce-scatter is a chain 0 -> 1 -> ... -> R-1 over the whole
  * vector, chunk by chunk (chunk_bytes): rank r adds its values to the partial
@@ -99,6 +103,8 @@ typedef struct host {
     host_msg *stash, *stash_tail; /* messages of later ops, in arrival order */
     const char *opname;
     uint64_t sent, recvd;
+    uint64_t foreign;       /* dropped messages not of this job */
+    char foreign_why[200];  /* the last one */
     scape_rc failed;
     char failmsg[400];
 } host;
@@ -159,18 +165,24 @@ static scape_rc proto(host *h, const host_msg *m, const char *why)
                            (unsigned long long)h->seq);
 }
 
+/* Can this message be from a rank of this job at all?  If not, say why. */
+static int foreign_msg(const host *h, const host_msg *m, int framed, char *why, size_t len)
+{
+    if (!framed)
+        snprintf(why, len, "a message that is not header + payload");
+    else if (m->h.magic != HOST_MAGIC)
+        snprintf(why, len, "a message with a bad magic number 0x%08x", m->h.magic);
+    else if (m->h.job != h->job)
+        snprintf(why, len, "a message of job %llu (from its rank %u); this is job %llu",
+                 (unsigned long long)m->h.job, m->h.sender, (unsigned long long)h->job);
+    else
+        return 0;
+    return 1;
+}
+
 static scape_rc check_hdr(comm_t *c, const host_msg *m)
 {
     host *h = c->impl;
-    if (m->h.magic != HOST_MAGIC)
-        return proto(h, m, "a message with a bad magic number");
-    if (m->h.job != h->job)
-        return scape_set_error(SCAPE_PROTO,
-                               "comm host: refused a message of job %llu (from rank %u); "
-                               "this is job %llu, during %s (op %llu)",
-                               (unsigned long long)m->h.job, m->h.sender,
-                               (unsigned long long)h->job, h->opname,
-                               (unsigned long long)h->seq);
     if (m->h.sender >= c->size || m->h.sender == c->rank)
         return proto(h, m, "a message from an impossible sender");
     if (m->h.kind < K_RS_CHAIN || m->h.kind >= K_END)
@@ -178,31 +190,46 @@ static scape_rc check_hdr(comm_t *c, const host_msg *m)
     return SCAPE_OK;
 }
 
-/* Receive one two-frame message; *got = 0 if none was waiting. */
+/* Receive one two-frame message; *got = 0 if none was waiting, -1 if it was
+ * dropped as foreign (counted; m holds nothing). */
 static scape_rc recv_msg(comm_t *c, host_msg *m, int *got)
 {
     host *h = c->impl;
     zmq_msg_t hd;
     zmq_msg_init(&hd);
     zmq_msg_init(&m->body);
+    memset(&m->h, 0, sizeof m->h);
     *got = 0;
     if (zmq_msg_recv(&hd, h->pull, ZMQ_DONTWAIT) < 0) {
         zmq_msg_close(&hd);
         return zmq_errno() == EAGAIN || zmq_errno() == EINTR ? SCAPE_OK : zerr("recv");
     }
     int framed = zmq_msg_size(&hd) == sizeof m->h && zmq_msg_more(&hd);
+    int more = zmq_msg_more(&hd);
     if (framed)
         memcpy(&m->h, zmq_msg_data(&hd), sizeof m->h);
     zmq_msg_close(&hd);
     *got = 1;
-    /* ZeroMQ delivers the frames of a message together */
-    if (framed && zmq_msg_recv(&m->body, h->pull, ZMQ_DONTWAIT) < 0)
-        return zerr("recv");
-    if (!framed || zmq_msg_more(&m->body)) {
-        memset(&m->h, 0, sizeof m->h);
-        return proto(h, m, "a message that is not header + payload");
+    /* ZeroMQ delivers the frames of a message together: take them all. */
+    size_t frames = 1, bytes = 0;
+    while (more) {
+        zmq_msg_close(&m->body);
+        zmq_msg_init(&m->body);
+        if (zmq_msg_recv(&m->body, h->pull, ZMQ_DONTWAIT) < 0)
+            return zerr("recv");
+        frames++;
+        bytes += zmq_msg_size(&m->body);
+        more = zmq_msg_more(&m->body);
     }
-    h->recvd += sizeof m->h + zmq_msg_size(&m->body);
+    framed = framed && frames == 2;
+    h->recvd += (framed ? sizeof m->h : 0) + bytes;
+    if (foreign_msg(h, m, framed, h->foreign_why, sizeof h->foreign_why)) {
+        h->foreign++;
+        zmq_msg_close(&m->body);
+        zmq_msg_init(&m->body);
+        *got = -1;
+        return SCAPE_OK;
+    }
     return check_hdr(c, m);
 }
 
@@ -360,9 +387,9 @@ static scape_rc pump_one(comm_t *c, long long deadline, int in_op, host_msg **ou
         return scape_set_error(SCAPE_NOMEM, "comm host: out of memory");
     int got = 0, mine = 0;
     scape_rc rc = recv_msg(c, m, &got);
-    if (rc == SCAPE_OK && got)
+    if (rc == SCAPE_OK && got > 0)
         rc = route(c, m, in_op, &mine);
-    if (rc != SCAPE_OK || !got)
+    if (rc != SCAPE_OK || got <= 0)
         msg_free(m);
     else if (mine)
         *out = m;
@@ -755,6 +782,14 @@ static void destroy(comm_t *c)
     free(c);
 }
 
+static uint64_t hc_foreign(const comm_t *c, char *why, size_t len)
+{
+    const host *h = c->impl;
+    if (why && len)
+        snprintf(why, len, "%s", h->foreign_why);
+    return h->foreign;
+}
+
 static const comm_ops s_host_ops = {
     .name = "host",
     .allreduce_sum = allreduce_sum,
@@ -765,6 +800,7 @@ static const comm_ops s_host_ops = {
     .broadcast = broadcast,
     .barrier = barrier,
     .destroy = destroy,
+    .foreign = hc_foreign,
 };
 
 static scape_rc host_alloc(const comm_host_opts *o, host **out)

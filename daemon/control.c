@@ -14,6 +14,9 @@
 #include "try.h"
 
 #define SCAPED_VERSION "0.1.0"
+#define REGISTER_NAME_MAX 255 /* bytes of a tensor name */
+#define IDENTITY_SHOWN 80     /* bytes of a trainer's identity kept */
+_Static_assert(IDENTITY_SHOWN < sizeof(((trainer *)0)->identity), "identity buffer");
 #define MAX_TENSORS (1u << 20)
 
 static trainer *find(server *s, const unsigned char *rid, size_t rid_len)
@@ -94,7 +97,8 @@ static scape_rc on_hello(server *s, const unsigned char *rid, size_t rid_len,
     t->pid = (pid_t)h->pid;
     memcpy(t->rid, rid, rid_len);
     t->rid_len = rid_len;
-    snprintf(t->identity, sizeof t->identity, "%.80s", h->trainer);
+    /* Shown in logs and status replies: printable UTF-8 only. */
+    scape_text_clean(t->identity, IDENTITY_SHOWN + 1, h->trainer ? h->trainer : "", (size_t)-1);
     Scape__Welcome w = SCAPE__WELCOME__INIT;
     w.protocol = 1;
     w.index = (uint32_t)slot;
@@ -127,6 +131,10 @@ static scape_rc parse_layout(const Scape__Register *g, eng_tensor *ts, size_t *n
         const Scape__Tensor *x = g->tensors[i];
         if (x->name == NULL || x->name[0] == '\0')
             return scape_set_error(SCAPE_INVALID, "register: tensor %zu has no name", i);
+        if (strlen(x->name) > REGISTER_NAME_MAX || !scape_text_is_clean(x->name))
+            return scape_set_error(SCAPE_INVALID, "register: tensor %zu's name \"%.64s\" is "
+                                   "not printable UTF-8 of at most %d bytes", i, x->name,
+                                   REGISTER_NAME_MAX);
         ts[i] = (eng_tensor){ x->name, (size_t)x->offset, (size_t)x->length };
     }
     plan *p = NULL;
@@ -456,6 +464,19 @@ static void finish_step(server *s, trainer **ts, int n, scape_rc rc)
     }
 }
 
+/* Log what the data plane dropped as not of this job since the last look. */
+static void note_foreign(server *s)
+{
+    char why[200];
+    uint64_t n = comm_foreign(s->comm, why, sizeof why);
+    if (n > s->foreign_seen) {
+        LOG_WARN(SUB_COMM, "dropped %llu message(s) on the data socket that are not of this "
+                 "job (%llu in all); the last: %s", (unsigned long long)(n - s->foreign_seen),
+                 (unsigned long long)n, why);
+        s->foreign_seen = n;
+    }
+}
+
 static void run_step(server *s, trainer **ts, int n)
 {
     uint64_t t = s->next_step;
@@ -505,6 +526,7 @@ static void run_step(server *s, trainer **ts, int n)
         s->next_step = t + 1;
     }
     finish_step(s, ts, n, rc);
+    note_foreign(s);
     if (rc == SCAPE_OK) {
         status_publish(s);
         LOG_DEBUG(SUB_ENGINE, "step %llu done: K=%llu in %.3f ms", (unsigned long long)t,

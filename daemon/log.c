@@ -113,18 +113,19 @@ static void flatten(char *s, size_t n)
 
 void log_msg(log_level l, log_sub sub, const char *file, int line, const char *fmt, ...)
 {
-    char buf[LINE_BYTES];
+    char buf[LINE_BYTES], raw[LINE_BYTES];
     const size_t msg_cap = sizeof buf - SUFFIX_BYTES;
     if (!log_enabled(l))
         return;
     size_t start = put_prefix(buf, msg_cap, l, sub);
     va_list ap;
     va_start(ap, fmt);
-    size_t want = vput(buf, start, msg_cap, fmt, ap);
+    size_t want = vput(raw, 0, sizeof raw, fmt, ap);
     va_end(ap);
-    size_t n = fit(want, msg_cap);
-    flatten(buf + start, n - start);
-    if (want >= msg_cap)
+    /* A peer's string in the message: one line, printable UTF-8 only. */
+    flatten(raw, fit(want, sizeof raw));
+    size_t n = start + scape_text_clean(buf + start, msg_cap - start, raw, fit(want, sizeof raw));
+    if (want >= sizeof raw || n + 1 >= msg_cap)
         memcpy(buf + n - 3, "...", 3);
     if (l <= LOG_LVL_WARN) {
         const char *base = file ? strrchr(file, '/') : NULL;

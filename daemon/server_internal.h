@@ -60,6 +60,7 @@ struct server {
     int eng_trainers;               /* T_r the engine runs with */
     uint64_t next_step;
     int broken;                     /* the engine failed mid-step */
+    uint64_t foreign_seen;          /* comm_foreign count already logged */
     shm_map spare;                  /* params of the last trainer that left, for the next */
     char broken_why[512];           /* what failed, for the trainers' later steps */
     int stopping;

@@ -147,6 +147,61 @@ START_TEST(one_line_per_call)
 }
 END_TEST
 
+/* scape_text_clean: what a peer's bytes become in messages and log lines. */
+START_TEST(text_clean_escapes_what_is_not_printable_utf8)
+{
+    static const struct {
+        const char *in, *out;
+    } cases[] = {
+        { "plain ascii", "plain ascii" },
+        { "caf\xC3\xA9 \xE2\x82\xAC \xF0\x9F\x98\x80", "caf\xC3\xA9 \xE2\x82\xAC \xF0\x9F\x98\x80" },
+        { "tab\tnewline\n", "tab\tnewline\n" },
+        { "esc\x1B[2Jbell\x07" "del\x7F", "esc\\x1B[2Jbell\\x07del\\x7F" },
+        { "b\x80" "as", "b\\x80" "as" },                      /* a lone continuation byte */
+        { "\xC0\xAF", "\\xC0\\xAF" },                    /* overlong '/' */
+        { "\xE0\x80\xAF", "\\xE0\\x80\\xAF" },            /* overlong, 3 bytes */
+        { "\xED\xA0\x80", "\\xED\\xA0\\x80" },            /* a surrogate */
+        { "\xF4\x90\x80\x80", "\\xF4\\x90\\x80\\x80" },    /* above U+10FFFF */
+        { "\xF5\xFF", "\\xF5\\xFF" },
+        { "cut \xE2\x82", "cut \\xE2\\x82" },             /* a character cut short */
+    };
+    char out[128];
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        size_t n = scape_text_clean(out, sizeof out, cases[i].in, (size_t)-1);
+        ck_assert_str_eq(out, cases[i].out);
+        ck_assert_uint_eq(n, strlen(cases[i].out));
+    }
+    /* Explicit length: an embedded NUL is a control byte like any other. */
+    scape_text_clean(out, sizeof out, "a\0b", 3);
+    ck_assert_str_eq(out, "a\\x00b");
+    /* A small buffer: never a split character or a split escape. */
+    ck_assert_uint_eq(scape_text_clean(out, 5, "ab\xE2\x82\xAC", (size_t)-1), 2);
+    ck_assert_str_eq(out, "ab");
+    ck_assert_uint_eq(scape_text_clean(out, 6, "ab\xFF" "cd", (size_t)-1), 2);
+    ck_assert_str_eq(out, "ab");
+    ck_assert_uint_eq(scape_text_clean(out, 1, "abc", (size_t)-1), 0);
+    ck_assert_str_eq(out, "");
+    ck_assert(scape_text_is_clean("w.0 \xC3\xA9"));
+    ck_assert(!scape_text_is_clean("w\n0"));
+    ck_assert(!scape_text_is_clean("b\x80" "as"));
+    /* The last-error buffer goes through it. */
+    scape_set_error(SCAPE_INVALID, "tensor \"%s\"", "b\x80\x1B]0;x\x07");
+    ck_assert_str_eq(scape_last_error(), "tensor \"b\\x80\\x1B]0;x\\x07\"");
+}
+END_TEST
+
+START_TEST(log_lines_escape_peer_bytes)
+{
+    FILE *f = tmpfile();
+    ck_assert_ptr_nonnull(f);
+    log_init(0, LOG_LVL_INFO, f);
+    LOG_INFO(SUB_CTRL, "trainer %s attached", "x\x1B[31mred\xFF");
+    ck_assert(matches("^" STAMP "scaped\\[rank 0 [^]]*\\] INFO  ctrl: trainer "
+                      "x\\\\x1B\\[31mred\\\\xFF attached\n$", slurp(f)));
+    fclose(f);
+}
+END_TEST
+
 static void *writer(void *arg)
 {
     int t = (int)(size_t)arg;
@@ -198,6 +253,8 @@ int main(void)
     tcase_add_test(tc, filtered_before_formatting);
     tcase_add_test(tc, one_line_per_call);
     tcase_add_test(tc, threads_never_mix_lines);
+    tcase_add_test(tc, text_clean_escapes_what_is_not_printable_utf8);
+    tcase_add_test(tc, log_lines_escape_peer_bytes);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
