@@ -34,6 +34,7 @@ void eng_config_default(eng_config *cfg)
     cfg->warmup = 1;
     cfg->hyper = (kern_hyper){ .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .wd = 0.0f };
     cfg->intake_chunk = 16384;
+    cfg->threads = 1;
 }
 
 const char *eng_optimizer_name(eng_optimizer opt)
@@ -85,6 +86,9 @@ static scape_rc check_config(const eng_config *c)
         return scape_set_error(SCAPE_INVALID,
                                "config: intake_chunk=%zu must be a positive multiple of 32",
                                c->intake_chunk);
+    if (c->threads < 1 || c->threads > POOL_MAX_THREADS)
+        return scape_set_error(SCAPE_INVALID, "config: threads=%d must be in [1, %d]",
+                               c->threads, POOL_MAX_THREADS);
     const kern_hyper *h = &c->hyper;
     if (!(h->beta1 >= 0.0f && h->beta1 < 1.0f) || !(h->beta2 >= 0.0f && h->beta2 < 1.0f))
         return scape_set_error(SCAPE_INVALID, "config: beta1=%g beta2=%g must be in [0, 1)",
@@ -109,6 +113,27 @@ uint64_t eng_config_hash(const eng_config *c)
     return h;
 }
 
+/* The pack's pieces: every tensor in comm order cut into intake_chunk
+ * coordinates (a multiple of 32, so each piece starts on a mask word). */
+static scape_rc plan_items(eng_t *e)
+{
+    const plan *p = e->p;
+    size_t chunk = e->cfg.intake_chunk, n = 0;
+    for (size_t j = 0; j < p->ntensors; j++)
+        n += (p->t[p->order[j]].len + chunk - 1) / chunk;
+    e->items = calloc(n ? n : 1, sizeof *e->items);
+    if (e->items == NULL)
+        return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
+    e->nitems = 0;
+    for (size_t j = 0; j < p->ntensors; j++) {
+        size_t len = p->t[p->order[j]].len;
+        for (size_t c = 0; c < len; c += chunk)
+            e->items[e->nitems++] = (eng_item){ .j = j, .c = c,
+                                                .len = len - c < chunk ? len - c : chunk };
+    }
+    return SCAPE_OK;
+}
+
 static scape_rc alloc_state(eng_t *e)
 {
     const plan *p = e->p;
@@ -128,8 +153,9 @@ static scape_rc alloc_state(eng_t *e)
     e->e = calloc(n, sizeof(float));
     e->send = calloc(e->k_cap, sizeof(float));
     e->upd = calloc(e->k_cap, sizeof(float));
+    size_t workers = (size_t)e->cfg.threads;
     e->topk_scratch_bytes = kern_topk_scratch_bytes(p->max_len);
-    e->topk_scratch = malloc(e->topk_scratch_bytes ? e->topk_scratch_bytes : 1);
+    e->topk_scratch = malloc(e->topk_scratch_bytes ? workers * e->topk_scratch_bytes : 1);
     e->mask_buf[0] = calloc(w, sizeof(uint32_t));
     e->mask_buf[1] = calloc(w, sizeof(uint32_t));
     e->toff = calloc(p->ntensors + 1, sizeof(size_t));
@@ -153,6 +179,8 @@ static scape_rc alloc_state(eng_t *e)
         return scape_set_error(SCAPE_NOMEM, "engine: cannot allocate state for N=%zu", n);
     e->mask_cur = NULL;
     e->mask_next = e->mask_buf[0];
+    TRY(plan_items(e));
+    TRY(pool_create(&e->pool, e->cfg.threads));
     return eng_alloc_intake(e);
 }
 
@@ -163,7 +191,8 @@ scape_rc eng_alloc_intake(eng_t *e)
     int whole = e->cfg.optimizer == ENG_OPT_TOPK_ADAMW; /* selects before packing */
     float **buf = whole ? &e->g : &e->gchunk;
     if (*buf == NULL)
-        *buf = calloc(whole ? e->p->n : e->cfg.intake_chunk, sizeof(float));
+        *buf = calloc(whole ? e->p->n : (size_t)e->cfg.threads * e->cfg.intake_chunk,
+                      sizeof(float));
     if (*buf == NULL)
         return scape_set_error(SCAPE_NOMEM, "engine: cannot allocate the intake buffer");
     return SCAPE_OK;
@@ -238,8 +267,9 @@ void eng_destroy(eng_t **ep)
     eng_t *e = *ep;
     if (e->mask_pending && !e->broken)
         comm_iallgather_wait(e->comm);
+    pool_destroy(&e->pool);
     plan_destroy(&e->p);
-    void *bufs[] = { e->m, e->v, e->theta, e->e, e->g, e->gchunk, e->send, e->upd,
+    void *bufs[] = { e->items, e->m, e->v, e->theta, e->e, e->g, e->gchunk, e->send, e->upd,
                      e->topk_scratch,
                      e->mask_buf[0], e->mask_buf[1], e->code_all,
                      e->code_bytes, e->toff, e->counts, e->ghat, e->ghave };

@@ -41,6 +41,9 @@ typedef struct eng_config {
     size_t intake_chunk; /* elements of G_r summed at a time when several
                             trainers' (or bf16) gradients are fused into the
                             pack; a multiple of 32 (default 16384) */
+    int threads;         /* workers for the data-parallel phases (pack, selection,
+                            update, write-back), the calling thread included;
+                            1..256, default 1.  Results do not depend on it. */
 } eng_config;
 
 typedef struct eng_tensor {

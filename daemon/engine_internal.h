@@ -15,7 +15,15 @@
 #include "engine.h"
 #include "maskcode.h"
 #include "plan.h"
+#include "pool.h"
 #include "try.h"
+
+/* One piece of the pack: coordinates [c, c + len) of tensor j (comm order);
+ * chunks never straddle tensors and start on a mask word. */
+typedef struct eng_item {
+    size_t j, c, len;
+    size_t done;         /* values of tensor j packed before this piece */
+} eng_item;
 
 struct eng {
     eng_config cfg;
@@ -36,11 +44,15 @@ struct eng {
     float *e;            /* residual e_r, comm order, N */
     int e_stale;         /* e holds a dense step's sums: the residual is zero */
     float *g;            /* topk-adamw: G_r whole, coordinate order (NULL: a trainer's serves) */
-    float *gchunk;       /* others: G_r one chunk at a time, fused into the pack */
+    float *gchunk;       /* others: G_r one chunk at a time, fused into the pack;
+                            one chunk per worker */
+    pool *pool;          /* cfg.threads workers */
+    eng_item *items;     /* the pack's pieces, comm order */
+    size_t nitems;
     size_t k_cap;        /* most values a sparse step reduces */
     float *send;         /* sparse: packed a_r, then the sums (own segment in place) */
     float *upd;          /* sparse: packed updated parameters */
-    void *topk_scratch;
+    void *topk_scratch;  /* one per worker, topk_scratch_bytes each */
     size_t topk_scratch_bytes;
 
     uint32_t *mask_buf[2];

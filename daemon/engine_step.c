@@ -50,13 +50,21 @@ static scape_rc intake(eng_t *e, const void *const *grads, const float **g_out)
     return SCAPE_OK;
 }
 
-/* G_r over coordinates [off, off + len) into the chunk buffer. */
-static scape_rc intake_chunk(eng_t *e, const void *const *grads, size_t off, size_t len)
+/* G_r over coordinates [off, off + len) into worker w's chunk buffer. */
+static float *intake_chunk(eng_t *e, const void *const *grads, size_t off, size_t len, int w,
+                           scape_rc *rc)
 {
     size_t esz = kern_dtype_size(e->gdt);
-    for (int j = 0; j < e->tr; j++)
-        TRY(kern_grad_accum(e->gchunk, (const char *)grads[j] + off * esz, e->gdt, len, j == 0));
-    return SCAPE_OK;
+    float *buf = e->gchunk + (size_t)w * e->cfg.intake_chunk;
+    *rc = SCAPE_OK;
+    for (int j = 0; j < e->tr && *rc == SCAPE_OK; j++)
+        *rc = kern_grad_accum(buf, (const char *)grads[j] + off * esz, e->gdt, len, j == 0);
+    return buf;
+}
+
+static void *worker_scratch(const eng_t *e, int w)
+{
+    return (char *)e->topk_scratch + (size_t)w * e->topk_scratch_bytes;
 }
 
 /* A dense step left its sums in e; the residual they stand for is zero. */
@@ -128,18 +136,23 @@ static scape_rc scape_mask(eng_t *e, uint64_t t)
 /* SCAPE: exact top-k of the statistic over the owned tensors -> M_{t+1},
  * whose all-gather starts at once and is waited for at the next step.  Runs
  * right after the pack, from the a = G + e it left in e and `send`. */
+static scape_rc select_tensor(void *ctx, size_t i, int w)
+{
+    eng_t *e = ctx;
+    size_t j = e->p->shard[e->rank].first + i;
+    const plan_tensor *t = tensor_at(e, j);
+    const uint32_t *sent = e->mask_cur ? e->mask_cur + t->word : NULL;
+    return kern_topk_packed(e->m + (t->pos - e->state_base), e->e + t->pos, sent,
+                            sent ? e->send + e->toff[j] : NULL, t->len, e->cfg.hyper.beta1,
+                            (float)e->tr, t->k, e->mask_next + t->word, worker_scratch(e, w),
+                            e->topk_scratch_bytes);
+}
+
 static scape_rc scape_select(eng_t *e)
 {
     const plan *p = e->p;
     const plan_shard *me = &p->shard[e->rank];
-    for (size_t j = me->first; j < me->first + me->count; j++) {
-        const plan_tensor *t = tensor_at(e, j);
-        const uint32_t *sent = e->mask_cur ? e->mask_cur + t->word : NULL;
-        TRY(kern_topk_packed(e->m + (t->pos - e->state_base), e->e + t->pos, sent,
-                             sent ? e->send + e->toff[j] : NULL, t->len, e->cfg.hyper.beta1,
-                             (float)e->tr, t->k, e->mask_next + t->word,
-                             e->topk_scratch, e->topk_scratch_bytes));
-    }
+    TRY(pool_run(e->pool, me->count, select_tensor, e));
     /* The own bits go straight into M_{t+1}'s words (the decode rewrites them
      * the same) and the code into this rank's place of the gathered code. */
     uint32_t *own = e->code_all + e->code_off / 4;
@@ -152,15 +165,26 @@ static scape_rc scape_select(eng_t *e)
 }
 
 /* topk-adamw: each rank's top-k of |a_r| per tensor; the union is the mask. */
+typedef struct union_ctx {
+    eng_t *e;
+    const float *g;
+} union_ctx;
+
+static scape_rc own_topk_tensor(void *ctx, size_t i, int w)
+{
+    union_ctx *u = ctx;
+    eng_t *e = u->e;
+    const plan_tensor *t = &e->p->t[i];
+    return kern_topk_ef(NULL, u->g + t->off, e->e + t->pos, t->len, 0.0f, 1.0f, t->k,
+                        e->mask_buf[1] + t->word, worker_scratch(e, w), e->topk_scratch_bytes);
+}
+
 static scape_rc topk_union_mask(eng_t *e, const float *g)
 {
     const plan *p = e->p;
     clean_residual(e);
-    for (size_t i = 0; i < p->ntensors; i++) {
-        const plan_tensor *t = &p->t[i];
-        TRY(kern_topk_ef(NULL, g + t->off, e->e + t->pos, t->len, 0.0f, 1.0f, t->k,
-                         e->mask_buf[1] + t->word, e->topk_scratch, e->topk_scratch_bytes));
-    }
+    union_ctx uc = { e, g };
+    TRY(pool_run(e->pool, p->ntensors, own_topk_tensor, &uc));
     /* this rank's own mask in the spare mask buffer, the union in the other */
     uint32_t *own = e->code_all + e->code_off / 4;
     TRY(mcode_encode(p, 0, p->ntensors, e->mask_buf[1], own));
@@ -178,16 +202,37 @@ static scape_rc topk_union_mask(eng_t *e, const float *g)
 }
 
 /* toff[j]: where tensor j (comm order) starts among the packed values. */
+static scape_rc count_item(void *ctx, size_t i, int w)
+{
+    eng_t *e = ctx;
+    eng_item *it = &e->items[i];
+    (void)w;
+    if (!e->mask_cur) {
+        it->done = it->len;
+        return SCAPE_OK;
+    }
+    return kern_mask_popcount(e->mask_cur + tensor_at(e, it->j)->word + it->c / 32, it->len,
+                              &it->done);
+}
+
+/* toff[j], and for each pack piece the values of its tensor before it. */
 static scape_rc tensor_offsets(eng_t *e, size_t *k_out)
 {
+    TRY(pool_run(e->pool, e->nitems, count_item, e));
     e->toff[0] = 0;
-    for (size_t j = 0; j < e->p->ntensors; j++) {
-        const plan_tensor *t = tensor_at(e, j);
-        size_t c = t->len;
-        if (e->mask_cur)
-            TRY(kern_mask_popcount(e->mask_cur + t->word, t->len, &c));
-        e->toff[j + 1] = e->toff[j] + c;
+    size_t j = 0, before = 0; /* values of tensor j in the pieces so far */
+    for (size_t i = 0; i < e->nitems; i++) {
+        eng_item *it = &e->items[i];
+        if (it->j != j) {
+            e->toff[j + 1] = e->toff[j] + before;
+            j = it->j;
+            before = 0;
+        }
+        size_t k = it->done;
+        it->done = before;
+        before += k;
     }
+    e->toff[j + 1] = e->toff[j] + before;
     *k_out = e->toff[e->p->ntensors];
     if (e->mask_cur && *k_out > e->k_cap)
         return scape_set_error(SCAPE_INVALID, "engine: mask of %zu values exceeds the "
@@ -204,39 +249,41 @@ static void shard_counts(eng_t *e, size_t elem)
     }
 }
 
-/* Pack coordinates [c, c + len) of tensor j with gradient sum g (indexed
- * from c); *done counts the values packed so far in this tensor. */
-static scape_rc pack_span(eng_t *e, size_t j, size_t c, size_t len, const float *g,
-                          size_t *done)
+typedef struct pack_ctx {
+    eng_t *e;
+    const float *g;
+    const void *const *grads;
+} pack_ctx;
+
+/* Pack one piece: coordinates [c, c + len) of tensor j, with the gradient
+ * sum read from g or summed into the worker's chunk buffer. */
+static scape_rc pack_item(void *ctx, size_t i, int w)
 {
-    const plan_tensor *t = tensor_at(e, j);
+    pack_ctx *pc = ctx;
+    eng_t *e = pc->e;
+    const eng_item *it = &e->items[i];
+    const plan_tensor *t = tensor_at(e, it->j);
+    const float *g;
+    if (pc->g) {
+        g = pc->g + t->off + it->c;
+    } else {
+        scape_rc rc;
+        g = intake_chunk(e, pc->grads, t->off + it->c, it->len, w, &rc);
+        TRY(rc);
+    }
     size_t k;
     if (!e->mask_cur)
-        return kern_grad_accum(e->e + t->pos + c, g, KERN_F32, len, e->e_stale);
-    TRY(kern_pack_ef(g, e->e + t->pos + c, e->mask_cur + t->word + c / 32, len,
-                     e->send + e->toff[j] + *done, &k));
-    *done += k;
-    return SCAPE_OK;
+        return kern_grad_accum(e->e + t->pos + it->c, g, KERN_F32, it->len, e->e_stale);
+    return kern_pack_ef(g, e->e + t->pos + it->c, e->mask_cur + t->word + it->c / 32, it->len,
+                        e->send + e->toff[it->j] + it->done, &k);
 }
 
 /* Pack a = G + e: in place in e when dense, into `send` on the mask.  Without
  * a whole G_r, the trainers' gradients are summed one chunk at a time. */
 static scape_rc pack(eng_t *e, const float *g, const void *const *grads, float **buf)
 {
-    for (size_t j = 0; j < e->p->ntensors; j++) {
-        const plan_tensor *t = tensor_at(e, j);
-        size_t done = 0;
-        if (g) {
-            TRY(pack_span(e, j, 0, t->len, g + t->off, &done));
-            continue;
-        }
-        size_t chunk = e->cfg.intake_chunk;
-        for (size_t c = 0; c < t->len; c += chunk) {
-            size_t len = t->len - c < chunk ? t->len - c : chunk;
-            TRY(intake_chunk(e, grads, t->off + c, len));
-            TRY(pack_span(e, j, c, len, e->gchunk, &done));
-        }
-    }
+    pack_ctx pc = { e, g, grads };
+    TRY(pool_run(e->pool, e->nitems, pack_item, &pc));
     if (!e->mask_cur)
         e->e_stale = 1; /* e now holds a, and after the reduction the sums */
     *buf = e->mask_cur ? e->send : e->e;
@@ -283,8 +330,22 @@ static void keep_ghat(eng_t *e)
     }
 }
 
-static scape_rc update_tensor(eng_t *e, size_t j, uint64_t t_step, float lr)
+typedef struct update_ctx {
+    eng_t *e;
+    size_t first;
+    uint64_t t;
+    float lr;
+    float *dst;  /* gather_updates */
+} update_ctx;
+
+static scape_rc update_tensor(void *ctx, size_t i, int w)
 {
+    update_ctx *u = ctx;
+    eng_t *e = u->e;
+    size_t j = u->first + i;
+    uint64_t t_step = u->t;
+    float lr = u->lr;
+    (void)w;
     const plan_tensor *t = tensor_at(e, j);
     size_t s = t->pos - e->state_base;
     const float *sum = e->sum + e->toff[j];
@@ -302,27 +363,34 @@ static scape_rc update_tensor(eng_t *e, size_t j, uint64_t t_step, float lr)
 
 static scape_rc update(eng_t *e, uint64_t t, float lr)
 {
-    size_t first, count;
-    update_range(e, &first, &count);
-    for (size_t j = first; j < first + count; j++)
-        TRY(update_tensor(e, j, t, lr));
-    return SCAPE_OK;
+    size_t count;
+    update_ctx u = { .e = e, .t = t, .lr = lr };
+    update_range(e, &u.first, &count);
+    return pool_run(e->pool, count, update_tensor, &u);
 }
 
 /* The new parameters, comm order, into `dst`: packed at the mask (sparse) or
  * whole (dense); sharded ranks then all-gather their parts in place. */
+static scape_rc compact_tensor(void *ctx, size_t i, int w)
+{
+    update_ctx *u = ctx;
+    eng_t *e = u->e;
+    size_t j = u->first + i, k;
+    (void)w;
+    const plan_tensor *t = tensor_at(e, j);
+    const float *th = e->theta + (t->pos - e->state_base);
+    if (e->mask_cur)
+        return kern_mask_compact(th, e->mask_cur + t->word, t->len, u->dst + e->toff[j], &k);
+    memcpy(u->dst + e->toff[j], th, t->len * sizeof *th);
+    return SCAPE_OK;
+}
+
 static scape_rc gather_updates(eng_t *e, float *dst)
 {
-    size_t first, count, k;
+    size_t first, count;
     update_range(e, &first, &count);
-    for (size_t j = first; j < first + count; j++) {
-        const plan_tensor *t = tensor_at(e, j);
-        const float *th = e->theta + (t->pos - e->state_base);
-        if (e->mask_cur)
-            TRY(kern_mask_compact(th, e->mask_cur + t->word, t->len, dst + e->toff[j], &k));
-        else
-            memcpy(dst + e->toff[j], th, t->len * sizeof *th);
-    }
+    update_ctx u = { .e = e, .first = first, .dst = dst };
+    TRY(pool_run(e->pool, count, compact_tensor, &u));
     if (e->cfg.mode == ENG_MODE_REPLICATED)
         return SCAPE_OK;
     shard_counts(e, sizeof(float));
@@ -330,23 +398,36 @@ static scape_rc gather_updates(eng_t *e, float *dst)
 }
 
 /* Every trainer's buffer receives the new values (at the mask when sparse). */
+typedef struct wb_ctx {
+    eng_t *e;
+    const float *src;
+    void *const *params;
+} wb_ctx;
+
+/* Item j * T_r + q: tensor j (comm order) into trainer q's buffer. */
+static scape_rc write_back_item(void *ctx, size_t i, int w)
+{
+    wb_ctx *b = ctx;
+    eng_t *e = b->e;
+    size_t j = i / (size_t)e->tr;
+    int q = (int)(i % (size_t)e->tr);
+    (void)w;
+    const plan_tensor *t = tensor_at(e, j);
+    char *dst = (char *)b->params[q] + t->off * kern_dtype_size(e->pdt);
+    const float *src = b->src + e->toff[j];
+    if (e->mask_cur)
+        return kern_mask_expand(src, e->mask_cur + t->word, t->len, dst, e->pdt);
+    if (e->pdt == KERN_F32) {
+        memcpy(dst, src, t->len * sizeof(float));
+        return SCAPE_OK;
+    }
+    return kern_f32_to_bf16(src, (uint16_t *)(void *)dst, t->len);
+}
+
 static scape_rc write_back(eng_t *e, const float *src, void *const *params)
 {
-    size_t esz = kern_dtype_size(e->pdt);
-    for (size_t j = 0; j < e->p->ntensors; j++) {
-        const plan_tensor *t = tensor_at(e, j);
-        for (int q = 0; q < e->tr; q++) {
-            char *dst = (char *)params[q] + t->off * esz;
-            if (e->mask_cur)
-                TRY(kern_mask_expand(src + e->toff[j], e->mask_cur + t->word, t->len, dst,
-                                     e->pdt));
-            else if (e->pdt == KERN_F32)
-                memcpy(dst, src + e->toff[j], t->len * sizeof(float));
-            else
-                TRY(kern_f32_to_bf16(src + e->toff[j], (uint16_t *)(void *)dst, t->len));
-        }
-    }
-    return SCAPE_OK;
+    wb_ctx b = { e, src, params };
+    return pool_run(e->pool, e->p->ntensors * (size_t)e->tr, write_back_item, &b);
 }
 
 /* Where the new parameters are gathered: `upd` when sparse; when dense, the

@@ -22,9 +22,12 @@ def read(path):
         return f.read()
 
 
-def test_c_trainers_match_in_process_engine(daemon_factory, tmp_path):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_c_trainers_match_in_process_engine(daemon_factory, tmp_path, threads):
+    """Bitwise equal to the in-process engine (one thread), whatever the
+    daemon's engine_threads."""
     n, steps = 20000, 60
-    d = daemon_factory(*ENGINE, "--trainers", "4")
+    d = daemon_factory(*ENGINE, "--trainers", "4", "--engine-threads", str(threads))
     procs = [run_trainer(d.endpoint, i, n, steps, out=str(tmp_path / ("t%d" % i)), wait=False)
              for i in range(4)]
     for i, p in enumerate(procs):

@@ -13,7 +13,7 @@
 #include "config.h"
 #include "check_run.h"
 
-#define NKEYS 26
+#define NKEYS 27
 
 /* Every key with a valid value other than its default. */
 static const struct {
@@ -29,6 +29,7 @@ static const struct {
     { "beta2", "0.999" },
     { "eps", "1e-06" },
     { "weight_decay", "0.1" },
+    { "engine_threads", "6" },
     { "max_trainers", "8" },
     { "max_message_bytes", "4096" },
     { "liveness_ms", "50" },
@@ -59,6 +60,7 @@ static void check_full(const scaped_config *c)
     ck_assert_float_eq(c->engine.hyper.beta2, 0.999f);
     ck_assert_float_eq(c->engine.hyper.eps, 1e-6f);
     ck_assert_float_eq(c->engine.hyper.wd, 0.1f);
+    ck_assert_int_eq(c->engine.threads, 6);
     ck_assert_int_eq(c->max_trainers, 8);
     ck_assert_uint_eq(c->max_message_bytes, 4096);
     ck_assert_int_eq(c->liveness_ms, 50);
@@ -90,6 +92,7 @@ static void check_same(const scaped_config *a, const scaped_config *b)
     ck_assert_float_eq(a->engine.hyper.beta2, b->engine.hyper.beta2);
     ck_assert_float_eq(a->engine.hyper.eps, b->engine.hyper.eps);
     ck_assert_float_eq(a->engine.hyper.wd, b->engine.hyper.wd);
+    ck_assert_int_eq(a->engine.threads, b->engine.threads);
     ck_assert_int_eq(a->max_trainers, b->max_trainers);
     ck_assert_uint_eq(a->max_message_bytes, b->max_message_bytes);
     ck_assert_int_eq(a->liveness_ms, b->liveness_ms);
@@ -502,7 +505,8 @@ START_TEST(print_format)
         "runtime_dir: \"\"",  "log_level: info",       "optimizer: scape",
         "mode: replicated",   "rho: 0.01",             "warmup: 1",
         "beta1: 0.9",         "beta2: 0.95",           "eps: 1e-08",
-        "weight_decay: 0",    "max_trainers: 64",      "max_message_bytes: 1048576",
+        "weight_decay: 0",    "engine_threads: 1",     "max_trainers: 64",
+        "max_message_bytes: 1048576",
         "liveness_ms: 200",   "trainers: 0",           "world: 1",
         "rank: 0",            "coordinator: \"\"",       "listen: \"\"",
         "job: 0",             "comm_timeout_ms: 300000", "comm_backend: host",

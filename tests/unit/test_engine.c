@@ -662,6 +662,45 @@ END_TEST
 START_TEST(scape_rho_0_01) { run_scape_density(0.01, 300); }
 END_TEST
 
+/* The data-parallel phases on several worker threads compute the same bits
+ * as on one: every optimizer, both modes, one and three ranks, f32 and bf16
+ * buffers, every per-step check on in the threaded runs too. */
+START_TEST(threads_do_not_change_results)
+{
+    static const struct {
+        eng_optimizer opt;
+        double rho;
+    } opts[] = { { ENG_OPT_SCAPE, 0.1 }, { ENG_OPT_SCAPE, 0.01 }, { ENG_OPT_ADAMS, 1.0 },
+                 { ENG_OPT_ADAMW, 1.0 }, { ENG_OPT_TOPK_ADAMW, 0.1 } };
+    static const int threads[] = { 1, 3, 8 };
+    for (size_t o = 0; o < sizeof opts / sizeof opts[0]; o++)
+        for (int mode = 0; mode < 2; mode++)
+            for (int R = 1; R <= 3; R += 2)
+                for (int bf16 = 0; bf16 < 2; bf16++) {
+                    float *fin[3];
+                    size_t *kh[3], n = 0;
+                    for (int k = 0; k < 3; k++) {
+                        spec sp = make_spec(opts[o].opt, (eng_mode)mode, R, opts[o].rho, 40);
+                        sp.cfg.threads = threads[k];
+                        if (bf16)
+                            sp.pdt = sp.gdt = KERN_BF16;
+                        run_spec(&sp, &fin[k], &kh[k], &n);
+                    }
+                    for (int k = 1; k < 3; k++) {
+                        char what[128];
+                        snprintf(what, sizeof what, "%s %s R=%d%s: %d threads vs 1",
+                                 eng_optimizer_name(opts[o].opt), eng_mode_name((eng_mode)mode),
+                                 R, bf16 ? " bf16" : "", threads[k]);
+                        expect_same(fin[0], fin[k], n, what);
+                    }
+                    for (int k = 0; k < 3; k++) {
+                        free(fin[k]);
+                        free(kh[k]);
+                    }
+                }
+}
+END_TEST
+
 START_TEST(ties_keep_exact_k)
 {
     /* Gradients in {-1, 0, 1}: statistics tie massively; masks must still
@@ -880,6 +919,10 @@ START_TEST(bad_create_arguments)
     expect_invalid(eng_create(&e, &bad, &lay, c[0], 1), "eps");
     bad = cfg; bad.intake_chunk = 48;
     expect_invalid(eng_create(&e, &bad, &lay, c[0], 1), "intake_chunk");
+    bad = cfg; bad.threads = 0;
+    expect_invalid(eng_create(&e, &bad, &lay, c[0], 1), "threads=0");
+    bad = cfg; bad.threads = 257;
+    expect_invalid(eng_create(&e, &bad, &lay, c[0], 1), "threads=257");
     bad = cfg; bad.optimizer = ENG_OPT_COUNT;
     expect_invalid(eng_create(&e, &bad, &lay, c[0], 1), "optimizer");
     bad_lay.tensors = gap;
@@ -951,6 +994,7 @@ int main(void)
     tcase_add_test(inv, scape_rho_0_5);
     tcase_add_test(inv, scape_rho_0_1);
     tcase_add_test(inv, scape_rho_0_01);
+    tcase_add_test(inv, threads_do_not_change_results);
     tcase_add_test(inv, ties_keep_exact_k);
     tcase_add_test(inv, bf16_buffers);
     tcase_add_test(inv, dense_equivalence);
