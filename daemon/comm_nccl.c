@@ -14,8 +14,20 @@
  * Both lanes are driven from this one thread in the same order on every
  * rank, and NCCL_LAUNCH_ORDER_IMPLICIT makes NCCL keep that order on the GPU,
  * which is what two communicators used concurrently require.
+ *
+ * Streaming.  The engine's buffers (the residual, which a dense step sends,
+ * among them) stay in host memory; the main lane's collectives stream them
+ * through two fixed staging slots (NC_SLOT_BYTES of device and of pinned
+ * memory each) round by round: round c's input is copied into slot c % 2's
+ * pinned half while the GPU still works on round c - 1 (copy in, collective,
+ * copy out, all on the lane's stream), and round c - 2's output is read back
+ * only once its event says it is there.  A collective of per-rank segments
+ * advances every segment by the same piece per round.  Device memory is so
+ * bounded by the slots, whatever N is.  The mask lane's all-gather is small
+ * (coded masks) and is staged whole.
  */
 #define _POSIX_C_SOURCE 200809L
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,13 +41,19 @@
 
 _Static_assert(sizeof(ncclUniqueId) == COMM_NCCL_ID_BYTES, "ncclUniqueId size");
 
+#define NC_SLOT_BYTES ((size_t)8 << 20) /* per staging slot of the main lane */
+
 typedef struct lane {
     ncclComm_t comm;      /* NULL once aborted or destroyed */
     cudaStream_t stream;
-    void *dev;            /* staging in device memory */
+    void *dev;            /* mask lane: staging in device memory */
     size_t dev_cap;
-    void *pinned;         /* staging in pinned host memory */
+    void *pinned;         /* mask lane: staging in pinned host memory */
     size_t pinned_cap;
+    void *sdev[2];        /* main lane: the two streaming slots */
+    void *spin[2];
+    cudaEvent_t ev[2];    /* each slot's last round is back in spin */
+    size_t slot_cap;      /* bytes of each sdev / spin */
 } lane;
 
 typedef struct nccl_impl {
@@ -216,78 +234,295 @@ static scape_rc end_group(nccl_impl *x, lane *l, ncclResult_t first, const char 
     return settle(x, l, first, what);
 }
 
-/* ---- blocking collectives on the main lane ---------------------------- */
+/* ---- blocking collectives on the main lane, streamed ------------------- */
 
-/* An in-place collective on the lane's device buffer: bytes of buf go in
- * before the caller enqueues it, and come back into buf after it. */
-static scape_rc staged_in(nccl_impl *x, lane *l, const void *buf, size_t bytes)
+/* One streamed collective: `nseg` segments of host bytes (segment q at
+ * off[q], len[q] bytes, in both src and dst), each advanced by `piece` bytes
+ * a round.  In a round, the pieces sit one after another in the slot; the
+ * ones of `in_seg` (-1: all, NO_INPUT: none) are copied in, the collective runs, and the ones
+ * of `out_seg` (-1: all) come back, or (reduce) the `out_seg` result that
+ * the collective left after the pieces. */
+#define NO_INPUT (-2)
+
+typedef struct sop {
+    const char *what;
+    int nseg;
+    const size_t *off, *len;
+    size_t piece;
+    const char *src;      /* segment q's input at src + off[q] ... */
+    const char *in_at;    /* ... or, when set, in_seg's at in_at */
+    char *dst;            /* segment q's output at dst + off[q] ... */
+    char *out_at;         /* ... or, when set, out_seg's at out_at */
+    int in_seg, out_seg;
+    int reduce_out;       /* the round's result for out_seg follows its pieces */
+    /* enqueue the round's collective: pieces at dev + pos[q], n[q] bytes */
+    ncclResult_t (*run)(const struct sop *o, lane *l, char *dev, const size_t *pos,
+                        const size_t *n, ncclResult_t *first);
+    int root;             /* broadcast */
+} sop;
+
+/* Bytes of segment q in round c. */
+static size_t piece_len(const sop *o, int q, size_t c)
 {
-    TRY(grow(x, l, bytes));
-    return copy_in(x, l, 0, buf, bytes);
+    size_t at = c * o->piece;
+    return at >= o->len[q] ? 0 : (o->len[q] - at < o->piece ? o->len[q] - at : o->piece);
 }
 
-static scape_rc staged_out(nccl_impl *x, lane *l, void *buf, size_t bytes, const char *what)
+static size_t rounds_of(const sop *o)
 {
-    TRY(copy_back(x, l, 0, bytes));
-    TRY(drain(x, l, what));
-    memcpy(buf, l->pinned, bytes);
+    size_t most = 0;
+    for (int q = 0; q < o->nseg; q++)
+        most = o->len[q] > most ? o->len[q] : most;
+    return (most + o->piece - 1) / o->piece;
+}
+
+static scape_rc slots_ready(nccl_impl *x, lane *l)
+{
+    if (l->slot_cap)
+        return SCAPE_OK;
+    for (int b = 0; b < 2; b++) {
+        CUDA_TRY(x, cudaMalloc(&l->sdev[b], NC_SLOT_BYTES), "cudaMalloc (streaming slot)");
+        CUDA_TRY(x, cudaMallocHost(&l->spin[b], NC_SLOT_BYTES),
+                 "cudaMallocHost (streaming slot)");
+        CUDA_TRY(x, cudaEventCreateWithFlags(&l->ev[b], cudaEventDisableTiming),
+                 "cudaEventCreate");
+    }
+    l->slot_cap = NC_SLOT_BYTES;
     return SCAPE_OK;
+}
+
+/* Wait, bounded and watching the communicator, until slot b's event fired. */
+static scape_rc slot_wait(nccl_impl *x, lane *l, int b, const char *what)
+{
+    double deadline = now_ms() + x->timeout_ms;
+    for (;;) {
+        cudaError_t e = cudaEventQuery(l->ev[b]);
+        if (e == cudaSuccess)
+            return SCAPE_OK;
+        if (e != cudaErrorNotReady)
+            return cuda_fail(x, e, what);
+        ncclResult_t r = ncclSuccess;
+        if (ncclCommGetAsyncError(l->comm, &r) != ncclSuccess)
+            r = ncclInternalError;
+        if (r != ncclSuccess && r != ncclInProgress)
+            return settle(x, l, r, what);
+        TRY(wait_more(x, deadline, what));
+    }
+}
+
+/* The places of round c's pieces in a slot; returns the bytes they take. */
+static size_t round_layout(const sop *o, size_t c, size_t *pos, size_t *n)
+{
+    size_t at = 0;
+    for (int q = 0; q < o->nseg; q++) {
+        pos[q] = at;
+        n[q] = piece_len(o, q, c);
+        at += n[q];
+    }
+    return at;
+}
+
+/* Round c's output, back in spin[c % 2], into dst. */
+static void round_out(const sop *o, lane *l, size_t c, size_t *pos, size_t *n)
+{
+    size_t used = round_layout(o, c, pos, n);
+    const char *pin = l->spin[c & 1];
+    for (int q = 0; q < o->nseg; q++) {
+        if ((o->out_seg >= 0 && q != o->out_seg) || n[q] == 0)
+            continue;
+        char *to = o->out_at ? o->out_at : o->dst + o->off[q];
+        memcpy(to + c * o->piece, pin + (o->reduce_out ? used : pos[q]), n[q]);
+    }
+}
+
+static scape_rc stream_op(nccl_impl *x, lane *l, const sop *o, size_t *pos, size_t *n)
+{
+    TRY(usable(x));
+    TRY(slots_ready(x, l));
+    size_t rounds = rounds_of(o);
+    for (size_t c = 0; c < rounds; c++) {
+        int b = (int)(c & 1);
+        if (c >= 2) {
+            TRY(slot_wait(x, l, b, o->what));
+            round_out(o, l, c - 2, pos, n);
+        }
+        size_t used = round_layout(o, c, pos, n);
+        char *pin = l->spin[b], *dev = l->sdev[b];
+        size_t lo = SIZE_MAX, hi = 0;  /* the span copied in */
+        for (int q = 0; q < o->nseg; q++) {
+            if (o->in_seg == NO_INPUT || (o->in_seg >= 0 && q != o->in_seg) || n[q] == 0)
+                continue;
+            const char *from = o->in_at ? o->in_at : o->src + o->off[q];
+            memcpy(pin + pos[q], from + c * o->piece, n[q]);
+            lo = pos[q] < lo ? pos[q] : lo;
+            hi = pos[q] + n[q] > hi ? pos[q] + n[q] : hi;
+        }
+        if (hi > lo)
+            CUDA_TRY(x, cudaMemcpyAsync(dev + lo, pin + lo, hi - lo, cudaMemcpyHostToDevice,
+                                        l->stream), "copy to the device");
+        ncclResult_t first = ncclSuccess;
+        ncclResult_t r = ncclGroupStart();
+        if (r == ncclSuccess || r == ncclInProgress)
+            r = o->run(o, l, dev, pos, n, &first);
+        ncclResult_t g = ncclGroupEnd();
+        TRY(settle(x, l, r == ncclSuccess || r == ncclInProgress ? g : r, o->what));
+        TRY(settle(x, l, first, o->what));
+        /* back: the result area (reduce) or the pieces that are wanted */
+        size_t blo = o->reduce_out ? used : 0;
+        size_t bhi = o->reduce_out ? used + (o->out_seg >= 0 ? n[o->out_seg] : 0) : used;
+        if (!o->reduce_out && o->out_seg >= 0) {
+            blo = pos[o->out_seg];
+            bhi = blo + n[o->out_seg];
+        }
+        if (bhi > blo)
+            CUDA_TRY(x, cudaMemcpyAsync(pin + blo, dev + blo, bhi - blo, cudaMemcpyDeviceToHost,
+                                        l->stream), "copy to the host");
+        CUDA_TRY(x, cudaEventRecord(l->ev[b], l->stream), "cudaEventRecord");
+    }
+    for (size_t c = rounds > 2 ? rounds - 2 : 0; c < rounds; c++) {
+        TRY(slot_wait(x, l, (int)(c & 1), o->what));
+        round_out(o, l, c, pos, n);
+    }
+    return SCAPE_OK;
+}
+
+/* Largest piece (a multiple of 16 bytes) with which a round's pieces, plus
+ * a reduce's result, fit in one slot. */
+static size_t piece_for(int nseg, int reduce_out)
+{
+    size_t p = NC_SLOT_BYTES / (size_t)(nseg + (reduce_out ? 1 : 0));
+    p -= p % 16;
+    return p ? p : 16;
+}
+
+/* A round's collectives.  `first` keeps the first failure inside a group. */
+static void note(ncclResult_t r, ncclResult_t *first)
+{
+    if (*first == ncclSuccess && r != ncclSuccess && r != ncclInProgress)
+        *first = r;
+}
+
+static ncclResult_t run_allreduce(const sop *o, lane *l, char *dev, const size_t *pos,
+                                  const size_t *n, ncclResult_t *first)
+{
+    ncclResult_t r = ncclAllReduce(dev + pos[0], dev + pos[0], n[0] / sizeof(float),
+                                   ncclFloat32, ncclSum, l->comm, l->stream);
+    (void)o;
+    note(r, first);
+    return ncclSuccess;
+}
+
+static ncclResult_t run_broadcast(const sop *o, lane *l, char *dev, const size_t *pos,
+                                  const size_t *n, ncclResult_t *first)
+{
+    note(ncclBroadcast(dev + pos[0], dev + pos[0], n[0], ncclUint8, o->root, l->comm,
+                       l->stream), first);
+    return ncclSuccess;
+}
+
+/* Reduce-scatter as one reduce per owner: piece q summed onto rank q, into
+ * the result area after the pieces. */
+static ncclResult_t run_reduce(const sop *o, lane *l, char *dev, const size_t *pos,
+                               const size_t *n, ncclResult_t *first)
+{
+    size_t used = pos[o->nseg - 1] + n[o->nseg - 1];
+    for (int q = 0; q < o->nseg; q++)
+        if (n[q])
+            note(ncclReduce(dev + pos[q], dev + used, n[q] / sizeof(float), ncclFloat32,
+                            ncclSum, q, l->comm, l->stream), first);
+    return ncclSuccess;
+}
+
+/* All-gather as one broadcast per owner. */
+static ncclResult_t run_gather(const sop *o, lane *l, char *dev, const size_t *pos,
+                               const size_t *n, ncclResult_t *first)
+{
+    for (int q = 0; q < o->nseg; q++)
+        if (n[q])
+            note(ncclBroadcast(dev + pos[q], dev + pos[q], n[q], ncclUint8, q, l->comm,
+                               l->stream), first);
+    return ncclSuccess;
 }
 
 static scape_rc nc_allreduce(comm_t *c, float *buf, size_t n)
 {
     nccl_impl *x = c->impl;
-    lane *l = &x->main;
-    TRY(usable(x));
-    if (n == 0)
-        return SCAPE_OK;
-    size_t b = n * sizeof(float);
-    TRY(staged_in(x, l, buf, b));
-    TRY(settle(x, l, ncclAllReduce(l->dev, l->dev, n, ncclFloat32, ncclSum, l->comm,
-                                   l->stream), "all-reduce"));
-    return staged_out(x, l, buf, b, "all-reduce");
+    size_t off = 0, len = n * sizeof(float), pos, cnt;
+    sop o = { .what = "all-reduce", .nseg = 1, .off = &off, .len = &len,
+              .piece = piece_for(1, 0), .src = (const char *)buf, .dst = (char *)buf,
+              .in_seg = -1, .out_seg = -1, .run = run_allreduce };
+    return n ? stream_op(x, &x->main, &o, &pos, &cnt) : usable(x);
+}
+
+static scape_rc nc_broadcast(comm_t *c, void *buf, size_t bytes, int root)
+{
+    nccl_impl *x = c->impl;
+    size_t off = 0, pos, cnt;
+    /* Only the root's bytes go in; the others' arrive. */
+    sop o = { .what = "broadcast", .nseg = 1, .off = &off, .len = &bytes,
+              .piece = piece_for(1, 0), .src = buf, .dst = buf,
+              .in_seg = c->rank == root ? -1 : NO_INPUT, .out_seg = -1, .run = run_broadcast,
+              .root = root };
+    return bytes ? stream_op(x, &x->main, &o, &pos, &cnt) : usable(x);
+}
+
+/* Per-segment byte offsets and lengths of a collective with per-rank counts
+ * of `elem` bytes, and the scratch for round layouts: 4 arrays of size. */
+static size_t *seg_arrays(const comm_t *c, const size_t *counts, size_t elem)
+{
+    size_t R = (size_t)c->size, *a = malloc(4 * R * sizeof *a), at = 0;
+    for (size_t q = 0; a && q < R; q++) {
+        a[q] = at;
+        a[R + q] = counts[q] * elem;
+        at += a[R + q];
+    }
+    return a;
 }
 
 static scape_rc nc_reduce_scatter(comm_t *c, const float *send, float *recv,
                                   const size_t *counts)
 {
     nccl_impl *x = c->impl;
-    lane *l = &x->main;
-    TRY(usable(x));
-    size_t total;
-    size_t *offs = offsets(c, counts, &total);
-    if (offs == NULL)
+    size_t R = (size_t)c->size, *a = seg_arrays(c, counts, sizeof(float));
+    if (a == NULL)
         return scape_set_error(SCAPE_NOMEM, "comm nccl: out of memory");
-    size_t mine = counts[c->rank];
-    /* Device: the whole send vector, then this rank's sums after it. */
-    scape_rc rc = grow(x, l, (total + mine) * sizeof(float));
-    if (rc == SCAPE_OK)
-        rc = copy_in(x, l, 0, send, total * sizeof(float));
-    if (rc == SCAPE_OK) {
-        float *d = l->dev, *dr = d + total;
-        /* One reduce per owner: segment q summed onto rank q. */
-        ncclResult_t r = ncclGroupStart();
-        ncclResult_t first = r == ncclSuccess || r == ncclInProgress ? ncclSuccess : r;
-        for (int q = 0; (r == ncclSuccess || r == ncclInProgress) && q < c->size; q++)
-            if (counts[q]) {
-                r = ncclReduce(d + offs[q], dr, counts[q], ncclFloat32, ncclSum, q, l->comm,
-                               l->stream);
-                first = first == ncclSuccess && r != ncclInProgress ? r : first;
-            }
-        rc = end_group(x, l, first, "reduce-scatter");
-    }
-    free(offs);
-    TRY(rc);
-    TRY(copy_back(x, l, total * sizeof(float), mine * sizeof(float)));
-    TRY(drain(x, l, "reduce-scatter"));
-    if (mine)
-        memcpy(recv, (char *)l->pinned + total * sizeof(float), mine * sizeof(float));
-    return SCAPE_OK;
+    /* The result lands at recv, which may be this rank's segment of send: the
+     * pieces of round c are read before round c's result is written back,
+     * and each round writes only the bytes that round read. */
+    sop o = { .what = "reduce-scatter", .nseg = c->size, .off = a, .len = a + R,
+              .piece = piece_for(c->size, 1), .src = (const char *)send,
+              .out_at = (char *)recv, .in_seg = -1, .out_seg = c->rank,
+              .reduce_out = 1, .run = run_reduce };
+    scape_rc rc = stream_op(x, &x->main, &o, a + 2 * R, a + 3 * R);
+    free(a);
+    return rc;
 }
 
-/* Copy this rank's segment in and start one broadcast per owner (an
- * all-gather of uneven segments), then the copy of all of it back to pinned
- * memory; *total is the gathered size in bytes. */
+static scape_rc nc_allgather(comm_t *c, const void *send, void *recv, const size_t *counts)
+{
+    nccl_impl *x = c->impl;
+    size_t R = (size_t)c->size, *a = seg_arrays(c, counts, 1);
+    if (a == NULL)
+        return scape_set_error(SCAPE_NOMEM, "comm nccl: out of memory");
+    sop o = { .what = "all-gather", .nseg = c->size, .off = a, .len = a + R,
+              .piece = piece_for(c->size, 0), .in_at = send, .dst = recv,
+              .in_seg = c->rank, .out_seg = -1, .run = run_gather };
+    scape_rc rc = stream_op(x, &x->main, &o, a + 2 * R, a + 3 * R);
+    free(a);
+    return rc;
+}
+
+static scape_rc nc_barrier(comm_t *c)
+{
+    float one = 1.0f;
+    return nc_allreduce(c, &one, 1);
+}
+
+/* ---- the lagged mask all-gather on its own lane ------------------------ */
+
+/* Copy this rank's code in and start one broadcast per owner (an all-gather
+ * of uneven segments), then the copy of all of it back to pinned memory;
+ * *total is the gathered size in bytes.  Staged whole: masks are small. */
 static scape_rc gather_start(nccl_impl *x, lane *l, const comm_t *c, const void *send,
                              const size_t *counts, size_t *total, const char *what)
 {
@@ -315,39 +550,6 @@ static scape_rc gather_start(nccl_impl *x, lane *l, const comm_t *c, const void 
     return copy_back(x, l, 0, *total);
 }
 
-static scape_rc nc_allgather(comm_t *c, const void *send, void *recv, const size_t *counts)
-{
-    nccl_impl *x = c->impl;
-    lane *l = &x->main;
-    size_t total = 0;
-    TRY(gather_start(x, l, c, send, counts, &total, "all-gather"));
-    TRY(drain(x, l, "all-gather"));
-    if (total)
-        memcpy(recv, l->pinned, total);
-    return SCAPE_OK;
-}
-
-static scape_rc nc_broadcast(comm_t *c, void *buf, size_t bytes, int root)
-{
-    nccl_impl *x = c->impl;
-    lane *l = &x->main;
-    TRY(usable(x));
-    if (bytes == 0)
-        return SCAPE_OK;
-    TRY(staged_in(x, l, buf, bytes));
-    TRY(settle(x, l, ncclBroadcast(l->dev, l->dev, bytes, ncclUint8, root, l->comm,
-                                   l->stream), "broadcast"));
-    return staged_out(x, l, buf, bytes, "broadcast");
-}
-
-static scape_rc nc_barrier(comm_t *c)
-{
-    float one = 1.0f;
-    return nc_allreduce(c, &one, 1);
-}
-
-/* ---- the lagged mask all-gather on its own lane ------------------------ */
-
 static scape_rc nc_iallgather(comm_t *c, const void *send, void *recv, const size_t *counts)
 {
     nccl_impl *x = c->impl;
@@ -373,6 +575,14 @@ static scape_rc nc_iallgather_wait(comm_t *c)
 
 static void lane_free(lane *l)
 {
+    for (int b = 0; b < 2; b++) {
+        if (l->ev[b])
+            cudaEventDestroy(l->ev[b]);
+        if (l->sdev[b])
+            cudaFree(l->sdev[b]);
+        if (l->spin[b])
+            cudaFreeHost(l->spin[b]);
+    }
     if (l->comm)
         ncclCommDestroy(l->comm); /* only live, healthy ones: failures aborted theirs */
     if (l->stream) {
@@ -400,7 +610,7 @@ static void nc_destroy(comm_t *c)
 static uint64_t nc_device_bytes(const comm_t *c)
 {
     const nccl_impl *x = c->impl;
-    return (uint64_t)x->main.dev_cap + (uint64_t)x->mask.dev_cap;
+    return (uint64_t)x->main.dev_cap + (uint64_t)x->mask.dev_cap + 2 * (uint64_t)x->main.slot_cap;
 }
 
 static const comm_ops s_nccl_ops = {

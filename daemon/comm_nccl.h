@@ -1,9 +1,11 @@
 /* comm_nccl.h - the `nccl` comm backend: one daemon per node and GPU, NCCL
  * between them (InfiniBand or NVLink as NCCL finds it).
  *
- * The engine keeps its buffers in host memory; each collective stages its
- * input into device memory, runs on the daemon's comm stream and copies the
- * result back.  The lagged mask all-gather has its own communicator and
+ * The engine keeps its buffers in host memory; the main communicator's
+ * collectives stream them through two fixed device staging slots, round by
+ * round on the daemon's comm stream, so the host's copy of the next round
+ * overlaps the GPU's work on the current one and device memory does not grow
+ * with N.  The lagged mask all-gather has its own communicator and
  * stream, so it proceeds while the reduction runs, and lands in pinned host
  * memory until comm_iallgather_wait.  Per-rank segment sizes (the engine's
  * shards are uneven) are served by grouped ncclReduce / ncclBroadcast, one

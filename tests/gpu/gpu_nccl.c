@@ -9,6 +9,7 @@
  */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -45,7 +46,9 @@ static comm_t *open_nccl(void)
 static void check_collectives(void)
 {
     comm_t *c = open_nccl();
-    enum { N = 100003 };
+    /* 20 MB: several rounds through the main lane's two 8 MiB streaming
+     * slots, the last one partial. */
+    enum { N = 5000011 };
     float *a = malloc(N * sizeof *a), *b = malloc(N * sizeof *b);
     for (size_t i = 0; i < N; i++)
         a[i] = b[i] = (float)i * 0.5f - 7.0f;
@@ -72,6 +75,13 @@ static void check_collectives(void)
     EXPECT(comm_allgather(c, a, r, zero) == SCAPE_OK, "empty allgather");
     EXPECT(c->stats.calls[COMM_ALLREDUCE] >= 1 && c->stats.calls[COMM_IALLGATHER] == 1,
            "counters");
+    /* Device memory: the two streaming slots and the mask lane's staging (the
+     * iallgather above, N floats), nothing that grows with the main lane's
+     * collectives. */
+    uint64_t dev = comm_device_bytes(c);
+    EXPECT(dev <= ((uint64_t)16 << 20) + (uint64_t)N * sizeof(float),
+           "device bytes %llu beyond the slots and the mask staging", (unsigned long long)dev);
+    printf("gpu_nccl: device memory held: %llu bytes\n", (unsigned long long)dev);
     comm_destroy(&c);
     free(a);
     free(b);
