@@ -142,12 +142,13 @@ static scape_rc settle(nccl_impl *x, lane *l, ncclResult_t r, const char *what)
                            last, x->aborted ? "; the communicators were aborted" : "");
 }
 
-/* Wait for the lane's stream, watching its communicator for errors. */
-static scape_rc drain(nccl_impl *x, lane *l, const char *what)
+/* Wait for the event ev (NULL: all of the lane's stream), bounded and
+ * watching the communicator for errors. */
+static scape_rc wait_for(nccl_impl *x, lane *l, cudaEvent_t ev, const char *what)
 {
     double deadline = now_ms() + x->timeout_ms;
     for (;;) {
-        cudaError_t e = cudaStreamQuery(l->stream);
+        cudaError_t e = ev ? cudaEventQuery(ev) : cudaStreamQuery(l->stream);
         if (e == cudaSuccess)
             return SCAPE_OK;
         if (e != cudaErrorNotReady)
@@ -159,6 +160,11 @@ static scape_rc drain(nccl_impl *x, lane *l, const char *what)
             return settle(x, l, r, what);
         TRY(wait_more(x, deadline, what));
     }
+}
+
+static scape_rc drain(nccl_impl *x, lane *l, const char *what)
+{
+    return wait_for(x, l, NULL, what);
 }
 
 static scape_rc usable(const nccl_impl *x)
@@ -291,23 +297,10 @@ static scape_rc slots_ready(nccl_impl *x, lane *l)
     return SCAPE_OK;
 }
 
-/* Wait, bounded and watching the communicator, until slot b's event fired. */
+/* Wait until slot b's last round is back in pinned memory. */
 static scape_rc slot_wait(nccl_impl *x, lane *l, int b, const char *what)
 {
-    double deadline = now_ms() + x->timeout_ms;
-    for (;;) {
-        cudaError_t e = cudaEventQuery(l->ev[b]);
-        if (e == cudaSuccess)
-            return SCAPE_OK;
-        if (e != cudaErrorNotReady)
-            return cuda_fail(x, e, what);
-        ncclResult_t r = ncclSuccess;
-        if (ncclCommGetAsyncError(l->comm, &r) != ncclSuccess)
-            r = ncclInternalError;
-        if (r != ncclSuccess && r != ncclInProgress)
-            return settle(x, l, r, what);
-        TRY(wait_more(x, deadline, what));
-    }
+    return wait_for(x, l, l->ev[b], what);
 }
 
 /* The places of round c's pieces in a slot; returns the bytes they take. */

@@ -1,6 +1,8 @@
-/* bench_host.c - what the benchmarks say about the machine they ran on. */
+/* bench_host.c - what the benchmarks say about the machine they ran on, and
+ * the median they report. */
 #define _POSIX_C_SOURCE 200809L
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bench_host.h"
@@ -22,4 +24,16 @@ void bench_cpu_model(char *buf, size_t len)
         break;
     }
     fclose(f);
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+double bench_median(double *v, int n)
+{
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }

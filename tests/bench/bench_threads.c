@@ -47,18 +47,6 @@ static double now_s(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static double median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof *v, cmp_double);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 /* One run: `steps` steps from the same start; per-step seconds of steps
  * 3.. into dt, the final parameters of trainer 0 into out. */
 static scape_rc run_once(const opts *o, const layout *L, eng_optimizer opt, int threads,
@@ -196,7 +184,7 @@ int main(int argc, char **argv)
             }
         double base = 0.0;
         for (int k = 0; k < o.ncounts; k++) {
-            double m = 1e3 * median(dt[k], o.rounds * per);
+            double m = 1e3 * bench_median(dt[k], o.rounds * per);
             if (k == 0)
                 base = m;
             printf("%-8s %8d %12.2f %9.2fx\n", eng_optimizer_name(opt_list[oi]), o.counts[k],

@@ -9,6 +9,7 @@
 #include <time.h>
 
 #include "bench.h"
+#include "bench_host.h"
 
 #define MIN_FLUSH_BYTES ((size_t)64 << 20)
 
@@ -73,18 +74,6 @@ static double now_ms(void)
     return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
 }
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static double median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof *v, cmp_double);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 /* Time one call of fn(arg) with cold caches. */
 static scape_rc time_one(bench_fn fn, void *arg, double *ms)
 {
@@ -107,7 +96,7 @@ scape_rc bench_time_ms(bench_fn fn, void *arg, int repeats, const char *label,
             fprintf(stderr, "bench_kernels: %s: repeat %d/%d took %.1f s\n",
                     label, r + 1, repeats, t[r] * 1e-3);
     }
-    *ms = median(t, repeats);
+    *ms = bench_median(t, repeats);
     return SCAPE_OK;
 }
 
@@ -122,8 +111,8 @@ scape_rc bench_time_pair(bench_fn fa, void *a, bench_fn fb, void *b, int repeats
         if (rc != SCAPE_OK)
             return rc;
     }
-    *ms_a = median(ta, repeats);
-    *ms_b = median(tb, repeats);
+    *ms_a = bench_median(ta, repeats);
+    *ms_b = bench_median(tb, repeats);
     return SCAPE_OK;
 }
 
