@@ -18,10 +18,13 @@ ENGINE = ["--rho", "0.01", "--warmup", "3"]
 def start_group(daemon_factory, trainers, extra=(), timeout_ms=20000):
     eps = free_endpoints(len(trainers) + 1)
     coord, listens = eps[0], eps[1:]
-    return [daemon_factory(*ENGINE, *extra, "--world", str(len(trainers)), "--rank", str(r),
-                           "--coordinator", coord, "--listen", listens[r], "--job", "7",
-                           "--trainers", str(t), "--comm-timeout-ms", str(timeout_ms))
-            for r, t in enumerate(trainers)]
+    daemons = [daemon_factory(*ENGINE, *extra, "--world", str(len(trainers)), "--rank", str(r),
+                              "--coordinator", coord, "--listen", listens[r], "--job", "7",
+                              "--trainers", str(t), "--comm-timeout-ms", str(timeout_ms))
+               for r, t in enumerate(trainers)]
+    for d, ep in zip(daemons, listens):
+        d.listen = ep
+    return daemons
 
 
 def read(path):
@@ -119,6 +122,44 @@ def test_daemons_match_local_backend(daemon_factory, tmp_path, trainers):
         assert got[0] == read(ref), "daemons differ from the local backend (%s)" % mode
         results[mode] = got[0]
     assert results["replicated"] == results["sharded"]
+
+
+def test_strays_on_the_data_port_are_dropped_and_logged(daemon_factory, tmp_path):
+    """A raw ZeroMQ peer pushing junk, and a frame pair that looks like
+    another job's, at a daemon's data port while the job trains: the job's
+    result is unchanged and the daemon says what it dropped."""
+    n, steps, trainers = 3000, 300, [1, 1]
+    daemons = start_group(daemon_factory, trainers)
+    procs = [run_trainer(d.endpoint, 0, n, steps, out=str(tmp_path / ("r%d" % r)),
+                         seed=1 + 1000 * r, sleep_ms=3, wait=False)
+             for r, d in enumerate(daemons)]
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(daemons[1].listen)
+    other_job = (99).to_bytes(8, "little") + bytes(16) + (0x31484353).to_bytes(4, "little") \
+        + (1).to_bytes(2, "little") + (0).to_bytes(2, "little")
+    try:
+        for _ in range(10):  # well inside the 300 steps of >= 3 ms
+            push.send(b"junk")
+            push.send_multipart([other_job, b"\0" * 64])
+            time.sleep(0.05)
+    finally:
+        push.close()
+        ctx.term()
+    running = [p.poll() is None for p in procs]
+    for p in procs:
+        o, e = p.communicate(timeout=300)
+        assert p.returncode == 0, o + e
+    assert all(running), "the trainers finished before the strays were sent: make them slower"
+    for d in daemons:
+        assert d.stop() == 0
+    run_reference(str(tmp_path / "ref"), "1,1", n, steps, *ENGINE)
+    ref = read(tmp_path / "ref")
+    for r in range(2):
+        assert read(tmp_path / ("r%d" % r)) == ref, "rank %d's trainer differs" % r
+    log = daemons[1].output()
+    assert "not of this job" in log and "job 99" in log, log[-3000:]
 
 
 def test_killed_daemon_fails_the_step_in_time(daemon_factory):
