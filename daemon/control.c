@@ -468,8 +468,9 @@ static void finish_step(server *s, trainer **ts, int n, scape_rc rc)
 static void note_foreign(server *s)
 {
     char why[200];
-    uint64_t n = comm_foreign(s->comm, why, sizeof why);
+    uint64_t n = comm_foreign(s->comm, NULL, 0);
     if (n > s->foreign_seen) {
+        comm_foreign(s->comm, why, sizeof why);
         LOG_WARN(SUB_COMM, "dropped %llu message(s) on the data socket that are not of this "
                  "job (%llu in all); the last: %s", (unsigned long long)(n - s->foreign_seen),
                  (unsigned long long)n, why);

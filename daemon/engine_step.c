@@ -50,16 +50,14 @@ static scape_rc intake(eng_t *e, const void *const *grads, const float **g_out)
     return SCAPE_OK;
 }
 
-/* G_r over coordinates [off, off + len) into worker w's chunk buffer. */
-static float *intake_chunk(eng_t *e, const void *const *grads, size_t off, size_t len, int w,
-                           scape_rc *rc)
+/* G_r over coordinates [off, off + len) into buf (a worker's chunk). */
+static scape_rc intake_chunk(eng_t *e, const void *const *grads, size_t off, size_t len,
+                             float *buf)
 {
     size_t esz = kern_dtype_size(e->gdt);
-    float *buf = e->gchunk + (size_t)w * e->cfg.intake_chunk;
-    *rc = SCAPE_OK;
-    for (int j = 0; j < e->tr && *rc == SCAPE_OK; j++)
-        *rc = kern_grad_accum(buf, (const char *)grads[j] + off * esz, e->gdt, len, j == 0);
-    return buf;
+    for (int j = 0; j < e->tr; j++)
+        TRY(kern_grad_accum(buf, (const char *)grads[j] + off * esz, e->gdt, len, j == 0));
+    return SCAPE_OK;
 }
 
 static void *worker_scratch(const eng_t *e, int w)
@@ -201,7 +199,6 @@ static scape_rc topk_union_mask(eng_t *e, const float *g)
     return SCAPE_OK;
 }
 
-/* toff[j]: where tensor j (comm order) starts among the packed values. */
 static scape_rc count_item(void *ctx, size_t i, int w)
 {
     eng_t *e = ctx;
@@ -215,7 +212,8 @@ static scape_rc count_item(void *ctx, size_t i, int w)
                               &it->done);
 }
 
-/* toff[j], and for each pack piece the values of its tensor before it. */
+/* toff[j]: where tensor j (comm order) starts among the packed values; and
+ * for each pack piece, the values of its tensor before it. */
 static scape_rc tensor_offsets(eng_t *e, size_t *k_out)
 {
     TRY(pool_run(e->pool, e->nitems, count_item, e));
@@ -263,13 +261,11 @@ static scape_rc pack_item(void *ctx, size_t i, int w)
     eng_t *e = pc->e;
     const eng_item *it = &e->items[i];
     const plan_tensor *t = tensor_at(e, it->j);
-    const float *g;
-    if (pc->g) {
-        g = pc->g + t->off + it->c;
-    } else {
-        scape_rc rc;
-        g = intake_chunk(e, pc->grads, t->off + it->c, it->len, w, &rc);
-        TRY(rc);
+    const float *g = pc->g ? pc->g + t->off + it->c : NULL;
+    if (g == NULL) {
+        float *buf = e->gchunk + (size_t)w * e->cfg.intake_chunk;
+        TRY(intake_chunk(e, pc->grads, t->off + it->c, it->len, buf));
+        g = buf;
     }
     size_t k;
     if (!e->mask_cur)

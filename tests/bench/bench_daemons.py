@@ -26,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
                                 "integration"))
-from bench_service import status  # noqa: E402
+from bench_service import emit, status  # noqa: E402
 from conftest import free_endpoints  # noqa: E402
 
 
@@ -116,10 +116,7 @@ def main():
             r["engine_ms"] / d["engine_ms"], r["bytes"] / d["bytes"]))
     print("%d daemons (host backend, 127.0.0.1, sharded), 1 trainer each, N = %g, "
           "steps 3..%d" % (a.ranks, a.n, a.steps))
-    print("\n".join(lines))
-    if a.markdown:
-        with open(a.markdown, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    emit(lines, a.markdown)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import pbwire  # noqa: E402
 
 
+def emit(lines, markdown=None):
+    """Print the table rows, and write them to markdown if given."""
+    print("\n".join(lines))
+    if markdown:
+        with open(markdown, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
 def start_daemon(build, rt, *args):
     log = open(os.path.join(os.path.dirname(rt), "scaped.log"), "w")
     proc = subprocess.Popen([os.path.join(build, "daemon", "scaped"), "--runtime-dir", rt,
@@ -190,10 +198,7 @@ def main():
                      "state+residual %.1f MiB | %+.1f%% |"
                      % (m["n"], m["trainers"], (m["rss"] - m["state"]) / 2**20,
                         m["state"] / 2**20, 100 * (m["rss"] - m["state"]) / m["state"]))
-    print("\n".join(lines))
-    if a.markdown:
-        with open(a.markdown, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    emit(lines, a.markdown)
 
 
 if __name__ == "__main__":
