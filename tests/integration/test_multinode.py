@@ -103,7 +103,7 @@ def expected_bytes(n, mode, ranks):
     return sum(ks), 4 * sum(ks) * (2 if mode == "sharded" else 1) + mask, mask
 
 
-@pytest.mark.parametrize("trainers", [[1, 2], [2, 1, 3]])
+@pytest.mark.parametrize("trainers", [[1, 2], [2, 1, 3], [1, 3, 2, 1]])
 def test_daemons_match_local_backend(daemon_factory, tmp_path, trainers):
     n, steps = 3000, 200
     results = {}
