@@ -26,7 +26,6 @@ import sys
 import tempfile
 import time
 
-import zmq
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
                                 "integration"))
@@ -55,19 +54,10 @@ def start_daemon(build, rt, *args):
 
 def status(rt):
     """The daemon's StatusReply as a field dict, and its last StepDone."""
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.REQ)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.RCVTIMEO, 10000)
-    s.connect("ipc://%s/status" % rt)
-    s.send(pbwire.status_request())
-    code, msg, f = pbwire.reply(s.recv())
-    s.close()
-    ctx.term()
+    code, msg, st, done = pbwire.query_status("ipc://%s/status" % rt)
     if code != 0:
         sys.exit("bench_service: status: %s" % msg)
-    st = pbwire.parse(f[6][0])
-    return st, pbwire.parse(st[14][0]) if 14 in st else {}
+    return st, done
 
 
 def trainer_cmd(build, rt, index, n, steps, extra=()):

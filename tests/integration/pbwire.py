@@ -116,3 +116,24 @@ def reply(buf):
     if 2 in f:
         message = parse(f[2][0]).get(2, [b""])[0].decode()
     return status, message, f
+
+
+def query_status(endpoint, timeout_ms=10000):
+    """Ask a daemon's status socket (REQ/REP at endpoint): (reply status,
+    message, the StatusReply's fields, its last StepDone's fields or {})."""
+    import zmq
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.REQ)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, timeout_ms)
+    try:
+        s.connect(endpoint)
+        s.send(status_request())
+        code, msg, f = reply(s.recv())
+    finally:
+        s.close()
+        ctx.term()
+    if code != 0 or 6 not in f:
+        return code, msg, {}, {}
+    st = parse(f[6][0])
+    return code, msg, st, parse(st[14][0]) if 14 in st else {}

@@ -49,17 +49,8 @@ def train_group(daemons, trainers, tmp_path, n, steps, tag):
 def last_step(d):
     """k, payload bytes and, of those, the mask all-gather's bytes of the
     daemon's last step, from its status socket."""
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.REQ)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.RCVTIMEO, 10000)
-    s.connect(d.status_endpoint)
-    s.send(pbwire.status_request())
-    status, msg, f = pbwire.reply(s.recv())
-    s.close()
-    ctx.term()
+    status, msg, _, done = pbwire.query_status(d.status_endpoint)
     assert status == 0, msg
-    done = pbwire.parse(pbwire.parse(f[6][0])[14][0])
     overlap = done[11][0]
     assert 0.0 < overlap <= 1.0, "mask overlap %r" % overlap
     return done[3][0], done[5][0], done[12][0]

@@ -15,6 +15,8 @@ from conftest import SOURCE, run_reference, run_trainer, synth_layout
 
 sys.path.insert(0, os.path.join(SOURCE, "client", "python"))
 import scape  # noqa: E402
+import pbwire  # noqa: E402
+import py_trainer  # noqa: E402
 from scape._lib import lib  # noqa: E402
 
 ENGINE = ["--rho", "0.01", "--warmup", "3"]
@@ -83,6 +85,61 @@ def test_python_trainer_reposts_abandoned_step_and_joins_running_job(daemon_fact
     with open(tmp_path / "a", "rb") as fa, open(tmp_path / "c", "rb") as fc:
         assert fa.read() == fc.read(), "replicas differ after re-attach"
     assert d.stop() == 0
+
+
+def test_abandoned_step_leaves_the_last_consistent_state(daemon_factory, tmp_path):
+    """Trainer b dies after a has posted step 5; a holds its repost until the
+    replacement c has posted step 5 too.  If the abandoned step left nothing
+    behind, the job ends exactly where an uninterrupted one of a and b does
+    (c computes b's gradients: same seed and index, same parameters)."""
+    n, steps, kill_at = 4000, 30, 5
+    d = daemon_factory(*ENGINE, "--trainers", "2")
+    layout = synth_layout(n)
+    b = run_trainer(d.endpoint, 1, n, steps, sleep_ms=400, wait=False)
+    synth = py_trainer.Synth(1, 0, layout)
+    c = None
+    try:
+        with scape.attach(d.endpoint, layout, index=0) as s:
+            s.params[:] = synth.init()
+            s.sync()
+            for t in range(s.next_step, steps + 1):
+                s.grads[:] = synth.grads(t, s.params)
+                s.step_begin(1e-2, step=t)
+                if t != kill_at:
+                    s.step_wait()
+                    continue
+                b.send_signal(signal.SIGKILL)  # asleep for 400 ms: not posted yet
+                b.wait()
+                with pytest.raises(scape.ScapeError) as e:
+                    s.step_wait()
+                assert e.value.code == scape.Rc.REMOTE and "abandoned" in e.value.message
+                c = run_trainer(d.endpoint, 1, n, steps, out=str(tmp_path / "c"), wait=False)
+                deadline = time.time() + 60
+                while not any(ti[3] == c.pid and ti[4] == t for ti in trainer_infos(d)):
+                    assert time.time() < deadline and c.poll() is None, "c never posted"
+                    time.sleep(0.02)
+                s.step(1e-2, step=t)
+            a = s.params.tobytes()
+        o, e = c.communicate(timeout=120)
+        assert c.returncode == 0, o + e
+        with open(tmp_path / "c", "rb") as f:
+            assert f.read() == a, "replicas differ after re-attach"
+        run_reference(str(tmp_path / "ref"), 2, n, steps, *ENGINE)
+        with open(tmp_path / "ref", "rb") as f:
+            assert f.read() == a, "the abandoned step left a trace in the optimizer"
+    finally:
+        for p in (b, c):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    assert d.stop() == 0
+
+
+def trainer_infos(d):
+    """Each attached trainer's TrainerInfo fields {1: index, 3: pid, 4: last step}."""
+    status, msg, st, _ = pbwire.query_status(d.status_endpoint)
+    assert status == 0, msg
+    return [{k: v[0] for k, v in pbwire.parse(raw).items()} for raw in st.get(10, [])]
 
 
 def test_views_alias_shared_memory(daemon_factory):

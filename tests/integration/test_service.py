@@ -1,9 +1,11 @@
 """The single-node service with real processes: scaped, C trainers through
 libscape, raw ZeroMQ peers that send bad input, a trainer killed mid-step."""
 import os
+import shutil
 import signal
 import stat
 import subprocess
+import sys
 import time
 from multiprocessing import shared_memory
 
@@ -28,11 +30,31 @@ def test_c_trainers_match_in_process_engine(daemon_factory, tmp_path, threads):
     daemon's engine_threads."""
     n, steps = 20000, 60
     d = daemon_factory(*ENGINE, "--trainers", "4", "--engine-threads", str(threads))
+    ctx = zmq.Context()
+    events = ctx.socket(zmq.SUB)
+    events.setsockopt(zmq.LINGER, 0)
+    events.setsockopt(zmq.SUBSCRIBE, b"")
+    events.connect("ipc://%s/events" % d.rt)
+    time.sleep(0.3)  # the subscription reaches the daemon before step 1
     procs = [run_trainer(d.endpoint, i, n, steps, out=str(tmp_path / ("t%d" % i)), wait=False)
              for i in range(4)]
     for i, p in enumerate(procs):
         o, e = p.communicate(timeout=300)
         assert p.returncode == 0, "trainer %d: %s %s" % (i, o, e)
+    # one event per step on the PUB socket, each a Metrics with its StepDone
+    published = []
+    while events.poll(1000):
+        m = pbwire.parse(events.recv())
+        assert m[4][0] == 4, m
+        published.append(pbwire.parse(m[2][0])[1][0])
+    events.close()
+    ctx.term()
+    assert published == list(range(1, steps + 1)), published
+    # zero-copy handover: the engine read the gradients where the trainers
+    # wrote them; only the four Step messages came in
+    status, msg, _, done = pbwire.query_status(d.status_endpoint)
+    assert status == 0, msg
+    assert done[1][0] == steps and done[9][0] == 0 and 0 < done[10][0] < 200, done
     run_reference(str(tmp_path / "ref"), 4, n, steps, *ENGINE)
     ref = read(tmp_path / "ref")
     assert len(ref) == 4 * sum(t[2] for t in synth_layout(n))
@@ -217,3 +239,137 @@ def test_slurm_environment_sets_the_job_shape():
     assert got["coordinator"] == '"tcp://n1:29517"'
     assert got["listen"].startswith('"tcp://') and got["listen"].endswith(':29600"')
     assert printed("--rank", "2")["rank"] == "2"  # flags still win
+
+
+def attached(d):
+    status, msg, st, _ = pbwire.query_status(d.status_endpoint)
+    assert status == 0, msg
+    return len(st.get(10, []))
+
+
+def test_sixty_four_trainers_and_no_sixty_fifth(daemon_factory, tmp_path):
+    """The most trainers a daemon serves, every one bitwise equal to the
+    in-process engine with 64 trainers; a 65th is refused meanwhile."""
+    n, steps, count = 2000, 40, 64
+    d = daemon_factory(*ENGINE, "--trainers", str(count))
+    procs = [run_trainer(d.endpoint, i, n, steps, out=str(tmp_path / ("t%d" % i)),
+                         sleep_ms=50, wait=False) for i in range(count)]
+    try:
+        deadline = time.time() + 120
+        while attached(d) < count:
+            assert time.time() < deadline, "only %d trainers attached" % attached(d)
+            assert all(p.poll() is None for p in procs), "a trainer ended early"
+            time.sleep(0.05)
+        ctx = zmq.Context()
+        p = Probe(ctx, d.endpoint)
+        try:
+            p.refused(INVALID, "all 64 trainer slots are taken", pbwire.hello(os.getpid()))
+        finally:
+            p.close()
+            ctx.term()
+        assert all(p.poll() is None for p in procs), "the 65th hello came too late"
+        for i, p in enumerate(procs):
+            o, e = p.communicate(timeout=300)
+            assert p.returncode == 0, "trainer %d: %s %s" % (i, o, e)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    run_reference(str(tmp_path / "ref"), count, n, steps, *ENGINE)
+    ref = read(tmp_path / "ref")
+    for i in range(count):
+        assert read(tmp_path / ("t%d" % i)) == ref, "trainer %d differs from the engine" % i
+    assert d.stop() == 0
+
+
+# A peer that registers its own POSIX shm names and keeps them (libscape
+# unlinks its names once the daemon has mapped them, so only such a peer shows
+# whether the daemon unlinks what is left when the peer dies or it stops).
+KEEPER = r"""
+import os, sys, time, zmq
+sys.path.insert(0, sys.argv[1])
+import pbwire
+layout, nbytes = [("w", 0, 999), ("b", 999, 1)], 4000
+names = ["/scape-keeper-%d-%s" % (os.getpid(), k) for k in "pg"]
+for name in names:
+    with open("/dev/shm" + name, "wb") as f:
+        f.truncate(nbytes)
+s = zmq.Context().socket(zmq.DEALER)
+s.setsockopt(zmq.RCVTIMEO, 10000)
+s.connect(sys.argv[2])
+for req in (pbwire.hello(os.getpid(), name="keeper"),
+            pbwire.register(layout, *[pbwire.mem_shm(n, nbytes) for n in names])):
+    s.send(req)
+    status, msg, _ = pbwire.reply(s.recv())
+    assert status == 0, msg
+print(" ".join(names), flush=True)
+time.sleep(600)
+"""
+
+
+def start_keeper(d):
+    k = subprocess.Popen([sys.executable, "-c", KEEPER, os.path.dirname(pbwire.__file__),
+                          d.endpoint], stdout=subprocess.PIPE, text=True)
+    names = k.stdout.readline().split()
+    assert len(names) == 2 and all(os.path.exists("/dev/shm" + n) for n in names), names
+    return k, names
+
+
+def gone(names, within=10.0):
+    deadline = time.time() + within
+    while any(os.path.exists("/dev/shm" + n) for n in names):
+        if time.time() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_daemon_unlinks_what_a_dead_or_dropped_peer_left(daemon_factory):
+    d = daemon_factory(*ENGINE)
+    k, names = start_keeper(d)
+    try:
+        k.kill()
+        k.wait()
+        assert gone(names), "a dead peer's shm names are still there"
+        assert "died" in d.output()
+        k, names = start_keeper(d)
+        assert d.stop() == 0
+        assert gone(names, within=0), "shm names left after shutdown"
+    finally:
+        k.kill()
+        k.wait()
+        for n in names:
+            if os.path.exists("/dev/shm" + n):
+                os.unlink("/dev/shm" + n)
+
+
+def test_default_runtime_dir(tmp_path):
+    """Without --runtime-dir or SCAPE_RUNTIME_DIR: /tmp/scape-job$SLURM_JOB_ID,
+    else /tmp/scape-$USER, created (or tightened) to 0700; scapectl finds the
+    daemon there by the same rule."""
+    tag = "it%d" % os.getpid()
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith("SLURM_") and k != "SCAPE_RUNTIME_DIR"}
+    for env, rt in ((dict(base, SLURM_JOB_ID=tag), "/tmp/scape-job" + tag),
+                    (dict(base, USER=tag), "/tmp/scape-" + tag)):
+        shutil.rmtree(rt, ignore_errors=True)
+        if "USER" in env and env["USER"] == tag:
+            os.mkdir(rt, 0o755)  # an existing directory others could enter
+        log = open(str(tmp_path / ("scaped-%s.log" % os.path.basename(rt))), "w")
+        proc = subprocess.Popen([binary("daemon", "scaped")], env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+        try:
+            deadline = time.time() + 15
+            while not os.path.exists(os.path.join(rt, "control")):
+                assert proc.poll() is None and time.time() < deadline, "no control socket in " + rt
+                time.sleep(0.02)
+            assert stat.S_IMODE(os.stat(rt).st_mode) == 0o700
+            res = subprocess.run([binary("client", "scapectl"), "status", "--json"], env=env,
+                                 capture_output=True, text=True, timeout=30)
+            assert res.returncode == 0 and rt in res.stdout, res.stdout + res.stderr
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == 0
+            log.close()
+            shutil.rmtree(rt, ignore_errors=True)
