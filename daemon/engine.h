@@ -120,6 +120,10 @@ void eng_destroy(eng_t **e);
 /* ---- inspection (tests, status, checkpoints) --------------------------- */
 
 size_t eng_n(const eng_t *e);
+/* Bytes of optimizer state and residual this rank holds: m, theta (and v)
+ * for its state range (all N when replicated, its shard when sharded), the
+ * residual for all N. */
+uint64_t eng_state_bytes(const eng_t *e);
 /* T, the trainers of all ranks. */
 int eng_total_trainers(const eng_t *e);
 /* k_l of tensor l (layout index) and its owning rank. */

@@ -8,6 +8,14 @@
 
 size_t eng_n(const eng_t *e) { return e ? e->p->n : 0; }
 
+uint64_t eng_state_bytes(const eng_t *e)
+{
+    if (e == NULL)
+        return 0;
+    uint64_t per = 2 + (uint64_t)eng_uses_v(e); /* m, theta, (v) */
+    return sizeof(float) * (per * (uint64_t)e->state_len + (uint64_t)e->p->n);
+}
+
 int eng_total_trainers(const eng_t *e) { return e ? e->t_total : 0; }
 
 size_t eng_tensor_k(const eng_t *e, size_t l)

@@ -27,17 +27,6 @@ static uint64_t rss_bytes(void)
     return (uint64_t)kib * 1024;
 }
 
-/* Bytes of optimizer state and residual this daemon holds. */
-static uint64_t state_bytes(const server *s)
-{
-    if (s->eng == NULL)
-        return 0;
-    uint64_t n = s->numel;
-    int v = s->cfg.engine.optimizer == ENG_OPT_ADAMW ||
-            s->cfg.engine.optimizer == ENG_OPT_TOPK_ADAMW;
-    return 4 * n * (uint64_t)(3 + v); /* m, theta, (v), residual */
-}
-
 static const char *state_name(const server *s)
 {
     if (s->stopping)
@@ -69,7 +58,7 @@ static void fill_status(server *s, status_buf *b)
     st->numel = s->numel;
     st->uptime_ms = (uint64_t)(1e3 * (srv_now() - s->started_at));
     st->rss_bytes = rss_bytes();
-    st->state_bytes = state_bytes(s);
+    st->state_bytes = eng_state_bytes(s->eng);
     /* The engine's state is in host memory; what the daemon holds on a GPU is
      * the nccl backend's staging (the trainers' CUDA IPC buffers are theirs). */
     st->has_device_bytes = 1;

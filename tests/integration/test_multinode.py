@@ -103,9 +103,17 @@ def test_daemons_match_local_backend(daemon_factory, tmp_path, trainers):
         got = train_group(daemons, trainers, tmp_path, n, steps, mode)
         assert all(g == got[0] for g in got), "trainers disagree (%s)" % mode
         want = expected_bytes(n, mode, len(trainers))
+        lens = [t[2] for t in synth_layout(n)]
+        own = owners(lens, len(trainers))
         for r, d in enumerate(daemons):
             assert last_step(d) == want, "rank %d: (K, bytes, mask bytes) %s, want %s" % (
                 r, last_step(d), want)
+            # m and theta of the shard (sharded) or of all N, the residual of all N;
+            # no device memory on the host backend
+            held = sum(x for x, o in zip(lens, own) if o == r) if mode == "sharded" else sum(lens)
+            _, _, st, _ = pbwire.query_status(d.status_endpoint)
+            assert st[13][0] == 4 * (2 * held + sum(lens)), (r, mode, st[13][0])
+            assert st.get(18, [0])[0] == 0 and st.get(19, [0.0])[0] == 0.0, st
         for d in daemons:
             assert d.stop() == 0, d.output()
         ref = str(tmp_path / ("ref-" + mode))
