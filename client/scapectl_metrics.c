@@ -14,9 +14,14 @@ typedef struct prom {
     char rank[16]; /* the rank label's value */
 } prom;
 
+static void family_of(const prom *m, const char *type, const char *name, const char *help)
+{
+    fprintf(m->out, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+}
+
 static void family(const prom *m, const char *name, const char *help)
 {
-    fprintf(m->out, "# HELP %s %s\n# TYPE %s gauge\n", name, help, name);
+    family_of(m, "gauge", name, help);
 }
 
 /* A label value with \, " and newline escaped. */
@@ -54,6 +59,12 @@ static void sample(const prom *m, const char *name, const char *const extra[2], 
 static void gauge(const prom *m, const char *name, const char *help, double v)
 {
     family(m, name, help);
+    sample(m, name, NULL, v);
+}
+
+static void counter(const prom *m, const char *name, const char *help, double v)
+{
+    family_of(m, "counter", name, help);
     sample(m, name, NULL, v);
 }
 
@@ -151,6 +162,14 @@ static void exposition(const prom *m, const Scape__StatusReply *st)
           (double)st->state_bytes);
     gauge(m, "scape_device_bytes", "GPU memory scaped holds (nccl staging buffers).",
           (double)st->device_bytes);
+    if (st->has_data_sent_bytes)
+        counter(m, "scape_data_sent_bytes_total",
+                "Bytes scaped sent on its data plane (host backend, framing included).",
+                (double)st->data_sent_bytes);
+    if (st->has_data_recv_bytes)
+        counter(m, "scape_data_received_bytes_total",
+                "Bytes scaped received on its data plane (host backend, framing included).",
+                (double)st->data_recv_bytes);
     if (st->last != NULL)
         last_step(m, st->last);
     if (st->has_loss)

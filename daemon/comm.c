@@ -151,6 +151,15 @@ uint64_t comm_device_bytes(const comm_t *c)
     return c && c->ops && c->ops->device_bytes ? c->ops->device_bytes(c) : 0;
 }
 
+int comm_data_bytes(const comm_t *c, uint64_t *sent, uint64_t *recvd)
+{
+    *sent = *recvd = 0;
+    if (c == NULL || c->ops == NULL || c->ops->data_bytes == NULL)
+        return 0;
+    c->ops->data_bytes(c, sent, recvd);
+    return 1;
+}
+
 uint64_t comm_foreign(const comm_t *c, char *why, size_t len)
 {
     if (why && len)

@@ -29,7 +29,9 @@ typedef enum comm_op {
 typedef struct comm_stats {
     uint64_t calls[COMM_OP_COUNT];
     uint64_t bytes[COMM_OP_COUNT];      /* payload: the size of the collective's result */
-    uint64_t wire_bytes[COMM_OP_COUNT]; /* received by this rank (ring schedule) */
+    uint64_t wire_bytes[COMM_OP_COUNT]; /* received by this rank per the ring
+                                           model of the op, not measured (see
+                                           comm_data_bytes) */
 } comm_stats;
 
 typedef struct comm comm_t;
@@ -62,6 +64,9 @@ typedef struct comm_ops {
     /* Messages dropped as not of this job (NULL: none can arrive); the last
      * one described into why. */
     uint64_t (*foreign)(const comm_t *c, char *why, size_t len);
+    /* Bytes this rank really sent and received on its data plane so far,
+     * framing included (NULL: the backend does not measure them). */
+    void (*data_bytes)(const comm_t *c, uint64_t *sent, uint64_t *recvd);
 } comm_ops;
 
 struct comm {
@@ -101,6 +106,9 @@ uint64_t comm_device_bytes(const comm_t *c);
  * job (another job's, or not its framing): how many so far, and (why, len
  * bytes) what the last one was.  0 for backends that cannot receive any. */
 uint64_t comm_foreign(const comm_t *c, char *why, size_t len);
+/* Bytes really sent and received on the data plane so far, framing
+ * included: 1 when the backend measures them (host), else 0 and zeros. */
+int comm_data_bytes(const comm_t *c, uint64_t *sent, uint64_t *recvd);
 /* Free one rank's handle and set *c to NULL. */
 void comm_destroy(comm_t **c);
 

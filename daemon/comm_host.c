@@ -790,6 +790,13 @@ static uint64_t hc_foreign(const comm_t *c, char *why, size_t len)
     return h->foreign;
 }
 
+static void hc_data_bytes(const comm_t *c, uint64_t *sent, uint64_t *recvd)
+{
+    const host *h = c->impl;
+    *sent = h->sent;
+    *recvd = h->recvd;
+}
+
 static const comm_ops s_host_ops = {
     .name = "host",
     .allreduce_sum = allreduce_sum,
@@ -801,6 +808,7 @@ static const comm_ops s_host_ops = {
     .barrier = barrier,
     .destroy = destroy,
     .foreign = hc_foreign,
+    .data_bytes = hc_data_bytes,
 };
 
 static scape_rc host_alloc(const comm_host_opts *o, host **out)
@@ -901,8 +909,6 @@ scape_rc comm_host_wire_stats(const comm_t *c, uint64_t *sent, uint64_t *recvd)
 {
     if (c == NULL || c->ops != &s_host_ops || sent == NULL || recvd == NULL)
         return scape_set_error(SCAPE_INVALID, "comm_host_wire_stats: not a host comm");
-    const host *h = c->impl;
-    *sent = h->sent;
-    *recvd = h->recvd;
+    hc_data_bytes(c, sent, recvd);
     return SCAPE_OK;
 }

@@ -65,6 +65,12 @@ static void fill_status(server *s, status_buf *b)
     st->device_bytes = comm_device_bytes(s->comm);
     st->has_device_bytes_per_param = 1;
     st->device_bytes_per_param = s->numel ? (double)st->device_bytes / (double)s->numel : 0.0;
+    uint64_t sent, recvd;
+    if (comm_data_bytes(s->comm, &sent, &recvd)) {
+        st->has_data_sent_bytes = st->has_data_recv_bytes = 1;
+        st->data_sent_bytes = sent;
+        st->data_recv_bytes = recvd;
+    }
     st->runtime_dir = s->dir;
     /* The residual norm is a pass over N floats: taken when asked, not on
      * the per-step path. */

@@ -1,16 +1,19 @@
 """Several daemons on one machine acting as one optimizer: rendezvous and the
 host backend over loopback TCP, trainers on every daemon, the result bitwise
 equal to the in-process engine on the local backend, and a killed daemon."""
+import json
 import math
 import os
+import re
 import signal
+import subprocess
 import time
 
 import pytest
 import zmq
 
 import pbwire
-from conftest import free_endpoints, run_reference, run_trainer, synth_layout
+from conftest import binary, free_endpoints, run_reference, run_trainer, synth_layout
 
 ENGINE = ["--rho", "0.01", "--warmup", "3"]
 
@@ -234,3 +237,30 @@ def test_replacement_trainer_gets_the_whole_parameters_when_sharded(daemon_facto
             if t.poll() is None:
                 t.kill()
                 t.wait()
+
+
+def test_data_plane_bytes_are_measured_and_shown(daemon_factory, tmp_path):
+    """The host backend counts the bytes it really moves; status, scapectl
+    status and scapectl metrics show them, next to the ring model's figure."""
+    n, steps = 20000, 50
+    daemons = start_group(daemon_factory, [1, 1], ["--mode", "sharded", "--warmup", "1"])
+    train_group(daemons, [1, 1], tmp_path, n, steps, "bytes")
+    ctl = binary("client", "scapectl")
+    for r, d in enumerate(daemons):
+        _, _, st, done = pbwire.query_status(d.status_endpoint)
+        sent, recvd = st[20][0], st[21][0]
+        model = steps * done[6][0]  # the ring model's bytes of the last step, every step
+        print("rank %d: sent %d, received %d, model %d" % (r, sent, recvd, model))
+        assert model < recvd < 3 * model + 8 * n, (recvd, model)
+        assert model < sent < 3 * model + 8 * n, (sent, model)
+        js = json.loads(subprocess.run([ctl, "--runtime-dir", d.rt, "status", "--json"],
+                                       capture_output=True, text=True, check=True).stdout)
+        assert js["data_recv_bytes"] >= recvd and js["data_sent_bytes"] >= sent, js
+        text = subprocess.run([ctl, "--runtime-dir", d.rt, "status"], capture_output=True,
+                              text=True, check=True).stdout
+        assert re.search(r"^Data plane\s*: sent [\d.]+ \w+, received [\d.]+ \w+$", text, re.M), text
+        metrics = subprocess.run([ctl, "--runtime-dir", d.rt, "metrics"], capture_output=True,
+                                 text=True, check=True).stdout
+        assert "# TYPE scape_data_received_bytes_total counter" in metrics, metrics
+        got = re.search(r'^scape_data_received_bytes_total\{rank="%d"\} (\S+)$' % r, metrics, re.M)
+        assert got and float(got.group(1)) >= recvd, metrics
