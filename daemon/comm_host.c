@@ -44,6 +44,16 @@
  * Failures.  Every wait for a peer is bounded by timeout_ms.  After any
  * failure (timeout, protocol, ZeroMQ) the comm refuses every further
  * collective with the same code: its peers are in an unknown state.
+ *
+ * Lost peers.  A ZeroMQ monitor on each PUSH socket reports when its TCP
+ * connection closes or comes back.  A peer whose daemon died closes them at
+ * once (its kernel does), so a wait fails as soon as some peer's connection
+ * has stayed closed for LOST_GRACE_MS (or timeout_ms, if shorter), naming
+ * that peer - not only after timeout_ms, and not naming whichever live rank
+ * the schedule happened to be waiting for (in a chain every rank after the
+ * dead one stops sending too).  A timeout also names the peers that are
+ * down.  Without a closed connection (a hung daemon, a lost node) only the
+ * timeout tells.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <errno.h>
@@ -60,6 +70,8 @@
 #define HOST_DEFAULT_TIMEOUT_MS 30000
 #define HOST_DEFAULT_CHUNK (1u << 20)
 #define HOST_MAX_RANKS 4096
+#define LOST_GRACE_MS 1000  /* a closed connection this long: the peer is gone */
+#define PUMP_DEADLINE SCAPE_RC_COUNT /* pump_one: the deadline passed (no error set) */
 
 enum kind { K_RS_CHAIN = 1, K_RS_DELIVER, K_AG, K_IAG, K_BC, K_BAR_IN, K_BAR_OUT, K_END };
 
@@ -89,6 +101,9 @@ typedef struct gather {     /* receive side of one all-gather */
 typedef struct host {
     void *zctx, *pull;
     void **push;            /* per peer; NULL for this rank */
+    void **mon;             /* per peer: PAIR reading push[q]'s monitor events */
+    long long *down_since;  /* per peer: when its connection closed (ms), 0: up */
+    unsigned char *up;      /* per peer: its connection is established */
     int timeout_ms;
     size_t chunk;           /* bytes */
     uint64_t job;
@@ -357,29 +372,91 @@ static scape_rc route(comm_t *c, host_msg *m, int in_op, int *mine)
     return SCAPE_OK;
 }
 
+/* Read every pending connect/disconnect event of the peers' PUSH sockets.
+ * Returns the peer whose connection has been closed the longest, if that is
+ * at least grace_ms, else -1; *down_ms is how long. */
+static int peers_down(const comm_t *c, long long grace_ms, long long *down_ms)
+{
+    host *h = (host *)c->impl; /* the events are read: the state advances */
+    long long now = now_ms();
+    int worst = -1;
+    *down_ms = 0;
+    for (int q = 0; q < c->size; q++) {
+        if (h->mon == NULL || h->mon[q] == NULL)
+            continue;
+        unsigned char ev[6];
+        char addr[256];
+        int n;
+        while ((n = zmq_recv(h->mon[q], ev, sizeof ev, ZMQ_DONTWAIT)) >= 0) {
+            /* the second frame is the endpoint */
+            if (zmq_recv(h->mon[q], addr, sizeof addr, ZMQ_DONTWAIT) < 0 || n != sizeof ev)
+                continue;
+            uint16_t id;
+            memcpy(&id, ev, sizeof id);
+            if (id == ZMQ_EVENT_DISCONNECTED && h->down_since[q] == 0)
+                h->down_since[q] = now;
+            if (id == ZMQ_EVENT_CONNECTED)
+                h->down_since[q] = 0;
+            h->up[q] = id == ZMQ_EVENT_CONNECTED;
+        }
+        long long d = h->down_since[q] ? now - h->down_since[q] : 0;
+        if (h->down_since[q] && d >= grace_ms && d >= *down_ms) {
+            worst = q;
+            *down_ms = d;
+        }
+    }
+    return worst;
+}
+
 static scape_rc timed_out(const comm_t *c, int from, const char *what, uint64_t seq)
 {
     const host *h = c->impl;
+    long long down_ms;
+    int lost = peers_down(c, 0, &down_ms);
+    if (lost >= 0 && lost != from)
+        return scape_set_error(SCAPE_TIMEOUT,
+                               "comm host: rank %d sent nothing for %d ms during %s (op %llu); "
+                               "the connection to rank %d closed %lld ms ago: rank %d's daemon "
+                               "is gone (rank %d is likely waiting for it)",
+                               from, h->timeout_ms, what, (unsigned long long)seq, lost, down_ms,
+                               lost, from);
     return scape_set_error(SCAPE_TIMEOUT,
-                           "comm host: rank %d sent nothing for %d ms during %s (op %llu); "
-                           "is it alive?",
-                           from, h->timeout_ms, what, (unsigned long long)seq);
+                           "comm host: rank %d sent nothing for %d ms during %s (op %llu); %s",
+                           from, h->timeout_ms, what, (unsigned long long)seq,
+                           lost == from ? "its connection closed: its daemon is gone"
+                           : from != c->rank && !h->up[from]
+                               ? "is it alive? (this daemon has no connection to it)"
+                               : "is it alive?");
 }
 
-/* Wait up to the deadline for one message and route it. */
+/* Wait up to the deadline for one message and route it; PUMP_DEADLINE when
+ * the deadline has passed. */
 static scape_rc pump_one(comm_t *c, long long deadline, int in_op, host_msg **out)
 {
     host *h = c->impl;
     zmq_pollitem_t it = { h->pull, 0, ZMQ_POLLIN, 0 };
     long long left = deadline - now_ms();
     if (left <= 0)
-        return SCAPE_TIMEOUT;
+        return PUMP_DEADLINE;
     if (comm_interrupted())
         return scape_set_error(SCAPE_REMOTE, "comm host: %s (op %llu) interrupted: the daemon "
                                "is shutting down", h->opname ? h->opname : "a wait",
                                (unsigned long long)h->seq);
     long slice = left < COMM_INTERRUPT_SLICE_MS ? (long)left : COMM_INTERRUPT_SLICE_MS;
     int ready = zmq_poll(&it, 1, slice);
+    if (ready == 0) {
+        /* Nothing left to read: is a peer gone for good?  (What it sent before
+         * it died has been read by now: it arrived before its connection
+         * closed, and the grace period outlasts the local queue.) */
+        long long grace = h->timeout_ms < LOST_GRACE_MS ? h->timeout_ms : LOST_GRACE_MS;
+        long long down_ms;
+        int lost = peers_down(c, grace, &down_ms);
+        if (lost >= 0)
+            return scape_set_error(SCAPE_TIMEOUT,
+                                   "comm host: lost rank %d during %s (op %llu): its connection "
+                                   "closed %lld ms ago and did not come back; its daemon is gone",
+                                   lost, h->opname, (unsigned long long)h->seq, down_ms);
+    }
     if (ready <= 0)
         return ready == 0 || zmq_errno() == EINTR ? SCAPE_OK : zerr("poll");
     host_msg *m = malloc(sizeof *m);
@@ -405,7 +482,7 @@ static scape_rc next_msg(comm_t *c, int from, host_msg **out)
     long long deadline = now_ms() + h->timeout_ms;
     while (*out == NULL) {
         scape_rc rc = pump_one(c, deadline, 1, out);
-        if (rc == SCAPE_TIMEOUT)
+        if (rc == PUMP_DEADLINE)
             return timed_out(c, from, h->opname, h->seq);
         if (rc != SCAPE_OK)
             return rc;
@@ -641,7 +718,7 @@ static scape_rc iag_wait(comm_t *c)
     while (h->ag.left > 0) {
         host_msg *none = NULL;
         scape_rc rc = pump_one(c, deadline, 0, &none);
-        if (rc == SCAPE_TIMEOUT)
+        if (rc == PUMP_DEADLINE)
             return timed_out(c, gather_missing(c, &h->ag), "iallgather_wait (async op)",
                              h->aseq);
         if (rc != SCAPE_OK)
@@ -753,9 +830,20 @@ static void gather_free(gather *g)
 
 static void host_free(host *h, int size)
 {
+    /* After a failure what is still queued has no taker that matters, and a
+     * gone peer never takes it: don't linger (timeout_ms) on it. */
+    int zero = 0;
     for (int q = 0; h->push && q < size; q++)
+        if (h->push[q] && (h->failed != SCAPE_OK || (h->down_since && h->down_since[q])))
+            zmq_setsockopt(h->push[q], ZMQ_LINGER, &zero, sizeof zero);
+    for (int q = 0; h->push && q < size; q++) {
+        if (h->push[q] && h->mon && h->mon[q])
+            zmq_socket_monitor(h->push[q], NULL, 0); /* stop it: best effort */
+        if (h->mon && h->mon[q])
+            zmq_close(h->mon[q]);
         if (h->push[q])
             zmq_close(h->push[q]);
+    }
     if (h->pull)
         zmq_close(h->pull);
     /* waits up to the linger time (timeout_ms) for queued messages */
@@ -767,6 +855,9 @@ static void host_free(host *h, int size)
         msg_free(m);
     }
     free(h->push);
+    free(h->mon);
+    free(h->down_since);
+    free(h->up);
     gather_free(&h->sg);
     gather_free(&h->ag);
     free(h->cnt_f);
@@ -823,13 +914,17 @@ static scape_rc host_alloc(const comm_host_opts *o, host **out)
     h->job = o->job;
     h->opname = "create";
     h->push = calloc(n, sizeof *h->push);
+    h->mon = calloc(n, sizeof *h->mon);
+    h->down_since = calloc(n, sizeof *h->down_since);
+    h->up = calloc(n, 1);
     h->cnt_f = calloc(2 * n, sizeof *h->cnt_f);
     h->segoff = calloc(n + 1, sizeof *h->segoff);
     h->arrived = calloc(n, 1);
     h->scratch = malloc(h->chunk);
     int ok = gather_alloc(&h->sg, o->size) & gather_alloc(&h->ag, o->size);
     *out = h;
-    if (!ok || !h->push || !h->cnt_f || !h->segoff || !h->arrived || !h->scratch)
+    if (!ok || !h->push || !h->mon || !h->down_since || !h->up || !h->cnt_f || !h->segoff ||
+        !h->arrived || !h->scratch)
         return scape_set_error(SCAPE_NOMEM, "comm_host_create: out of memory");
     h->cnt_b = h->cnt_f + n;
     return SCAPE_OK;
@@ -849,6 +944,22 @@ static scape_rc open_socket(host *h, void **s, int type, int hwm_opt, int linger
     return SCAPE_OK;
 }
 
+/* Monitor push[q]'s connection (inproc names are per context: one comm). */
+static scape_rc watch_peer(host *h, int q)
+{
+    char name[48];
+    snprintf(name, sizeof name, "inproc://scape-mon-%d", q);
+    int linger = 0;
+    if (zmq_socket_monitor(h->push[q], name, ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED) != 0)
+        return zerr("zmq_socket_monitor");
+    if ((h->mon[q] = zmq_socket(h->zctx, ZMQ_PAIR)) == NULL)
+        return zerr("zmq_socket (monitor)");
+    if (zmq_setsockopt(h->mon[q], ZMQ_LINGER, &linger, sizeof linger) != 0 ||
+        zmq_connect(h->mon[q], name) != 0)
+        return zerr("monitor connect");
+    return SCAPE_OK;
+}
+
 static scape_rc host_connect(const comm_host_opts *o, host *h)
 {
     if ((h->zctx = zmq_ctx_new()) == NULL)
@@ -861,6 +972,7 @@ static scape_rc host_connect(const comm_host_opts *o, host *h)
         if (q == o->rank)
             continue;
         TRY(open_socket(h, &h->push[q], ZMQ_PUSH, ZMQ_SNDHWM, h->timeout_ms));
+        TRY(watch_peer(h, q));
         if (zmq_connect(h->push[q], o->endpoints[q]) != 0)
             return scape_set_error(SCAPE_ZMQ, "comm host: cannot connect to rank %d at %s: %s",
                                    q, o->endpoints[q], zmq_strerror(zmq_errno()));
@@ -903,6 +1015,19 @@ scape_rc comm_host_create(const comm_host_opts *o, comm_t **out)
     *c = (comm_t){ .ops = &s_host_ops, .rank = o->rank, .size = o->size, .impl = h };
     *out = c;
     return SCAPE_OK;
+}
+
+int comm_host_connected(const comm_t *c)
+{
+    if (c == NULL || c->ops != &s_host_ops)
+        return -1;
+    long long down_ms;
+    peers_down(c, 0, &down_ms);
+    const host *h = c->impl;
+    int n = 0;
+    for (int q = 0; q < c->size; q++)
+        n += h->up[q];
+    return n;
 }
 
 scape_rc comm_host_wire_stats(const comm_t *c, uint64_t *sent, uint64_t *recvd)

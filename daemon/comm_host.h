@@ -25,5 +25,7 @@ scape_rc comm_host_create(const comm_host_opts *o, comm_t **out);
 /* Bytes this rank really sent and received (headers included, ZeroMQ's own
  * framing not); SCAPE_INVALID if c is not a host comm. */
 scape_rc comm_host_wire_stats(const comm_t *c, uint64_t *sent, uint64_t *recvd);
+/* Peers this rank's connections currently reach (-1: not a host comm). */
+int comm_host_connected(const comm_t *c);
 
 #endif /* SCAPE_COMM_HOST_H */
