@@ -3,7 +3,10 @@
  * coordinator that is not up yet, and its join waits in the queue meanwhile;
  * only the overall deadline ends the wait. */
 #define _POSIX_C_SOURCE 200809L
+#define _DEFAULT_SOURCE /* getifaddrs, IFF_* */
 #include <errno.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <netdb.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -324,30 +327,39 @@ scape_rc rdv_run(const rdv_opts *o, rdv_result *out)
 
 /* ---- Slurm ----------------------------------------------------------------------- */
 
+/* The first host of a Slurm host list: its first top-level item, each
+ * bracket group replaced by the first number of its first range (zero padding
+ * kept): "gh[001-004,010],login1" -> gh001, "rack[1-2]-n[1-3]" -> rack1-n1. */
 scape_rc rdv_first_host(const char *list, char *host, size_t len)
 {
-    if (list == NULL || *list == '\0')
+    if (list == NULL || *list == '\0' || *list == ',')
         return scape_set_error(SCAPE_INVALID, "host list is empty");
-    size_t p = strcspn(list, ",[");
-    if (list[p] != '[') { /* a plain name */
-        if (p >= len)
+    size_t o = 0;
+    for (const char *c = list; *c && *c != ',';) {
+        size_t take;
+        const char *from = c;
+        if (*c == '[') {
+            const char *num = c + 1;
+            size_t digits = strspn(num, "0123456789");
+            size_t body = strspn(num, "0123456789-,");
+            if (digits == 0 || num[body] != ']' ||
+                (num[digits] != '-' && num[digits] != ',' && num[digits] != ']'))
+                return scape_set_error(SCAPE_INVALID, "cannot read the host list '%s'", list);
+            from = num;
+            take = digits;
+            c = num + body + 1;
+        } else {
+            take = strcspn(c, ",[]");
+            if (c[take] == ']')
+                return scape_set_error(SCAPE_INVALID, "cannot read the host list '%s'", list);
+            c += take;
+        }
+        if (o + take >= len)
             return scape_set_error(SCAPE_INVALID, "host name in '%s' is too long", list);
-        memcpy(host, list, p);
-        host[p] = '\0';
-        return SCAPE_OK;
+        memcpy(host + o, from, take);
+        o += take;
     }
-    const char *num = list + p + 1;
-    size_t digits = strspn(num, "0123456789");
-    const char *close = strchr(num, ']');
-    const char *rest = close ? close + 1 : NULL;
-    if (digits == 0 || close == NULL || (*rest && *rest != ',') ||
-        (num[digits] != '-' && num[digits] != ',' && num[digits] != ']'))
-        return scape_set_error(SCAPE_INVALID, "cannot read the host list '%s'", list);
-    if (p + digits >= len)
-        return scape_set_error(SCAPE_INVALID, "host name in '%s' is too long", list);
-    memcpy(host, list, p);
-    memcpy(host + p, num, digits);
-    host[p + digits] = '\0';
+    host[o] = '\0';
     return SCAPE_OK;
 }
 
@@ -389,6 +401,29 @@ scape_rc rdv_from_slurm(int *rank, int *world, uint64_t *job, char *host, size_t
     return rc;
 }
 
+static int is_loopback(const struct in_addr *a) { return (ntohl(a->s_addr) >> 24) == 127; }
+
+/* The first IPv4 address of an interface that is up and not loopback. */
+static int interface_address(struct in_addr *out)
+{
+    struct ifaddrs *all = NULL;
+    if (getifaddrs(&all) != 0)
+        return 0;
+    int found = 0;
+    for (const struct ifaddrs *i = all; i && !found; i = i->ifa_next) {
+        if (i->ifa_addr == NULL || i->ifa_addr->sa_family != AF_INET ||
+            !(i->ifa_flags & IFF_UP) || (i->ifa_flags & IFF_LOOPBACK))
+            continue;
+        *out = ((const struct sockaddr_in *)(const void *)i->ifa_addr)->sin_addr;
+        found = !is_loopback(out);
+    }
+    freeifaddrs(all);
+    return found;
+}
+
+/* What the host name resolves to, unless that is only loopback (Debian maps
+ * the name to 127.0.1.1): then the first address of an interface that is up;
+ * loopback only when there is nothing else (one machine). */
 scape_rc rdv_host_address(char *buf, size_t len)
 {
     char name[256];
@@ -397,11 +432,30 @@ scape_rc rdv_host_address(char *buf, size_t len)
     name[sizeof name - 1] = '\0';
     struct addrinfo hints = { .ai_family = AF_INET, .ai_socktype = SOCK_STREAM }, *res = NULL;
     int e = getaddrinfo(name, NULL, &hints, &res);
-    if (e != 0 || res == NULL)
-        return scape_set_error(SCAPE_SYSTEM, "cannot resolve this host '%s': %s", name,
-                               gai_strerror(e));
-    const struct sockaddr_in *sin = (const struct sockaddr_in *)(const void *)res->ai_addr;
-    const char *ok = inet_ntop(AF_INET, &sin->sin_addr, buf, (socklen_t)len);
-    freeaddrinfo(res);
-    return ok ? SCAPE_OK : scape_set_error(SCAPE_SYSTEM, "inet_ntop failed");
+    struct in_addr pick = { 0 }, loop = { 0 };
+    int have = 0, have_loop = 0;
+    for (const struct addrinfo *a = e == 0 ? res : NULL; a && !have; a = a->ai_next) {
+        struct in_addr x = ((const struct sockaddr_in *)(const void *)a->ai_addr)->sin_addr;
+        if (!is_loopback(&x)) {
+            pick = x;
+            have = 1;
+        } else if (!have_loop) {
+            loop = x;
+            have_loop = 1;
+        }
+    }
+    if (res)
+        freeaddrinfo(res);
+    if (!have)
+        have = interface_address(&pick);
+    if (!have && have_loop) {
+        pick = loop;
+        have = 1;
+    }
+    if (!have)
+        return scape_set_error(SCAPE_SYSTEM, "no IPv4 address for this host '%s'%s%s", name,
+                               e ? ": " : "", e ? gai_strerror(e) : "");
+    return inet_ntop(AF_INET, &pick, buf, (socklen_t)len)
+               ? SCAPE_OK
+               : scape_set_error(SCAPE_SYSTEM, "inet_ntop failed");
 }

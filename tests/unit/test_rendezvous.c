@@ -2,6 +2,7 @@
  * table and blob every rank receives, a rank that never comes, another
  * job's daemon, a coordinator that is not there; and Slurm's environment. */
 #define _POSIX_C_SOURCE 200809L
+#include <arpa/inet.h>
 #include <check.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -152,11 +153,29 @@ START_TEST(slurm_host_lists)
     expect_host("n[1-4]", "n1");
     expect_host("gh[001-004,010],login1", "gh001");
     expect_host("a[3]", "a3");
+    expect_host("rack[1-2]-n[1-3]", "rack1-n1");
+    expect_host("rack[07,9]-n[010-012],x[1-2]", "rack07-n010");
+    expect_host("c[1-2]-ib", "c1-ib");
     char host[8];
     ck_assert_int_eq(rdv_first_host("", host, sizeof host), SCAPE_INVALID);
     ck_assert_int_eq(rdv_first_host("n[x-2]", host, sizeof host), SCAPE_INVALID);
-    ck_assert_int_eq(rdv_first_host("rack[1-2]-n[1-3]", host, sizeof host), SCAPE_INVALID);
+    ck_assert_int_eq(rdv_first_host("n[1-2", host, sizeof host), SCAPE_INVALID);
+    ck_assert_int_eq(rdv_first_host("n]1", host, sizeof host), SCAPE_INVALID);
+    ck_assert_int_eq(rdv_first_host("n[]", host, sizeof host), SCAPE_INVALID);
+    ck_assert_int_eq(rdv_first_host(",n1", host, sizeof host), SCAPE_INVALID);
     ck_assert_int_eq(rdv_first_host("averyveryverylonghost", host, sizeof host), SCAPE_INVALID);
+}
+END_TEST
+
+/* A dotted quad this host can be reached at (loopback only without any
+ * other interface that is up). */
+START_TEST(host_address)
+{
+    char ip[64];
+    struct in_addr a;
+    ck_assert_int_eq(rdv_host_address(ip, sizeof ip), SCAPE_OK);
+    ck_assert_int_eq(inet_pton(AF_INET, ip, &a), 1);
+    ck_assert_int_eq(rdv_host_address(ip, 4), SCAPE_SYSTEM);
 }
 END_TEST
 
@@ -198,6 +217,7 @@ int main(void)
     tcase_add_test(tc, bad_options);
     tcase_add_test(tc, slurm_host_lists);
     tcase_add_test(tc, slurm_environment);
+    tcase_add_test(tc, host_address);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
