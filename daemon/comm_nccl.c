@@ -13,15 +13,25 @@
  *   every later call is refused.
  * Both lanes are driven from this one thread in the same order on every
  * rank, and NCCL_LAUNCH_ORDER_IMPLICIT makes NCCL keep that order on the GPU,
- * which is what two communicators used concurrently require.
+ * which is what two communicators used concurrently require.  That setting
+ * exists from NCCL 2.26 on; with an older NCCL the mask lane issues its work
+ * on the main lane's stream (still its own communicator), so the GPU runs
+ * the two in issue order: the mask all-gather then overlaps the host's work
+ * and the trainers' compute, not the main lane's collectives.
+ * Closing is bounded too: ncclCommFinalize, polled for up to NC_CLOSE_MS,
+ * then ncclCommDestroy (which no longer waits for the peers); past that, or
+ * on an error, ncclCommAbort.
  *
  * Streaming.  The engine's buffers (the residual, which a dense step sends,
  * among them) stay in host memory; the main lane's collectives stream them
  * through two fixed staging slots (NC_SLOT_BYTES of device and of pinned
  * memory each) round by round: round c's input is copied into slot c % 2's
- * pinned half while the GPU still works on round c - 1 (copy in, collective,
- * copy out, all on the lane's stream), and round c - 2's output is read back
- * only once its event says it is there.  A collective of per-rank segments
+ * pinned half while the GPU still works on round c - 1, and round c - 2's
+ * output is read back only once its event says it is there.  On the GPU the
+ * copy in runs on its own stream (cin), the collective on the lane's stream
+ * once that copy is done (ein), the copy out on a third (cout) once the
+ * collective is done (ecoll): round c's copy to the device overlaps round
+ * c - 1's collective, and its copy back overlaps round c + 1's.  A collective of per-rank segments
  * advances every segment by the same piece per round.  Device memory is so
  * bounded by the slots, whatever N is.  The mask lane's all-gather is small
  * (coded masks) and is staged whole.
@@ -42,10 +52,12 @@
 _Static_assert(sizeof(ncclUniqueId) == COMM_NCCL_ID_BYTES, "ncclUniqueId size");
 
 #define NC_SLOT_BYTES ((size_t)8 << 20) /* per staging slot of the main lane */
+#define NC_CLOSE_MS 10000                /* longest wait for the peers at close */
 
 typedef struct lane {
     ncclComm_t comm;      /* NULL once aborted or destroyed */
     cudaStream_t stream;
+    int borrowed;         /* the stream is the main lane's (NCCL < 2.26) */
     void *dev;            /* mask lane: staging in device memory */
     size_t dev_cap;
     void *pinned;         /* mask lane: staging in pinned host memory */
@@ -53,6 +65,9 @@ typedef struct lane {
     void *sdev[2];        /* main lane: the two streaming slots */
     void *spin[2];
     cudaEvent_t ev[2];    /* each slot's last round is back in spin */
+    cudaStream_t cin, cout; /* main lane: copies in and out, beside the collectives */
+    cudaEvent_t ein[2];   /* slot's round is on the device */
+    cudaEvent_t ecoll[2]; /* slot's round's collective is done */
     size_t slot_cap;      /* bytes of each sdev / spin */
 } lane;
 
@@ -286,11 +301,19 @@ static scape_rc slots_ready(nccl_impl *x, lane *l)
 {
     if (l->slot_cap)
         return SCAPE_OK;
+    CUDA_TRY(x, cudaStreamCreateWithFlags(&l->cin, cudaStreamNonBlocking),
+             "cudaStreamCreateWithFlags (copies in)");
+    CUDA_TRY(x, cudaStreamCreateWithFlags(&l->cout, cudaStreamNonBlocking),
+             "cudaStreamCreateWithFlags (copies out)");
     for (int b = 0; b < 2; b++) {
         CUDA_TRY(x, cudaMalloc(&l->sdev[b], NC_SLOT_BYTES), "cudaMalloc (streaming slot)");
         CUDA_TRY(x, cudaMallocHost(&l->spin[b], NC_SLOT_BYTES),
                  "cudaMallocHost (streaming slot)");
         CUDA_TRY(x, cudaEventCreateWithFlags(&l->ev[b], cudaEventDisableTiming),
+                 "cudaEventCreate");
+        CUDA_TRY(x, cudaEventCreateWithFlags(&l->ein[b], cudaEventDisableTiming),
+                 "cudaEventCreate");
+        CUDA_TRY(x, cudaEventCreateWithFlags(&l->ecoll[b], cudaEventDisableTiming),
                  "cudaEventCreate");
     }
     l->slot_cap = NC_SLOT_BYTES;
@@ -350,9 +373,13 @@ static scape_rc stream_op(nccl_impl *x, lane *l, const sop *o, size_t *pos, size
             lo = pos[q] < lo ? pos[q] : lo;
             hi = pos[q] + n[q] > hi ? pos[q] + n[q] : hi;
         }
+        /* The slot is free on the device too: round c - 2's copy out (the
+         * last to touch it) is done, as slot_wait saw. */
         if (hi > lo)
             CUDA_TRY(x, cudaMemcpyAsync(dev + lo, pin + lo, hi - lo, cudaMemcpyHostToDevice,
-                                        l->stream), "copy to the device");
+                                        l->cin), "copy to the device");
+        CUDA_TRY(x, cudaEventRecord(l->ein[b], l->cin), "cudaEventRecord");
+        CUDA_TRY(x, cudaStreamWaitEvent(l->stream, l->ein[b], 0), "cudaStreamWaitEvent");
         ncclResult_t first = ncclSuccess;
         ncclResult_t r = ncclGroupStart();
         if (r == ncclSuccess || r == ncclInProgress)
@@ -367,10 +394,12 @@ static scape_rc stream_op(nccl_impl *x, lane *l, const sop *o, size_t *pos, size
             blo = pos[o->out_seg];
             bhi = blo + n[o->out_seg];
         }
+        CUDA_TRY(x, cudaEventRecord(l->ecoll[b], l->stream), "cudaEventRecord");
+        CUDA_TRY(x, cudaStreamWaitEvent(l->cout, l->ecoll[b], 0), "cudaStreamWaitEvent");
         if (bhi > blo)
             CUDA_TRY(x, cudaMemcpyAsync(pin + blo, dev + blo, bhi - blo, cudaMemcpyDeviceToHost,
-                                        l->stream), "copy to the host");
-        CUDA_TRY(x, cudaEventRecord(l->ev[b], l->stream), "cudaEventRecord");
+                                        l->cout), "copy to the host");
+        CUDA_TRY(x, cudaEventRecord(l->ev[b], l->cout), "cudaEventRecord");
     }
     for (size_t c = rounds > 2 ? rounds - 2 : 0; c < rounds; c++) {
         TRY(slot_wait(x, l, (int)(c & 1), o->what));
@@ -568,17 +597,27 @@ static scape_rc nc_iallgather_wait(comm_t *c)
 
 static void lane_free(lane *l)
 {
+    cudaStream_t copies[2] = { l->cin, l->cout };
+    for (int i = 0; i < 2; i++)
+        if (copies[i]) {
+            cudaStreamSynchronize(copies[i]); /* copies end, even after an abort */
+            cudaStreamDestroy(copies[i]);
+        }
     for (int b = 0; b < 2; b++) {
         if (l->ev[b])
             cudaEventDestroy(l->ev[b]);
+        if (l->ein[b])
+            cudaEventDestroy(l->ein[b]);
+        if (l->ecoll[b])
+            cudaEventDestroy(l->ecoll[b]);
         if (l->sdev[b])
             cudaFree(l->sdev[b]);
         if (l->spin[b])
             cudaFreeHost(l->spin[b]);
     }
     if (l->comm)
-        ncclCommDestroy(l->comm); /* only live, healthy ones: failures aborted theirs */
-    if (l->stream) {
+        ncclCommDestroy(l->comm); /* finalized (close_lanes): does not wait for peers */
+    if (l->stream && !l->borrowed) {
         cudaStreamSynchronize(l->stream);
         cudaStreamDestroy(l->stream);
     }
@@ -589,10 +628,37 @@ static void lane_free(lane *l)
     memset(l, 0, sizeof *l);
 }
 
+/* Finalize both communicators and wait, bounded, until they are quiescent;
+ * abort them if that fails or takes past the deadline (a peer gone). */
+static void close_lanes(nccl_impl *x)
+{
+    lane *ls[2] = { &x->main, &x->mask };
+    ncclResult_t r[2] = { ncclSuccess, ncclSuccess };
+    for (int i = 0; i < 2; i++)
+        if (ls[i]->comm)
+            r[i] = ncclCommFinalize(ls[i]->comm);
+    /* the peers close at about the same time (scancel signals them all) */
+    double deadline = now_ms() + (x->timeout_ms < NC_CLOSE_MS ? x->timeout_ms : NC_CLOSE_MS);
+    for (int i = 0; i < 2; i++)
+        while (ls[i]->comm && r[i] == ncclInProgress) {
+            if (now_ms() > deadline) {
+                abort_all(x);
+                return;
+            }
+            if (ncclCommGetAsyncError(ls[i]->comm, &r[i]) != ncclSuccess)
+                r[i] = ncclInternalError;
+            if (r[i] == ncclInProgress)
+                nap();
+        }
+    if ((ls[0]->comm && r[0] != ncclSuccess) || (ls[1]->comm && r[1] != ncclSuccess))
+        abort_all(x);
+}
+
 static void nc_destroy(comm_t *c)
 {
     nccl_impl *x = c->impl;
     if (x) {
+        close_lanes(x);
         lane_free(&x->mask);
         lane_free(&x->main);
         free(x);
@@ -643,10 +709,16 @@ scape_rc comm_nccl_make_ids(unsigned char *ids, size_t len)
     return SCAPE_OK;
 }
 
-static scape_rc lane_init(nccl_impl *x, lane *l, const comm_nccl_opts *o, int which)
+/* stream: NULL to create the lane's own, else the one it shares. */
+static scape_rc lane_init(nccl_impl *x, lane *l, const comm_nccl_opts *o, int which,
+                          cudaStream_t stream)
 {
-    CUDA_TRY(x, cudaStreamCreateWithFlags(&l->stream, cudaStreamNonBlocking),
-             "cudaStreamCreateWithFlags");
+    l->borrowed = stream != NULL;
+    if (stream)
+        l->stream = stream;
+    else
+        CUDA_TRY(x, cudaStreamCreateWithFlags(&l->stream, cudaStreamNonBlocking),
+                 "cudaStreamCreateWithFlags");
     ncclUniqueId id;
     memcpy(&id, o->ids + which * COMM_NCCL_ID_BYTES, COMM_NCCL_ID_BYTES);
     ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
@@ -690,9 +762,17 @@ scape_rc comm_nccl_create(const comm_nccl_opts *o, comm_t **out)
     c->rank = o->rank;
     c->size = o->size;
     c->impl = x;
-    scape_rc rc = lane_init(x, &x->main, o, 0);
+    int version = 0;
+    ncclResult_t vr = ncclGetVersion(&version);
+    if (vr != ncclSuccess) {
+        free(c);
+        free(x);
+        return scape_set_error(SCAPE_NCCL, "ncclGetVersion: %s", ncclGetErrorString(vr));
+    }
+    int ordered = version >= NCCL_VERSION(2, 26, 0);
+    scape_rc rc = lane_init(x, &x->main, o, 0, NULL);
     if (rc == SCAPE_OK)
-        rc = lane_init(x, &x->mask, o, 1);
+        rc = lane_init(x, &x->mask, o, 1, ordered ? NULL : x->main.stream);
     if (rc != SCAPE_OK) {
         abort_all(x);
         nc_destroy(c);
