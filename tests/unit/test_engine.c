@@ -887,6 +887,67 @@ START_TEST(ranks_disagree)
 }
 END_TEST
 
+/* The mask metrics: rank 1 dawdles `lag_ms` before each step, so rank 0
+ * reaches the next step's mask wait long before rank 1 posts its bits:
+ * rank 0 waits about lag_ms there and its all-gather was mostly waited for
+ * (overlap low); rank 1 finds the bits there (overlap near 1). */
+typedef struct lag_ctx {
+    int lag_ms;
+    double wait_s[2], overlap[2];
+} lag_ctx;
+
+static scape_rc rank_lagging(rank_arg *a)
+{
+    lag_ctx *lc = a->ctx;
+    enum { N = 4000, STEPS = 8 };
+    eng_tensor ts[] = { { "a", 0, 3000 }, { "b", 3000, 1000 } };
+    eng_layout lay = { ts, 2, KERN_F32, KERN_F32 };
+    eng_config cfg;
+    eng_config_default(&cfg);
+    cfg.rho = 0.01;
+    cfg.warmup = 1;
+    static float p[2][N], g[2][N];
+    for (int i = 0; i < N; i++) {
+        p[a->rank][i] = 0.0f;
+        g[a->rank][i] = (float)((i * 7919 + a->rank * 31) % 1000) / 1000.0f - 0.5f;
+    }
+    void *params[1] = { p[a->rank] };
+    const void *grads[1] = { g[a->rank] };
+    eng_t *e = NULL;
+    scape_rc rc = eng_create(&e, &cfg, &lay, a->comm, 1);
+    if (rc == SCAPE_OK)
+        rc = eng_init_params(e, params);
+    for (uint64_t t = 1; rc == SCAPE_OK && t <= STEPS; t++) {
+        if (a->rank == 1)
+            nanosleep(&(struct timespec){ 0, lc->lag_ms * 1000000L }, NULL);
+        rc = eng_step(e, t, 1e-3f, grads, params);
+    }
+    eng_step_stats st;
+    if (rc == SCAPE_OK)
+        rc = eng_last_stats(e, &st);
+    if (rc == SCAPE_OK) {
+        lc->wait_s[a->rank] = st.phase_s[ENG_PH_MASK_WAIT];
+        lc->overlap[a->rank] = st.mask_overlap;
+    }
+    eng_destroy(&e);
+    return rc;
+}
+
+START_TEST(mask_wait_and_overlap)
+{
+    lag_ctx lc = { .lag_ms = 150 };
+    rank_arg args[2];
+    ck_assert_int_eq(run_ranks(2, rank_lagging, &lc, args), 0);
+    for (int r = 0; r < 2; r++)
+        ck_assert_msg(args[r].rc == SCAPE_OK, "rank %d: %s", r, args[r].err);
+    /* rank 0 waited for most of the lag; rank 1 hardly at all */
+    ck_assert_msg(lc.wait_s[0] > 0.5 * 0.150 && lc.overlap[0] < 0.5,
+                  "rank 0: waited %.4f s, overlap %.3f", lc.wait_s[0], lc.overlap[0]);
+    ck_assert_msg(lc.wait_s[1] < lc.wait_s[0] && lc.overlap[1] > 0.5,
+                  "rank 1: waited %.4f s, overlap %.3f", lc.wait_s[1], lc.overlap[1]);
+}
+END_TEST
+
 static void expect_invalid(scape_rc rc, const char *needle)
 {
     ck_assert_int_eq(rc, SCAPE_INVALID);
@@ -1000,6 +1061,7 @@ int main(void)
     tcase_add_test(inv, dense_equivalence);
     tcase_add_test(inv, adamw_dense);
     tcase_add_test(inv, topk_adamw_fills_in);
+    tcase_add_test(inv, mask_wait_and_overlap);
     suite_add_tcase(s, inv);
     TCase *bad = tcase_create("bad arguments");
     tcase_add_test(bad, ranks_disagree);
