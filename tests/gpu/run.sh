@@ -6,8 +6,9 @@
 # cc directly, so a machine without CMake, Check or ZeroMQ still works); run
 # gpu_check (CUDA twins against the CPU reference), the nccl backend with one
 # rank and a whole scaped on it with a host and a CUDA IPC trainer (run_nccl),
-# gpu_bench (GB/s against a device copy) and, when PyTorch with CUDA is
-# importable, the torch.topk timing; print a short summary table last.
+# the Python binding's CUDA path with torch (run_torch_scape), gpu_bench (GB/s
+# against a device copy) and, when PyTorch with CUDA is importable, the
+# torch.topk timing; print a short summary table last.
 #
 #   tests/gpu/run.sh [--quick]     --quick: sizes up to 2^20+7 / 1e7 only
 #
@@ -85,6 +86,7 @@ use_pack() {
     BIN=$pack/bin
     TI=$pack/bin
     DAEMON=$pack/bin/scaped
+    LIBSCAPE=$pack/lib/libscape.so
     HOW="carried (tests/gpu/pack.sh)"
 }
 
@@ -103,10 +105,12 @@ build_cmake() {
     fi
     # The rest is best-effort: each missing piece is reported by run_nccl.
     cmake --build "$BUILD" -j "$(nproc)" --target gpu_nccl scaped trainer_c reference \
-        gpu_trainer >>"$LOGS/cmake.txt" 2>&1 || echo "run.sh: some nccl/daemon programs did not build"
+        gpu_trainer scape >>"$LOGS/cmake.txt" 2>&1 ||
+        echo "run.sh: some nccl/daemon programs did not build"
     BIN=$BUILD/tests/gpu
     TI=$BUILD/tests/integration
     [ -x "$BUILD/daemon/scaped" ] && DAEMON=$BUILD/daemon/scaped
+    [ -e "$BUILD/client/libscape.so" ] && LIBSCAPE=$BUILD/client/libscape.so
     HOW="cmake (Release)"
 }
 
@@ -224,6 +228,27 @@ run_nccl() {
     rm -rf "$rt"
 }
 
+# The Python binding's CUDA path: torch tensors over CUDA IPC buffers, and a
+# CUDA and a CPU ScapeOptimizer agreeing bitwise (tests/gpu/torch_scape.py).
+run_torch_scape() {
+    TORCH_STATUS="not run" TORCH_RC=0
+    if [ -z "${DAEMON:-}" ] || [ -z "${LIBSCAPE:-}" ]; then
+        TORCH_STATUS="not run: scaped or libscape not built here (carry build-gpu-pack)"
+        return
+    fi
+    command -v python3 >/dev/null 2>&1 || { TORCH_STATUS="not run: no python3"; return; }
+    timeout 300 python3 tests/gpu/torch_scape.py --daemon "$DAEMON" --lib "$LIBSCAPE" \
+        --log "$LOGS/scaped_torch.txt" | tee "$LOGS/torch_scape.txt"
+    TORCH_RC=${PIPESTATUS[0]}
+    TORCH_STATUS=$(tail -n 1 "$LOGS/torch_scape.txt")
+    case "$TORCH_RC" in
+    0) ;;
+    77) TORCH_RC=0 ;;
+    124) TORCH_STATUS="torch_scape: timed out after 300 s"; TORCH_RC=1 ;;
+    *) TORCH_RC=1 ;;
+    esac
+}
+
 print_summary() {
     local gpu status
     gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -n 1)
@@ -236,6 +261,7 @@ print_summary() {
     echo "build     : $HOW"
     echo "check     : ${status:-gpu_check exited with status $CHECK_RC}"
     echo "nccl      : ${NCCL_STATUS:-not run}"
+    echo "python    : ${TORCH_STATUS:-not run}"
     awk '$1 != "BENCH" { next }
          !($2 in seen) { seen[$2] = 1; order[++nops] = $2 }
          { gbs[$3, $2] = $5; pct[$3, $2] = $6; if ($3 > max) max = $3 }
@@ -267,6 +293,7 @@ find_nccl
 use_pack || build_cmake || build_direct
 run_check
 run_nccl
+run_torch_scape
 run_bench
 print_summary
-[ "$CHECK_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$NCCL_RC" -eq 0 ]
+[ "$CHECK_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$NCCL_RC" -eq 0 ] && [ "$TORCH_RC" -eq 0 ]

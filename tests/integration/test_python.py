@@ -300,6 +300,25 @@ def test_torch_optimizer_on_cuda_matches_host(daemon_factory):
             [w.join() for w in ws]
             assert torch.equal(models[0].weight.detach(), models[1].weight.detach().cpu())
         assert opts[1].last_info.step == 20
+        s = opts[1].session
+        assert s.params.is_cuda and s.params.data_ptr() == s.device_ptrs[0]
     finally:
         for o in opts:
             o.detach()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_session_buffers_are_torch_tensors(daemon_factory, dtype):
+    """scape.attach(device="cuda") hands over CUDA tensors over libscape's
+    IPC buffers: the dtype asked for, the device addresses it reports."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    d = daemon_factory()
+    with scape.attach(d.endpoint, [("w", 1000), ("b", 3)], dtype=dtype, device="cuda") as s:
+        want = torch.float32 if dtype == "float32" else torch.bfloat16
+        for t, ptr in zip((s.params, s.grads), s.device_ptrs):
+            assert t.is_cuda and t.dtype == want and t.numel() == 1003 and t.data_ptr() == ptr
+        s.params.fill_(1.5)
+        assert float(s.params.float().sum()) == 1.5 * 1003
+    assert s.params is None and s.device_ptrs is None

@@ -101,22 +101,54 @@ def _view(ptr, ctype, n):
     return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctype)), shape=(n,))
 
 
-class Session:
-    """One attached trainer.  params and grads are numpy views of the shared
-    buffers (float32, or uint16 holding the bits of bfloat16); they are None for
-    device memory, whose addresses are device_ptrs (params, grads), and after
-    detach().  scape.torch turns device buffers into CUDA tensors."""
+class _CudaBuffer:
+    """n elements of device memory at ptr, for torch.as_tensor (no copy)."""
 
-    def __init__(self, handle, layout, param_ctype, grad_ctype, host):
+    def __init__(self, ptr, n, typestr):
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": typestr,
+                                          "data": (ptr, False), "version": 2}
+
+
+def _cuda_view(ptr, ctype, n, ordinal):
+    """A torch CUDA tensor over libscape's device buffer: float32, or bfloat16
+    (handed over as int16 bits: the interface has no bfloat16)."""
+    try:
+        import torch
+    except ImportError:
+        raise ScapeError(Rc.UNSUPPORTED, "device buffers are torch tensors: torch is not "
+                                         "installed (device_ptrs holds the addresses)") from None
+    bf16 = ctype is ctypes.c_uint16
+    t = torch.as_tensor(_CudaBuffer(ptr, n, "<i2" if bf16 else "<f4"),
+                        device="cuda:%d" % ordinal)
+    return t.view(torch.bfloat16) if bf16 else t
+
+
+class Session:
+    """One attached trainer.  params and grads view the shared buffers: numpy
+    arrays in host memory (float32, or uint16 holding the bits of bfloat16),
+    torch CUDA tensors in device memory (float32 or bfloat16), whose raw
+    addresses are also device_ptrs (params, grads); None after detach()."""
+
+    def __init__(self, handle, layout, param_ctype, grad_ctype, host, ordinal=0):
         self._handle = handle
         self.layout = layout
         self.numel = lib.scape_numel(handle)
         self.index = lib.scape_index(handle)
         self.next_step = lib.scape_next_step(handle)  # the step step() posts next
-        self.params = _view(lib.scape_params(handle), param_ctype, self.numel) if host else None
-        self.grads = _view(lib.scape_grads(handle), grad_ctype, self.numel) if host else None
-        self.device_ptrs = None if host else (lib.scape_params(handle), lib.scape_grads(handle))
         self._pending = None
+        p, g = lib.scape_params(handle), lib.scape_grads(handle)
+        self.device_ptrs = None if host else (p, g)
+        if host:
+            self.params = _view(p, param_ctype, self.numel)
+            self.grads = _view(g, grad_ctype, self.numel)
+            return
+        try:
+            self.params = _cuda_view(p, param_ctype, self.numel, ordinal)
+            self.grads = _cuda_view(g, grad_ctype, self.numel, ordinal)
+        except BaseException:
+            self.params = self.grads = self.device_ptrs = None
+            lib.scape_detach(ctypes.byref(self._handle))
+            raise
 
     def _live(self):
         if self._handle.value is None:
@@ -186,4 +218,4 @@ def attach(endpoint=None, layout=(), dtype="float32", grad_dtype=None, index=-1,
     handle = ctypes.c_void_p()
     _check(lib.scape_attach(None if endpoint is None else endpoint.encode(), c_layout,
                             len(tensors), ctypes.byref(opts), ctypes.byref(handle)))
-    return Session(handle, tensors, pc, gc, opts.memory == MEMORY_HOST)
+    return Session(handle, tensors, pc, gc, opts.memory == MEMORY_HOST, opts.device)

@@ -9,14 +9,6 @@ import torch
 import scape
 
 
-class _CudaBuffer:
-    """A float32 device buffer of n elements, for torch.as_tensor (no copy)."""
-
-    def __init__(self, ptr, n):
-        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "<f4",
-                                          "data": (ptr, False), "version": 2}
-
-
 class ScapeOptimizer(torch.optim.Optimizer):
     """ScapeOptimizer(model.parameters()) or ScapeOptimizer(model.named_parameters()).
 
@@ -24,8 +16,8 @@ class ScapeOptimizer(torch.optim.Optimizer):
     job's (trainer 0's at the start, after every expected trainer is there).
     One parameter group; lr is param_groups[0]["lr"] at each step.  Parameters
     must be float32, all on the CPU or all on one CUDA device; on CUDA the
-    flat buffers are libscape's cudaMalloc'd IPC buffers, seen as CUDA tensors
-    through __cuda_array_interface__ (unverified on a GPU so far)."""
+    flat buffers are libscape's cudaMalloc'd IPC buffers, which scape.attach
+    hands over as CUDA tensors (unverified on a GPU so far)."""
 
     def __init__(self, params, endpoint=None, lr=1e-3, index=-1, timeout_ms=600000):
         named = [p if isinstance(p, tuple) else ("p%d" % i, p) for i, p in enumerate(params)]
@@ -41,9 +33,7 @@ class ScapeOptimizer(torch.optim.Optimizer):
             flat_p = torch.from_numpy(self.session.params)
             flat_g = torch.from_numpy(self.session.grads)
         else:
-            n = self.session.numel
-            flat_p, flat_g = (torch.as_tensor(_CudaBuffer(ptr, n), device=device)
-                              for ptr in self.session.device_ptrs)
+            flat_p, flat_g = self.session.params, self.session.grads
         spans = [(p, off, n) for (_, p), (_, off, n) in zip(named, self.session.layout)]
         with torch.no_grad():
             for p, off, n in spans:
