@@ -196,6 +196,23 @@ def test_shutdown_tells_trainers_and_unlinks(daemon_factory):
     assert not os.path.exists(os.path.join(d.rt, "control"))
 
 
+def test_sigint_tells_a_waiting_trainer(daemon_factory):
+    """SIGINT stops the daemon like SIGTERM, and a trainer still waiting (here
+    for the second trainer the job needs before step 1) is told why."""
+    d = daemon_factory(*ENGINE, "--trainers", "2")
+    t = run_trainer(d.endpoint, 0, 1000, 10, wait=False)
+    deadline = time.time() + 30
+    while attached(d) < 1:
+        assert time.time() < deadline and t.poll() is None, "the trainer never attached"
+        time.sleep(0.05)
+    time.sleep(0.3)  # it has posted its sync and waits for the reply
+    d.proc.send_signal(signal.SIGINT)
+    assert d.proc.wait(30) == 0, d.output()
+    o, e = t.communicate(timeout=60)
+    assert t.returncode != 0 and "shutting down" in e, o + e
+    assert not os.path.exists(os.path.join(d.rt, "control"))
+
+
 def test_runtime_dir_is_private_and_single(daemon_factory):
     d = daemon_factory()
     assert stat.S_IMODE(os.stat(d.rt).st_mode) == 0o700
