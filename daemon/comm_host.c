@@ -828,10 +828,17 @@ static void gather_free(gather *g)
     free(g->next);
 }
 
-static void host_free(host *h, int size)
+static void host_free(comm_t *c)
 {
-    /* After a failure what is still queued has no taker that matters, and a
+    host *h = c->impl;
+    int size = c->size;
+    /* Read the connections' last events (a peer may have come back; and a
+     * monitor whose events nobody reads could hold up stopping it), then:
+     * after a failure what is still queued has no taker that matters, and a
      * gone peer never takes it: don't linger (timeout_ms) on it. */
+    long long down_ms;
+    if (h->mon && h->down_since && h->up)
+        peers_down(c, 0, &down_ms);
     int zero = 0;
     for (int q = 0; h->push && q < size; q++)
         if (h->push[q] && (h->failed != SCAPE_OK || (h->down_since && h->down_since[q])))
@@ -869,7 +876,7 @@ static void host_free(host *h, int size)
 
 static void destroy(comm_t *c)
 {
-    host_free(c->impl, c->size);
+    host_free(c);
     free(c);
 }
 
@@ -1006,13 +1013,14 @@ scape_rc comm_host_create(const comm_host_opts *o, comm_t **out)
                     : scape_set_error(SCAPE_NOMEM, "comm_host_create: out of memory");
     if (rc == SCAPE_OK)
         rc = host_connect(o, h);
+    if (c)
+        *c = (comm_t){ .ops = &s_host_ops, .rank = o->rank, .size = o->size, .impl = h };
     if (rc != SCAPE_OK) {
         if (h)
-            host_free(h, o->size);
+            host_free(c);
         free(c);
         return rc;
     }
-    *c = (comm_t){ .ops = &s_host_ops, .rank = o->rank, .size = o->size, .impl = h };
     *out = c;
     return SCAPE_OK;
 }

@@ -14,7 +14,8 @@
  * Both lanes are driven from this one thread in the same order on every
  * rank, and NCCL_LAUNCH_ORDER_IMPLICIT makes NCCL keep that order on the GPU,
  * which is what two communicators used concurrently require.  That setting
- * exists from NCCL 2.26 on; with an older NCCL the mask lane issues its work
+ * exists from NCCL 2.26 on; with an older NCCL (or the setting turned off in
+ * the environment) the mask lane issues its work
  * on the main lane's stream (still its own communicator), so the GPU runs
  * the two in issue order: the mask all-gather then overlaps the host's work
  * and the trainers' compute, not the main lane's collectives.
@@ -769,7 +770,9 @@ scape_rc comm_nccl_create(const comm_nccl_opts *o, comm_t **out)
         free(x);
         return scape_set_error(SCAPE_NCCL, "ncclGetVersion: %s", ncclGetErrorString(vr));
     }
-    int ordered = version >= NCCL_VERSION(2, 26, 0);
+    /* launch_order() sets it unless the environment did: a 0 there wins */
+    const char *implicit = getenv("NCCL_LAUNCH_ORDER_IMPLICIT");
+    int ordered = version >= NCCL_VERSION(2, 26, 0) && implicit && atoi(implicit) != 0;
     scape_rc rc = lane_init(x, &x->main, o, 0, NULL);
     if (rc == SCAPE_OK)
         rc = lane_init(x, &x->mask, o, 1, ordered ? NULL : x->main.stream);

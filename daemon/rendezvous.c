@@ -403,7 +403,8 @@ scape_rc rdv_from_slurm(int *rank, int *world, uint64_t *job, char *host, size_t
 
 static int is_loopback(const struct in_addr *a) { return (ntohl(a->s_addr) >> 24) == 127; }
 
-/* The first IPv4 address of an interface that is up and not loopback. */
+/* The first IPv4 address of an interface that is up, running (a bridge with
+ * nothing on it is not) and not loopback. */
 static int interface_address(struct in_addr *out)
 {
     struct ifaddrs *all = NULL;
@@ -412,7 +413,8 @@ static int interface_address(struct in_addr *out)
     int found = 0;
     for (const struct ifaddrs *i = all; i && !found; i = i->ifa_next) {
         if (i->ifa_addr == NULL || i->ifa_addr->sa_family != AF_INET ||
-            !(i->ifa_flags & IFF_UP) || (i->ifa_flags & IFF_LOOPBACK))
+            !(i->ifa_flags & IFF_UP) || !(i->ifa_flags & IFF_RUNNING) ||
+            (i->ifa_flags & IFF_LOOPBACK))
             continue;
         *out = ((const struct sockaddr_in *)(const void *)i->ifa_addr)->sin_addr;
         found = !is_loopback(out);

@@ -34,6 +34,8 @@ def start(daemon, rt, log, *args):
     deadline = time.time() + 20
     while not os.path.exists(os.path.join(rt, "control")):
         if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            proc.wait()
             fail("scaped did not start (see the log)")
         time.sleep(0.05)
     return proc
@@ -49,17 +51,18 @@ def stop(proc):
         fail("scaped did not stop on SIGTERM")
 
 
-def check_session_tensors(torch, scape, endpoint):
-    for dtype, want in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-        with scape.attach(endpoint, [("w", 1000), ("b", 3)], dtype=dtype, device="cuda") as s:
-            for t, ptr in zip((s.params, s.grads), s.device_ptrs):
-                if not (t.is_cuda and t.dtype == want and t.numel() == 1003 and
-                        t.data_ptr() == ptr):
-                    fail("%s session: %s tensor of %d on %s at %#x, libscape says %#x" %
-                         (dtype, t.dtype, t.numel(), t.device, t.data_ptr(), ptr))
-            s.params.fill_(1.5)
-            if float(s.params.float().sum()) != 1.5 * 1003:
-                fail("%s session: writing the device buffer did not read back" % dtype)
+def check_session_tensors(torch, scape, endpoint, dtype):
+    """One daemon per dtype: a node's trainers must share their dtypes."""
+    want = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    with scape.attach(endpoint, [("w", 1000), ("b", 3)], dtype=dtype, device="cuda") as s:
+        for t, ptr in zip((s.params, s.grads), s.device_ptrs):
+            if not (t.is_cuda and t.dtype == want and t.numel() == 1003 and
+                    t.data_ptr() == ptr):
+                fail("%s session: %s tensor of %d on %s at %#x, libscape says %#x" %
+                     (dtype, t.dtype, t.numel(), t.device, t.data_ptr(), ptr))
+        s.params.fill_(1.5)
+        if float(s.params.float().sum()) != 1.5 * 1003:
+            fail("%s session: writing the device buffer did not read back" % dtype)
 
 
 def check_optimizers(torch, scape_torch, endpoint, steps=20):
@@ -127,13 +130,14 @@ def main():
     work = tempfile.mkdtemp(prefix="scape-torch-")
     try:
         with open(a.log, "w") as log:
-            rt = os.path.join(work, "rt1")
-            d = start(a.daemon, rt, log)
-            try:
-                check_session_tensors(torch, scape, "ipc://%s/control" % rt)
-            finally:
-                stop(d)
-            rt = os.path.join(work, "rt2")
+            for dtype in ("float32", "bfloat16"):
+                rt = os.path.join(work, "rt-" + dtype)
+                d = start(a.daemon, rt, log)
+                try:
+                    check_session_tensors(torch, scape, "ipc://%s/control" % rt, dtype)
+                finally:
+                    stop(d)
+            rt = os.path.join(work, "rt-optimizers")
             d = start(a.daemon, rt, log, "--rho", "0.5", "--warmup", "5", "--trainers", "2")
             try:
                 check_optimizers(torch, scape.torch, "ipc://%s/control" % rt)
