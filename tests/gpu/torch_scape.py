@@ -11,7 +11,8 @@ nothing but torch and numpy (the GPU machine has no pyzmq or Check):
 
 Usage: torch_scape.py --daemon PATH/scaped --lib PATH/libscape.so [--log FILE]
 Prints "torch_scape: PASS ..." and exits 0, "SKIP: ..." and 77 without a
-usable torch/CUDA, or "torch_scape: FAIL ..." and 1.
+usable torch/CUDA, or "torch_scape: FAIL ..." and 1.  The two checks are also
+tests/integration/test_python.py's CUDA tests (where pyzmq and pytest exist).
 """
 import argparse
 import os
@@ -23,9 +24,12 @@ import threading
 import time
 
 
+class Failed(AssertionError):
+    """A check did not hold (pytest reports it as a failed assertion)."""
+
+
 def fail(msg):
-    print("torch_scape: FAIL: %s" % msg)
-    sys.exit(1)
+    raise Failed(msg)
 
 
 def start(daemon, rt, log, *args):
@@ -129,24 +133,31 @@ def main():
 
     work = tempfile.mkdtemp(prefix="scape-torch-")
     try:
-        with open(a.log, "w") as log:
-            for dtype in ("float32", "bfloat16"):
-                rt = os.path.join(work, "rt-" + dtype)
-                d = start(a.daemon, rt, log)
-                try:
-                    check_session_tensors(torch, scape, "ipc://%s/control" % rt, dtype)
-                finally:
-                    stop(d)
-            rt = os.path.join(work, "rt-optimizers")
-            d = start(a.daemon, rt, log, "--rho", "0.5", "--warmup", "5", "--trainers", "2")
-            try:
-                check_optimizers(torch, scape.torch, "ipc://%s/control" % rt)
-            finally:
-                stop(d)
+        run(a, torch, scape, work)
+    except Failed as e:
+        print("torch_scape: FAIL: %s" % e)
+        sys.exit(1)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print("torch_scape: PASS: CUDA sessions are torch tensors (float32, bfloat16); a CUDA "
           "and a CPU ScapeOptimizer agree bitwise for 20 steps (torch %s)" % torch.__version__)
+
+
+def run(a, torch, scape, work):
+    with open(a.log, "w") as log:
+        for dtype in ("float32", "bfloat16"):
+            rt = os.path.join(work, "rt-" + dtype)
+            d = start(a.daemon, rt, log)
+            try:
+                check_session_tensors(torch, scape, "ipc://%s/control" % rt, dtype)
+            finally:
+                stop(d)
+        rt = os.path.join(work, "rt-optimizers")
+        d = start(a.daemon, rt, log, "--rho", "0.5", "--warmup", "5", "--trainers", "2")
+        try:
+            check_optimizers(torch, scape.torch, "ipc://%s/control" % rt)
+        finally:
+            stop(d)
 
 
 if __name__ == "__main__":

@@ -264,61 +264,31 @@ def test_torch_optimizer_trains_in_shared_memory(daemon_factory):
     assert float(torch.nn.functional.mse_loss(model(x), y)) < losses[0]
 
 
-def test_torch_optimizer_on_cuda_matches_host(daemon_factory):
-    """Two trainers on one daemon, one with its parameters in CUDA IPC
-    buffers, one in host shared memory, the same data: after every step
-    both hold the same parameters (the daemon stages the device buffers)."""
+def cuda_torch():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
+    sys.path.insert(0, os.path.join(SOURCE, "tests", "gpu"))
+    import torch_scape
+    return torch, torch_scape
+
+
+def test_torch_optimizer_on_cuda_matches_host(daemon_factory):
+    """Two trainers on one daemon, one with its parameters in CUDA IPC
+    buffers, one in host shared memory, the same data: after every step
+    both hold the same parameters (the daemon stages the device buffers).
+    The check is tests/gpu/torch_scape.py's, which run.sh runs on GPU
+    machines without pyzmq."""
+    torch, torch_scape = cuda_torch()
     import scape.torch
-
     d = daemon_factory("--rho", "0.5", "--warmup", "5", "--trainers", "2")
-    torch.manual_seed(0)
-    x = torch.randn(64, 8)
-    y = x @ torch.randn(8, 1)
-    models = [torch.nn.Linear(8, 1), torch.nn.Linear(8, 1).cuda()]
-    opts = [None, None]
-
-    def make(i):
-        opts[i] = scape.torch.ScapeOptimizer(models[i].named_parameters(),
-                                             endpoint=d.endpoint, lr=0.05, index=i)
-
-    import threading
-    ts = [threading.Thread(target=make, args=(i,)) for i in (0, 1)]
-    [t.start() for t in ts]
-    [t.join() for t in ts]
-    try:
-        assert models[1].weight.is_cuda
-        for _ in range(20):
-            for m, o in zip(models, opts):
-                o.zero_grad()
-                dev = m.weight.device
-                torch.nn.functional.mse_loss(m(x.to(dev)), y.to(dev)).backward()
-            ws = [threading.Thread(target=o.step) for o in opts]
-            [w.start() for w in ws]
-            [w.join() for w in ws]
-            assert torch.equal(models[0].weight.detach(), models[1].weight.detach().cpu())
-        assert opts[1].last_info.step == 20
-        s = opts[1].session
-        assert s.params.is_cuda and s.params.data_ptr() == s.device_ptrs[0]
-    finally:
-        for o in opts:
-            o.detach()
+    torch_scape.check_optimizers(torch, scape.torch, d.endpoint)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_session_buffers_are_torch_tensors(daemon_factory, dtype):
     """scape.attach(device="cuda") hands over CUDA tensors over libscape's
     IPC buffers: the dtype asked for, the device addresses it reports."""
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
+    torch, torch_scape = cuda_torch()
     d = daemon_factory()
-    with scape.attach(d.endpoint, [("w", 1000), ("b", 3)], dtype=dtype, device="cuda") as s:
-        want = torch.float32 if dtype == "float32" else torch.bfloat16
-        for t, ptr in zip((s.params, s.grads), s.device_ptrs):
-            assert t.is_cuda and t.dtype == want and t.numel() == 1003 and t.data_ptr() == ptr
-        s.params.fill_(1.5)
-        assert float(s.params.float().sum()) == 1.5 * 1003
-    assert s.params is None and s.device_ptrs is None
+    torch_scape.check_session_tensors(torch, scape, d.endpoint, dtype)
