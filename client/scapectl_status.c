@@ -88,6 +88,11 @@ static void print_last(printer *p, const Scape__StepDone *d)
                 fmt_bytes(b, sizeof b, d->handover_copy_bytes));
     else
         pr_null(p, "handover_copy_bytes", "Handover copy");
+    if (d->has_control_bytes)
+        pr_uint(p, "control_bytes", "Control bytes", d->control_bytes,
+                fmt_bytes(b, sizeof b, d->control_bytes));
+    else
+        pr_null(p, "control_bytes", "Control bytes");
     print_phases(p, d->phases);
     pr_close(p);
 }

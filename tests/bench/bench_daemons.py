@@ -30,10 +30,10 @@ from bench_service import emit, status  # noqa: E402
 from conftest import free_endpoints  # noqa: E402
 
 
-def last_step(rt):
+def last_step(build, rt):
     """rank 0's collective payload and mask bytes of its last step."""
-    _, done = status(rt)
-    return int(done[5][0]), int(done.get(12, [0])[0])
+    _, done = status(build, rt)
+    return int(done["bytes"]), int(done.get("mask_bytes") or 0)
 
 
 def run(build, work, tag, ranks, n, steps, engine):
@@ -68,7 +68,7 @@ def run(build, work, tag, ranks, n, steps, engine):
         hashes.append(re.search(r"params ([0-9a-f]+)", out).group(1))
     if len(set(hashes)) != 1:
         sys.exit("bench_daemons: trainers disagree: %s" % hashes)
-    payload, mask = last_step(rts[0])
+    payload, mask = last_step(build, rts[0])
     for d in daemons:
         d.terminate()
     for d in daemons:

@@ -15,9 +15,15 @@ in-process engine in the same run.
      optimizer state and residual it must hold.
 
 Usage: bench_service.py BUILD_DIR [--quick] [--rounds R] [--markdown FILE]
-Prints figures; it does not pass or fail on them.
+       bench_service.py --bin DIR ...   (scaped, scapectl, trainer_c and
+                                         reference all in DIR, as
+                                         tests/gpu/pack.sh packs them)
+Prints figures; it does not pass or fail on them.  Needs nothing beyond the
+Python standard library (the daemon's status comes from scapectl --json), so
+it also runs on the GPU machine's image.
 """
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -26,10 +32,16 @@ import sys
 import tempfile
 import time
 
+# Where the programs are: a build tree (BUILD/daemon/scaped, ...) or, with
+# --bin, one folder holding them all.
+_LAYOUT = {"scaped": "daemon", "scapectl": "client", "trainer_c": "tests/integration",
+           "reference": "tests/integration"}
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
-                                "integration"))
-import pbwire  # noqa: E402
+
+def prog(build, name):
+    if os.path.exists(os.path.join(build, name)) and not os.path.isdir(os.path.join(build, name)):
+        return os.path.join(build, name)
+    return os.path.join(build, _LAYOUT[name], name)
 
 
 def emit(lines, markdown=None):
@@ -42,7 +54,7 @@ def emit(lines, markdown=None):
 
 def start_daemon(build, rt, *args):
     log = open(os.path.join(os.path.dirname(rt), "scaped.log"), "w")
-    proc = subprocess.Popen([os.path.join(build, "daemon", "scaped"), "--runtime-dir", rt,
+    proc = subprocess.Popen([prog(build, "scaped"), "--runtime-dir", rt,
                              "--log-level", "warn", *args], stdout=log, stderr=log)
     deadline = time.time() + 15
     while not os.path.exists(os.path.join(rt, "control")):
@@ -52,16 +64,18 @@ def start_daemon(build, rt, *args):
     return proc
 
 
-def status(rt):
-    """The daemon's StatusReply as a field dict, and its last StepDone."""
-    code, msg, st, done = pbwire.query_status("ipc://%s/status" % rt)
-    if code != 0:
-        sys.exit("bench_service: status: %s" % msg)
-    return st, done
+def status(build, rt):
+    """The daemon's status (scapectl status --json) and its last step's."""
+    res = subprocess.run([prog(build, "scapectl"), "--runtime-dir", rt, "status", "--json"],
+                         capture_output=True, text=True, timeout=60)
+    if res.returncode != 0:
+        sys.exit("bench_service: scapectl status: %s" % (res.stderr.strip() or res.returncode))
+    st = json.loads(res.stdout)
+    return st, st.get("last") or {}
 
 
 def trainer_cmd(build, rt, index, n, steps, extra=()):
-    return [os.path.join(build, "tests", "integration", "trainer_c"), "--endpoint",
+    return [prog(build, "trainer_c"), "--endpoint",
             "ipc://%s/control" % rt, "--index", str(index), "--n", str(int(n)),
             "--steps", str(steps), *extra]
 
@@ -78,7 +92,7 @@ def overhead_round(build, work, n, steps, trainers, tag):
     and the engine step inside the daemon."""
     engine = ["--rho", "0.01", "--warmup", "1"]
     ref_timing = os.path.join(work, "ref-%s" % tag)
-    subprocess.run([os.path.join(build, "tests", "integration", "reference"),
+    subprocess.run([prog(build, "reference"),
                     "--trainers", str(trainers), "--n", str(int(n)), "--steps",
                     str(steps), "--timing", ref_timing, *engine],
                    capture_output=True, text=True, check=True)
@@ -89,7 +103,7 @@ def overhead_round(build, work, n, steps, trainers, tag):
     procs = [subprocess.Popen(trainer_cmd(build, rt, i, n, steps, ["--timing", files[i]]))
              for i in range(trainers)]
     wait_all(procs, "trainer")
-    _, last = status(rt)
+    _, last = status(build, rt)
     d.terminate()
     d.wait()
     rows = [[list(map(float, l.split())) for l in open(f)] for f in files]
@@ -97,8 +111,8 @@ def overhead_round(build, work, n, steps, trainers, tag):
         "inproc": inproc,
         "last_poster": [min(r[k][1] for r in rows) for k in range(steps)],
         "engine_in_daemon": [rows[0][k][3] for k in range(steps)],
-        "control_bytes": int(last.get(10, [0])[0]),
-        "copied_bytes": int(last.get(9, [0])[0]),
+        "control_bytes": int(last.get("control_bytes") or 0),
+        "copied_bytes": int(last.get("handover_copy_bytes") or 0),
     }
 
 
@@ -134,25 +148,29 @@ def memory(build, work, n, trainers, steps=4):
           for i in range(trainers)]
     time.sleep(1.0)
     deadline = time.time() + 3600
-    st, last = status(rt)
-    while int(st[8][0]) < steps - 1 and time.time() < deadline:
+    st, last = status(build, rt)
+    while int(st["step"]) < steps - 1 and time.time() < deadline:
         time.sleep(0.2)
-        st, last = status(rt)
-    rss, state = int(st[12][0]), int(st[13][0])
+        st, last = status(build, rt)
+    rss, state = int(st["rss_bytes"]), int(st["state_bytes"])
     wait_all(ts, "trainer")
     d.terminate()
     d.wait()
-    return {"n": int(st[9][0]), "rss": rss, "state": state, "trainers": trainers}
+    return {"n": int(st["numel"]), "rss": rss, "state": state, "trainers": trainers}
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("build")
+    ap.add_argument("build", nargs="?", help="the build tree")
+    ap.add_argument("--bin", help="one folder with scaped, scapectl, trainer_c, reference")
     ap.add_argument("--quick", action="store_true", help="N=1e7 for the memory figure")
     ap.add_argument("--markdown")
     ap.add_argument("--rounds", type=int, default=5,
                     help="alternating in-process / daemon runs for the overhead")
     a = ap.parse_args()
+    if (a.build is None) == (a.bin is None):
+        ap.error("give a build tree or --bin DIR")
+    a.build = a.build or a.bin
     work = tempfile.mkdtemp(prefix="scape-bench-")
     try:
         print("bench_service: overhead at N=1e6, 4 trainers, rho=0.01 ...", file=sys.stderr)

@@ -8,7 +8,8 @@
 # rank and a whole scaped on it with a host and a CUDA IPC trainer (run_nccl),
 # the Python binding's CUDA path with torch (run_torch_scape), gpu_bench (GB/s
 # against a device copy) and, when PyTorch with CUDA is importable, the
-# torch.topk timing; print a short summary table last.
+# torch.topk timing, then the CPU service benchmark (the daemon's overhead,
+# on this machine's many cores); print a short summary table last.
 #
 #   tests/gpu/run.sh [--quick]     --quick: sizes up to 2^20+7 / 1e7 only
 #
@@ -249,6 +250,32 @@ run_torch_scape() {
     esac
 }
 
+# Issue 3's service benchmark on this machine's CPUs (many more than the
+# 2-vCPU development machine): the daemon's overhead against the in-process
+# engine, handover bytes, memory (tests/bench/bench_service.py).
+run_service_bench() {
+    SERVICE_STATUS="not run"
+    local where=()
+    if [ "$HOW" = "carried (tests/gpu/pack.sh)" ]; then
+        where=(--bin build-gpu-pack/bin)
+    elif [ -x "$BUILD/daemon/scaped" ] && [ -x "$BUILD/client/scapectl" ]; then
+        cmake --build "$BUILD" -j "$(nproc)" --target scapectl trainer_c reference \
+            >>"$LOGS/cmake.txt" 2>&1 || true
+        where=("$BUILD")
+    else
+        SERVICE_STATUS="not run: the daemon programs are not built here"
+        return
+    fi
+    command -v python3 >/dev/null 2>&1 || { SERVICE_STATUS="not run: no python3"; return; }
+    if timeout 300 python3 tests/bench/bench_service.py "${where[@]}" --quick \
+        --markdown "$LOGS/service.md" >"$LOGS/service.txt" 2>&1; then
+        SERVICE_STATUS=$(grep "through scaped" "$LOGS/service.md" | awk -F'|' '{print $5}')
+        SERVICE_STATUS="through scaped vs in-process:${SERVICE_STATUS} (table: $LOGS/service.md)"
+    else
+        SERVICE_STATUS="bench_service failed or timed out (see $LOGS/service.txt)"
+    fi
+}
+
 print_summary() {
     local gpu status
     gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -n 1)
@@ -262,6 +289,7 @@ print_summary() {
     echo "check     : ${status:-gpu_check exited with status $CHECK_RC}"
     echo "nccl      : ${NCCL_STATUS:-not run}"
     echo "python    : ${TORCH_STATUS:-not run}"
+    echo "service   : ${SERVICE_STATUS:-not run}"
     awk '$1 != "BENCH" { next }
          !($2 in seen) { seen[$2] = 1; order[++nops] = $2 }
          { gbs[$3, $2] = $5; pct[$3, $2] = $6; if ($3 > max) max = $3 }
@@ -295,5 +323,6 @@ run_check
 run_nccl
 run_torch_scape
 run_bench
+run_service_bench
 print_summary
 [ "$CHECK_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$NCCL_RC" -eq 0 ] && [ "$TORCH_RC" -eq 0 ]

@@ -109,6 +109,8 @@ def test_status_json_and_step_advances(job):
     assert last["bytes"] > 0 and isinstance(last["phases_s"]["total"], float)
     # the lagged mask all-gather of a SCAPE step: coded bits, part of `bytes`
     assert 0 < last["mask_bytes"] < last["bytes"]
+    # two trainers' Step messages, no gradient bytes: those stay in shared memory
+    assert 0 < last["control_bytes"] < 100 and last["handover_copy_bytes"] == 0
     assert "loss" in b and b["uptime_ms"] > 0 and b["rss_bytes"] > 0
 
 
