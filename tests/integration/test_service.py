@@ -237,6 +237,14 @@ def test_config_errors_and_print_config(tmp_path):
              for l in res.stdout.splitlines() if ":" in l and not l.startswith("#")}
     assert float(lines["rho"]) == 0.05
     assert lines["warmup"] == "7" and lines["mode"] == "sharded"
+    # one key at every level: the file < SCAPE_* < the flag
+    for flags, want in (((), 0.07), (("--rho", "0.3"), 0.3)):
+        res = subprocess.run([binary("daemon", "scaped"), "--config", str(cfg), "--print-config",
+                              *flags], capture_output=True, text=True, timeout=30,
+                             env=dict(os.environ, SCAPE_RHO="0.07"))
+        assert res.returncode == 0, res.stderr
+        rho = [l for l in res.stdout.splitlines() if l.startswith("rho:")]
+        assert rho and float(rho[0].split(":")[1].split("#")[0]) == want, res.stdout
 
 
 def test_slurm_environment_sets_the_job_shape():

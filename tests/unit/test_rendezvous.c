@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <zmq.h>
 
 #include "rendezvous.h"
@@ -42,8 +43,9 @@ static void *rank_main(void *p)
     return NULL;
 }
 
-/* Run ranks [0, world) except `absent`; rank `stranger` uses another job. */
-static void run(rank_case *cs, int world, int absent, int stranger, int timeout_ms)
+/* Run ranks [0, world) except `absent`; rank `stranger` uses another job;
+ * rank 0 (the coordinator) starts late0_ms after the others. */
+static void run(rank_case *cs, int world, int absent, int stranger, int timeout_ms, int late0_ms)
 {
     char coord[64];
     free_endpoint(coord, sizeof coord);
@@ -60,8 +62,12 @@ static void run(rank_case *cs, int world, int absent, int stranger, int timeout_
             c->o.blob = blob;
             c->o.blob_len = sizeof blob;
         }
+    }
+    for (int r = world - 1; r >= 0; r--) {
+        if (r == 0 && late0_ms > 0)
+            nanosleep(&(struct timespec){ late0_ms / 1000, (late0_ms % 1000) * 1000000L }, NULL);
         if (r != absent)
-            ck_assert_int_eq(pthread_create(&th[r], NULL, rank_main, c), 0);
+            ck_assert_int_eq(pthread_create(&th[r], NULL, rank_main, &cs[r]), 0);
     }
     for (int r = 0; r < world; r++)
         if (r != absent)
@@ -74,7 +80,7 @@ START_TEST(table_reaches_every_rank)
     for (size_t w = 0; w < sizeof worlds / sizeof worlds[0]; w++) {
         int world = worlds[w];
         rank_case cs[MAX_R];
-        run(cs, world, -1, -1, 10000);
+        run(cs, world, -1, -1, 10000, 0);
         for (int r = 0; r < world; r++) {
             ck_assert_msg(cs[r].rc == SCAPE_OK, "world %d rank %d: %s", world, r, cs[r].err);
             ck_assert_int_eq(cs[r].res.world, world);
@@ -88,10 +94,24 @@ START_TEST(table_reaches_every_rank)
 }
 END_TEST
 
+/* The other ranks keep trying while the coordinator is not up yet (a
+ * daemon that srun starts last): all of them get the table. */
+START_TEST(late_coordinator_is_waited_for)
+{
+    rank_case cs[3];
+    run(cs, 3, -1, -1, 10000, 1500);
+    for (int r = 0; r < 3; r++) {
+        ck_assert_msg(cs[r].rc == SCAPE_OK, "rank %d: %s", r, cs[r].err);
+        ck_assert_str_eq(cs[r].res.endpoints[2], cs[2].endpoint);
+        rdv_result_free(&cs[r].res);
+    }
+}
+END_TEST
+
 START_TEST(missing_rank_is_named)
 {
     rank_case cs[4];
-    run(cs, 4, 2, -1, 400);
+    run(cs, 4, 2, -1, 400, 0);
     ck_assert_int_eq(cs[0].rc, SCAPE_TIMEOUT);
     ck_assert_msg(strstr(cs[0].err, "rank(s) 2 never joined") != NULL, "%s", cs[0].err);
     for (int r = 1; r < 4; r += 2) {
@@ -104,7 +124,7 @@ END_TEST
 START_TEST(another_job_is_refused)
 {
     rank_case cs[3];
-    run(cs, 3, -1, 1, 400);
+    run(cs, 3, -1, 1, 400, 0);
     ck_assert_int_eq(cs[1].rc, SCAPE_INVALID);
     ck_assert_msg(strstr(cs[1].err, "job 99 is not this job (7)") != NULL, "%s", cs[1].err);
     ck_assert_int_eq(cs[0].rc, SCAPE_TIMEOUT);
@@ -115,7 +135,7 @@ END_TEST
 START_TEST(no_coordinator)
 {
     rank_case cs[2];
-    run(cs, 2, 0, -1, 300);
+    run(cs, 2, 0, -1, 300, 0);
     ck_assert_int_eq(cs[1].rc, SCAPE_TIMEOUT);
     ck_assert_msg(strstr(cs[1].err, "rank 0 at tcp://127.0.0.1:") != NULL, "%s", cs[1].err);
 }
@@ -211,6 +231,7 @@ int main(void)
     TCase *tc = tcase_create("rendezvous");
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, table_reaches_every_rank);
+    tcase_add_test(tc, late_coordinator_is_waited_for);
     tcase_add_test(tc, missing_rank_is_named);
     tcase_add_test(tc, another_job_is_refused);
     tcase_add_test(tc, no_coordinator);
