@@ -88,6 +88,7 @@ use_pack() {
     TI=$pack/bin
     DAEMON=$pack/bin/scaped
     LIBSCAPE=$pack/lib/libscape.so
+    SERVICE_FROM=(--bin "$pack/bin")
     HOW="carried (tests/gpu/pack.sh)"
 }
 
@@ -106,12 +107,13 @@ build_cmake() {
     fi
     # The rest is best-effort: each missing piece is reported by run_nccl.
     cmake --build "$BUILD" -j "$(nproc)" --target gpu_nccl scaped trainer_c reference \
-        gpu_trainer scape >>"$LOGS/cmake.txt" 2>&1 ||
+        gpu_trainer scape scapectl >>"$LOGS/cmake.txt" 2>&1 ||
         echo "run.sh: some nccl/daemon programs did not build"
     BIN=$BUILD/tests/gpu
     TI=$BUILD/tests/integration
     [ -x "$BUILD/daemon/scaped" ] && DAEMON=$BUILD/daemon/scaped
     [ -e "$BUILD/client/libscape.so" ] && LIBSCAPE=$BUILD/client/libscape.so
+    [ -x "$BUILD/client/scapectl" ] && SERVICE_FROM=("$BUILD")
     HOW="cmake (Release)"
 }
 
@@ -255,19 +257,12 @@ run_torch_scape() {
 # engine, handover bytes, memory (tests/bench/bench_service.py).
 run_service_bench() {
     SERVICE_STATUS="not run"
-    local where=()
-    if [ "$HOW" = "carried (tests/gpu/pack.sh)" ]; then
-        where=(--bin build-gpu-pack/bin)
-    elif [ -x "$BUILD/daemon/scaped" ] && [ -x "$BUILD/client/scapectl" ]; then
-        cmake --build "$BUILD" -j "$(nproc)" --target scapectl trainer_c reference \
-            >>"$LOGS/cmake.txt" 2>&1 || true
-        where=("$BUILD")
-    else
+    if [ -z "${SERVICE_FROM+x}" ] || [ -z "${DAEMON:-}" ]; then
         SERVICE_STATUS="not run: the daemon programs are not built here"
         return
     fi
     command -v python3 >/dev/null 2>&1 || { SERVICE_STATUS="not run: no python3"; return; }
-    if timeout 300 python3 tests/bench/bench_service.py "${where[@]}" --quick \
+    if timeout 300 python3 tests/bench/bench_service.py "${SERVICE_FROM[@]}" --quick \
         --markdown "$LOGS/service.md" >"$LOGS/service.txt" 2>&1; then
         SERVICE_STATUS=$(grep "through scaped" "$LOGS/service.md" | awk -F'|' '{print $5}')
         SERVICE_STATUS="through scaped vs in-process:${SERVICE_STATUS} (table: $LOGS/service.md)"

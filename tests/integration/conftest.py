@@ -10,6 +10,8 @@ import time
 import pytest
 import zmq
 
+import pbwire
+
 BUILD = os.environ.get("SCAPE_BUILD_DIR")
 SOURCE = os.environ.get("SCAPE_SOURCE_DIR",
                         os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
@@ -41,6 +43,13 @@ class Daemon:
             if self.proc.poll() is not None or time.time() > deadline:
                 raise RuntimeError("scaped did not start:\n" + self.output())
             time.sleep(0.02)
+
+    def trainers(self):
+        """Each attached trainer's TrainerInfo fields {1: index, 3: pid, 4: last
+        step}, from the status socket."""
+        status, msg, st, _ = pbwire.query_status(self.status_endpoint)
+        assert status == 0, msg
+        return [{k: v[0] for k, v in pbwire.parse(raw).items()} for raw in st.get(10, [])]
 
     def output(self):
         self.log.flush()

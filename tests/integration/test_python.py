@@ -15,7 +15,6 @@ from conftest import SOURCE, run_reference, run_trainer, synth_layout
 
 sys.path.insert(0, os.path.join(SOURCE, "client", "python"))
 import scape  # noqa: E402
-import pbwire  # noqa: E402
 import py_trainer  # noqa: E402
 from scape._lib import lib  # noqa: E402
 
@@ -115,7 +114,7 @@ def test_abandoned_step_leaves_the_last_consistent_state(daemon_factory, tmp_pat
                 assert e.value.code == scape.Rc.REMOTE and "abandoned" in e.value.message
                 c = run_trainer(d.endpoint, 1, n, steps, out=str(tmp_path / "c"), wait=False)
                 deadline = time.time() + 60
-                while not any(ti[3] == c.pid and ti[4] == t for ti in trainer_infos(d)):
+                while not any(ti[3] == c.pid and ti[4] == t for ti in d.trainers()):
                     assert time.time() < deadline and c.poll() is None, "c never posted"
                     time.sleep(0.02)
                 s.step(1e-2, step=t)
@@ -133,13 +132,6 @@ def test_abandoned_step_leaves_the_last_consistent_state(daemon_factory, tmp_pat
                 p.kill()
                 p.wait()
     assert d.stop() == 0
-
-
-def trainer_infos(d):
-    """Each attached trainer's TrainerInfo fields {1: index, 3: pid, 4: last step}."""
-    status, msg, st, _ = pbwire.query_status(d.status_endpoint)
-    assert status == 0, msg
-    return [{k: v[0] for k, v in pbwire.parse(raw).items()} for raw in st.get(10, [])]
 
 
 def test_views_alias_shared_memory(daemon_factory):

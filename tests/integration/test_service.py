@@ -202,7 +202,7 @@ def test_sigint_tells_a_waiting_trainer(daemon_factory):
     d = daemon_factory(*ENGINE, "--trainers", "2")
     t = run_trainer(d.endpoint, 0, 1000, 10, wait=False)
     deadline = time.time() + 30
-    while attached(d) < 1:
+    while len(d.trainers()) < 1:
         assert time.time() < deadline and t.poll() is None, "the trainer never attached"
         time.sleep(0.05)
     time.sleep(0.3)  # it has posted its sync and waits for the reply
@@ -266,12 +266,6 @@ def test_slurm_environment_sets_the_job_shape():
     assert printed("--rank", "2")["rank"] == "2"  # flags still win
 
 
-def attached(d):
-    status, msg, st, _ = pbwire.query_status(d.status_endpoint)
-    assert status == 0, msg
-    return len(st.get(10, []))
-
-
 def test_sixty_four_trainers_and_no_sixty_fifth(daemon_factory, tmp_path):
     """The most trainers a daemon serves, every one bitwise equal to the
     in-process engine with 64 trainers; a 65th is refused meanwhile."""
@@ -281,8 +275,8 @@ def test_sixty_four_trainers_and_no_sixty_fifth(daemon_factory, tmp_path):
                          sleep_ms=50, wait=False) for i in range(count)]
     try:
         deadline = time.time() + 120
-        while attached(d) < count:
-            assert time.time() < deadline, "only %d trainers attached" % attached(d)
+        while len(d.trainers()) < count:
+            assert time.time() < deadline, "only %d trainers attached" % len(d.trainers())
             assert all(p.poll() is None for p in procs), "a trainer ended early"
             time.sleep(0.05)
         ctx = zmq.Context()
