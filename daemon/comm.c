@@ -1,5 +1,8 @@
-/* comm.c - argument checks and byte/call counting around the backend table. */
+/* comm.c - argument checks and byte/call counting around the backend table,
+ * and the stop request the backends' waits consult. */
+#define _POSIX_C_SOURCE 200809L
 #include <stdlib.h>
+#include <time.h>
 
 #include "comm.h"
 
@@ -141,10 +144,37 @@ scape_rc comm_barrier(comm_t *c)
 }
 
 static int (*s_interrupt)(void);
+static long long s_stop_seen_ms;  /* when a wait first saw the request; 0: not yet */
+static long long s_progress_ms;   /* the last comm_progress() */
 
-void comm_set_interrupt(int (*check)(void)) { s_interrupt = check; }
+static long long mono_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
 
-int comm_interrupted(void) { return s_interrupt != NULL && s_interrupt(); }
+void comm_set_interrupt(int (*check)(void))
+{
+    s_interrupt = check;
+    s_stop_seen_ms = 0;
+}
+
+void comm_progress(void) { s_progress_ms = mono_ms(); }
+
+/* A stop request ends a wait only once the wait has gone COMM_STOP_GRACE_MS
+ * without progress since the request: a step whose peers are all there
+ * finishes, one waiting for a peer that never comes is given up. */
+int comm_interrupted(void)
+{
+    if (s_interrupt == NULL || !s_interrupt())
+        return 0;
+    long long now = mono_ms();
+    if (s_stop_seen_ms == 0)
+        s_stop_seen_ms = now;
+    long long since = s_progress_ms > s_stop_seen_ms ? s_progress_ms : s_stop_seen_ms;
+    return now - since >= COMM_STOP_GRACE_MS;
+}
 
 uint64_t comm_device_bytes(const comm_t *c)
 {

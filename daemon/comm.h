@@ -93,13 +93,18 @@ scape_rc comm_iallgather_wait(comm_t *c);
 scape_rc comm_broadcast(comm_t *c, void *buf, size_t bytes, int root);
 /* Wait until every rank has arrived. */
 scape_rc comm_barrier(comm_t *c);
-/* A process-wide check that the backends' blocking waits consult a few times
- * a second: when it returns nonzero, the wait gives up with SCAPE_REMOTE.
- * The daemon sets it so that a shutdown is not held up by a collective
- * waiting for a peer that will never come (NULL: never interrupted). */
+/* A process-wide stop request that the backends' blocking waits consult a
+ * few times a second (NULL: never).  The daemon sets it so that a shutdown
+ * lets the running step finish but is not held up by a collective waiting
+ * for a peer that will never come: once the request is seen, a wait gives up
+ * with SCAPE_REMOTE when COMM_STOP_GRACE_MS pass without progress (a message
+ * received, a collective completed: comm_progress) since the later of the
+ * request and the last progress. */
 void comm_set_interrupt(int (*check)(void));
 int comm_interrupted(void);
+void comm_progress(void);
 #define COMM_INTERRUPT_SLICE_MS 100
+#define COMM_STOP_GRACE_MS 1000
 /* Device memory the backend holds (staging buffers), bytes. */
 uint64_t comm_device_bytes(const comm_t *c);
 /* Messages the backend dropped because they cannot be from a rank of this

@@ -439,9 +439,10 @@ static scape_rc pump_one(comm_t *c, long long deadline, int in_op, host_msg **ou
     if (left <= 0)
         return PUMP_DEADLINE;
     if (comm_interrupted())
-        return scape_set_error(SCAPE_REMOTE, "comm host: %s (op %llu) interrupted: the daemon "
-                               "is shutting down", h->opname ? h->opname : "a wait",
-                               (unsigned long long)h->seq);
+        return scape_set_error(SCAPE_REMOTE, "comm host: %s (op %llu) given up: the daemon is "
+                               "shutting down and the wait made no progress for %d ms",
+                               h->opname ? h->opname : "a wait", (unsigned long long)h->seq,
+                               COMM_STOP_GRACE_MS);
     long slice = left < COMM_INTERRUPT_SLICE_MS ? (long)left : COMM_INTERRUPT_SLICE_MS;
     int ready = zmq_poll(&it, 1, slice);
     if (ready == 0) {
@@ -464,8 +465,10 @@ static scape_rc pump_one(comm_t *c, long long deadline, int in_op, host_msg **ou
         return scape_set_error(SCAPE_NOMEM, "comm host: out of memory");
     int got = 0, mine = 0;
     scape_rc rc = recv_msg(c, m, &got);
-    if (rc == SCAPE_OK && got > 0)
+    if (rc == SCAPE_OK && got > 0) {
         rc = route(c, m, in_op, &mine);
+        comm_progress(); /* a peer of this job is still at work */
+    }
     if (rc != SCAPE_OK || got <= 0)
         msg_free(m);
     else if (mine)

@@ -119,7 +119,8 @@ static scape_rc cuda_fail(nccl_impl *x, cudaError_t e, const char *what)
     } while (0)
 
 /* One more round of a wait: past the deadline, or when the daemon is being
- * stopped, abort both communicators and fail; else nap and go on. */
+ * stopped and the wait has made no progress for COMM_STOP_GRACE_MS, abort
+ * both communicators and fail; else nap and go on. */
 static scape_rc wait_more(nccl_impl *x, double deadline, const char *what)
 {
     if (now_ms() > deadline) {
@@ -130,8 +131,9 @@ static scape_rc wait_more(nccl_impl *x, double deadline, const char *what)
     }
     if (comm_interrupted()) {
         abort_all(x);
-        return scape_set_error(SCAPE_REMOTE, "comm nccl: %s interrupted: the daemon is "
-                               "shutting down", what);
+        return scape_set_error(SCAPE_REMOTE, "comm nccl: %s given up: the daemon is shutting "
+                               "down and the wait made no progress for %d ms", what,
+                               COMM_STOP_GRACE_MS);
     }
     nap();
     return SCAPE_OK;
@@ -165,8 +167,10 @@ static scape_rc wait_for(nccl_impl *x, lane *l, cudaEvent_t ev, const char *what
     double deadline = now_ms() + x->timeout_ms;
     for (;;) {
         cudaError_t e = ev ? cudaEventQuery(ev) : cudaStreamQuery(l->stream);
-        if (e == cudaSuccess)
+        if (e == cudaSuccess) {
+            comm_progress();
             return SCAPE_OK;
+        }
         if (e != cudaErrorNotReady)
             return cuda_fail(x, e, what);
         ncclResult_t r = ncclSuccess;

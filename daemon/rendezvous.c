@@ -66,7 +66,8 @@ void rdv_result_free(rdv_result *r)
 }
 
 /* Wait up to the deadline for a message on sock (a shutdown request, see
- * comm_set_interrupt, ends the wait as if the deadline had passed). */
+ * comm_set_interrupt, ends a wait that stalls as if the deadline had
+ * passed). */
 static int wait_in(void *sock, double deadline)
 {
     zmq_pollitem_t it = { sock, 0, ZMQ_POLLIN, 0 };
@@ -76,8 +77,10 @@ static int wait_in(void *sock, double deadline)
             return 0;
         long slice = left < COMM_INTERRUPT_SLICE_MS ? (long)left : COMM_INTERRUPT_SLICE_MS;
         int n = zmq_poll(&it, 1, slice);
-        if (n > 0)
+        if (n > 0) {
+            comm_progress();
             return 1;
+        }
         if (n < 0 && zmq_errno() != EINTR)
             return 0;
     }

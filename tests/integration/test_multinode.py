@@ -7,13 +7,19 @@ import os
 import re
 import signal
 import subprocess
+import sys
+import threading
 import time
 
+import numpy as np
 import pytest
 import zmq
 
 import pbwire
-from conftest import binary, free_endpoints, run_reference, run_trainer, synth_layout
+from conftest import SOURCE, binary, free_endpoints, run_reference, run_trainer, synth_layout
+
+sys.path.insert(0, os.path.join(SOURCE, "client", "python"))
+import scape  # noqa: E402
 
 ENGINE = ["--rho", "0.01", "--warmup", "3"]
 
@@ -213,6 +219,56 @@ def test_stop_is_not_held_up_by_a_missing_peer(daemon_factory):
         for t in ts:
             t.kill()
             t.wait()
+
+
+def test_sigterm_lets_the_running_step_finish(daemon_factory):
+    """SIGTERM reaches rank 0 while its step waits in a collective for rank 1,
+    whose trainer posts 0.4 s later (inside the stop grace): the step finishes
+    on both daemons, rank 0's trainer gets that step's parameters, and only its
+    next step hears that the daemon is shutting down."""
+    daemons = start_group(daemon_factory, [1, 1], timeout_ms=60000)
+    layout = synth_layout(5000)
+    ss = [scape.attach(d.endpoint, layout, timeout_ms=30000) for d in daemons]
+    rng = np.random.default_rng(5)
+    start = rng.standard_normal(ss[0].params.size).astype(np.float32)
+
+    def post(r, t):
+        ss[r].grads[:] = np.sin(start * (t + 3 * r + 1))
+        ss[r].step_begin(1e-2)
+
+    try:
+        for s in ss:
+            s.params[:] = start
+        # the job starts once both daemons' trainers have synced
+        syncs = [threading.Thread(target=s.sync) for s in ss]
+        for th in syncs:
+            th.start()
+        for th in syncs:
+            th.join(60)
+        assert [s.next_step for s in ss] == [1, 1]
+        for t in range(1, 5):
+            for r in range(2):
+                post(r, t)
+            for s in ss:
+                s.step_wait()
+        post(0, 5)
+        time.sleep(0.5)  # rank 0 is in step 5, waiting for rank 1
+        daemons[0].proc.send_signal(signal.SIGTERM)
+        time.sleep(0.4)
+        post(1, 5)
+        done = [s.step_wait() for s in ss]
+        assert [d.step for d in done] == [5, 5]
+        assert daemons[0].proc.wait(30) == 0, daemons[0].output()
+        assert "stopping after step 5" in daemons[0].output(), daemons[0].output()
+        assert np.array_equal(ss[0].params, ss[1].params)
+        with pytest.raises(scape.ScapeError, match="shutting down"):
+            ss[0].step(1e-2)
+    finally:
+        for s in ss:
+            try:
+                s.detach()
+            except scape.ScapeError:
+                pass
 
 
 def test_replacement_trainer_gets_the_whole_parameters_when_sharded(daemon_factory, tmp_path):

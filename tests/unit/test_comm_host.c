@@ -1,7 +1,7 @@
 /* test_comm_host.c - the host comm backend over 127.0.0.1: every collective
  * compared bit for bit with the local backend on the same inputs, a killed
- * peer, foreign messages (another job's, a raw peer's) dropped, wire counters
- * and bad arguments. */
+ * peer, foreign messages (another job's, a raw peer's) dropped, wire counters,
+ * bad arguments, and what a stop request does to a wait. */
 #define _POSIX_C_SOURCE 200809L
 #include <check.h>
 #include <stdio.h>
@@ -372,6 +372,68 @@ START_TEST(barrier_names_missing_rank)
 }
 END_TEST
 
+/* ---- a stop request during a wait ---------------------------------------- */
+
+static volatile int s_stop_flag;
+static int stop_flag(void) { return s_stop_flag; }
+
+static void nap_ms(long ms) { nanosleep(&(struct timespec){ ms / 1000, ms % 1000 * 1000000L }, NULL); }
+
+/* Rank 0 runs three barriers at once; rank 1 comes to each 600 ms late. */
+static scape_rc late_barriers(rank_arg *a)
+{
+    for (int i = 0; i < 3; i++) {
+        if (a->rank == 1)
+            nap_ms(600);
+        TRY(comm_barrier(a->comm));
+    }
+    return SCAPE_OK;
+}
+
+/* With the stop requested before the first barrier, rank 0 still finishes
+ * all three (1.8 s in all): each wait makes progress within the grace. */
+START_TEST(stop_lets_a_progressing_wait_finish)
+{
+    group g;
+    group_open(&g, 2, 7, 20000);
+    s_stop_flag = 1;
+    comm_set_interrupt(stop_flag);
+    rank_arg args[MAXR];
+    struct timespec t0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    run_on(2, g.c, late_barriers, NULL, args);
+    double waited = since(&t0);
+    comm_set_interrupt(NULL);
+    expect_ok(2, args, "host");
+    ck_assert_msg(waited > 1.0 + 1e-3 * COMM_STOP_GRACE_MS / 2, "waited %.3f s", waited);
+    group_close(&g, 2);
+}
+END_TEST
+
+/* Rank 1 never comes: after the stop request rank 0 gives up once the wait
+ * has made no progress for the grace, long before the 20 s timeout. */
+START_TEST(stop_gives_up_a_stalled_wait)
+{
+    group g;
+    group_open(&g, 2, 7, 20000);
+    comm_t *live[MAXR] = { g.c[0], NULL };
+    s_stop_flag = 1;
+    comm_set_interrupt(stop_flag);
+    rank_arg args[MAXR];
+    struct timespec t0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    run_on(2, live, do_barrier, NULL, args);
+    double waited = since(&t0);
+    comm_set_interrupt(NULL);
+    ck_assert_int_eq(args[0].rc, SCAPE_REMOTE);
+    ck_assert_msg(strstr(args[0].err, "shutting down and the wait made no progress"), "%s",
+                  args[0].err);
+    ck_assert_msg(waited >= 1e-3 * COMM_STOP_GRACE_MS && waited < 10.0, "waited %.3f s",
+                  waited);
+    group_close(&g, 2);
+}
+END_TEST
+
 /* Barriers on both ranks of g until rank 0 has dropped `want` foreign
  * messages (they come over other connections, in no fixed order). */
 static void barriers_until_foreign(group *g, uint64_t want)
@@ -498,6 +560,8 @@ int main(void)
     tcase_add_test(tc, foreign_messages_are_dropped);
     tcase_add_test(tc, wire_counters_balance);
     tcase_add_test(tc, bad_arguments);
+    tcase_add_test(tc, stop_lets_a_progressing_wait_finish);
+    tcase_add_test(tc, stop_gives_up_a_stalled_wait);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
