@@ -124,8 +124,24 @@ static void last_step(const prom *m, const Scape__StepDone *d)
     gauge(m, "scape_last_step_density", "K / N in the last step.", d->density);
     gauge(m, "scape_last_step_bytes", "Collective payload bytes of the last step.",
           (double)d->bytes);
-    gauge(m, "scape_last_step_wire_bytes", "Bytes this daemon received in the last step.",
+    gauge(m, "scape_last_step_wire_bytes",
+          "Bytes this daemon receives in the last step per the ring model of each collective.",
           (double)d->wire_bytes);
+    if (d->n_collectives) {
+        const char *const fam[2][2] = {
+            { "scape_last_step_collective_calls", "Collectives of each op in the last step." },
+            { "scape_last_step_collective_bytes",
+              "Payload bytes of each op's collectives in the last step." },
+        };
+        for (int f = 0; f < 2; f++) {
+            family(m, fam[f][0], fam[f][1]);
+            for (size_t i = 0; i < d->n_collectives; i++) {
+                const Scape__CollectiveCount *c = d->collectives[i];
+                const char *const label[2] = { "op", c->op };
+                sample(m, fam[f][0], label, (double)(f ? c->bytes : c->calls));
+            }
+        }
+    }
     if (d->has_mask_bytes)
         gauge(m, "scape_last_step_mask_bytes",
               "Of the last step's payload, the mask all-gather's (coded mask bits).",

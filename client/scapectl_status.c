@@ -61,6 +61,22 @@ static void print_optional(printer *p, const char *key, const char *label,
         pr_null(p, key, label);
 }
 
+/* The step's collectives, one row per op: `allreduce : calls 1, 2.3 KiB`. */
+static void print_collectives(printer *p, const Scape__StepDone *d)
+{
+    char b[32];
+    pr_list(p, "collectives", "Collectives", d->n_collectives);
+    for (size_t i = 0; i < d->n_collectives; i++) {
+        const Scape__CollectiveCount *c = d->collectives[i];
+        pr_row(p, NULL, c->op);
+        pr_str(p, "op", NULL, c->op);
+        pr_uint(p, "calls", "calls", c->calls, NULL);
+        pr_uint(p, "bytes", "", c->bytes, fmt_bytes(b, sizeof b, c->bytes));
+        pr_close(p);
+    }
+    pr_close(p);
+}
+
 static void print_last(printer *p, const Scape__StepDone *d)
 {
     char b[32];
@@ -93,6 +109,7 @@ static void print_last(printer *p, const Scape__StepDone *d)
                 fmt_bytes(b, sizeof b, d->control_bytes));
     else
         pr_null(p, "control_bytes", "Control bytes");
+    print_collectives(p, d);
     print_phases(p, d->phases);
     pr_close(p);
 }

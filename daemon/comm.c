@@ -6,6 +6,16 @@
 
 #include "comm.h"
 
+const char *comm_op_name(comm_op op)
+{
+    static const char *const names[COMM_OP_COUNT] = {
+        [COMM_ALLREDUCE] = "allreduce",   [COMM_REDUCE_SCATTER] = "reduce_scatter",
+        [COMM_ALLGATHER] = "allgather",   [COMM_IALLGATHER] = "iallgather",
+        [COMM_BROADCAST] = "broadcast",   [COMM_BARRIER] = "barrier",
+    };
+    return (unsigned)op < COMM_OP_COUNT ? names[op] : "?";
+}
+
 static scape_rc check_comm(const char *fn, const comm_t *c)
 {
     if (c == NULL || c->ops == NULL)

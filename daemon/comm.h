@@ -34,6 +34,9 @@ typedef struct comm_stats {
                                            comm_data_bytes) */
 } comm_stats;
 
+/* The op's name as status and metrics show it ("reduce_scatter", ...). */
+const char *comm_op_name(comm_op op);
+
 typedef struct comm comm_t;
 
 typedef struct comm_ops {

@@ -418,9 +418,19 @@ static void fill_step_done(server *s, const eng_step_stats *st, double wait, dou
     d->phases = ph;
     d->k = st->k;
     d->density = st->density;
+    d->collectives = s->last_coll_p;
+    d->n_collectives = 0;
     for (int op = 0; op < COMM_OP_COUNT; op++) {
         d->bytes += st->comm.bytes[op];
         d->wire_bytes += st->comm.wire_bytes[op];
+        if (st->comm.calls[op] == 0)
+            continue;
+        Scape__CollectiveCount *cc = &s->last_coll[d->n_collectives];
+        scape__collective_count__init(cc);
+        cc->op = (char *)comm_op_name((comm_op)op);
+        cc->calls = st->comm.calls[op];
+        cc->bytes = st->comm.bytes[op];
+        s->last_coll_p[d->n_collectives++] = cc;
     }
     d->has_mask_churn = 1;
     d->mask_churn = st->mask_churn;

@@ -70,6 +70,8 @@ struct server {
     int have_last;
     Scape__StepDone last;
     Scape__Phases last_phases;
+    Scape__CollectiveCount last_coll[COMM_OP_COUNT];   /* last.collectives points here */
+    Scape__CollectiveCount *last_coll_p[COMM_OP_COUNT];
     double last_loss;
     int have_loss;
 

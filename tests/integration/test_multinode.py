@@ -65,6 +65,16 @@ def last_step(d):
     return done[3][0], done[5][0], done[12][0]
 
 
+def collectives(d):
+    """{op: (calls, payload bytes)} of the daemon's last step."""
+    _, _, _, done = pbwire.query_status(d.status_endpoint)
+    out = {}
+    for blob in done.get(13, []):
+        c = pbwire.parse(blob)
+        out[c[1][0].decode()] = (c[2][0], c[3][0])
+    return out
+
+
 def owners(lens, ranks):
     """algorithm.md: largest tensor first (ties: lower index) to the
     least-loaded rank (ties: lower rank)."""
@@ -114,9 +124,16 @@ def test_daemons_match_local_backend(daemon_factory, tmp_path, trainers):
         want = expected_bytes(n, mode, len(trainers))
         lens = [t[2] for t in synth_layout(n)]
         own = owners(lens, len(trainers))
+        k, total, mask = want
+        # algorithm.md invariant 7: one reduction of K values per step (sharded:
+        # and the all-gather of the updated values), one mask all-gather
+        calls = ({"allreduce": (1, 4 * k)} if mode == "replicated" else
+                 {"reduce_scatter": (1, 4 * k), "allgather": (1, 4 * k)})
+        calls["iallgather"] = (1, mask)
         for r, d in enumerate(daemons):
             assert last_step(d) == want, "rank %d: (K, bytes, mask bytes) %s, want %s" % (
                 r, last_step(d), want)
+            assert collectives(d) == calls, (r, mode, collectives(d), calls)
             # m and theta of the shard (sharded) or of all N, the residual of all N;
             # no device memory on the host backend
             held = sum(x for x, o in zip(lens, own) if o == r) if mode == "sharded" else sum(lens)
