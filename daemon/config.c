@@ -83,6 +83,21 @@ static const char *name_backend(const void *f)
     return comm_backend_name(*(const comm_backend *)f);
 }
 
+/* Booleans as YAML 1.1 writes them; an int field. */
+static scape_rc parse_bool(const char *s, void *f)
+{
+    static const char *const yes[] = { "true", "yes", "on", "1" }, *const no[] = { "false", "no",
+                                                                                  "off", "0" };
+    for (size_t i = 0; s && i < 4; i++)
+        if (strcmp(s, yes[i]) == 0 || strcmp(s, no[i]) == 0) {
+            *(int *)f = strcmp(s, yes[i]) == 0;
+            return SCAPE_OK;
+        }
+    return scape_set_error(SCAPE_INVALID, "'%s' is not a boolean (true or false)",
+                           s ? s : "(null)");
+}
+static const char *name_bool(const void *f) { return *(const int *)f ? "true" : "false"; }
+
 #define OFF(field) offsetof(scaped_config, field)
 
 static const cfg_key s_keys[] = {
@@ -114,6 +129,10 @@ static const cfg_key s_keys[] = {
     { .name = "engine_threads", .type = KT_INT, .offset = OFF(engine.threads), .min = 1,
       .max = 256, .def = "1",
       .doc = "threads for the step's data-parallel phases (results do not depend on it)" },
+    { .name = "defer_select", .type = KT_ENUM, .offset = OFF(engine.defer_select),
+      .parse = parse_bool, .name_of = name_bool, .def = "true",
+      .doc = "select the next mask after the trainers have their parameters, behind their "
+             "compute (results do not depend on it; alike on every daemon)" },
     { .name = "max_trainers", .type = KT_INT, .offset = OFF(max_trainers), .min = 1,
       .max = 64, .def = "64", .doc = "trainer processes this daemon accepts" },
     { .name = "max_message_bytes", .type = KT_U32, .offset = OFF(max_message_bytes),

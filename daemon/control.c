@@ -488,6 +488,23 @@ static void note_foreign(server *s)
     }
 }
 
+/* defer_select: the trainers have their parameters; select the next mask
+ * while they compute.  Its time joins the step's select phase for status and
+ * the events; the replies went out without it. */
+static scape_rc select_after_reply(server *s, uint64_t t)
+{
+    double t0 = srv_now();
+    scape_rc rc = eng_step_finish(s->eng);
+    if (rc != SCAPE_OK) {
+        srv_mark_broken(s);
+        LOG_ERROR(SUB_ENGINE, "step %llu: selecting the next mask failed: %s",
+                  (unsigned long long)t, scape_last_error());
+        return rc;
+    }
+    s->last_phases.select += srv_now() - t0;
+    return SCAPE_OK;
+}
+
 static void run_step(server *s, trainer **ts, int n)
 {
     uint64_t t = s->next_step;
@@ -537,6 +554,8 @@ static void run_step(server *s, trainer **ts, int n)
         s->next_step = t + 1;
     }
     finish_step(s, ts, n, rc);
+    if (rc == SCAPE_OK)
+        rc = select_after_reply(s, t);
     note_foreign(s);
     if (rc == SCAPE_OK) {
         status_publish(s);

@@ -28,6 +28,7 @@ static const char *const s_mode_names[ENG_MODE_COUNT] = {
 
 void eng_config_default(eng_config *cfg)
 {
+    memset(cfg, 0, sizeof *cfg); /* defer_select off; fields added later start at 0 */
     cfg->optimizer = ENG_OPT_SCAPE;
     cfg->mode = ENG_MODE_REPLICATED;
     cfg->rho = 0.01;
@@ -153,6 +154,9 @@ static scape_rc alloc_state(eng_t *e)
     e->e = calloc(n, sizeof(float));
     e->send = calloc(e->k_cap, sizeof(float));
     e->upd = calloc(e->k_cap, sizeof(float));
+    if (e->cfg.defer_select && e->cfg.optimizer == ENG_OPT_SCAPE &&
+        (e->sstat = calloc(e->k_cap, sizeof(float))) == NULL)
+        return scape_set_error(SCAPE_NOMEM, "engine: cannot allocate state for N=%zu", n);
     size_t workers = (size_t)e->cfg.threads;
     e->topk_scratch_bytes = kern_topk_scratch_bytes(p->max_len);
     e->topk_scratch = malloc(e->topk_scratch_bytes ? workers * e->topk_scratch_bytes : 1);
@@ -203,23 +207,31 @@ static scape_rc handshake(eng_t *e)
 {
     e->t_total = 0;
     int R = e->comm->size;
-    uint64_t mine[3] = { (uint64_t)e->tr, e->p->hash, eng_config_hash(&e->cfg) };
-    uint64_t *all = calloc((size_t)R * 3, sizeof *all);
+    /* defer_select is not in the config hash (checkpoints do not depend on
+     * it) but must agree: it moves the mask all-gather among the collectives */
+    uint64_t mine[4] = { (uint64_t)e->tr, e->p->hash, eng_config_hash(&e->cfg),
+                         (uint64_t)(e->cfg.defer_select != 0) };
+    uint64_t *all = calloc((size_t)R * 4, sizeof *all);
     if (all == NULL)
         return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
     for (int r = 0; r < R; r++)
         e->counts[r] = sizeof mine;
     scape_rc rc = comm_allgather(e->comm, mine, all, e->counts);
     for (int r = 0; rc == SCAPE_OK && r < R; r++) {
-        if (all[3 * r + 1] != mine[1])
+        if (all[4 * r + 1] != mine[1])
             rc = scape_set_error(SCAPE_INVALID,
                                  "engine: rank %d registered a different layout than rank %d",
                                  r, e->rank);
-        else if (all[3 * r + 2] != mine[2])
+        else if (all[4 * r + 2] != mine[2])
             rc = scape_set_error(SCAPE_INVALID,
                                  "engine: rank %d has a different optimizer config than rank %d",
                                  r, e->rank);
-        e->t_total += (int)all[3 * r];
+        else if (all[4 * r + 3] != mine[3])
+            rc = scape_set_error(SCAPE_INVALID,
+                                 "engine: rank %d has defer_select %s and rank %d %s: set it "
+                                 "alike on every daemon", r, all[4 * r + 3] ? "on" : "off",
+                                 e->rank, mine[3] ? "on" : "off");
+        e->t_total += (int)all[4 * r];
     }
     free(all);
     return rc;
@@ -270,7 +282,7 @@ void eng_destroy(eng_t **ep)
     pool_destroy(&e->pool);
     plan_destroy(&e->p);
     void *bufs[] = { e->items, e->m, e->v, e->theta, e->e, e->g, e->gchunk, e->send, e->upd,
-                     e->topk_scratch,
+                     e->topk_scratch, e->sstat,
                      e->mask_buf[0], e->mask_buf[1], e->code_all,
                      e->code_bytes, e->toff, e->counts, e->ghat, e->ghave };
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
@@ -287,6 +299,7 @@ scape_rc eng_set_local_trainers(eng_t *e, int local_trainers)
         return scape_set_error(SCAPE_INVALID,
                                "eng_set_local_trainers: %d not in [1, %d]", local_trainers,
                                ENG_MAX_TRAINERS);
+    TRY(eng_step_finish(e)); /* it selects with the old T_r */
     e->tr = local_trainers;
     TRY(eng_alloc_intake(e));
     return handshake(e);
@@ -367,8 +380,10 @@ scape_rc eng_step(eng_t *e, uint64_t t, float lr, const void *const *grads,
     if (e == NULL)
         return scape_set_error(SCAPE_INVALID, "eng_step: engine is NULL");
     TRY(check_step(e, t, lr, grads, params));
+    TRY(eng_step_finish(e)); /* the caller left the last step's selection */
     comm_stats before = e->comm->stats;
     memset(&e->last, 0, sizeof e->last);
+    memset(e->used_iag, 0, sizeof e->used_iag);
     scape_rc rc = eng_step_body(e, t, lr, grads, params);
     if (rc != SCAPE_OK) {
         e->broken = 1;
@@ -383,7 +398,26 @@ scape_rc eng_step(eng_t *e, uint64_t t, float lr, const void *const *grads,
         e->last.comm.bytes[op] = e->comm->stats.bytes[op] - before.bytes[op];
         e->last.comm.wire_bytes[op] = e->comm->stats.wire_bytes[op] - before.wire_bytes[op];
     }
+    /* the mask all-gather counts to the step whose mask it brought, not to
+     * the one that started it (which may be before or after this window) */
+    e->last.comm.calls[COMM_IALLGATHER] = e->used_iag[0];
+    e->last.comm.bytes[COMM_IALLGATHER] = e->used_iag[1];
+    e->last.comm.wire_bytes[COMM_IALLGATHER] = e->used_iag[2];
     return SCAPE_OK;
+}
+
+scape_rc eng_step_finish(eng_t *e)
+{
+    if (e == NULL)
+        return scape_set_error(SCAPE_INVALID, "eng_step_finish: engine is NULL");
+    if (!e->select_pending)
+        return SCAPE_OK;
+    if (e->broken)
+        return scape_set_error(SCAPE_INVALID, "eng_step_finish: the engine is broken");
+    scape_rc rc = eng_select_pending(e);
+    if (rc != SCAPE_OK)
+        e->broken = 1;
+    return rc;
 }
 
 scape_rc eng_last_stats(const eng_t *e, eng_step_stats *out)

@@ -44,6 +44,11 @@ typedef struct eng_config {
     int threads;         /* workers for the data-parallel phases (pack, selection,
                             update, write-back), the calling thread included;
                             1..256, default 1.  Results do not depend on it. */
+    int defer_select;    /* SCAPE: a sparse step leaves the selection of the next
+                            mask, and the start of its all-gather, to
+                            eng_step_finish, so a caller can return the
+                            parameters first (default 0).  Results do not depend
+                            on it; every rank must set it alike. */
 } eng_config;
 
 typedef struct eng_tensor {
@@ -81,8 +86,11 @@ typedef struct eng_step_stats {
     double mask_overlap;  /* of the lagged mask all-gather's life, from its start
                              to its completion, the fraction not spent waiting
                              for it: how much of it hid behind other work */
-    uint64_t mask_bytes;  /* payload of the mask all-gather this step started
-                             (every rank's code, maskcode.h); 0 if none */
+    uint64_t mask_bytes;  /* payload of the mask all-gather that brought this
+                             step's mask (every rank's code, maskcode.h); 0 if
+                             none (dense, or the mask came from a checkpoint).
+                             comm counts that all-gather here too, not in the
+                             step that started it */
     double phase_s[ENG_PH_COUNT];
     comm_stats comm;      /* this step's collectives only */
 } eng_step_stats;
@@ -109,6 +117,13 @@ scape_rc eng_init_params(eng_t *e, void *const *params);
  * params[j] (collective). */
 scape_rc eng_step(eng_t *e, uint64_t t, float lr, const void *const *grads,
                   void *const *params);
+/* With cfg.defer_select: select the next mask and start its all-gather,
+ * which the last eng_step left pending (collective; nothing to do when none
+ * is).  The caller runs it once the parameters are out, so that the
+ * selection overlaps the trainers' next forward/backward; eng_step,
+ * eng_set_local_trainers and checkpoints run a pending one first.  Its time
+ * is added to the last step's select phase. */
+scape_rc eng_step_finish(eng_t *e);
 /* Change T_r when trainers come or go between steps (collective: the ranks
  * exchange their counts again).  Takes effect from the next step. */
 scape_rc eng_set_local_trainers(eng_t *e, int local_trainers);

@@ -94,6 +94,7 @@ scape_rc eng_ckpt_save(eng_t *e, eng_ckpt_meta *meta, eng_ckpt_sec *secs, int *n
                                "state is inconsistent and is not saved");
     if (!e->initialised)
         return scape_set_error(SCAPE_INVALID, "checkpoint: the job has not started");
+    TRY(eng_step_finish(e)); /* M_{t+1} must be whole to be saved */
     TRY(eng_mask_finish(e, NULL));
     fill_meta(e, meta);
     /* topk-adamw chooses its mask afresh each step: only SCAPE carries one. */
@@ -208,6 +209,8 @@ scape_rc eng_ckpt_load_finish(eng_t *e, const eng_ckpt_meta *meta, void *const *
     e->mask_cur = (meta->flags & ENG_CKF_MASK_CUR) ? e->mask_buf[1] : NULL;
     e->mask_next = e->mask_buf[0];
     e->mask_pending = 0;
+    e->select_pending = 0;
+    memset(e->next_iag, 0, sizeof e->next_iag); /* the mask came from the file */
     e->initialised = 1;
     return SCAPE_OK;
 }

@@ -67,6 +67,16 @@ struct eng {
     size_t code_off;     /* bytes before this rank's code */
     size_t code_total;   /* bytes of all ranks' codes: a mask all-gather's payload */
     size_t *toff;        /* packed offset of each tensor, comm order, ntensors + 1 */
+    uint64_t next_iag[3];  /* calls, bytes, wire bytes of the all-gather that
+                              fills mask_next (counted to the step that uses it) */
+    uint64_t used_iag[3];  /* the same for the mask of the step in progress */
+
+    /* defer_select: the statistic at M_t's coordinates of the owned tensors,
+     * taken before the update changed m there, packed like `send` (K_cap);
+     * the selection from it and the residual waits for eng_step_finish. */
+    float *sstat;
+    int select_pending;
+    int sel_tr;          /* T_r of the step whose selection waits */
 
     size_t *counts;      /* per rank, scratch for collective counts */
     const float *sum;    /* the last step's reduced values, packed */
@@ -86,6 +96,9 @@ static inline int eng_uses_v(const eng_t *e)
 /* Finish an outstanding lagged mask all-gather and decode every rank's
  * bits into mask_next; *waited (may be NULL) gets the seconds it blocked. */
 scape_rc eng_mask_finish(eng_t *e, double *waited);
+
+/* A deferred selection, if one is due (engine_step.c). */
+scape_rc eng_select_pending(eng_t *e);
 
 /* Allocate the intake buffer the optimizer and trainer count need. */
 scape_rc eng_alloc_intake(eng_t *e);

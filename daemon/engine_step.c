@@ -6,7 +6,10 @@
  * next mask for the owned tensors, from the a just packed; its all-gather
  * starts at once -> one reduction collective -> update on the mask ->
  * (sharded) all-gather of the updated values -> write them into every
- * trainer's buffer.
+ * trainer's buffer.  With defer_select a sparse step keeps only the
+ * statistic at the mask's coordinates (which the update and the reduction
+ * are about to overwrite) and the selection runs after the write-back, in
+ * eng_step_finish.
  *
  * A dense step packs in place: the residual, kept in comm order, becomes the
  * send buffer and then holds the sums (e_stale), so no N-sized working
@@ -119,7 +122,11 @@ static scape_rc scape_mask(eng_t *e, uint64_t t)
     } else {
         e->mask_cur = e->mask_next;
         e->mask_next = e->mask_next == e->mask_buf[0] ? e->mask_buf[1] : e->mask_buf[0];
+        /* this step's traffic includes the all-gather that brought its mask */
+        memcpy(e->used_iag, e->next_iag, sizeof e->used_iag);
+        e->last.mask_bytes = e->used_iag[1];
     }
+    memset(e->next_iag, 0, sizeof e->next_iag);
     if (prev && e->mask_cur) {
         uint64_t fresh = 0, total = 0;
         for (size_t w = 0; w < e->p->nwords; w++) {
@@ -133,17 +140,24 @@ static scape_rc scape_mask(eng_t *e, uint64_t t)
 
 /* SCAPE: exact top-k of the statistic over the owned tensors -> M_{t+1},
  * whose all-gather starts at once and is waited for at the next step.  Runs
- * right after the pack, from the a = G + e it left in e and `send`. */
+ * right after the pack, from the a = G + e it left in e and `send`; or,
+ * deferred, after the step, from e and the statistic keep_stats took at the
+ * mask's coordinates before the update changed m there. */
 static scape_rc select_tensor(void *ctx, size_t i, int w)
 {
     eng_t *e = ctx;
     size_t j = e->p->shard[e->rank].first + i;
     const plan_tensor *t = tensor_at(e, j);
     const uint32_t *sent = e->mask_cur ? e->mask_cur + t->word : NULL;
-    return kern_topk_packed(e->m + (t->pos - e->state_base), e->e + t->pos, sent,
-                            sent ? e->send + e->toff[j] : NULL, t->len, e->cfg.hyper.beta1,
-                            (float)e->tr, t->k, e->mask_next + t->word, worker_scratch(e, w),
-                            e->topk_scratch_bytes);
+    const float *m = e->m + (t->pos - e->state_base);
+    if (e->select_pending)
+        return kern_topk_prestat(m, e->e + t->pos, sent, e->sstat + e->toff[j], t->len,
+                                 e->cfg.hyper.beta1, (float)e->sel_tr, t->k,
+                                 e->mask_next + t->word, worker_scratch(e, w),
+                                 e->topk_scratch_bytes);
+    return kern_topk_packed(m, e->e + t->pos, sent, sent ? e->send + e->toff[j] : NULL, t->len,
+                            e->cfg.hyper.beta1, (float)e->tr, t->k, e->mask_next + t->word,
+                            worker_scratch(e, w), e->topk_scratch_bytes);
 }
 
 static scape_rc scape_select(eng_t *e)
@@ -155,11 +169,48 @@ static scape_rc scape_select(eng_t *e)
      * the same) and the code into this rank's place of the gathered code. */
     uint32_t *own = e->code_all + e->code_off / 4;
     TRY(mcode_encode(p, me->first, me->count, e->mask_next + me->word0, own));
+    const comm_stats *cs = &e->comm->stats;
+    uint64_t before[3] = { cs->calls[COMM_IALLGATHER], cs->bytes[COMM_IALLGATHER],
+                           cs->wire_bytes[COMM_IALLGATHER] };
     TRY(comm_iallgather(e->comm, own, e->code_all, e->code_bytes));
-    e->last.mask_bytes = e->code_total;
+    e->next_iag[0] = cs->calls[COMM_IALLGATHER] - before[0];
+    e->next_iag[1] = cs->bytes[COMM_IALLGATHER] - before[1];
+    e->next_iag[2] = cs->wire_bytes[COMM_IALLGATHER] - before[2];
     e->mask_pending = 1;
     e->mask_started = now_s();
     return SCAPE_OK;
+}
+
+/* defer_select: the statistic at M_t's coordinates of one owned tensor,
+ * while m there and the packed a still hold what the selection needs. */
+static scape_rc keep_stat_tensor(void *ctx, size_t i, int w)
+{
+    eng_t *e = ctx;
+    size_t j = e->p->shard[e->rank].first + i;
+    const plan_tensor *t = tensor_at(e, j);
+    (void)w;
+    return kern_stat_packed(e->m + (t->pos - e->state_base), e->mask_cur + t->word,
+                            e->send + e->toff[j], t->len, e->cfg.hyper.beta1, (float)e->tr,
+                            e->sstat + e->toff[j]);
+}
+
+static scape_rc keep_stats(eng_t *e)
+{
+    TRY(pool_run(e->pool, e->p->shard[e->rank].count, keep_stat_tensor, e));
+    e->sel_tr = e->tr;
+    e->select_pending = 1;
+    return SCAPE_OK;
+}
+
+scape_rc eng_select_pending(eng_t *e)
+{
+    if (!e->select_pending)
+        return SCAPE_OK;
+    double t0 = now_s();
+    scape_rc rc = scape_select(e);
+    e->select_pending = 0;
+    e->last.phase_s[ENG_PH_SELECT] += now_s() - t0;
+    return rc;
 }
 
 /* topk-adamw: each rank's top-k of |a_r| per tensor; the union is the mask. */
@@ -470,8 +521,14 @@ scape_rc eng_step_body(eng_t *e, uint64_t t, float lr, const void *const *grads,
     if (e->mask_cur)
         clean_residual(e);
     PHASE(ENG_PH_PACK, pack(e, g, grads, &buf));
-    if (e->cfg.optimizer == ENG_OPT_SCAPE && t + 1 > e->cfg.warmup)
-        PHASE(ENG_PH_SELECT, scape_select(e));
+    if (e->cfg.optimizer == ENG_OPT_SCAPE && t + 1 > e->cfg.warmup) {
+        /* deferred only from a sparse step: a dense one's a is overwritten
+         * by its in-place reduction */
+        if (e->cfg.defer_select && e->mask_cur)
+            PHASE(ENG_PH_SELECT, keep_stats(e));
+        else
+            PHASE(ENG_PH_SELECT, scape_select(e));
+    }
     PHASE(ENG_PH_REDUCE, reduce(e, buf, k));
     if (e->ghat)
         keep_ghat(e);

@@ -73,8 +73,15 @@ typedef struct key_src {
     const float *g, *e;     /* g == NULL: a is stored */
     const uint32_t *sent;   /* stored a: the mask that was packed, or NULL */
     const float *packed;
+    int packed_stat;        /* packed holds the statistic at sent's bits, not a */
     float beta1, c1, t_r;
 } key_src;
+
+/* The statistic of one coordinate: the one expression every path uses. */
+static inline float stat_of(const float *m, float m_i, float a, float beta1, float c1, float t_r)
+{
+    return m ? fabsf(beta1 * m_i + c1 * (a / t_r)) : fabsf(a);
+}
 
 /* Keys of the elements [base, base + len) of one mask word (len <= 32) into
  * out; *j counts the set bits of `sent` passed so far.  Word at a time, so
@@ -87,23 +94,28 @@ static void word_keys(const key_src *s, size_t base, size_t len, size_t *j, uint
             out[i] = key_of(s->stat[base + i]);
         return;
     }
+    uint32_t bits = 0; /* stored a: the packed coordinates of this word */
     if (s->g) {
         for (size_t i = 0; i < len; i++)
             a[i] = s->g[base + i] + s->e[base + i];
     } else {
         memcpy(a, s->e + base, len * sizeof *a);
-        uint32_t bits = s->sent ? s->sent[base / 32] : 0;
+        bits = s->sent ? s->sent[base / 32] : 0;
         if (len < 32)
             bits &= (1u << len) - 1u;
-        for (; bits; bits &= bits - 1)
-            a[__builtin_ctz(bits)] = s->packed[(*j)++];
+        if (!s->packed_stat)
+            for (uint32_t b = bits; b; b &= b - 1)
+                a[__builtin_ctz(b)] = s->packed[(*j)++];
     }
     if (s->m)
         for (size_t i = 0; i < len; i++)
-            out[i] = key_of(fabsf(s->beta1 * s->m[base + i] + s->c1 * (a[i] / s->t_r)));
+            out[i] = key_of(stat_of(s->m, s->m[base + i], a[i], s->beta1, s->c1, s->t_r));
     else
         for (size_t i = 0; i < len; i++)
-            out[i] = key_of(fabsf(a[i]));
+            out[i] = key_of(stat_of(NULL, 0.0f, a[i], 0.0f, 0.0f, 1.0f));
+    if (s->packed_stat) /* the statistic there was taken beforehand */
+        for (; bits; bits &= bits - 1)
+            out[__builtin_ctz(bits)] = key_of(s->packed[(*j)++]);
 }
 
 /* A key that may be the k-th largest: in the histogram bucket that holds it. */
@@ -313,5 +325,63 @@ scape_rc kern_topk_packed(const float *m, const float *e, const uint32_t *sent,
     }
     key_src src = { .m = m, .e = e, .sent = sent, .packed = packed, .beta1 = beta1,
                     .c1 = 1.0f - beta1, .t_r = t_r };
+    return topk_run(fn, &src, n, k, mask, scratch, scratch_bytes);
+}
+
+scape_rc kern_stat_packed(const float *m, const uint32_t *sent, const float *packed_a, size_t n,
+                          float beta1, float t_r, float *packed_stat)
+{
+    static const char fn[] = "kern_stat_packed";
+    KERN_NONNULL(fn, sent);
+    KERN_NONNULL(fn, packed_a);
+    KERN_NONNULL(fn, packed_stat);
+    KERN_MAXN(fn, n);
+    if (m && !(beta1 >= 0.0f && beta1 < 1.0f))
+        return scape_set_error(SCAPE_INVALID, "%s: beta1=%g out of [0,1)", fn, (double)beta1);
+    if (m && !(t_r >= 1.0f))
+        return scape_set_error(SCAPE_INVALID, "%s: t_r=%g must be >= 1", fn, (double)t_r);
+    size_t kp = 0;
+    kern_mask_popcount(sent, n, &kp);
+    KERN_DISJOINT(fn, packed_stat, kp * 4, packed_a, kp * 4);
+    if (m)
+        KERN_DISJOINT(fn, packed_stat, kp * 4, m, n * 4);
+    const float c1 = 1.0f - beta1;
+    size_t j = 0;
+    for (size_t base = 0; base < n; base += 32) {
+        uint32_t bits = sent[base / 32];
+        if (n - base < 32)
+            bits &= (1u << (n - base)) - 1u;
+        for (; bits; bits &= bits - 1, j++) {
+            size_t i = base + (size_t)__builtin_ctz(bits);
+            packed_stat[j] = stat_of(m, m ? m[i] : 0.0f, packed_a[j], beta1, c1, t_r);
+        }
+    }
+    return SCAPE_OK;
+}
+
+scape_rc kern_topk_prestat(const float *m, const float *e, const uint32_t *sent,
+                           const float *packed_stat, size_t n, float beta1, float t_r,
+                           size_t k, uint32_t *mask, void *scratch, size_t scratch_bytes)
+{
+    static const char fn[] = "kern_topk_prestat";
+    KERN_NONNULL(fn, e);
+    KERN_NONNULL(fn, sent);
+    KERN_NONNULL(fn, packed_stat);
+    KERN_NONNULL(fn, mask);
+    KERN_NONNULL(fn, scratch);
+    KERN_MAXN(fn, n);
+    if (m && !(beta1 >= 0.0f && beta1 < 1.0f))
+        return scape_set_error(SCAPE_INVALID, "%s: beta1=%g out of [0,1)", fn, (double)beta1);
+    if (m && !(t_r >= 1.0f))
+        return scape_set_error(SCAPE_INVALID, "%s: t_r=%g must be >= 1", fn, (double)t_r);
+    size_t mb = kern_mask_words(n) * 4, kp = 0;
+    kern_mask_popcount(sent, n, &kp);
+    KERN_DISJOINT(fn, mask, mb, e, n * 4);
+    if (m)
+        KERN_DISJOINT(fn, mask, mb, m, n * 4);
+    KERN_DISJOINT(fn, mask, mb, sent, mb);
+    KERN_DISJOINT(fn, mask, mb, packed_stat, kp * 4);
+    key_src src = { .m = m, .e = e, .sent = sent, .packed = packed_stat, .packed_stat = 1,
+                    .beta1 = beta1, .c1 = 1.0f - beta1, .t_r = t_r };
     return topk_run(fn, &src, n, k, mask, scratch, scratch_bytes);
 }

@@ -89,6 +89,23 @@ scape_rc kern_topk_packed(const float *m, const float *e, const uint32_t *sent,
                           const float *packed, size_t n, float beta1, float t_r, size_t k,
                           uint32_t *mask, void *scratch, size_t scratch_bytes);
 
+/* The statistic at the set bits of `sent` alone, packed: for the j-th set
+ * bit i, packed_stat[j] = |beta1 m_i + (1 - beta1) a / t_r| with a =
+ * packed_a[j] (|a| when m is NULL), the expression of kern_mask_stat.  Taken
+ * before m changes at those coordinates, it lets kern_topk_prestat select
+ * afterwards. */
+scape_rc kern_stat_packed(const float *m, const uint32_t *sent, const float *packed_a, size_t n,
+                          float beta1, float t_r, float *packed_stat);
+
+/* kern_topk_packed with the keys at the set bits of `sent` taken from
+ * packed_stat (kern_stat_packed) instead of computed from m and the packed
+ * a; elsewhere a_i = e_i as there.  Bit-identical to kern_topk_packed on the
+ * inputs the statistic was taken from, however m has changed at `sent`'s
+ * bits since. */
+scape_rc kern_topk_prestat(const float *m, const float *e, const uint32_t *sent,
+                           const float *packed_stat, size_t n, float beta1, float t_r,
+                           size_t k, uint32_t *mask, void *scratch, size_t scratch_bytes);
+
 /* Number of set bits among the first n bits. */
 scape_rc kern_mask_popcount(const uint32_t *mask, size_t n, size_t *count);
 

@@ -13,7 +13,7 @@
 #include "config.h"
 #include "check_run.h"
 
-#define NKEYS 27
+#define NKEYS 28
 
 /* Every key with a valid value other than its default. */
 static const struct {
@@ -30,6 +30,7 @@ static const struct {
     { "eps", "1e-06" },
     { "weight_decay", "0.1" },
     { "engine_threads", "6" },
+    { "defer_select", "false" },
     { "max_trainers", "8" },
     { "max_message_bytes", "4096" },
     { "liveness_ms", "50" },
@@ -58,6 +59,7 @@ static void check_full(const scaped_config *c)
     ck_assert_uint_eq(c->engine.warmup, 100);
     ck_assert_float_eq(c->engine.hyper.beta1, 0.8f);
     ck_assert_float_eq(c->engine.hyper.beta2, 0.999f);
+    ck_assert_int_eq(c->engine.defer_select, 0);
     ck_assert_float_eq(c->engine.hyper.eps, 1e-6f);
     ck_assert_float_eq(c->engine.hyper.wd, 0.1f);
     ck_assert_int_eq(c->engine.threads, 6);
@@ -505,7 +507,8 @@ START_TEST(print_format)
         "runtime_dir: \"\"",  "log_level: info",       "optimizer: scape",
         "mode: replicated",   "rho: 0.01",             "warmup: 1",
         "beta1: 0.9",         "beta2: 0.95",           "eps: 1e-08",
-        "weight_decay: 0",    "engine_threads: 1",     "max_trainers: 64",
+        "weight_decay: 0",    "engine_threads: 1",     "defer_select: true",
+        "max_trainers: 64",
         "max_message_bytes: 1048576",
         "liveness_ms: 200",   "trainers: 0",           "world: 1",
         "rank: 0",            "coordinator: \"\"",       "listen: \"\"",

@@ -47,6 +47,7 @@ typedef struct spec {
     int steps;
     int check;      /* run the per-step reference checks */
     int ties;       /* gradients from a tiny set of values */
+    int finish;     /* call eng_step_finish after each step (else eng_step does) */
     float lr;
 } spec;
 
@@ -336,7 +337,8 @@ static size_t expected_mask_bytes(const ctx *c, const eng_t *e, int topk)
     return total;
 }
 
-/* One reduction collective of K values; one (lagged) mask all-gather. */
+/* One reduction collective of K values; one (lagged) mask all-gather, that of
+ * the step's own mask. */
 static void check_collectives(ctx *c, uint64_t t, size_t K, const eng_t *e0)
 {
     const spec *sp = c->sp;
@@ -359,7 +361,8 @@ static void check_collectives(ctx *c, uint64_t t, size_t K, const eng_t *e0)
                  (unsigned long long)t, r, (unsigned long long)s->calls[COMM_ALLGATHER],
                  (unsigned long long)s->bytes[COMM_ALLGATHER], (unsigned long long)want_ag,
                  (unsigned long long)want_ag_bytes);
-        uint64_t want_iag = scape && t + 1 > sp->cfg.warmup;
+        /* the mask all-gather counts to the step whose mask it brought */
+        uint64_t want_iag = scape && t > sp->cfg.warmup;
         if (s->calls[COMM_IALLGATHER] != want_iag ||
             s->bytes[COMM_IALLGATHER] != want_iag * expected_mask_bytes(c, e0, 0))
             note_fail(c, "step %llu rank %d: %llu mask all-gathers of %llu bytes",
@@ -480,6 +483,8 @@ static scape_rc train(rank_arg *a, eng_t *e, void **grads, void **params)
         if (c->sp->check)
             publish(e, p, 1, params, c, tr);
         scape_rc rc = eng_step(e, (uint64_t)t, c->sp->lr, (const void *const *)grads, params);
+        if (rc == SCAPE_OK && c->sp->finish)
+            rc = eng_step_finish(e);
         if (rc != SCAPE_OK)
             return rc;
         if (!c->sp->check)
@@ -691,6 +696,42 @@ START_TEST(threads_do_not_change_results)
                         snprintf(what, sizeof what, "%s %s R=%d%s: %d threads vs 1",
                                  eng_optimizer_name(opts[o].opt), eng_mode_name((eng_mode)mode),
                                  R, bf16 ? " bf16" : "", threads[k]);
+                        expect_same(fin[0], fin[k], n, what);
+                    }
+                    for (int k = 0; k < 3; k++) {
+                        free(fin[k]);
+                        free(kh[k]);
+                    }
+                }
+}
+END_TEST
+
+/* A selection deferred to eng_step_finish (called after the step, or left to
+ * the next eng_step) gives the same bits as the one inside the step, with
+ * every per-step check on: SCAPE at two densities, both modes, one and three
+ * ranks, f32 and bf16 buffers. */
+START_TEST(deferred_selection_changes_nothing)
+{
+    static const double rhos[] = { 0.1, 0.01 };
+    for (size_t o = 0; o < 2; o++)
+        for (int mode = 0; mode < 2; mode++)
+            for (int R = 1; R <= 3; R += 2)
+                for (int bf16 = 0; bf16 < 2; bf16++) {
+                    float *fin[3];
+                    size_t *kh[3], n = 0;
+                    for (int k = 0; k < 3; k++) {
+                        spec sp = make_spec(ENG_OPT_SCAPE, (eng_mode)mode, R, rhos[o], 40);
+                        sp.cfg.defer_select = k > 0;
+                        sp.finish = k == 1;
+                        if (bf16)
+                            sp.pdt = sp.gdt = KERN_BF16;
+                        run_spec(&sp, &fin[k], &kh[k], &n);
+                    }
+                    for (int k = 1; k < 3; k++) {
+                        char what[128];
+                        snprintf(what, sizeof what, "rho %g %s R=%d%s: deferred (%s) vs not",
+                                 rhos[o], eng_mode_name((eng_mode)mode), R, bf16 ? " bf16" : "",
+                                 k == 1 ? "eng_step_finish" : "left to eng_step");
                         expect_same(fin[0], fin[k], n, what);
                     }
                     for (int k = 0; k < 3; k++) {
@@ -1056,6 +1097,7 @@ int main(void)
     tcase_add_test(inv, scape_rho_0_1);
     tcase_add_test(inv, scape_rho_0_01);
     tcase_add_test(inv, threads_do_not_change_results);
+    tcase_add_test(inv, deferred_selection_changes_nothing);
     tcase_add_test(inv, ties_keep_exact_k);
     tcase_add_test(inv, bf16_buffers);
     tcase_add_test(inv, dense_equivalence);

@@ -1496,6 +1496,23 @@ static void topk_packed_case(rng *r, size_t n, int scape_stat, int dense)
     ck_assert_msg(memcmp(got, want, nw * 4) == 0, "kern_topk_packed differs (n=%zu, scape=%d,"
                   " dense=%d)", n, scape_stat, dense);
     gcheck(got, "topk_packed mask");
+    if (!dense) {
+        /* the statistic at the packed bits taken first, then m changed there
+         * (the update) and the packed a overwritten (the reduction): the
+         * selection from the kept statistic is the same */
+        float *pstat = xalloc((kp ? kp : 1) * 4);
+        assert_ok(kern_stat_packed(mm, sent, packed, n, 0.9f, 2.0f, pstat), "kern_stat_packed", n);
+        for (size_t i = 0; i < n; i++)
+            if ((sent[i / 32] >> (i % 32)) & 1u)
+                m[i] = -7.5f * m[i] + 1.0f;
+        memset(packed, 0xff, kp * 4);
+        memset(got, 0, nw * 4);
+        assert_ok(kern_topk_prestat(mm, e2, sent, pstat, n, 0.9f, 2.0f, k, got, scratch, sb),
+                  "kern_topk_prestat", n);
+        ck_assert_msg(memcmp(got, want, nw * 4) == 0, "kern_topk_prestat differs (n=%zu, "
+                      "scape=%d)", n, scape_stat);
+        free(pstat);
+    }
     free(m), free(g), free(e), free(e2), free(packed), free(zero), free(sent), free(want);
     gfree(got), free(scratch);
 }
@@ -1540,6 +1557,19 @@ START_TEST(test_bad_topk_ef)
     REFUSE(&f, "kern_topk_packed", kern_topk_packed(f.m, f.e, NULL, NULL, BN, 0.9f, 0.0f, 1, f.mask, f.scratch, sb));
     REFUSE(&f, "kern_topk_packed", kern_topk_packed(f.m, f.e, f.mask, f.out, BN, 0.9f, 1.0f, 1, f.mask, f.scratch, sb));
     assert_ok(kern_topk_packed(f.m, f.e, f.mask2, f.out, BN, 0.9f, 1.0f, 1, f.mask, f.scratch, sb), "kern_topk_packed", BN);
+    REFUSE(&f, "kern_stat_packed", kern_stat_packed(f.m, NULL, f.out, BN, 0.9f, 1.0f, f.g));
+    REFUSE(&f, "kern_stat_packed", kern_stat_packed(f.m, f.mask2, NULL, BN, 0.9f, 1.0f, f.g));
+    REFUSE(&f, "kern_stat_packed", kern_stat_packed(f.m, f.mask2, f.out, BN, 0.9f, 1.0f, NULL));
+    REFUSE(&f, "kern_stat_packed", kern_stat_packed(f.m, f.mask2, f.out, BN, 1.0f, 1.0f, f.g));
+    REFUSE(&f, "kern_stat_packed", kern_stat_packed(f.m, f.mask2, f.out, BN, 0.9f, 1.0f, f.out));
+    assert_ok(kern_stat_packed(f.m, f.mask2, f.out, BN, 0.9f, 1.0f, f.g), "kern_stat_packed", BN);
+    REFUSE(&f, "kern_topk_prestat", kern_topk_prestat(f.m, NULL, f.mask2, f.g, BN, 0.9f, 1.0f, 1, f.mask, f.scratch, sb));
+    REFUSE(&f, "kern_topk_prestat", kern_topk_prestat(f.m, f.e, NULL, f.g, BN, 0.9f, 1.0f, 1, f.mask, f.scratch, sb));
+    REFUSE(&f, "kern_topk_prestat", kern_topk_prestat(f.m, f.e, f.mask2, NULL, BN, 0.9f, 1.0f, 1, f.mask, f.scratch, sb));
+    REFUSE(&f, "kern_topk_prestat", kern_topk_prestat(f.m, f.e, f.mask2, f.g, BN, 0.9f, 1.0f, BN + 1, f.mask, f.scratch, sb));
+    REFUSE(&f, "kern_topk_prestat", kern_topk_prestat(f.m, f.e, f.mask2, f.g, BN, 0.9f, 0.5f, 1, f.mask, f.scratch, sb));
+    REFUSE(&f, "kern_topk_prestat", kern_topk_prestat(f.m, f.e, f.mask2, f.g, BN, 0.9f, 1.0f, 1, f.mask2, f.scratch, sb));
+    assert_ok(kern_topk_prestat(f.m, f.e, f.mask2, f.g, BN, 0.9f, 1.0f, 1, f.mask, f.scratch, sb), "kern_topk_prestat", BN);
 }
 END_TEST
 
