@@ -6,9 +6,13 @@ in-process engine in the same run.
      baseline is `reference`, the engine called in-process with the same
      trainers' gradients.  Through the daemon, the cost of a step is what the
      last trainer to post waits for its reply (the others also wait for it).
-     In-process and daemon runs alternate (--rounds, default 5); each run's
-     figure is its median step, and the rounds' medians are reported, with
-     the per-step means and every round's ratio next to them.
+     The daemon runs twice per round: as configured by default, where the
+     next mask is selected after the reply (behind the trainers' compute),
+     and with defer_select false, where the step holds the selection as the
+     in-process engine's does.  In-process and daemon runs alternate
+     (--rounds, default 5); each run's figure is its median step, and the
+     rounds' medians are reported, with the per-step means and every round's
+     ratio next to them.
   2. handover: bytes of control messages per step, and gradient bytes the
      daemon copied to get at the gradients, against the gradient bytes.
   3. memory at N = 1e8: the daemon's private resident memory beyond the
@@ -97,23 +101,28 @@ def overhead_round(build, work, n, steps, trainers, tag):
                     str(steps), "--timing", ref_timing, *engine],
                    capture_output=True, text=True, check=True)
     inproc = [float(l.split()[1]) for l in open(ref_timing)]
-    rt = os.path.join(work, "rt-%s" % tag)
-    d = start_daemon(build, rt, *engine, "--trainers", str(trainers))
-    files = [os.path.join(work, "timing-%s-%d" % (tag, i)) for i in range(trainers)]
-    procs = [subprocess.Popen(trainer_cmd(build, rt, i, n, steps, ["--timing", files[i]]))
-             for i in range(trainers)]
-    wait_all(procs, "trainer")
-    _, last = status(build, rt)
-    d.terminate()
-    d.wait()
-    rows = [[list(map(float, l.split())) for l in open(f)] for f in files]
-    return {
-        "inproc": inproc,
-        "last_poster": [min(r[k][1] for r in rows) for k in range(steps)],
-        "engine_in_daemon": [rows[0][k][3] for k in range(steps)],
-        "control_bytes": int(last.get("control_bytes") or 0),
-        "copied_bytes": int(last.get("handover_copy_bytes") or 0),
-    }
+    out = {"inproc": inproc}
+    for defer in ("true", "false"):
+        rt = os.path.join(work, "rt-%s-%s" % (tag, defer))
+        d = start_daemon(build, rt, *engine, "--trainers", str(trainers), "--defer-select", defer)
+        files = [os.path.join(work, "timing-%s-%s-%d" % (tag, defer, i)) for i in range(trainers)]
+        t0 = time.time()
+        procs = [subprocess.Popen(trainer_cmd(build, rt, i, n, steps, ["--timing", files[i]]))
+                 for i in range(trainers)]
+        wait_all(procs, "trainer")
+        wall = (time.time() - t0) / steps
+        _, last = status(build, rt)
+        d.terminate()
+        d.wait()
+        rows = [[list(map(float, l.split())) for l in open(f)] for f in files]
+        sfx = "" if defer == "true" else "_nodefer"
+        out["last_poster" + sfx] = [min(r[k][1] for r in rows) for k in range(steps)]
+        out["engine_in_daemon" + sfx] = [rows[0][k][3] for k in range(steps)]
+        out["wall" + sfx] = [wall]
+        if defer == "true":
+            out["control_bytes"] = int(last.get("control_bytes") or 0)
+            out["copied_bytes"] = int(last.get("handover_copy_bytes") or 0)
+    return out
 
 
 def overhead(build, work, n, steps, rounds, trainers=4):
@@ -126,15 +135,22 @@ def overhead(build, work, n, steps, rounds, trainers=4):
         per.append(overhead_round(build, work, n, steps, trainers, str(k)))
     def fig(key, stat):
         return 1e3 * statistics.median(stat(r[key]) for r in per)
-    ratios = [statistics.median(r["last_poster"]) / statistics.median(r["inproc"]) for r in per]
+    def ratios(key):
+        return [statistics.median(r[key]) / statistics.median(r["inproc"]) for r in per]
     return {
         "rounds": rounds,
         "inproc_ms": fig("inproc", statistics.median),
         "daemon_ms": fig("last_poster", statistics.median),
         "daemon_engine_ms": fig("engine_in_daemon", statistics.median),
+        "nodefer_ms": fig("last_poster_nodefer", statistics.median),
+        "nodefer_engine_ms": fig("engine_in_daemon_nodefer", statistics.median),
         "inproc_mean_ms": fig("inproc", statistics.mean),
         "daemon_mean_ms": fig("last_poster", statistics.mean),
-        "round_ratios": ratios,
+        "nodefer_mean_ms": fig("last_poster_nodefer", statistics.mean),
+        "round_ratios": ratios("last_poster"),
+        "nodefer_round_ratios": ratios("last_poster_nodefer"),
+        "wall_ms": fig("wall", statistics.median),
+        "nodefer_wall_ms": fig("wall_nodefer", statistics.median),
         "control_bytes": per[-1]["control_bytes"],
         "copied_bytes": per[-1]["copied_bytes"],
         "grad_bytes": trainers * 4 * int(n),
@@ -187,15 +203,28 @@ def main():
         "| figure | value | baseline (same run) | ratio |",
         "|---|---|---|---|",
         "| step, through scaped (last poster's wait; median of %d rounds of per-step "
-        "medians) | %.2f ms | in-process engine %.2f ms | %.2fx (overhead %+.1f%%) |"
+        "medians; next mask selected after the reply, the default) | %.2f ms | "
+        "in-process engine %.2f ms | %.2fx (overhead %+.1f%%) |"
         % (o["rounds"], o["daemon_ms"], o["inproc_ms"], o["daemon_ms"] / o["inproc_ms"],
            100 * (o["daemon_ms"] / o["inproc_ms"] - 1)),
         "| the same with per-step means | %.2f ms | in-process engine %.2f ms | %.2fx |"
         % (o["daemon_mean_ms"], o["inproc_mean_ms"], o["daemon_mean_ms"] / o["inproc_mean_ms"]),
         "| overhead in each round (per-step medians) | %s | | |"
         % ", ".join("%+.1f%%" % (100 * (x - 1)) for x in o["round_ratios"]),
-        "| engine step inside scaped | %.2f ms | in-process engine %.2f ms | %.2fx |"
-        % (o["daemon_engine_ms"], o["inproc_ms"], o["daemon_engine_ms"] / o["inproc_ms"]),
+        "| engine step inside scaped, up to the reply | %.2f ms | in-process engine %.2f ms | "
+        "%.2fx |" % (o["daemon_engine_ms"], o["inproc_ms"], o["daemon_engine_ms"] / o["inproc_ms"]),
+        "| step, through scaped with defer_select false (selection inside the step) | %.2f ms | "
+        "in-process engine %.2f ms | %.2fx (overhead %+.1f%%) |"
+        % (o["nodefer_ms"], o["inproc_ms"], o["nodefer_ms"] / o["inproc_ms"],
+           100 * (o["nodefer_ms"] / o["inproc_ms"] - 1)),
+        "| the same, each round | %s | | |"
+        % ", ".join("%+.1f%%" % (100 * (x - 1)) for x in o["nodefer_round_ratios"]),
+        "| engine step inside scaped, defer_select false | %.2f ms | in-process engine %.2f ms "
+        "| %.2fx |" % (o["nodefer_engine_ms"], o["inproc_ms"],
+                       o["nodefer_engine_ms"] / o["inproc_ms"]),
+        "| whole job through scaped, wall time per step (trainers' gradient compute, "
+        "start-up included) | %.2f ms | defer_select false %.2f ms | %.2fx |"
+        % (o["wall_ms"], o["nodefer_wall_ms"], o["wall_ms"] / o["nodefer_wall_ms"]),
         "| control bytes per step (4 trainers) | %d B | gradient bytes %d B | %.2g |"
         % (o["control_bytes"], o["grad_bytes"], o["control_bytes"] / o["grad_bytes"]),
         "| gradient bytes copied in handover | %d B | gradient bytes %d B | %.2g |"

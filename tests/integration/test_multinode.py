@@ -187,6 +187,33 @@ def test_strays_on_the_data_port_are_dropped_and_logged(daemon_factory, tmp_path
     assert "not of this job" in log and "job 99" in log, log[-3000:]
 
 
+def test_defer_select_changes_no_bit_and_must_agree(daemon_factory, tmp_path):
+    """The next mask selected after the replies (the default) or inside the
+    step: the same parameters and the same per-step bytes; daemons that
+    disagree on it are refused before step 1, saying so."""
+    n, steps, trainers = 3000, 60, [1, 2]
+    got, done = {}, {}
+    for defer in ("true", "false"):
+        daemons = start_group(daemon_factory, trainers, ["--mode", "sharded",
+                                                         "--defer-select", defer])
+        got[defer] = train_group(daemons, trainers, tmp_path, n, steps, "defer-" + defer)
+        done[defer] = [(last_step(d), collectives(d)) for d in daemons]
+        for d in daemons:
+            assert d.stop() == 0, d.output()
+    assert got["true"] == got["false"]
+    assert done["true"] == done["false"]
+    eps = free_endpoints(3)
+    daemons = [daemon_factory(*ENGINE, "--world", "2", "--rank", str(r), "--coordinator", eps[0],
+                              "--listen", eps[1 + r], "--job", "8", "--trainers", "1",
+                              "--defer-select", "true" if r == 0 else "false")
+               for r in range(2)]
+    ts = [run_trainer(d.endpoint, 0, 2000, 5, wait=False) for d in daemons]
+    for t in ts:
+        o, e = t.communicate(timeout=120)
+        assert t.returncode != 0 and "defer_select" in e, o + e
+        print(e.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("victim,timeout_ms", [(2, 1500), (1, 30000)])
 def test_killed_daemon_fails_the_step_in_time(daemon_factory, victim, timeout_ms):
     """The survivors' trainers get an error naming the killed daemon's rank:
