@@ -49,13 +49,6 @@
                                    cudaGetErrorString(err_));                  \
     } while (0)
 
-/* Propagate a non-OK scape_rc. */
-#define RC_TRY(call)                                                           \
-    do {                                                                       \
-        scape_rc rc_ = (call);                                                 \
-        if (rc_ != SCAPE_OK)                                                   \
-            return rc_;                                                        \
-    } while (0)
 
 /* ---- host helpers -------------------------------------------------------- */
 
@@ -399,7 +392,7 @@ extern "C" scape_rc kern_cuda_grad_accum(float *dst, const void *src, kern_dtype
     KERN_NONNULL(fn, dst);
     KERN_NONNULL(fn, src);
     KERN_MAXN(fn, n);
-    RC_TRY(kern_check_dtype(fn, dt));
+    TRY(kern_check_dtype(fn, dt));
     KERN_DISJOINT(fn, dst, n * 4, src, n * kern_dtype_size(dt));
     if (dt == KERN_F32)
         return launch_accum(fn, dst, static_cast<const float *>(src), n, overwrite,
@@ -564,8 +557,8 @@ static scape_rc check_update(const char *fn, const float *theta, const float *m,
     if (need_v)
         KERN_NONNULL(fn, v);
     KERN_MAXN(fn, n);
-    RC_TRY(kern_check_hyper(fn, h));
-    RC_TRY(kern_check_div_lr(fn, div, lr));
+    TRY(kern_check_hyper(fn, h));
+    TRY(kern_check_div_lr(fn, div, lr));
     KERN_DISJOINT(fn, theta, n * 4, m, n * 4);
     KERN_DISJOINT(fn, theta, n * 4, sum, sum_bytes);
     KERN_DISJOINT(fn, m, n * 4, sum, sum_bytes);
@@ -589,7 +582,7 @@ extern "C" scape_rc kern_cuda_adams_dense(float *theta, float *m, const float *s
                                           float lr, void *stream)
 {
     static const char fn[] = "kern_cuda_adams_dense";
-    RC_TRY(check_update(fn, theta, m, NULL, 0, sum, n * 4, NULL, n, h, div, lr));
+    TRY(check_update(fn, theta, m, NULL, 0, sum, n * 4, NULL, n, h, div, lr));
     adams_dense_op op = {theta, m, sum, make_par(h, div, lr, 0)};
     bool vec4 = aligned(theta, 16) && aligned(m, 16) && aligned(sum, 16);
     return launch_map(fn, op, n, vec4, as_stream(stream));
@@ -601,7 +594,7 @@ extern "C" scape_rc kern_cuda_adamw_dense(float *theta, float *m, float *v,
                                           void *stream)
 {
     static const char fn[] = "kern_cuda_adamw_dense";
-    RC_TRY(check_update(fn, theta, m, v, 1, sum, n * 4, NULL, n, h, div, lr));
+    TRY(check_update(fn, theta, m, v, 1, sum, n * 4, NULL, n, h, div, lr));
     if (t == 0)
         return scape_set_error(SCAPE_INVALID, "%s: step t must be >= 1", fn);
     adamw_dense_op op = {theta, m, v, sum, make_par(h, div, lr, t)};
@@ -665,7 +658,7 @@ static scape_rc scan_tiles(const char *fn, const uint32_t *mask, size_t nw,
 {
     size_t nt = tiles_of(nw);
     tile_count_kernel<<<(unsigned)nt, TILE, 0, s>>>(mask, nw, tail, tiles);
-    RC_TRY(launched(fn));
+    TRY(launched(fn));
     tile_scan_kernel<<<1, SCAN_THREADS, 0, s>>>(tiles, nt);
     return launched(fn);
 }
@@ -716,7 +709,7 @@ static scape_rc run_scatter(const char *fn, const Op &op, const uint32_t *mask,
         return SCAPE_OK;
     size_t nw = kern_mask_words(n);
     uint32_t *tiles = static_cast<uint32_t *>(scratch);
-    RC_TRY(scan_tiles(fn, mask, nw, tail_bits(n), tiles, s));
+    TRY(scan_tiles(fn, mask, nw, tail_bits(n), tiles, s));
     scatter_kernel<<<(unsigned)tiles_of(nw), TILE, 0, s>>>(op, mask, n, tail_bits(n), tiles);
     return launched(fn);
 }
@@ -730,7 +723,7 @@ extern "C" scape_rc kern_cuda_mask_popcount(const uint32_t *mask, size_t n, size
     KERN_NONNULL(fn, count);
     KERN_MAXN(fn, n);
     size_t nw = kern_mask_words(n);
-    RC_TRY(check_scratch(fn, scratch, scratch_bytes, scan_scratch_bytes(nw),
+    TRY(check_scratch(fn, scratch, scratch_bytes, scan_scratch_bytes(nw),
                          {{mask, nw * 4, "mask"}}));
     if (n == 0) {
         *count = 0;
@@ -738,7 +731,7 @@ extern "C" scape_rc kern_cuda_mask_popcount(const uint32_t *mask, size_t n, size
     }
     cudaStream_t s = as_stream(stream);
     uint32_t *tiles = static_cast<uint32_t *>(scratch), total = 0;
-    RC_TRY(scan_tiles(fn, mask, nw, tail_bits(n), tiles, s));
+    TRY(scan_tiles(fn, mask, nw, tail_bits(n), tiles, s));
     CUDA_TRY(fn, cudaMemcpyAsync(&total, tiles + tiles_of(nw), sizeof total,
                                  cudaMemcpyDeviceToHost, s));
     CUDA_TRY(fn, cudaStreamSynchronize(s));
@@ -767,7 +760,7 @@ extern "C" scape_rc kern_cuda_mask_prefix(const uint32_t *mask, size_t nwords,
     KERN_NONNULL(fn, prefix);
     KERN_MAXN(fn, nwords * 32);
     KERN_DISJOINT(fn, mask, nwords * 4, prefix, (nwords + 1) * 4);
-    RC_TRY(check_scratch(fn, scratch, scratch_bytes, scan_scratch_bytes(nwords),
+    TRY(check_scratch(fn, scratch, scratch_bytes, scan_scratch_bytes(nwords),
                          {{mask, nwords * 4, "mask"}, {prefix, (nwords + 1) * 4, "prefix"}}));
     cudaStream_t s = as_stream(stream);
     if (nwords == 0) {
@@ -775,7 +768,7 @@ extern "C" scape_rc kern_cuda_mask_prefix(const uint32_t *mask, size_t nwords,
         return SCAPE_OK;
     }
     uint32_t *tiles = static_cast<uint32_t *>(scratch);
-    RC_TRY(scan_tiles(fn, mask, nwords, 0xffffffffu, tiles, s));
+    TRY(scan_tiles(fn, mask, nwords, 0xffffffffu, tiles, s));
     prefix_kernel<<<(unsigned)tiles_of(nwords), TILE, 0, s>>>(mask, nwords, tiles, prefix);
     return launched(fn);
 }
@@ -816,7 +809,7 @@ extern "C" scape_rc kern_cuda_pack_ef(const float *g, float *e, const uint32_t *
     KERN_DISJOINT(fn, out, kb, g, n * 4);
     KERN_DISJOINT(fn, mask, nw * 4, e, n * 4);
     KERN_DISJOINT(fn, mask, nw * 4, out, kb);
-    RC_TRY(check_scratch(fn, scratch, scratch_bytes, scan_scratch_bytes(nw),
+    TRY(check_scratch(fn, scratch, scratch_bytes, scan_scratch_bytes(nw),
                          {{g, n * 4, "g"}, {e, n * 4, "e"}, {mask, nw * 4, "mask"},
                           {out, kb, "out"}}));
     return run_scatter(fn, pack_ef_op{g, e, out}, mask, n, scratch, as_stream(stream));
@@ -846,7 +839,7 @@ extern "C" scape_rc kern_cuda_mask_compact(const float *dense, const uint32_t *m
     size_t kb = packed_probe(n), nw = kern_mask_words(n);
     KERN_DISJOINT(fn, packed, kb, dense, n * 4);
     KERN_DISJOINT(fn, packed, kb, mask, nw * 4);
-    RC_TRY(check_scratch(fn, scratch, scratch_bytes, scan_scratch_bytes(nw),
+    TRY(check_scratch(fn, scratch, scratch_bytes, scan_scratch_bytes(nw),
                          {{dense, n * 4, "dense"}, {mask, nw * 4, "mask"},
                           {packed, kb, "packed"}}));
     return run_scatter(fn, compact_op{dense, packed}, mask, n, scratch,
@@ -879,12 +872,12 @@ extern "C" scape_rc kern_cuda_mask_expand(const float *packed, const uint32_t *m
     KERN_NONNULL(fn, mask);
     KERN_NONNULL(fn, dense);
     KERN_MAXN(fn, n);
-    RC_TRY(kern_check_dtype(fn, dt));
+    TRY(kern_check_dtype(fn, dt));
     size_t kb = packed_probe(n), nw = kern_mask_words(n);
     size_t dbytes = n * kern_dtype_size(dt);
     KERN_DISJOINT(fn, packed, kb, dense, dbytes);
     KERN_DISJOINT(fn, mask, nw * 4, dense, dbytes);
-    RC_TRY(check_scratch(fn, scratch, scratch_bytes, scan_scratch_bytes(nw),
+    TRY(check_scratch(fn, scratch, scratch_bytes, scan_scratch_bytes(nw),
                          {{packed, kb, "packed"}, {mask, nw * 4, "mask"},
                           {dense, dbytes, "dense"}}));
     cudaStream_t s = as_stream(stream);
@@ -944,8 +937,8 @@ extern "C" scape_rc kern_cuda_adams_masked(float *theta, float *m, const float *
     static const char fn[] = "kern_cuda_adams_masked";
     KERN_NONNULL(fn, mask);
     size_t kb = packed_probe(n), nw = kern_mask_words(n);
-    RC_TRY(check_update(fn, theta, m, NULL, 0, sum, kb, mask, n, h, div, lr));
-    RC_TRY(check_scratch(fn, scratch, scratch_bytes, scan_scratch_bytes(nw),
+    TRY(check_update(fn, theta, m, NULL, 0, sum, kb, mask, n, h, div, lr));
+    TRY(check_scratch(fn, scratch, scratch_bytes, scan_scratch_bytes(nw),
                          {{theta, n * 4, "theta"}, {m, n * 4, "m"}, {sum, kb, "sum"},
                           {mask, nw * 4, "mask"}}));
     adams_masked_op op = {theta, m, sum, make_par(h, div, lr, 0)};
@@ -962,10 +955,10 @@ extern "C" scape_rc kern_cuda_adamw_masked(float *theta, float *m, float *v,
     static const char fn[] = "kern_cuda_adamw_masked";
     KERN_NONNULL(fn, mask);
     size_t kb = packed_probe(n), nw = kern_mask_words(n);
-    RC_TRY(check_update(fn, theta, m, v, 1, sum, kb, mask, n, h, div, lr));
+    TRY(check_update(fn, theta, m, v, 1, sum, kb, mask, n, h, div, lr));
     if (t == 0)
         return scape_set_error(SCAPE_INVALID, "%s: step t must be >= 1", fn);
-    RC_TRY(check_scratch(fn, scratch, scratch_bytes, scan_scratch_bytes(nw),
+    TRY(check_scratch(fn, scratch, scratch_bytes, scan_scratch_bytes(nw),
                          {{theta, n * 4, "theta"}, {m, n * 4, "m"}, {v, n * 4, "v"},
                           {sum, kb, "sum"}, {mask, nw * 4, "mask"}}));
     adamw_masked_op op = {theta, m, v, sum, make_par(h, div, lr, t)};
@@ -1174,9 +1167,9 @@ static scape_rc topk_select(const char *fn, const float *stat, size_t n, size_t 
             launch_hist<4>(level, blocks, stat, n, st, s);
         else
             launch_hist<1>(level, blocks, stat, n, st, s);
-        RC_TRY(launched(fn));
+        TRY(launched(fn));
         topk_select_kernel<<<1, SCAN_THREADS, 0, s>>>(st, level, (uint32_t)k);
-        RC_TRY(launched(fn));
+        TRY(launched(fn));
     }
     return SCAPE_OK;
 }
@@ -1187,9 +1180,9 @@ static scape_rc topk_write_mask(const char *fn, const float *stat, size_t n,
 {
     const size_t nt = tiles_of(kern_mask_words(n));
     topk_tile_kernel<false><<<(unsigned)nt, TILE, 0, s>>>(stat, n, L.st, L.tiles, mask);
-    RC_TRY(launched(fn));
+    TRY(launched(fn));
     tile_scan_kernel<<<1, SCAN_THREADS, 0, s>>>(L.tiles, nt);
-    RC_TRY(launched(fn));
+    TRY(launched(fn));
     topk_tile_kernel<true><<<(unsigned)nt, TILE, 0, s>>>(stat, n, L.st, L.tiles, mask);
     return launched(fn);
 }
@@ -1205,7 +1198,7 @@ extern "C" scape_rc kern_cuda_topk_mask(const float *stat, size_t n, size_t k,
     KERN_MAXN(fn, n);
     if (k > n)
         return scape_set_error(SCAPE_INVALID, "%s: k=%zu > n=%zu", fn, k, n);
-    RC_TRY(check_scratch(fn, scratch, scratch_bytes, topk_scratch_bytes(n), {}));
+    TRY(check_scratch(fn, scratch, scratch_bytes, topk_scratch_bytes(n), {}));
     size_t nw = kern_mask_words(n);
     KERN_DISJOINT(fn, mask, nw * 4, stat, n * 4);
     KERN_DISJOINT(fn, mask, nw * 4, scratch, scratch_bytes);
@@ -1217,7 +1210,7 @@ extern "C" scape_rc kern_cuda_topk_mask(const float *stat, size_t n, size_t k,
         return SCAPE_OK;
     }
     topk_layout L = topk_carve(scratch);
-    RC_TRY(topk_select(fn, stat, n, k, L.st, s));
+    TRY(topk_select(fn, stat, n, k, L.st, s));
     return topk_write_mask(fn, stat, n, L, mask, s);
 }
 
@@ -1236,13 +1229,13 @@ extern "C" scape_rc kern_cuda_topk_ef(const float *m, const float *g, const floa
     KERN_MAXN(fn, n);
     if (k > n)
         return scape_set_error(SCAPE_INVALID, "%s: k=%zu > n=%zu", fn, k, n);
-    RC_TRY(check_scratch(fn, scratch, scratch_bytes, topk_ef_scratch_bytes(n), {}));
+    TRY(check_scratch(fn, scratch, scratch_bytes, topk_ef_scratch_bytes(n), {}));
     if (n == 0)
         return SCAPE_OK;
     float *stat = static_cast<float *>(scratch);
     void *rest = static_cast<char *>(scratch) + align256(n * sizeof(float));
     size_t rest_bytes = scratch_bytes - align256(n * sizeof(float));
-    RC_TRY(m ? kern_cuda_mask_stat(m, g, e, n, beta1, t_r, stat, stream)
+    TRY(m ? kern_cuda_mask_stat(m, g, e, n, beta1, t_r, stat, stream)
              : kern_cuda_abs_stat(g, e, n, stat, stream));
     return kern_cuda_topk_mask(stat, n, k, mask, rest, rest_bytes, stream);
 }
@@ -1261,7 +1254,7 @@ extern "C" scape_rc kern_cuda_topk_packed(const float *m, const float *e, const 
         KERN_NONNULL(fn, packed);
     if (k > n)
         return scape_set_error(SCAPE_INVALID, "%s: k=%zu > n=%zu", fn, k, n);
-    RC_TRY(check_scratch(fn, scratch, scratch_bytes, topk_packed_scratch_bytes(n), {}));
+    TRY(check_scratch(fn, scratch, scratch_bytes, topk_packed_scratch_bytes(n), {}));
     if (n == 0)
         return SCAPE_OK;
     cudaStream_t s = as_stream(stream);
@@ -1273,6 +1266,6 @@ extern "C" scape_rc kern_cuda_topk_packed(const float *m, const float *e, const 
     CUDA_TRY(fn, cudaMemcpyAsync(a, e, n * sizeof(float), cudaMemcpyDeviceToDevice, s));
     CUDA_TRY(fn, cudaMemsetAsync(zero, 0, n * sizeof(float), s));
     if (sent)
-        RC_TRY(kern_cuda_mask_expand(packed, sent, n, a, KERN_F32, rest, rest_bytes, stream));
+        TRY(kern_cuda_mask_expand(packed, sent, n, a, KERN_F32, rest, rest_bytes, stream));
     return kern_cuda_topk_ef(m, a, zero, n, beta1, t_r, k, mask, rest, rest_bytes, stream);
 }

@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "scape_kernels.h"
+#include "try.h"
 
 /* Largest segment a kernel accepts: counts travel as uint32_t. */
 #define KERN_MAX_N ((size_t)UINT32_MAX)

@@ -667,9 +667,40 @@ END_TEST
 START_TEST(scape_rho_0_01) { run_scape_density(0.01, 300); }
 END_TEST
 
+/* Runs variant 0..nv-1 of a spec (vary sets variant k) and expects every
+ * variant's final parameters to be variant 0's, bit for bit. */
+static void expect_variants_agree(const spec *base, int nv, void (*vary)(spec *, int),
+                                  const char *what)
+{
+    float *fin[4];
+    size_t *kh[4], n = 0;
+    ck_assert_int_le(nv, 4);
+    for (int k = 0; k < nv; k++) {
+        spec sp = *base;
+        vary(&sp, k);
+        run_spec(&sp, &fin[k], &kh[k], &n);
+    }
+    for (int k = 1; k < nv; k++) {
+        char msg[160];
+        snprintf(msg, sizeof msg, "%s: variant %d vs 0", what, k);
+        expect_same(fin[0], fin[k], n, msg);
+    }
+    for (int k = 0; k < nv; k++) {
+        free(fin[k]);
+        free(kh[k]);
+    }
+}
+
+static void vary_threads(spec *sp, int k)
+{
+    static const int threads[] = { 1, 3, 8 };
+    sp->cfg.threads = threads[k];
+}
+
 /* The data-parallel phases on several worker threads compute the same bits
  * as on one: every optimizer, both modes, one and three ranks, f32 and bf16
- * buffers, every per-step check on in the threaded runs too. */
+ * buffers, every per-step check on in the threaded runs too (variants: 1, 3
+ * and 8 threads). */
 START_TEST(threads_do_not_change_results)
 {
     static const struct {
@@ -677,39 +708,33 @@ START_TEST(threads_do_not_change_results)
         double rho;
     } opts[] = { { ENG_OPT_SCAPE, 0.1 }, { ENG_OPT_SCAPE, 0.01 }, { ENG_OPT_ADAMS, 1.0 },
                  { ENG_OPT_ADAMW, 1.0 }, { ENG_OPT_TOPK_ADAMW, 0.1 } };
-    static const int threads[] = { 1, 3, 8 };
     for (size_t o = 0; o < sizeof opts / sizeof opts[0]; o++)
         for (int mode = 0; mode < 2; mode++)
             for (int R = 1; R <= 3; R += 2)
                 for (int bf16 = 0; bf16 < 2; bf16++) {
-                    float *fin[3];
-                    size_t *kh[3], n = 0;
-                    for (int k = 0; k < 3; k++) {
-                        spec sp = make_spec(opts[o].opt, (eng_mode)mode, R, opts[o].rho, 40);
-                        sp.cfg.threads = threads[k];
-                        if (bf16)
-                            sp.pdt = sp.gdt = KERN_BF16;
-                        run_spec(&sp, &fin[k], &kh[k], &n);
-                    }
-                    for (int k = 1; k < 3; k++) {
-                        char what[128];
-                        snprintf(what, sizeof what, "%s %s R=%d%s: %d threads vs 1",
-                                 eng_optimizer_name(opts[o].opt), eng_mode_name((eng_mode)mode),
-                                 R, bf16 ? " bf16" : "", threads[k]);
-                        expect_same(fin[0], fin[k], n, what);
-                    }
-                    for (int k = 0; k < 3; k++) {
-                        free(fin[k]);
-                        free(kh[k]);
-                    }
+                    spec sp = make_spec(opts[o].opt, (eng_mode)mode, R, opts[o].rho, 40);
+                    if (bf16)
+                        sp.pdt = sp.gdt = KERN_BF16;
+                    char what[128];
+                    snprintf(what, sizeof what, "%s %s R=%d%s, threads 1/3/8",
+                             eng_optimizer_name(opts[o].opt), eng_mode_name((eng_mode)mode), R,
+                             bf16 ? " bf16" : "");
+                    expect_variants_agree(&sp, 3, vary_threads, what);
                 }
 }
 END_TEST
 
-/* A selection deferred to eng_step_finish (called after the step, or left to
- * the next eng_step) gives the same bits as the one inside the step, with
- * every per-step check on: SCAPE at two densities, both modes, one and three
- * ranks, f32 and bf16 buffers. */
+/* variant 0: selection inside the step; 1: deferred, eng_step_finish called
+ * after each step; 2: deferred, left to the next eng_step */
+static void vary_defer(spec *sp, int k)
+{
+    sp->cfg.defer_select = k > 0;
+    sp->finish = k == 1;
+}
+
+/* A selection deferred to eng_step_finish gives the same bits as the one
+ * inside the step, with every per-step check on: SCAPE at two densities,
+ * both modes, one and three ranks, f32 and bf16 buffers. */
 START_TEST(deferred_selection_changes_nothing)
 {
     static const double rhos[] = { 0.1, 0.01 };
@@ -717,27 +742,13 @@ START_TEST(deferred_selection_changes_nothing)
         for (int mode = 0; mode < 2; mode++)
             for (int R = 1; R <= 3; R += 2)
                 for (int bf16 = 0; bf16 < 2; bf16++) {
-                    float *fin[3];
-                    size_t *kh[3], n = 0;
-                    for (int k = 0; k < 3; k++) {
-                        spec sp = make_spec(ENG_OPT_SCAPE, (eng_mode)mode, R, rhos[o], 40);
-                        sp.cfg.defer_select = k > 0;
-                        sp.finish = k == 1;
-                        if (bf16)
-                            sp.pdt = sp.gdt = KERN_BF16;
-                        run_spec(&sp, &fin[k], &kh[k], &n);
-                    }
-                    for (int k = 1; k < 3; k++) {
-                        char what[128];
-                        snprintf(what, sizeof what, "rho %g %s R=%d%s: deferred (%s) vs not",
-                                 rhos[o], eng_mode_name((eng_mode)mode), R, bf16 ? " bf16" : "",
-                                 k == 1 ? "eng_step_finish" : "left to eng_step");
-                        expect_same(fin[0], fin[k], n, what);
-                    }
-                    for (int k = 0; k < 3; k++) {
-                        free(fin[k]);
-                        free(kh[k]);
-                    }
+                    spec sp = make_spec(ENG_OPT_SCAPE, (eng_mode)mode, R, rhos[o], 40);
+                    if (bf16)
+                        sp.pdt = sp.gdt = KERN_BF16;
+                    char what[128];
+                    snprintf(what, sizeof what, "rho %g %s R=%d%s, deferred selection",
+                             rhos[o], eng_mode_name((eng_mode)mode), R, bf16 ? " bf16" : "");
+                    expect_variants_agree(&sp, 3, vary_defer, what);
                 }
 }
 END_TEST
