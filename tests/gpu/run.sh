@@ -264,8 +264,11 @@ run_service_bench() {
     command -v python3 >/dev/null 2>&1 || { SERVICE_STATUS="not run: no python3"; return; }
     if timeout 300 python3 tests/bench/bench_service.py "${SERVICE_FROM[@]}" --quick \
         --markdown "$LOGS/service.md" >"$LOGS/service.txt" 2>&1; then
-        SERVICE_STATUS=$(grep "through scaped" "$LOGS/service.md" | awk -F'|' '{print $5}')
-        SERVICE_STATUS="through scaped vs in-process:${SERVICE_STATUS} (table: $LOGS/service.md)"
+        local dflt nodefer
+        dflt=$(grep -m1 "^| step, through scaped (last poster" "$LOGS/service.md" | awk -F'|' '{print $5}')
+        nodefer=$(grep -m1 "^| step, through scaped with defer_select false" "$LOGS/service.md" |
+            awk -F'|' '{print $5}')
+        SERVICE_STATUS="through scaped vs in-process:${dflt}; defer_select false:${nodefer} (table: $LOGS/service.md)"
     else
         SERVICE_STATUS="bench_service failed or timed out (see $LOGS/service.txt)"
     fi
