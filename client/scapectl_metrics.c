@@ -108,6 +108,7 @@ static void phases(const prom *m, const Scape__Phases *ph)
         { "reduce", ph->has_reduce, ph->reduce },     { "update", ph->has_update, ph->update },
         { "gather", ph->has_gather, ph->gather },
         { "writeback", ph->has_writeback, ph->writeback },
+        { "after_reply", ph->has_after_reply, ph->after_reply },
         { "total", ph->has_total, ph->total },
     };
     family(m, "scape_phase_seconds", "Seconds the last step spent in each phase.");

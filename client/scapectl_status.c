@@ -39,6 +39,7 @@ static void print_phases(printer *p, const Scape__Phases *ph)
         { "update", "update", ph->has_update, ph->update },
         { "gather", "gather", ph->has_gather, ph->gather },
         { "writeback", "writeback", ph->has_writeback, ph->writeback },
+        { "after_reply", "after reply", ph->has_after_reply, ph->after_reply },
         { "total", NULL, ph->has_total, ph->total }, /* the text shows it above */
     };
     char b[32];

@@ -489,10 +489,13 @@ static void note_foreign(server *s)
 }
 
 /* defer_select: the trainers have their parameters; select the next mask
- * while they compute.  Its time joins the step's select phase for status and
- * the events; the replies went out without it. */
+ * while they compute.  Its time is the step's after_reply phase in status
+ * and the events (the replies went out before it).  A trainer that posts the
+ * next step meanwhile waits in the socket; that wait shows in no phase. */
 static scape_rc select_after_reply(server *s, uint64_t t)
 {
+    s->last_phases.has_after_reply = s->cfg.engine.defer_select;
+    s->last_phases.after_reply = 0.0;
     double t0 = srv_now();
     scape_rc rc = eng_step_finish(s->eng);
     if (rc != SCAPE_OK) {
@@ -501,7 +504,7 @@ static scape_rc select_after_reply(server *s, uint64_t t)
                   (unsigned long long)t, scape_last_error());
         return rc;
     }
-    s->last_phases.select += srv_now() - t0;
+    s->last_phases.after_reply = srv_now() - t0;
     return SCAPE_OK;
 }
 
@@ -554,6 +557,9 @@ static void run_step(server *s, trainer **ts, int n)
         s->next_step = t + 1;
     }
     finish_step(s, ts, n, rc);
+    /* After a failure here the step's mask all-gather is not started on this
+     * rank; its peers then fail the next collective (the engine is broken
+     * and refuses further steps either way). */
     if (rc == SCAPE_OK)
         rc = select_after_reply(s, t);
     note_foreign(s);

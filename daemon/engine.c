@@ -226,7 +226,7 @@ static scape_rc handshake(eng_t *e)
             rc = scape_set_error(SCAPE_INVALID,
                                  "engine: rank %d has a different optimizer config than rank %d",
                                  r, e->rank);
-        else if (all[4 * r + 3] != mine[3])
+        else if (all[4 * r + 3] != mine[3] && e->cfg.optimizer == ENG_OPT_SCAPE)
             rc = scape_set_error(SCAPE_INVALID,
                                  "engine: rank %d has defer_select %s and rank %d %s: set it "
                                  "alike on every daemon", r, all[4 * r + 3] ? "on" : "off",

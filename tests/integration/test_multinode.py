@@ -198,6 +198,11 @@ def test_defer_select_changes_no_bit_and_must_agree(daemon_factory, tmp_path):
                                                          "--defer-select", defer])
         got[defer] = train_group(daemons, trainers, tmp_path, n, steps, "defer-" + defer)
         done[defer] = [(last_step(d), collectives(d)) for d in daemons]
+        for d in daemons:  # the selection after the replies is its own phase
+            phases = pbwire.parse(pbwire.query_status(d.status_endpoint)[3][2][0])
+            assert (11 in phases) == (defer == "true"), phases
+            if defer == "true":
+                assert phases[11][0] > 0.0 and phases[4][0] < phases[10][0], phases
         for d in daemons:
             assert d.stop() == 0, d.output()
     assert got["true"] == got["false"]
