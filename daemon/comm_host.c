@@ -18,15 +18,15 @@
  * still pushing to a reused port, must not bring this job down.  Anything
  * else, from a rank of this job, fails the call with SCAPE_PROTO.
  *
- * Sum order.  Reduce-scatter is a chain 0 -> 1 -> ... -> R-1 over the whole
- * vector, chunk by chunk (chunk_bytes): rank r adds its values to the partial
- * sums from r-1 and forwards them, so every element is ((x0 + x1) + x2) + ...,
- * bit for bit what the local backend computes.  Rank R-1 finishes each chunk,
- * keeps its own segment and sends every other part to its owner directly.
- * Bytes received per rank (T = the whole vector): T from the chain (ranks
- * 1..R-1) plus its own segment (ranks 0..R-2), against (T - own) for a ring.
- * All-reduce is that reduce-scatter over equal segments (as comm_local) and a
- * direct all-gather: ~2T received per rank against 2T(R-1)/R for a ring.
+ * Sum order.  Reduce-scatter is direct: every rank sends each owner its
+ * part of the owner's segment, chunk by chunk, and the owner adds the parts
+ * in rank order, so every element is ((x0 + x1) + x2) + ..., bit for bit what
+ * the local backend computes (a ring would sum each segment in another
+ * rotation of the ranks).  A part that comes before its turn waits in its
+ * sender's queue.  Each rank sends T - own and receives (R-1) * own (T = the
+ * whole vector): the ring's totals, in one hop instead of R-1.  All-reduce is
+ * that reduce-scatter over equal segments (as comm_local) and a direct
+ * all-gather: 2T(R-1)/R each way per rank, as a ring.
  *
  * All-gather is direct: each rank sends its segment, chunked, to every peer
  * (chunk-major, peers in rotated order).  Each rank receives total - own and
@@ -73,7 +73,7 @@
 #define LOST_GRACE_MS 1000  /* a closed connection this long: the peer is gone */
 #define PUMP_DEADLINE SCAPE_RC_COUNT /* pump_one: the deadline passed (no error set) */
 
-enum kind { K_RS_CHAIN = 1, K_RS_DELIVER, K_AG, K_IAG, K_BC, K_BAR_IN, K_BAR_OUT, K_END };
+enum kind { K_RS_PART = 1, K_AG, K_IAG, K_BC, K_BAR_IN, K_BAR_OUT, K_END };
 
 typedef struct wire_hdr {
     uint64_t job;
@@ -115,6 +115,9 @@ typedef struct host {
     size_t *segoff;         /* reduce-scatter's segment offsets, size + 1 */
     unsigned char *arrived; /* barrier at rank 0 */
     float *scratch;         /* one chunk */
+    host_msg **rq_head, **rq_tail; /* reduce-scatter: per sender, parts that came
+                                      before their turn in the sum, in order */
+    uint64_t *rq_next;      /* reduce-scatter: next part expected from each sender */
     host_msg *stash, *stash_tail; /* messages of later ops, in arrival order */
     const char *opname;
     uint64_t sent, recvd;
@@ -200,7 +203,7 @@ static scape_rc check_hdr(comm_t *c, const host_msg *m)
     host *h = c->impl;
     if (m->h.sender >= c->size || m->h.sender == c->rank)
         return proto(h, m, "a message from an impossible sender");
-    if (m->h.kind < K_RS_CHAIN || m->h.kind >= K_END)
+    if (m->h.kind < K_RS_PART || m->h.kind >= K_END)
         return proto(h, m, "a message of unknown kind");
     return SCAPE_OK;
 }
@@ -525,96 +528,99 @@ static scape_rc end_op(comm_t *c, scape_rc rc)
 
 /* ---- reduce-scatter ------------------------------------------------------- */
 
-/* Rank R-1: hand each part of the finished chunk [a, b) to its owner. */
-static scape_rc rs_deliver(comm_t *c, uint64_t i, size_t a, size_t b, float *recv)
+/* Floats of part i of rank q's segment (parts of cf floats; the last shorter). */
+static size_t rs_part_len(const host *h, int q, uint64_t i, size_t cf)
+{
+    size_t len = h->segoff[q + 1] - h->segoff[q], a = (size_t)i * cf;
+    return len - a < cf ? len - a : cf;
+}
+
+/* Part i of this rank's segment from rank q: from q's queue, or received
+ * (parts of other senders, and q's later ones, are queued on the way).
+ * Each sender's parts arrive in order. */
+static scape_rc rs_part_from(comm_t *c, int q, uint64_t i, size_t cf, host_msg **out)
 {
     host *h = c->impl;
-    for (int q = 0; q < c->size; q++) {
-        size_t s = h->segoff[q] > a ? h->segoff[q] : a;
-        size_t e = h->segoff[q + 1] < b ? h->segoff[q + 1] : b;
-        if (s >= e)
-            continue;
-        if (q == c->rank)
-            memcpy(recv + (s - h->segoff[q]), h->scratch + (s - a), (e - s) * sizeof *recv);
-        else {
-            scape_rc rc = send_msg(c, q, K_RS_DELIVER, h->seq, i, h->scratch + (s - a),
-                                   (e - s) * sizeof *recv);
-            if (rc != SCAPE_OK)
-                return rc;
+    for (;;) {
+        host_msg *m = h->rq_head[q];
+        if (m != NULL && m->h.chunk == i) {
+            h->rq_head[q] = m->next;
+            if (h->rq_head[q] == NULL)
+                h->rq_tail[q] = NULL;
+            *out = m;
+            return SCAPE_OK;
         }
+        TRY(next_msg(c, q, &m));
+        int from = m->h.sender;
+        scape_rc rc = SCAPE_OK;
+        if (m->h.kind != K_RS_PART || from == c->rank)
+            rc = proto(h, m, "an unexpected message in a reduce-scatter");
+        else if (m->h.chunk != h->rq_next[from] ||
+                 h->segoff[c->rank] + (size_t)m->h.chunk * cf >= h->segoff[c->rank + 1])
+            rc = proto(h, m, "a reduce-scatter part out of order or past the segment");
+        else if (zmq_msg_size(&m->body) !=
+                 rs_part_len(h, c->rank, m->h.chunk, cf) * sizeof(float))
+            rc = proto(h, m, "a reduce-scatter part of the wrong length");
+        if (rc != SCAPE_OK) {
+            msg_free(m);
+            return rc;
+        }
+        h->rq_next[from]++;
+        m->next = NULL;
+        if (h->rq_tail[from])
+            h->rq_tail[from]->next = m;
+        else
+            h->rq_head[from] = m;
+        h->rq_tail[from] = m;
     }
-    return SCAPE_OK;
 }
 
-/* Ranks 1..R-1: partial sums of chunk i from rank-1, plus this rank's values,
- * in that order. */
-static scape_rc rs_chain(comm_t *c, const host_msg *m, const float *send, float *recv)
-{
-    host *h = c->impl;
-    size_t cf = h->chunk / sizeof(float), total = h->segoff[c->size];
-    size_t a = (size_t)m->h.chunk * cf, b = total - a < cf ? total : a + cf;
-    if (zmq_msg_size((zmq_msg_t *)&m->body) != (b - a) * sizeof(float))
-        return proto(h, m, "a reduce-scatter chunk of the wrong length");
-    memcpy(h->scratch, zmq_msg_data((zmq_msg_t *)&m->body), (b - a) * sizeof(float));
-    for (size_t j = 0; j < b - a; j++)
-        h->scratch[j] += send[a + j];
-    if (c->rank < c->size - 1)
-        return send_msg(c, c->rank + 1, K_RS_CHAIN, h->seq, m->h.chunk, h->scratch,
-                        (b - a) * sizeof(float));
-    return rs_deliver(c, m->h.chunk, a, b, recv);
-}
-
-/* Owner: one delivered part of its segment. */
-static scape_rc rs_take(comm_t *c, const host_msg *m, float *recv)
-{
-    host *h = c->impl;
-    size_t cf = h->chunk / sizeof(float), s0 = h->segoff[c->rank], s1 = h->segoff[c->rank + 1];
-    size_t a = (size_t)m->h.chunk * cf, b = a + cf;
-    size_t s = a > s0 ? a : s0, e = b < s1 ? b : s1;
-    if (zmq_msg_size((zmq_msg_t *)&m->body) != (e - s) * sizeof(float))
-        return proto(h, m, "a reduce-scatter result of the wrong length");
-    memcpy(recv + (s - s0), zmq_msg_data((zmq_msg_t *)&m->body), (e - s) * sizeof(float));
-    return SCAPE_OK;
-}
-
-/* Check one message against the schedule and apply it. */
-static scape_rc rs_apply(comm_t *c, const host_msg *m, uint64_t *chain, uint64_t *deliv,
-                         const float *send, float *recv)
-{
-    if (m->h.kind == K_RS_CHAIN && m->h.sender == c->rank - 1 && m->h.chunk == *chain) {
-        (*chain)++;
-        return rs_chain(c, m, send, recv);
-    }
-    if (m->h.kind == K_RS_DELIVER && m->h.sender == c->size - 1 && m->h.chunk == *deliv) {
-        (*deliv)++;
-        return rs_take(c, m, recv);
-    }
-    return proto(c->impl, m, "an unexpected message in a reduce-scatter");
-}
-
+/* Direct reduce-scatter: every rank sends each owner its part of the owner's
+ * segment, chunk by chunk (chunk-major, owners in rotated order), and each
+ * owner sums its segment chunk by chunk in rank order, ((x0 + x1) + x2) +
+ * ..., bit for bit what the local backend computes.  recv may be this rank's
+ * own segment of send (in place): a chunk is summed in scratch first. */
 static scape_rc rs_run(comm_t *c, const float *send, float *recv)
 {
     host *h = c->impl;
-    size_t cf = h->chunk / sizeof(float), total = h->segoff[c->size];
-    size_t s0 = h->segoff[c->rank], s1 = h->segoff[c->rank + 1];
-    uint64_t nch = nchunks(total, cf), chain = c->rank == 0 ? nch : 0;
-    uint64_t deliv = s0 / cf, deliv_end = s1 / cf + (s1 % cf != 0);
-    if (c->size == 1 || s0 == s1 || c->rank == c->size - 1)
-        deliv = deliv_end;
-    if (c->size == 1 && recv != send && s1)
-        memcpy(recv, send, s1 * sizeof *recv);
-    for (uint64_t i = 0; c->rank == 0 && c->size > 1 && i < nch; i++) {
-        size_t a = (size_t)i * cf, n = total - a < cf ? total - a : cf;
-        TRY(send_msg(c, 1, K_RS_CHAIN, h->seq, i, send + a, n * sizeof *send));
+    size_t cf = h->chunk / sizeof(float), s0 = h->segoff[c->rank];
+    size_t own = h->segoff[c->rank + 1] - s0;
+    if (c->size == 1) {
+        if (recv != send && own)
+            memmove(recv, send, own * sizeof *recv);
+        return SCAPE_OK;
     }
-    while (chain < nch || deliv < deliv_end) {
-        host_msg *m;
-        scape_rc rc = next_msg(c, chain < nch ? c->rank - 1 : c->size - 1, &m);
-        if (rc == SCAPE_OK)
-            rc = rs_apply(c, m, &chain, &deliv, send, recv);
-        msg_free(m);
-        if (rc != SCAPE_OK)
-            return rc;
+    size_t most = 0;
+    for (int q = 0; q < c->size; q++) {
+        size_t len = h->segoff[q + 1] - h->segoff[q];
+        most = len > most ? len : most;
+        h->rq_next[q] = 0;
+    }
+    for (uint64_t i = 0; (size_t)i * cf < most; i++)
+        for (int k = 1; k < c->size; k++) {
+            int q = (c->rank + k) % c->size;
+            if ((size_t)i * cf >= h->segoff[q + 1] - h->segoff[q])
+                continue;
+            TRY(send_msg(c, q, K_RS_PART, h->seq, i, send + h->segoff[q] + (size_t)i * cf,
+                         rs_part_len(h, q, i, cf) * sizeof *send));
+        }
+    for (uint64_t i = 0; (size_t)i * cf < own; i++) {
+        size_t a = (size_t)i * cf, len = rs_part_len(h, c->rank, i, cf);
+        for (int q = 0; q < c->size; q++) {
+            host_msg *m = NULL;
+            const float *x = send + s0 + a;
+            if (q != c->rank) {
+                TRY(rs_part_from(c, q, i, cf, &m));
+                x = zmq_msg_data(&m->body);
+            }
+            if (q == 0)
+                memcpy(h->scratch, x, len * sizeof *x);
+            else
+                for (size_t j = 0; j < len; j++)
+                    h->scratch[j] += x[j];
+            msg_free(m);
+        }
+        memcpy(recv + a, h->scratch, len * sizeof *recv);
     }
     return SCAPE_OK;
 }
@@ -864,6 +870,15 @@ static void host_free(comm_t *c)
         h->stash = m->next;
         msg_free(m);
     }
+    for (int q = 0; h->rq_head && q < size; q++)
+        while (h->rq_head[q]) {
+            host_msg *m = h->rq_head[q];
+            h->rq_head[q] = m->next;
+            msg_free(m);
+        }
+    free(h->rq_head);
+    free(h->rq_tail);
+    free(h->rq_next);
     free(h->push);
     free(h->mon);
     free(h->down_since);
@@ -931,10 +946,13 @@ static scape_rc host_alloc(const comm_host_opts *o, host **out)
     h->segoff = calloc(n + 1, sizeof *h->segoff);
     h->arrived = calloc(n, 1);
     h->scratch = malloc(h->chunk);
+    h->rq_head = calloc(n, sizeof *h->rq_head);
+    h->rq_tail = calloc(n, sizeof *h->rq_tail);
+    h->rq_next = calloc(n, sizeof *h->rq_next);
     int ok = gather_alloc(&h->sg, o->size) & gather_alloc(&h->ag, o->size);
     *out = h;
     if (!ok || !h->push || !h->mon || !h->down_since || !h->up || !h->cnt_f || !h->segoff ||
-        !h->arrived || !h->scratch)
+        !h->arrived || !h->scratch || !h->rq_head || !h->rq_tail || !h->rq_next)
         return scape_set_error(SCAPE_NOMEM, "comm_host_create: out of memory");
     h->cnt_b = h->cnt_f + n;
     return SCAPE_OK;
