@@ -115,6 +115,7 @@ typedef struct host {
     size_t *segoff;         /* reduce-scatter's segment offsets, size + 1 */
     unsigned char *arrived; /* barrier at rank 0 */
     float *scratch;         /* one chunk */
+    float *part;            /* one chunk: a received part, aligned for summing */
     host_msg **rq_head, **rq_tail; /* reduce-scatter: per sender, parts that came
                                       before their turn in the sum, in order */
     uint64_t *rq_next;      /* reduce-scatter: next part expected from each sender */
@@ -609,9 +610,10 @@ static scape_rc rs_run(comm_t *c, const float *send, float *recv)
         for (int q = 0; q < c->size; q++) {
             host_msg *m = NULL;
             const float *x = send + s0 + a;
-            if (q != c->rank) {
+            if (q != c->rank) { /* a message body need not be float-aligned */
                 TRY(rs_part_from(c, q, i, cf, &m));
-                x = zmq_msg_data(&m->body);
+                memcpy(h->part, zmq_msg_data(&m->body), len * sizeof *x);
+                x = h->part;
             }
             if (q == 0)
                 memcpy(h->scratch, x, len * sizeof *x);
@@ -889,6 +891,7 @@ static void host_free(comm_t *c)
     free(h->segoff);
     free(h->arrived);
     free(h->scratch);
+    free(h->part);
     free(h);
 }
 
@@ -946,13 +949,14 @@ static scape_rc host_alloc(const comm_host_opts *o, host **out)
     h->segoff = calloc(n + 1, sizeof *h->segoff);
     h->arrived = calloc(n, 1);
     h->scratch = malloc(h->chunk);
+    h->part = malloc(h->chunk);
     h->rq_head = calloc(n, sizeof *h->rq_head);
     h->rq_tail = calloc(n, sizeof *h->rq_tail);
     h->rq_next = calloc(n, sizeof *h->rq_next);
     int ok = gather_alloc(&h->sg, o->size) & gather_alloc(&h->ag, o->size);
     *out = h;
     if (!ok || !h->push || !h->mon || !h->down_since || !h->up || !h->cnt_f || !h->segoff ||
-        !h->arrived || !h->scratch || !h->rq_head || !h->rq_tail || !h->rq_next)
+        !h->arrived || !h->scratch || !h->part || !h->rq_head || !h->rq_tail || !h->rq_next)
         return scape_set_error(SCAPE_NOMEM, "comm_host_create: out of memory");
     h->cnt_b = h->cnt_f + n;
     return SCAPE_OK;
