@@ -434,6 +434,58 @@ START_TEST(stop_gives_up_a_stalled_wait)
 }
 END_TEST
 
+/* ---- a rank of this job that breaks the schedule -------------------------- */
+
+/* The wire header (comm_host.c): job, op sequence, chunk, magic, kind, sender. */
+typedef struct forged_hdr {
+    uint64_t job, seq, chunk;
+    uint32_t magic;
+    uint16_t kind, sender;
+} forged_hdr;
+
+/* Rank 0 of a fresh group runs a reduce-scatter of 2 x 50 floats while a raw
+ * socket, posing as rank `sender` of the job, sends it one message; rank 0
+ * must fail with PROTO and `want` in the message, long before the timeout. */
+static void forged_part(uint16_t kind, uint16_t sender, uint64_t chunk, size_t floats,
+                        const char *want)
+{
+    group g;
+    group_open(&g, 2, 7, 20000);
+    void *zctx = zmq_ctx_new(), *push = zmq_socket(zctx, ZMQ_PUSH);
+    int linger = 0;
+    ck_assert_int_eq(zmq_setsockopt(push, ZMQ_LINGER, &linger, sizeof linger), 0);
+    ck_assert_int_eq(zmq_connect(push, g.ep[0]), 0);
+    forged_hdr h = { .job = 7, .seq = 0, .chunk = chunk, .magic = 0x31484353u, .kind = kind,
+                     .sender = sender };
+    float body[64] = { 0 };
+    ck_assert_int_eq(zmq_send(push, &h, sizeof h, ZMQ_SNDMORE), (int)sizeof h);
+    ck_assert_int_eq(zmq_send(push, body, floats * sizeof *body, 0), (int)(floats * 4));
+    float x[100] = { 0 };
+    size_t counts[2] = { 50, 50 };
+    struct timespec t0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    scape_rc rc = comm_reduce_scatter_sum(g.c[0], x, x, counts);
+    ck_assert_int_eq(rc, SCAPE_PROTO);
+    ck_assert_msg(strstr(scape_last_error(), want), "%s", scape_last_error());
+    ck_assert_msg(since(&t0) < 10.0, "took %.1f s", since(&t0));
+    /* and the comm refuses what follows instead of running on */
+    ck_assert_int_eq(comm_barrier(g.c[0]), SCAPE_PROTO);
+    zmq_close(push);
+    zmq_ctx_term(zctx);
+    group_close(&g, 2);
+}
+
+START_TEST(schedule_breakers_are_refused)
+{
+    forged_part(1, 1, 0, 3, "wrong length");          /* a part of 3 floats, not 50 */
+    forged_part(1, 1, 1, 50, "out of order or past");   /* chunk 1 of a 1-chunk segment */
+    forged_part(2, 1, 0, 50, "unexpected message");     /* an all-gather's kind */
+    forged_part(99, 1, 0, 50, "unknown kind");
+    forged_part(1, 0, 0, 50, "impossible sender");      /* rank 0 from outside */
+    forged_part(1, 5, 0, 50, "impossible sender");      /* no rank 5 in a group of 2 */
+}
+END_TEST
+
 /* Barriers on both ranks of g until rank 0 has dropped `want` foreign
  * messages (they come over other connections, in no fixed order). */
 static void barriers_until_foreign(group *g, uint64_t want)
@@ -565,6 +617,7 @@ int main(void)
     tcase_add_test(tc, bad_arguments);
     tcase_add_test(tc, stop_lets_a_progressing_wait_finish);
     tcase_add_test(tc, stop_gives_up_a_stalled_wait);
+    tcase_add_test(tc, schedule_breakers_are_refused);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
