@@ -170,7 +170,13 @@ void comm_set_interrupt(int (*check)(void))
     s_stop_seen_ms = 0;
 }
 
-void comm_progress(void) { s_progress_ms = mono_ms(); }
+/* Only progress after the request counts: before it, no clock read on the
+ * backends' per-message path. */
+void comm_progress(void)
+{
+    if (s_stop_seen_ms != 0)
+        s_progress_ms = mono_ms();
+}
 
 /* A stop request ends a wait only once the wait has gone COMM_STOP_GRACE_MS
  * without progress since the request: a step whose peers are all there

@@ -608,19 +608,21 @@ static scape_rc rs_run(comm_t *c, const float *send, float *recv)
     for (uint64_t i = 0; (size_t)i * cf < own; i++) {
         size_t a = (size_t)i * cf, len = rs_part_len(h, c->rank, i, cf);
         for (int q = 0; q < c->size; q++) {
-            host_msg *m = NULL;
+            /* the first term goes straight into scratch; a received one is
+             * copied out first (a message body need not be float-aligned) */
+            float *dst = q == 0 ? h->scratch : h->part;
             const float *x = send + s0 + a;
-            if (q != c->rank) { /* a message body need not be float-aligned */
+            if (q != c->rank) {
+                host_msg *m;
                 TRY(rs_part_from(c, q, i, cf, &m));
-                memcpy(h->part, zmq_msg_data(&m->body), len * sizeof *x);
-                x = h->part;
+                memcpy(dst, zmq_msg_data(&m->body), len * sizeof *x);
+                msg_free(m);
+                x = dst;
+            } else if (q == 0) {
+                memcpy(dst, x, len * sizeof *x);
             }
-            if (q == 0)
-                memcpy(h->scratch, x, len * sizeof *x);
-            else
-                for (size_t j = 0; j < len; j++)
-                    h->scratch[j] += x[j];
-            msg_free(m);
+            for (size_t j = 0; q > 0 && j < len; j++)
+                h->scratch[j] += x[j];
         }
         memcpy(recv + a, h->scratch, len * sizeof *recv);
     }

@@ -97,7 +97,7 @@ static inline int eng_uses_v(const eng_t *e)
  * bits into mask_next; *waited (may be NULL) gets the seconds it blocked. */
 scape_rc eng_mask_finish(eng_t *e, double *waited);
 
-/* A deferred selection, if one is due (engine_step.c). */
+/* Run the deferred selection (select_pending is set; engine_step.c). */
 scape_rc eng_select_pending(eng_t *e);
 
 /* Allocate the intake buffer the optimizer and trainer count need. */

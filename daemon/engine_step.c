@@ -204,8 +204,6 @@ static scape_rc keep_stats(eng_t *e)
 
 scape_rc eng_select_pending(eng_t *e)
 {
-    if (!e->select_pending)
-        return SCAPE_OK;
     double t0 = now_s();
     scape_rc rc = scape_select(e);
     e->select_pending = 0;
