@@ -146,14 +146,17 @@ static void print_status(printer *p, const Scape__StatusReply *st)
     pr_uint(p, "device_bytes", "Device memory", st->device_bytes, dev);
     pr_real(p, "device_bytes_per_param", NULL, st->device_bytes_per_param, NULL);
     if (st->has_data_sent_bytes && st->has_data_recv_bytes) {
-        char sb[24], rb[24], both[64];
-        snprintf(both, sizeof both, "sent %s, received %s",
+        char sb[24], rb[24], both[320];
+        snprintf(both, sizeof both, "%s%ssent %s, received %s",
+                 st->data_endpoint ? st->data_endpoint : "", st->data_endpoint ? ": " : "",
                  fmt_bytes(sb, sizeof sb, st->data_sent_bytes),
                  fmt_bytes(rb, sizeof rb, st->data_recv_bytes));
         pr_str(p, NULL, "Data plane", both);
         pr_uint(p, "data_sent_bytes", NULL, st->data_sent_bytes, NULL);
         pr_uint(p, "data_recv_bytes", NULL, st->data_recv_bytes, NULL);
     }
+    if (st->data_endpoint)
+        pr_str(p, "data_endpoint", NULL, st->data_endpoint);
     print_last(p, st->last);
     print_optional(p, "loss", "Loss", st->has_loss, st->loss);
     print_checkpoint(p, st->checkpoint);

@@ -994,29 +994,58 @@ static scape_rc watch_peer(host *h, int q)
     return SCAPE_OK;
 }
 
+/* The address ZeroMQ really bound (a '*' port resolved), for the peers.  A
+ * wildcard address cannot be connected to from another host: refuse it. */
+static scape_rc bound_address(const host *h, int rank, char *buf, size_t len)
+{
+    size_t n = len;
+    if (zmq_getsockopt(h->pull, ZMQ_LAST_ENDPOINT, buf, &n) != 0)
+        return zerr("zmq_getsockopt(ZMQ_LAST_ENDPOINT)");
+    buf[len - 1] = '\0';
+    if (strncmp(buf, "tcp://0.0.0.0:", 14) == 0 || strncmp(buf, "tcp://[::]:", 11) == 0)
+        return scape_set_error(SCAPE_INVALID,
+                               "comm host: rank %d listens on every interface (%s); peers need "
+                               "one address they can reach: give listen a host address, "
+                               "e.g. tcp://10.0.0.5:* or tcp://ib0:*", rank, buf);
+    return SCAPE_OK;
+}
+
 static scape_rc host_connect(const comm_host_opts *o, host *h)
 {
+    const char *self = o->meet ? o->listen : o->endpoints[o->rank];
+    const char *const *eps = o->endpoints;
     if ((h->zctx = zmq_ctx_new()) == NULL)
         return zerr("zmq_ctx_new");
     TRY(open_socket(h, &h->pull, ZMQ_PULL, ZMQ_RCVHWM, 0));
-    if (zmq_bind(h->pull, o->endpoints[o->rank]) != 0)
+    if (zmq_bind(h->pull, self) != 0)
         return scape_set_error(SCAPE_ZMQ, "comm host: rank %d cannot bind %s: %s", o->rank,
-                               o->endpoints[o->rank], zmq_strerror(zmq_errno()));
+                               self, zmq_strerror(zmq_errno()));
+    if (o->meet) {
+        char bound[256];
+        TRY(bound_address(h, o->rank, bound, sizeof bound));
+        eps = NULL;
+        TRY(o->meet(o->meet_arg, bound, &eps));
+        for (int q = 0; eps && q < o->size; q++)
+            if (eps[q] == NULL)
+                eps = NULL;
+        if (eps == NULL)
+            return scape_set_error(SCAPE_INVALID, "comm host: meet gave no endpoint table");
+    }
     for (int q = 0; q < o->size; q++) {
         if (q == o->rank)
             continue;
         TRY(open_socket(h, &h->push[q], ZMQ_PUSH, ZMQ_SNDHWM, h->timeout_ms));
         TRY(watch_peer(h, q));
-        if (zmq_connect(h->push[q], o->endpoints[q]) != 0)
+        if (zmq_connect(h->push[q], eps[q]) != 0)
             return scape_set_error(SCAPE_ZMQ, "comm host: cannot connect to rank %d at %s: %s",
-                                   q, o->endpoints[q], zmq_strerror(zmq_errno()));
+                                   q, eps[q], zmq_strerror(zmq_errno()));
     }
     return SCAPE_OK;
 }
 
 static scape_rc check_opts(const comm_host_opts *o, comm_t **out)
 {
-    if (o == NULL || out == NULL || o->endpoints == NULL)
+    if (o == NULL || out == NULL || (o->meet ? o->listen == NULL : o->endpoints == NULL))
         return scape_set_error(SCAPE_INVALID, "comm_host_create: NULL argument");
     if (o->size < 1 || o->size > HOST_MAX_RANKS || o->rank < 0 || o->rank >= o->size)
         return scape_set_error(SCAPE_INVALID, "comm_host_create: rank %d / size %d invalid",
@@ -1025,7 +1054,7 @@ static scape_rc check_opts(const comm_host_opts *o, comm_t **out)
         return scape_set_error(SCAPE_INVALID,
                                "comm_host_create: timeout_ms %d or chunk_bytes %zu invalid",
                                o->timeout_ms, o->chunk_bytes);
-    for (int q = 0; q < o->size; q++)
+    for (int q = 0; !o->meet && q < o->size; q++)
         if (o->endpoints[q] == NULL)
             return scape_set_error(SCAPE_INVALID, "comm_host_create: endpoint %d is NULL", q);
     return SCAPE_OK;

@@ -15,12 +15,21 @@ typedef struct comm_host_opts {
     int timeout_ms;                  /* longest wait for any peer; 0: 30000 */
     size_t chunk_bytes;              /* pipelining unit (>= 4); 0: 1 MiB */
     uint64_t job;                    /* every message carries it; others are refused */
+    /* Optional: learn the peers' endpoints only after binding.  Then listen
+     * is bound instead of endpoints[rank] (its port may be '*' or 0: one the
+     * kernel picks), endpoints may be NULL, and meet is called with the
+     * address the peers must use; it points *endpoints at the size entries
+     * (kept valid until comm_host_create returns).  The daemon runs its
+     * rendezvous there, so it never has to guess a free port. */
+    const char *listen;
+    scape_rc (*meet)(void *arg, const char *bound, const char *const **endpoints);
+    void *meet_arg;
 } comm_host_opts;
 
 /* Bind this rank's endpoint and start connecting to every peer.  Returns at
  * once, without waiting for the peers: a peer that never comes up makes the
  * first collective fail with SCAPE_TIMEOUT.  All ranks must pass the same
- * size, endpoints, chunk_bytes and job. */
+ * size, chunk_bytes and job, and agree on the endpoints. */
 scape_rc comm_host_create(const comm_host_opts *o, comm_t **out);
 /* Bytes this rank really sent and received (headers included, ZeroMQ's own
  * framing not); SCAPE_INVALID if c is not a host comm. */

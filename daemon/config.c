@@ -151,7 +151,7 @@ static const cfg_key s_keys[] = {
       .doc = "rank 0's rendezvous endpoint, e.g. tcp://node1:29517 (world > 1)" },
     { .name = "listen", .type = KT_STRING, .offset = OFF(listen),
       .size = sizeof ((scaped_config *)0)->listen, .def = "",
-      .doc = "this daemon's data endpoint, e.g. tcp://node2:29600 (world > 1)" },
+      .doc = "this daemon's data endpoint, e.g. tcp://10.0.0.2:* (*: a free port; world > 1)" },
     { .name = "job", .type = KT_U32, .offset = OFF(job), .min = 0, .max = UINT32_MAX,
       .def = "0", .doc = "job id: daemons of another job are refused at rendezvous" },
     { .name = "comm_timeout_ms", .type = KT_INT, .offset = OFF(comm_timeout_ms), .min = 100,

@@ -11,8 +11,6 @@
 #include "rendezvous.h"
 #include "server.h"
 
-#define SLURM_RDV_PORT 29517  /* rank 0's rendezvous, on the job's first node */
-#define SLURM_DATA_PORT 29600 /* every daemon's data plane */
 
 static void usage(FILE *out)
 {
@@ -108,9 +106,10 @@ static scape_rc slurm_defaults(scaped_config *cfg)
     cfg_set(cfg, "rank", buf, "SLURM_PROCID");
     snprintf(buf, sizeof buf, "%llu", (unsigned long long)job);
     cfg_set(cfg, "job", buf, "SLURM_JOB_ID");
-    snprintf(buf, sizeof buf, "tcp://%s:%d", host, SLURM_RDV_PORT);
+    snprintf(buf, sizeof buf, "tcp://%s:%d", host, rdv_slurm_port(job));
     cfg_set(cfg, "coordinator", buf, "SLURM_JOB_NODELIST");
-    snprintf(buf, sizeof buf, "tcp://%s:%d", ip, SLURM_DATA_PORT);
+    /* the data plane takes any free port; the rendezvous publishes it */
+    snprintf(buf, sizeof buf, "tcp://%s:*", ip);
     return cfg_set(cfg, "listen", buf, "this host's address");
 }
 

@@ -44,6 +44,14 @@ void rdv_result_free(rdv_result *r);
  * variable, when one is missing or malformed. */
 scape_rc rdv_from_slurm(int *rank, int *world, uint64_t *job, char *host, size_t len);
 
+/* Rank 0's rendezvous port inside Slurm job `job`: 20000 + job % 10000, so
+ * that two jobs whose first node is the same do not both want one port
+ * (below Linux's ephemeral range, which the data planes draw from).
+ * slurm/scape-node.sh computes the same. */
+#define RDV_SLURM_PORT_BASE 20000
+#define RDV_SLURM_PORT_SPAN 10000
+int rdv_slurm_port(uint64_t job);
+
 /* This host's IPv4 address as a string, for the endpoint peers connect to. */
 scape_rc rdv_host_address(char *buf, size_t len);
 

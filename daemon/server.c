@@ -175,6 +175,29 @@ static scape_rc open_nccl(server *s)
     return SCAPE_OK;
 }
 
+/* The host backend has bound this daemon's data plane (a '*' port is now a
+ * real one): publish that address at the rendezvous, learn the others'. */
+typedef struct meet_ctx {
+    server *s;
+    rdv_result r;
+    int have;
+} meet_ctx;
+
+static scape_rc meet_peers(void *arg, const char *bound, const char *const **endpoints)
+{
+    meet_ctx *m = arg;
+    const scaped_config *c = &m->s->cfg;
+    snprintf(m->s->data_ep, sizeof m->s->data_ep, "%s", bound);
+    LOG_INFO(SUB_COMM, "rendezvous: rank %d of %d via %s, data plane on %s", c->rank, c->world,
+             c->coordinator, bound);
+    rdv_opts o = { .rank = c->rank, .world = c->world, .coordinator = c->coordinator,
+                   .endpoint = bound, .job = c->job, .timeout_ms = c->comm_timeout_ms };
+    TRY(rdv_run(&o, &m->r));
+    m->have = 1;
+    *endpoints = (const char *const *)m->r.endpoints;
+    return SCAPE_OK;
+}
+
 /* One daemon: the local backend with one rank.  Several: meet the others at
  * the rendezvous, then talk to them over the host backend (or NCCL). */
 static scape_rc open_comm(server *s)
@@ -189,19 +212,13 @@ static scape_rc open_comm(server *s)
     if (!c->coordinator[0] || !c->listen[0])
         return scape_set_error(SCAPE_INVALID, "world %d needs coordinator and listen endpoints",
                                c->world);
-    LOG_INFO(SUB_COMM, "rendezvous: rank %d of %d via %s, listening on %s", c->rank, c->world,
-             c->coordinator, c->listen);
-    rdv_opts o = { .rank = c->rank, .world = c->world, .coordinator = c->coordinator,
-                   .endpoint = c->listen, .job = c->job, .timeout_ms = c->comm_timeout_ms };
-    rdv_result r;
-    scape_rc rc = rdv_run(&o, &r);
-    if (rc != SCAPE_OK)
-        return rc;
-    comm_host_opts h = { .rank = c->rank, .size = c->world,
-                         .endpoints = (const char *const *)r.endpoints,
+    meet_ctx m = { .s = s };
+    comm_host_opts h = { .rank = c->rank, .size = c->world, .listen = c->listen,
+                         .meet = meet_peers, .meet_arg = &m,
                          .timeout_ms = c->comm_timeout_ms, .job = c->job };
-    rc = comm_host_create(&h, &s->comm);
-    rdv_result_free(&r);
+    scape_rc rc = comm_host_create(&h, &s->comm);
+    if (m.have)
+        rdv_result_free(&m.r);
     if (rc == SCAPE_OK)
         LOG_INFO(SUB_COMM, "connected to %d daemon(s) over the host backend", c->world - 1);
     return rc;

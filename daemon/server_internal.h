@@ -56,6 +56,7 @@ struct server {
     kern_dtype pdt, gdt;
 
     comm_t *comm;
+    char data_ep[256];             /* host backend: the bound data-plane address */
     eng_t *eng;
     int eng_trainers;               /* T_r the engine runs with */
     uint64_t next_step;

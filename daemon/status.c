@@ -71,6 +71,8 @@ static void fill_status(server *s, status_buf *b)
         st->data_sent_bytes = sent;
         st->data_recv_bytes = recvd;
     }
+    if (s->data_ep[0])
+        st->data_endpoint = s->data_ep;
     st->runtime_dir = s->dir;
     /* The residual norm is a pass over N floats: taken when asked, not on
      * the per-step path. */

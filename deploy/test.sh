@@ -32,6 +32,6 @@ run_suite sanitize build-test/asan -DCMAKE_BUILD_TYPE=Debug -DSCAPE_SANITIZE=ON
 # tests/slurm: a real 4-node Slurm cluster on this machine (needs root).
 echo "==> [slurm] local 4-node cluster"
 bash tests/slurm/smoke.sh
-bash tests/slurm/template.sh build-test/release 1
+bash tests/slurm/template.sh build-test/release 1 pair  # + two jobs at once
 bash tests/slurm/template.sh build-test/release 2 requeue  # + SIGUSR1, requeue, resume
 echo "==> all tests passed (release and ASan+UBSan builds, Slurm cluster)"

@@ -10,10 +10,11 @@
 #   SCAPE_BIN         directory of scaped and scapectl     (default: found on PATH)
 #   SCAPE_RUN_BASE    where per-node runtime dirs go        (default: /tmp)
 #   SCAPE_COORD_HOST  host of rank 0's rendezvous           (default: first node of the job)
-#   SCAPE_RDV_PORT    its port                              (default: 29517)
+#   SCAPE_RDV_PORT    its port            (default: 20000 + SLURM_JOB_ID % 10000)
 #   SCAPE_LISTEN_HOST this node's address for the data plane (default: first of hostname -I)
 #   SCAPE_LISTEN_IFACE or the interface whose IPv4 address to use, e.g. ib0
-#   SCAPE_DATA_PORT   data-plane port, plus the rank        (default: 29600)
+#   SCAPE_DATA_PORT   data-plane port, plus the rank  (default: any free port,
+#                     which the rendezvous publishes)
 #   SCAPE_ARGS        further scaped flags (--rho 0.01 --trainers 2 ...)
 #   SCAPE_CHECKPOINT_DIR, SCAPE_RESUME  read by scaped itself (checkpoint_dir, resume)
 set -euo pipefail
@@ -27,14 +28,20 @@ daemon() {
     local nodes first coord host listen
     nodes=${SLURM_STEP_NODELIST:-$SLURM_JOB_NODELIST}
     first=$(scontrol show hostnames "$nodes" | head -n 1)
-    coord="tcp://${SCAPE_COORD_HOST:-$first}:${SCAPE_RDV_PORT:-29517}"
+    # as scaped's own Slurm default: two jobs that share a first node do not
+    # want the same port
+    coord="tcp://${SCAPE_COORD_HOST:-$first}:${SCAPE_RDV_PORT:-$((20000 + SLURM_JOB_ID % 10000))}"
     if [ -n "${SCAPE_LISTEN_IFACE:-}" ]; then
         host=$(ip -o -4 addr show dev "$SCAPE_LISTEN_IFACE" | awk '{ split($4, a, "/"); print a[1]; exit }')
         [ -n "$host" ] || { echo "scape-node: no IPv4 address on $SCAPE_LISTEN_IFACE" >&2; exit 1; }
     else
         host=${SCAPE_LISTEN_HOST:-$(hostname -I | awk '{print $1}')}
     fi
-    listen="tcp://${host}:$((${SCAPE_DATA_PORT:-29600} + SLURM_PROCID))"
+    if [ -n "${SCAPE_DATA_PORT:-}" ]; then
+        listen="tcp://${host}:$((SCAPE_DATA_PORT + SLURM_PROCID))"
+    else
+        listen="tcp://${host}:*"
+    fi
     # shellcheck disable=SC2086  # SCAPE_ARGS is a list of flags
     exec "$(bin scaped)" --world "$SLURM_NTASKS" --rank "$SLURM_PROCID" --job "$SLURM_JOB_ID" \
          --coordinator "$coord" --listen "$listen" ${SCAPE_ARGS:-}

@@ -25,15 +25,18 @@ ENGINE = ["--rho", "0.01", "--warmup", "3"]
 
 
 def start_group(daemon_factory, trainers, extra=(), timeout_ms=20000):
-    eps = free_endpoints(len(trainers) + 1)
-    coord, listens = eps[0], eps[1:]
-    daemons = [daemon_factory(*ENGINE, *extra, "--world", str(len(trainers)), "--rank", str(r),
-                              "--coordinator", coord, "--listen", listens[r], "--job", "7",
-                              "--trainers", str(t), "--comm-timeout-ms", str(timeout_ms))
-               for r, t in enumerate(trainers)]
-    for d, ep in zip(daemons, listens):
-        d.listen = ep
-    return daemons
+    """One daemon per entry of trainers; each data plane binds a port the
+    kernel picks (tcp://127.0.0.1:*), which the rendezvous publishes."""
+    coord = free_endpoints(1)[0]
+    return [daemon_factory(*ENGINE, *extra, "--world", str(len(trainers)), "--rank", str(r),
+                           "--coordinator", coord, "--listen", "tcp://127.0.0.1:*", "--job", "7",
+                           "--trainers", str(t), "--comm-timeout-ms", str(timeout_ms))
+            for r, t in enumerate(trainers)]
+
+
+def data_endpoint(d):
+    """Where a daemon's data plane really listens (status field 22)."""
+    return pbwire.query_status(d.status_endpoint)[2][22][0].decode()
 
 
 def read(path):
@@ -161,7 +164,9 @@ def test_strays_on_the_data_port_are_dropped_and_logged(daemon_factory, tmp_path
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 0)
-    push.connect(daemons[1].listen)
+    listen = data_endpoint(daemons[1])
+    assert re.fullmatch(r"tcp://127\.0\.0\.1:\d+", listen), listen
+    push.connect(listen)
     other_job = (99).to_bytes(8, "little") + bytes(16) + (0x31484353).to_bytes(4, "little") \
         + (1).to_bytes(2, "little") + (0).to_bytes(2, "little")
     try:
@@ -369,7 +374,10 @@ def test_data_plane_bytes_are_measured_and_shown(daemon_factory, tmp_path):
         assert js["data_recv_bytes"] >= recvd and js["data_sent_bytes"] >= sent, js
         text = subprocess.run([ctl, "--runtime-dir", d.rt, "status"], capture_output=True,
                               text=True, check=True).stdout
-        assert re.search(r"^Data plane\s*: sent [\d.]+ \w+, received [\d.]+ \w+$", text, re.M), text
+        listen = data_endpoint(d)
+        assert re.fullmatch(r"tcp://127\.0\.0\.1:\d+", listen) and js["data_endpoint"] == listen
+        assert re.search(r"^Data plane\s*: %s: sent [\d.]+ \w+, received [\d.]+ \w+$"
+                         % re.escape(listen), text, re.M), text
         metrics = subprocess.run([ctl, "--runtime-dir", d.rt, "metrics"], capture_output=True,
                                  text=True, check=True).stdout
         assert "# TYPE scape_data_received_bytes_total counter" in metrics, metrics

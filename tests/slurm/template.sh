@@ -3,7 +3,9 @@
 # per node (4 daemons, host backend over loopback), TRAINERS trainers per node
 # (trainer_c through libscape), SCAPE at rho 0.1.  The job's output must show
 # every trainer of every node finishing with the same parameters and a loss
-# that fell.  Usage: tests/slurm/template.sh BUILD_DIR [TRAINERS [requeue]]   (root)
+# that fell.  No port is configured: rank 0's rendezvous port follows the job
+# id and every data plane takes a free port.
+# Usage: tests/slurm/template.sh BUILD_DIR [TRAINERS [requeue|pair]]   (root)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 build=$(cd "$1" && pwd)
@@ -17,6 +19,7 @@ cleanup() {
   set +e
   [ "$rc" -ne 0 ] && [ -f "$DIR/job.out" ] && tail -n 40 "$DIR/job.out" >&2
   [ "$rc" -ne 0 ] && [ -f "$DIR/requeue.out" ] && tail -n 60 "$DIR/requeue.out" >&2
+  for f in "$DIR"/pair-*.out; do [ "$rc" -ne 0 ] && [ -f "$f" ] && tail -n 30 "$f" >&2; done
   bash "$cluster" stop "$DIR" >/dev/null
   rm -rf "$DIR"
   exit "$rc"
@@ -31,7 +34,7 @@ ln -s "$build/daemon/scaped" "$build/client/scapectl" "$DIR/bin/"
 steps=150
 export SCAPE_HOME=$root SCAPE_BIN=$DIR/bin SCAPE_RUN_BASE=$DIR READY_TIMEOUT=60
 export SCAPE_COORD_HOST=127.0.0.1 SCAPE_LISTEN_IFACE=lo TRAINERS_PER_NODE=$trainers
-export SCAPE_RDV_PORT=$((30000 + RANDOM % 2000)) SCAPE_DATA_PORT=$((32000 + RANDOM % 2000))
+unset SCAPE_RDV_PORT SCAPE_DATA_PORT
 export SCAPE_ARGS="--rho 0.1 --warmup 5 --comm-timeout-ms 60000"
 export TRAINER_CMD="$build/tests/integration/trainer_c --n 4000 --steps $steps"
 export SCAPE_CHECKPOINT_DIR=$DIR/ckpt-plain
@@ -48,6 +51,36 @@ falling=$(grep -o "loss [0-9.]* -> [0-9.]*" "$DIR/job.out" |
 [ "$falling" -eq "$want" ] || fail "the loss fell for $falling of $want trainers"
 grep -q "scape: every daemon is up" "$DIR/job.out" || fail "the template did not report its daemons"
 echo "template: 4 nodes x $trainers trainers, identical parameters, loss falling: ok"
+
+# Two jobs at the same time, as two jobs sharing nodes would be (every node
+# of this cluster is this one machine, so they share every address): each
+# finds its own daemons, and both end with the same parameters.
+if [ "${3:-}" = pair ]; then
+  pair_cmd="$TRAINER_CMD --sleep-ms 20"
+  ids=()
+  for j in a b; do
+    id=$(TRAINER_CMD=$pair_cmd sbatch --parsable --nodes=2 --output="$DIR/pair-$j.out" \
+         --export=ALL "$root/slurm/generic.sbatch") || fail "sbatch refused job $j"
+    ids+=("$id")
+  done
+  both=0 deadline=$((SECONDS + 300))
+  while :; do
+    states=$(for id in "${ids[@]}"; do
+               scontrol show job "$id" | grep -o "JobState=[A-Z_]*" | cut -d= -f2; done | tr '\n' ' ')
+    [ "$states" = "RUNNING RUNNING " ] && both=1
+    case "$states" in *PENDING*|*RUNNING*|*CONFIGURING*|*COMPLETING*) ;; *) break ;; esac
+    [ "$SECONDS" -lt "$deadline" ] || fail "the pair of jobs did not finish (states $states)"
+    sleep 0.2
+  done
+  [ "$states" = "COMPLETED COMPLETED " ] || fail "the pair of jobs ended $states"
+  [ "$both" = 1 ] || fail "the two jobs never ran at the same time"
+  pair=$(cat "$DIR"/pair-a.out "$DIR"/pair-b.out | grep -o "params [0-9a-f]*" | sort -u)
+  [ "$(grep -c "steps 1..$steps done" "$DIR"/pair-a.out "$DIR"/pair-b.out | cut -d: -f2 |
+       tr '\n' ' ')" = "2 2 " ] || fail "not every trainer of the pair finished"
+  [ "$(echo "$pair" | wc -l)" -eq 1 ] || fail "the two jobs' parameters differ: $pair"
+  echo "template: two 2-node jobs at once on shared addresses, each met its own daemons," \
+       "the same parameters: ok"
+fi
 [ "${3:-}" = requeue ] || exit 0
 
 # The same job, slowed down, gets SIGUSR1 part-way (as --signal=B:USR1@300

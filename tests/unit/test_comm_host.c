@@ -576,6 +576,129 @@ START_TEST(wire_counters_balance)
 }
 END_TEST
 
+/* ---- binding first: the kernel picks the ports, meet() publishes them ---- */
+
+typedef struct meet_table {
+    pthread_barrier_t all_bound;
+    char ep[MAXR][64];
+    const char *eps[MAXR];
+    int fail_rank;              /* this rank's meet fails (-1: none) */
+} meet_table;
+
+typedef struct meet_arg {
+    meet_table *t;
+    int rank, R;
+    const char *listen;
+    comm_t *c;
+    scape_rc rc;
+    char err[512];
+} meet_arg;
+
+static scape_rc meet_here(void *arg, const char *bound, const char *const **eps)
+{
+    meet_arg *m = arg;
+    snprintf(m->t->ep[m->rank], sizeof m->t->ep[m->rank], "%s", bound);
+    pthread_barrier_wait(&m->t->all_bound);
+    if (m->rank == m->t->fail_rank)
+        return scape_set_error(SCAPE_TIMEOUT, "rendezvous: rank 0 never answered");
+    *eps = m->t->eps;
+    return SCAPE_OK;
+}
+
+static void *meet_main(void *p)
+{
+    meet_arg *m = p;
+    comm_host_opts o = { .rank = m->rank, .size = m->R, .listen = m->listen, .meet = meet_here,
+                         .meet_arg = m, .timeout_ms = 10000, .chunk_bytes = CHUNK, .job = 7 };
+    m->rc = comm_host_create(&o, &m->c);
+    if (m->rc != SCAPE_OK)
+        snprintf(m->err, sizeof m->err, "%s", scape_last_error());
+    return NULL;
+}
+
+static void meet_group(int R, const char *listen, int fail_rank, meet_table *t, meet_arg *m)
+{
+    pthread_t th[MAXR];
+    t->fail_rank = fail_rank;
+    ck_assert_int_eq(pthread_barrier_init(&t->all_bound, NULL, (unsigned)R), 0);
+    for (int r = 0; r < R; r++) {
+        t->eps[r] = t->ep[r];
+        m[r] = (meet_arg){ .t = t, .rank = r, .R = R, .listen = listen };
+        ck_assert_int_eq(pthread_create(&th[r], NULL, meet_main, &m[r]), 0);
+    }
+    for (int r = 0; r < R; r++)
+        pthread_join(th[r], NULL);
+    pthread_barrier_destroy(&t->all_bound);
+}
+
+/* Every rank binds port '*'; what meet() hears is a real port, distinct per
+ * rank, and the group built on those computes what the local backend does,
+ * byte for byte. */
+START_TEST(ports_picked_by_the_kernel_are_met)
+{
+    const int R = 3;
+    const size_t n = 5000;
+    meet_table t;
+    meet_arg m[MAXR];
+    meet_group(R, "tcp://127.0.0.1:*", -1, &t, m);
+    comm_t *c[MAXR];
+    for (int r = 0; r < R; r++) {
+        ck_assert_msg(m[r].rc == SCAPE_OK, "rank %d: %s", r, m[r].err);
+        c[r] = m[r].c;
+        int port = 0;
+        ck_assert_msg(sscanf(t.ep[r], "tcp://127.0.0.1:%d", &port) == 1 && port > 0,
+                      "rank %d bound %s", r, t.ep[r]);
+        for (int q = 0; q < r; q++)
+            ck_assert_str_ne(t.ep[q], t.ep[r]);
+    }
+    outputs lo, ho;
+    rank_arg args[MAXR];
+    outputs_init(&lo, n, R);
+    outputs_init(&ho, n, R);
+    ck_assert_int_eq(run_ranks(R, scenario, &lo, args), 0);
+    expect_ok(R, args, "local");
+    run_on(R, c, scenario, &ho, args);
+    expect_ok(R, args, "host, met");
+    for (int r = 0; r < R; r++) {
+        ck_assert_uint_eq(lo.len[r], ho.len[r]);
+        ck_assert_msg(memcmp(lo.out[r], ho.out[r], lo.len[r]) == 0, "rank %d differs", r);
+        comm_destroy(&c[r]);
+    }
+    outputs_free(&lo, R);
+    outputs_free(&ho, R);
+}
+END_TEST
+
+/* Listening on every interface cannot be published (peers would connect to
+ * 0.0.0.0): refused before meet() runs, naming the remedy.  A failing meet()
+ * fails the create with its own error, and leaves nothing behind. */
+START_TEST(unpublishable_listen_and_failed_meet)
+{
+    meet_table t;
+    meet_arg m[MAXR];
+    pthread_barrier_init(&t.all_bound, NULL, 1);
+    m[0] = (meet_arg){ .t = &t, .rank = 0, .R = 2, .listen = "tcp://*:*" };
+    t.fail_rank = -1;
+    meet_main(&m[0]);
+    pthread_barrier_destroy(&t.all_bound);
+    ck_assert_int_eq(m[0].rc, SCAPE_INVALID);
+    ck_assert_ptr_null(m[0].c);
+    ck_assert_msg(strstr(m[0].err, "listens on every interface") &&
+                  strstr(m[0].err, "tcp://0.0.0.0:"), "%s", m[0].err);
+
+    meet_group(2, "tcp://127.0.0.1:*", 1, &t, m);
+    ck_assert_msg(m[0].rc == SCAPE_OK, "%s", m[0].err);
+    ck_assert_int_eq(m[1].rc, SCAPE_TIMEOUT);
+    ck_assert_ptr_null(m[1].c);
+    ck_assert_ptr_nonnull(strstr(m[1].err, "never answered"));
+    comm_destroy(&m[0].c);
+
+    comm_host_opts o = { .rank = 0, .size = 2, .meet = meet_here }; /* no listen */
+    comm_t *c = NULL;
+    ck_assert_int_eq(comm_host_create(&o, &c), SCAPE_INVALID);
+}
+END_TEST
+
 START_TEST(bad_arguments)
 {
     const char *eps[2] = { "tcp://127.0.0.1:1", NULL };
@@ -618,6 +741,8 @@ int main(void)
     tcase_add_test(tc, stop_lets_a_progressing_wait_finish);
     tcase_add_test(tc, stop_gives_up_a_stalled_wait);
     tcase_add_test(tc, schedule_breakers_are_refused);
+    tcase_add_test(tc, ports_picked_by_the_kernel_are_met);
+    tcase_add_test(tc, unpublishable_listen_and_failed_meet);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
