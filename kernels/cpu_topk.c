@@ -23,17 +23,6 @@ static inline uint32_t key_of(float x)
     return u & 0x7fffffffu;
 }
 
-/* n, and beta1 and t_r of the SCAPE statistic (ignored without m). */
-static scape_rc check_stat_args(const char *fn, size_t n, const float *m, float beta1, float t_r)
-{
-    KERN_MAXN(fn, n);
-    if (m && !(beta1 >= 0.0f && beta1 < 1.0f))
-        return scape_set_error(SCAPE_INVALID, "%s: beta1=%g out of [0,1)", fn, (double)beta1);
-    if (m && !(t_r >= 1.0f))
-        return scape_set_error(SCAPE_INVALID, "%s: t_r=%g must be >= 1", fn, (double)t_r);
-    return SCAPE_OK;
-}
-
 scape_rc kern_mask_stat(const float *m, const float *g, const float *e, size_t n,
                         float beta1, float t_r, float *stat)
 {
@@ -42,7 +31,7 @@ scape_rc kern_mask_stat(const float *m, const float *g, const float *e, size_t n
     KERN_NONNULL(fn, g);
     KERN_NONNULL(fn, e);
     KERN_NONNULL(fn, stat);
-    TRY(check_stat_args(fn, n, m, beta1, t_r));
+    TRY(kern_check_stat_args(fn, n, m, beta1, t_r));
     KERN_DISJOINT(fn, stat, n * 4, m, n * 4);
     KERN_DISJOINT(fn, stat, n * 4, g, n * 4);
     KERN_DISJOINT(fn, stat, n * 4, e, n * 4);
@@ -289,7 +278,7 @@ scape_rc kern_topk_ef(const float *m, const float *g, const float *e, size_t n,
     KERN_NONNULL(fn, e);
     KERN_NONNULL(fn, mask);
     KERN_NONNULL(fn, scratch);
-    TRY(check_stat_args(fn, n, m, beta1, t_r));
+    TRY(kern_check_stat_args(fn, n, m, beta1, t_r));
     size_t mb = kern_mask_words(n) * 4;
     KERN_DISJOINT(fn, mask, mb, g, n * 4);
     KERN_DISJOINT(fn, mask, mb, e, n * 4);
@@ -309,7 +298,7 @@ scape_rc kern_topk_packed(const float *m, const float *e, const uint32_t *sent,
     KERN_NONNULL(fn, scratch);
     if (sent)
         KERN_NONNULL(fn, packed);
-    TRY(check_stat_args(fn, n, m, beta1, t_r));
+    TRY(kern_check_stat_args(fn, n, m, beta1, t_r));
     size_t mb = kern_mask_words(n) * 4, kp = 0;
     if (sent)
         kern_mask_popcount(sent, n, &kp);
@@ -332,7 +321,7 @@ scape_rc kern_stat_packed(const float *m, const uint32_t *sent, const float *pac
     KERN_NONNULL(fn, sent);
     KERN_NONNULL(fn, packed_a);
     KERN_NONNULL(fn, packed_stat);
-    TRY(check_stat_args(fn, n, m, beta1, t_r));
+    TRY(kern_check_stat_args(fn, n, m, beta1, t_r));
     size_t kp = 0;
     kern_mask_popcount(sent, n, &kp);
     KERN_DISJOINT(fn, packed_stat, kp * 4, packed_a, kp * 4);
@@ -362,7 +351,7 @@ scape_rc kern_topk_prestat(const float *m, const float *e, const uint32_t *sent,
     KERN_NONNULL(fn, packed_stat);
     KERN_NONNULL(fn, mask);
     KERN_NONNULL(fn, scratch);
-    TRY(check_stat_args(fn, n, m, beta1, t_r));
+    TRY(kern_check_stat_args(fn, n, m, beta1, t_r));
     size_t mb = kern_mask_words(n) * 4, kp = 0;
     kern_mask_popcount(sent, n, &kp);
     KERN_DISJOINT(fn, mask, mb, e, n * 4);

@@ -40,13 +40,17 @@
 #define DIGIT1_BINS 2048     /* top digit: key bits 30..20 */
 #define DIGIT_BINS 1024      /* lower digits: bits 19..10 and 9..0 */
 
-/* Return SCAPE_CUDA with the failing call and CUDA's reason. */
+/* Return SCAPE_CUDA with the failing call and CUDA's reason.  The error,
+ * now reported, is taken off the thread's record, so that a later launch
+ * check (launched) does not report it again as its own. */
 #define CUDA_TRY(fn, call)                                                     \
     do {                                                                       \
         cudaError_t err_ = (call);                                             \
-        if (err_ != cudaSuccess)                                               \
+        if (err_ != cudaSuccess) {                                             \
+            (void)cudaGetLastError();                                          \
             return scape_set_error(SCAPE_CUDA, "%s: %s: %s", fn, #call,        \
                                    cudaGetErrorString(err_));                  \
+        }                                                                      \
     } while (0)
 
 
@@ -328,13 +332,7 @@ extern "C" scape_rc kern_cuda_mask_stat(const float *m, const float *g, const fl
     KERN_NONNULL(fn, g);
     KERN_NONNULL(fn, e);
     KERN_NONNULL(fn, stat);
-    KERN_MAXN(fn, n);
-    if (!(beta1 >= 0.0f && beta1 < 1.0f))
-        return scape_set_error(SCAPE_INVALID, "%s: beta1=%g out of [0,1)", fn,
-                               (double)beta1);
-    if (!(t_r >= 1.0f))
-        return scape_set_error(SCAPE_INVALID, "%s: t_r=%g must be >= 1", fn,
-                               (double)t_r);
+    TRY(kern_check_stat_args(fn, n, m, beta1, t_r));
     KERN_DISJOINT(fn, stat, n * 4, m, n * 4);
     KERN_DISJOINT(fn, stat, n * 4, g, n * 4);
     KERN_DISJOINT(fn, stat, n * 4, e, n * 4);
@@ -1226,10 +1224,15 @@ extern "C" scape_rc kern_cuda_topk_ef(const float *m, const float *g, const floa
     KERN_NONNULL(fn, e);
     KERN_NONNULL(fn, mask);
     KERN_NONNULL(fn, scratch);
-    KERN_MAXN(fn, n);
+    TRY(kern_check_stat_args(fn, n, m, beta1, t_r));
     if (k > n)
         return scape_set_error(SCAPE_INVALID, "%s: k=%zu > n=%zu", fn, k, n);
-    TRY(check_scratch(fn, scratch, scratch_bytes, topk_ef_scratch_bytes(n), {}));
+    size_t mb = kern_mask_words(n) * 4, vb = n * sizeof(float), mvb = m ? vb : 0;
+    KERN_DISJOINT(fn, mask, mb, g, vb);
+    KERN_DISJOINT(fn, mask, mb, e, vb);
+    KERN_DISJOINT(fn, mask, mb, m, mvb);
+    TRY(check_scratch(fn, scratch, scratch_bytes, topk_ef_scratch_bytes(n),
+                      {{g, vb, "g"}, {e, vb, "e"}, {m, mvb, "m"}, {mask, mb, "mask"}}));
     if (n == 0)
         return SCAPE_OK;
     float *stat = static_cast<float *>(scratch);
@@ -1249,12 +1252,20 @@ extern "C" scape_rc kern_cuda_topk_packed(const float *m, const float *e, const 
     KERN_NONNULL(fn, e);
     KERN_NONNULL(fn, mask);
     KERN_NONNULL(fn, scratch);
-    KERN_MAXN(fn, n);
     if (sent)
         KERN_NONNULL(fn, packed);
+    TRY(kern_check_stat_args(fn, n, m, beta1, t_r));
     if (k > n)
         return scape_set_error(SCAPE_INVALID, "%s: k=%zu > n=%zu", fn, k, n);
-    TRY(check_scratch(fn, scratch, scratch_bytes, topk_packed_scratch_bytes(n), {}));
+    size_t mb = kern_mask_words(n) * 4, vb = n * sizeof(float), mvb = m ? vb : 0;
+    size_t sb = sent ? mb : 0, pb = sent ? packed_probe(n) : 0;
+    KERN_DISJOINT(fn, mask, mb, e, vb);
+    KERN_DISJOINT(fn, mask, mb, m, mvb);
+    KERN_DISJOINT(fn, mask, mb, sent, sb);
+    KERN_DISJOINT(fn, mask, mb, packed, pb);
+    TRY(check_scratch(fn, scratch, scratch_bytes, topk_packed_scratch_bytes(n),
+                      {{e, vb, "e"}, {m, mvb, "m"}, {sent, sb, "sent"}, {packed, pb, "packed"},
+                       {mask, mb, "mask"}}));
     if (n == 0)
         return SCAPE_OK;
     cudaStream_t s = as_stream(stream);

@@ -46,6 +46,19 @@ static inline int kern_overlap(const void *a, size_t abytes, const void *b,
     return pa < pb + bbytes && pb < pa + abytes;
 }
 
+/* n, and beta1 and t_r of the SCAPE statistic (ignored without m): the
+ * same checks for the CPU functions and their CUDA twins. */
+static inline scape_rc kern_check_stat_args(const char *fn, size_t n, const float *m,
+                                            float beta1, float t_r)
+{
+    KERN_MAXN(fn, n);
+    if (m && !(beta1 >= 0.0f && beta1 < 1.0f))
+        return scape_set_error(SCAPE_INVALID, "%s: beta1=%g out of [0,1)", fn, (double)beta1);
+    if (m && !(t_r >= 1.0f))
+        return scape_set_error(SCAPE_INVALID, "%s: t_r=%g must be >= 1", fn, (double)t_r);
+    return SCAPE_OK;
+}
+
 /* 1 - beta^t, computed in double and rounded once to float. */
 static inline float kern_bias_correction(float beta, uint64_t t)
 {

@@ -182,8 +182,15 @@ static inline float kern_f32_from_bf16(uint16_t x)
  * enqueued on `stream` (a cudaStream_t; NULL is the legacy default stream).
  * Functions that count return the count through a host pointer and therefore
  * synchronise the stream.  Scratch is device memory of at least
- * kern_cuda_scratch_bytes(n) bytes.  Declared always; defined only in builds
- * with SCAPE_HAVE_CUDA (check kern_cuda_available() at run time).
+ * kern_cuda_scratch_bytes(n) bytes; the top-k twins keep their bookkeeping
+ * there, so one scratch must not serve two streams at once.  Declared
+ * always; defined only in builds with SCAPE_HAVE_CUDA (check
+ * kern_cuda_available() at run time).
+ * Exceptions to "the same bits": a NaN that passes through arithmetic comes
+ * out as the device's one canonical NaN (the CPU keeps the payload), and top-k
+ * ranks NaNs of different payloads as ties, in index order.  The deferred
+ * selection pair (kern_stat_packed, kern_topk_prestat) has no twin: the
+ * daemon runs it on the host.
  */
 
 /* 1 when this build has the CUDA twins and a device is visible, else 0;

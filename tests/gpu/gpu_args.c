@@ -97,11 +97,23 @@ static void bad_select(gc_tally *t, const bufs *B)
     BAD(kern_cuda_topk_mask(a, N, 1, mk, NULL, sb, NULL));
     BAD(kern_cuda_topk_mask(a, N, N + 1, mk, sc, sb, NULL));
     BAD(kern_cuda_topk_mask(a, BIG, 1, mk, sc, sb, NULL));
-    BAD(kern_cuda_topk_mask(a, N, 1, mk, sc, sb - 1, NULL));
+    BAD(kern_cuda_topk_mask(a, N, 1, mk, sc, 16, NULL)); /* below any top-k's need */
     BAD(kern_cuda_topk_mask(a, N, 1, (uint32_t *)(a + 8), sc, sb, NULL));
     BAD(kern_cuda_topk_mask(a, N, 1, mk, a + 4, sb, NULL));
+    /* the composed twins check everything before enqueueing anything */
+    BAD(kern_cuda_topk_ef(a, b, d, N, 1.0f, 1.0f, 1, mk, sc, sb, NULL));
+    BAD(kern_cuda_topk_ef(a, b, d, 0, 0.9f, 0.5f, 0, mk, sc, sb, NULL));
+    BAD(kern_cuda_topk_ef(a, b, d, N, 0.9f, 1.0f, 1, (uint32_t *)(b + 4), sc, sb, NULL));
+    BAD(kern_cuda_topk_ef(NULL, b, d, N, 0.9f, 1.0f, 1, mk, b, sb, NULL));
+    BAD(kern_cuda_topk_packed(a, d, mk, b, N, NAN, 1.0f, 1, (uint32_t *)o, sc, sb, NULL));
+    BAD(kern_cuda_topk_packed(a, d, mk, b, 0, 0.9f, 0.0f, 0, (uint32_t *)o, sc, sb, NULL));
+    BAD(kern_cuda_topk_packed(a, d, mk, NULL, N, 0.9f, 1.0f, 1, (uint32_t *)o, sc, sb, NULL));
+    BAD(kern_cuda_topk_packed(a, d, mk, b, N, 0.9f, 1.0f, 1, mk, sc, sb, NULL));
+    BAD(kern_cuda_topk_packed(NULL, d, NULL, NULL, N, 0.9f, 1.0f, 1, (uint32_t *)o, d, sb,
+                              NULL));
     GOOD(kern_cuda_abs_stat(a, b, 0, o, NULL));
     GOOD(kern_cuda_topk_mask(a, 0, 0, mk, sc, 0, NULL));
+    GOOD(kern_cuda_topk_ef(NULL, b, d, 0, 2.0f, 0.0f, 0, mk, sc, sb, NULL)); /* no m: no beta1 */
 }
 
 static void bad_hyper(gc_tally *t, const bufs *B, const kern_hyper *h0)
