@@ -360,6 +360,11 @@ static scape_rc stream_op(nccl_impl *x, lane *l, const sop *o, size_t *pos, size
 {
     TRY(usable(x));
     TRY(slots_ready(x, l));
+    /* An earlier op that failed part-way (and did not abort the comm) may
+     * have left copies in flight into these slots: let them land first.
+     * After an op that finished, both events have long fired. */
+    for (int b = 0; b < 2; b++)
+        TRY(slot_wait(x, l, b, o->what));
     size_t rounds = rounds_of(o);
     for (size_t c = 0; c < rounds; c++) {
         int b = (int)(c & 1);

@@ -307,6 +307,7 @@ static int parse_args(int argc, char **argv, size_t *sizes, int *nsizes, int *re
 
 int main(int argc, char **argv)
 {
+    setvbuf(stdout, NULL, _IOLBF, 0); /* lines survive a kill by run.sh's timeout */
     size_t sizes[MAX_SIZES] = {1000000, 10000000, 100000000}, max_n = 0;
     int nsizes = 3, repeats = 9;
     if (!parse_args(argc, argv, sizes, &nsizes, &repeats))

@@ -616,6 +616,7 @@ static int parse_args(int argc, char **argv, uint64_t *seed, size_t *max_n)
 int main(int argc, char **argv)
 {
     static const size_t sizes[] = {0, 1, 31, 33, 1000, (1u << 20) + 7, 10000000};
+    setvbuf(stdout, NULL, _IOLBF, 0); /* lines survive a kill by run.sh's timeout */
     uint64_t seed = gc_seed_from_time();
     size_t max_n = 10000000;
     if (!parse_args(argc, argv, &seed, &max_n))

@@ -149,6 +149,7 @@ int main(void)
 {
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
+    setvbuf(stdout, NULL, _IOLBF, 0); /* lines survive a kill by run.sh's timeout */
     if (e != cudaSuccess || n == 0) {
         printf("SKIP: no usable GPU (%s)\n", e != cudaSuccess ? cudaGetErrorString(e)
                                                             : "no device");

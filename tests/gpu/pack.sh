@@ -35,5 +35,7 @@ for b in "${bins[@]}"; do
     if keep "$lib"; then cp -L -n "$lib" "$PACK/lib/"; fi
   done
 done
+# which sources these are: run.sh calls a pack of other sources stale
+bash tests/gpu/run.sh --stamp >"$PACK/STAMP"
 echo "pack: $(ls "$PACK/bin" | wc -l) programs, $(ls "$PACK/lib" | wc -l) libraries," \
      "$(du -sh "$PACK" | cut -f1) in $PACK"

@@ -8,16 +8,29 @@
 # rank and a whole scaped on it with a host and a CUDA IPC trainer (run_nccl),
 # the Python binding's CUDA path with torch (run_torch_scape), gpu_bench (GB/s
 # against a device copy) and, when PyTorch with CUDA is importable, the
-# torch.topk timing, then the CPU service benchmark (the daemon's overhead,
-# on this machine's many cores); print a short summary table last.
+# torch.topk timing; with --service also the CPU service benchmark (the
+# daemon's overhead, on this machine's many cores).  Each step prints a
+# "== step: result" line as it ends; a summary table comes last.
 #
-#   tests/gpu/run.sh [--quick]     --quick: sizes up to 2^20+7 / 1e7 only
+#   tests/gpu/run.sh [--quick] [--service] [--allow-partial]
+#     --quick          sizes up to 2^20+7 / 1e7 only
+#     --service        also run tests/bench/bench_service.py (CPU only)
+#     --allow-partial  exit 0 even when a step could not run here
+#
+# Time: every step has its own timeout, cut to what is left of a budget of
+# SCAPE_GPU_BUDGET seconds (default 480: one device call, with room for the
+# machine's start); a step that no longer fits is reported as not run.
+# Output: besides stdout, when $OUT is set (the device tool's result folder)
+# the summary goes to $OUT/summary.txt and every log to $OUT/gpu-logs.tgz,
+# also when the run is killed.
 #
 # NCCL comes from NCCL_HOME, the CUDA toolkit, /usr, or the pip wheel
 # (nvidia/nccl in python3's site-packages), in that order.
 #
-# Exit 0 when gpu_check passes or when there is nothing to run on (no GPU or
-# no nvcc: "SKIP: <reason>"); 1 when a check fails or a step breaks.
+# Exit 0 when every step ran and passed, or when there is nothing to run on
+# (no GPU or no nvcc: "SKIP: <reason>"); 1 when a check fails or a step
+# breaks; 3 when nothing failed but some step could not run here (a stale or
+# unusable pack, no NCCL, no torch, out of time), unless --allow-partial.
 set -u -o pipefail
 
 cd "$(dirname "$0")/../.." || exit 1
@@ -26,11 +39,56 @@ LOGS=$BUILD/logs
 CHECK_ARGS=()
 BENCH_ARGS=(--sizes "1e6,1e7,1e8")
 TORCH_SIZES=(1e6 1e7 1e8)
-if [ "${1:-}" = "--quick" ]; then
-    CHECK_ARGS=(--max-n 1048583)
-    BENCH_ARGS=(--sizes "1e6,1e7")
-    TORCH_SIZES=(1e6 1e7)
-fi
+SERVICE=0 PARTIAL_OK=0 STAMP_ONLY=0
+for arg in "$@"; do
+    case "$arg" in
+    --quick)
+        CHECK_ARGS=(--max-n 1048583)
+        BENCH_ARGS=(--sizes "1e6,1e7")
+        TORCH_SIZES=(1e6 1e7) ;;
+    --service) SERVICE=1 ;;
+    --allow-partial) PARTIAL_OK=1 ;;
+    --stamp) STAMP_ONLY=1 ;; # print the sources' stamp (pack.sh records it) and exit
+    *) echo "usage: tests/gpu/run.sh [--quick] [--service] [--allow-partial]" >&2; exit 2 ;;
+    esac
+done
+BUDGET=${SCAPE_GPU_BUDGET:-480}
+T0=$SECONDS
+NOT_RUN=()
+CHECK_RC=0 BENCH_RC=0 NCCL_RC=0 TORCH_RC=0
+
+# Seconds a step may take: its own cap, cut to the budget left (less a
+# margin for the summary); 0 when too little is left to start it.
+tmo() {
+    local left=$((BUDGET - (SECONDS - T0) - 15))
+    if [ "$left" -lt 20 ]; then echo 0; elif [ "$left" -lt "$1" ]; then echo "$left"; else echo "$1"; fi
+}
+
+# One line per finished step, as it finishes (a kill loses nothing before it).
+progress() {
+    echo "== $*" | tee -a "$LOGS/progress.txt"
+}
+
+# A step that could not run here: reported, and exit 3 unless --allow-partial.
+not_run() {
+    NOT_RUN+=("$1")
+}
+
+# The sources the programs come from: a pack built from other sources is stale.
+source_stamp() {
+    find daemon client kernels proto tests/gpu tests/integration -type f \
+        \( -name '*.c' -o -name '*.h' -o -name '*.cu' -o -name '*.proto' -o -name '*.py' \) \
+        -not -path '*/__pycache__/*' | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16
+}
+
+# On any exit (a kill by the device tool's limit included): the summary and
+# the logs into $OUT, which is what comes back from the device machine.
+save_out() {
+    [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ] || return 0
+    [ -f "$LOGS/summary.txt" ] || cp "$LOGS/progress.txt" "$OUT/summary.txt" 2>/dev/null
+    [ -f "$LOGS/summary.txt" ] && cp "$LOGS/summary.txt" "$OUT/summary.txt"
+    tar czf "$OUT/gpu-logs.tgz" -C "$BUILD" logs 2>/dev/null
+}
 
 skip() {
     echo "SKIP: $*"
@@ -84,12 +142,19 @@ use_pack() {
         head -n 3 "$LOGS/pack.txt"
         return 1
     fi
+    local want have
+    want=$(cat "$pack/STAMP" 2>/dev/null || echo none)
+    have=$(source_stamp)
     BIN=$pack/bin
     TI=$pack/bin
     DAEMON=$pack/bin/scaped
     LIBSCAPE=$pack/lib/libscape.so
     SERVICE_FROM=(--bin "$pack/bin")
-    HOW="carried (tests/gpu/pack.sh)"
+    HOW="carried (tests/gpu/pack.sh, sources $want)"
+    if [ "$want" != "$have" ]; then
+        HOW="$HOW: STALE, the sources here are $have (rerun tests/gpu/pack.sh)"
+        not_run "a pack of the current sources"
+    fi
 }
 
 build_cmake() {
@@ -151,8 +216,8 @@ build_direct() {
     [ -n "$NCCL_LIB" ] && [ -n "$NCCL_INC" ] || return 0
     local eng=() ok=1
     for src in daemon/engine.c daemon/engine_step.c daemon/engine_inspect.c \
-               daemon/engine_ckpt.c daemon/plan.c daemon/comm.c daemon/comm_local.c \
-               daemon/comm_nccl.c tests/gpu/gpu_nccl.c; do
+               daemon/engine_ckpt.c daemon/plan.c daemon/pool.c daemon/maskcode.c \
+               daemon/comm.c daemon/comm_local.c daemon/comm_nccl.c tests/gpu/gpu_nccl.c; do
         eng+=("$(cc_one "$src" -Idaemon -I"$NCCL_INC")") || ok=0
     done
     [ "$ok" = 1 ] && "$NVCC" -o "$OBJ/gpu_nccl" "${eng[@]}" "${lib[@]}" -L"$NCCL_LIB" \
@@ -161,18 +226,37 @@ build_direct() {
 }
 
 run_check() {
-    "$BIN/gpu_check" ${CHECK_ARGS[@]+"${CHECK_ARGS[@]}"} | tee "$LOGS/gpu_check.txt"
-    CHECK_RC=$?
-    # gpu_check has printed "SKIP: <reason>" (e.g. the driver is too old)
-    [ "$CHECK_RC" -eq 77 ] && exit 0
+    local t
+    t=$(tmo 240)
+    if [ "$t" = 0 ]; then
+        not_run gpu_check; progress "check: not run (out of time)"; CHECK_RC=0; return
+    fi
+    timeout "$t" "$BIN/gpu_check" ${CHECK_ARGS[@]+"${CHECK_ARGS[@]}"} | tee "$LOGS/gpu_check.txt"
+    CHECK_RC=${PIPESTATUS[0]}
+    case "$CHECK_RC" in
+    77) not_run "gpu_check ($(grep -m1 '^SKIP' "$LOGS/gpu_check.txt"))"; CHECK_RC=0 ;;
+    124) echo "gpu_check: FAIL: timed out after $t s" >>"$LOGS/gpu_check.txt" ;;
+    esac
+    progress "check: $(grep -E '^gpu_check: (PASS|FAIL)|^SKIP' "$LOGS/gpu_check.txt" | tail -n 1)" \
+        "(exit $CHECK_RC)"
 }
 
 run_bench() {
-    "$BIN/gpu_bench" "${BENCH_ARGS[@]}" | tee "$LOGS/gpu_bench.txt"
-    BENCH_RC=$?
+    local t
+    t=$(tmo 150)
     echo "# torch not run" >"$LOGS/torch.txt"
-    if command -v python3 >/dev/null 2>&1; then
-        python3 tests/gpu/torch_topk.py "${TORCH_SIZES[@]}" | tee "$LOGS/torch.txt"
+    : >"$LOGS/gpu_bench.txt"
+    if [ "$t" = 0 ]; then
+        not_run gpu_bench; progress "bench: not run (out of time)"; return
+    fi
+    timeout "$t" "$BIN/gpu_bench" "${BENCH_ARGS[@]}" | tee "$LOGS/gpu_bench.txt"
+    BENCH_RC=${PIPESTATUS[0]}
+    progress "bench: gpu_bench exit $BENCH_RC"
+    [ "$BENCH_RC" -eq 77 ] && { not_run gpu_bench; BENCH_RC=0; }
+    t=$(tmo 120)
+    if [ "$t" != 0 ] && command -v python3 >/dev/null 2>&1; then
+        timeout "$t" python3 tests/gpu/torch_topk.py "${TORCH_SIZES[@]}" | tee "$LOGS/torch.txt"
+        progress "torch.topk: exit ${PIPESTATUS[0]}"
     fi
 }
 
@@ -183,22 +267,40 @@ run_bench() {
 run_nccl() {
     NCCL_STATUS="not run" NCCL_RC=0
     export NCCL_DEBUG=${NCCL_DEBUG:-WARN} NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo}
-    if [ -x "$BIN/gpu_nccl" ]; then
-        timeout 240 "$BIN/gpu_nccl" | tee "$LOGS/gpu_nccl.txt"
-        NCCL_RC=${PIPESTATUS[0]}
-        [ "$NCCL_RC" -eq 77 ] && { NCCL_RC=0; NCCL_STATUS="skipped"; return; }
-        NCCL_STATUS=$(tail -n 1 "$LOGS/gpu_nccl.txt")
-        [ "$NCCL_RC" -eq 124 ] && NCCL_STATUS="gpu_nccl: timed out after 240 s"
-    else
+    local t
+    t=$(tmo 180)
+    if [ ! -x "$BIN/gpu_nccl" ]; then
         NCCL_STATUS="gpu_nccl: not built (no NCCL?)"
+        not_run gpu_nccl
+    elif [ "$t" = 0 ]; then
+        NCCL_STATUS="gpu_nccl: not run (out of time)"
+        not_run gpu_nccl
+    else
+        timeout "$t" "$BIN/gpu_nccl" | tee "$LOGS/gpu_nccl.txt"
+        NCCL_RC=${PIPESTATUS[0]}
+        NCCL_STATUS=$(grep -E '^gpu_nccl: (PASS|FAIL)|^SKIP' "$LOGS/gpu_nccl.txt" | tail -n 1)
+        case "$NCCL_RC" in
+        0) ;;
+        77) NCCL_RC=0; not_run "gpu_nccl ($NCCL_STATUS)" ;;
+        124) NCCL_STATUS="gpu_nccl: FAIL: timed out after $t s" ;;
+        *) NCCL_STATUS="${NCCL_STATUS:-gpu_nccl: FAIL: exit $NCCL_RC}" ;;
+        esac
     fi
+    progress "nccl: $NCCL_STATUS"
     if [ -z "${DAEMON:-}" ] || [ ! -x "$BIN/gpu_trainer" ]; then
         NCCL_STATUS="$NCCL_STATUS; daemon: not built here (carry build-gpu-pack)"
+        not_run "scaped on nccl with a CUDA IPC trainer"
+        return
+    fi
+    t=$(tmo 200)
+    if [ "$t" = 0 ]; then
+        NCCL_STATUS="$NCCL_STATUS; scaped on nccl: not run (out of time)"
+        not_run "scaped on nccl with a CUDA IPC trainer"
         return
     fi
     local rt ti=${TI:-$BUILD/tests/integration}
     rt=$(mktemp -d /tmp/scape-gpu.XXXXXX)
-    timeout 200 "$DAEMON" --runtime-dir "$rt/rt" --comm-backend nccl --trainers 2 --rho 0.01 \
+    timeout "$t" "$DAEMON" --runtime-dir "$rt/rt" --comm-backend nccl --trainers 2 --rho 0.01 \
         --warmup 3 --comm-timeout-ms 60000 >"$LOGS/scaped_nccl.txt" 2>&1 &
     local dpid=$!
     for _ in $(seq 150); do
@@ -206,28 +308,29 @@ run_nccl() {
         kill -0 "$dpid" 2>/dev/null || break
         sleep 0.1
     done
-    local ok=1 tp=()
+    local ok=1 tp=() why=""
     if ! kill -0 "$dpid" 2>/dev/null; then
-        ok=0
+        ok=0 why="scaped exited at start"
         tail -n 5 "$LOGS/scaped_nccl.txt"
     else
-        timeout 180 "$ti/trainer_c" --endpoint "ipc://$rt/rt/control" --index 0 --n 1000000 \
+        timeout "$t" "$ti/trainer_c" --endpoint "ipc://$rt/rt/control" --index 0 --n 1000000 \
             --steps 100 --out "$rt/t0" >"$LOGS/trainer_0.txt" 2>&1 &
         tp+=($!)
-        timeout 180 "$BIN/gpu_trainer" --endpoint "ipc://$rt/rt/control" --index 1 \
+        timeout "$t" "$BIN/gpu_trainer" --endpoint "ipc://$rt/rt/control" --index 1 \
             --n 1000000 --steps 100 --out "$rt/t1" >"$LOGS/trainer_1.txt" 2>&1 &
         tp+=($!)
-        for p in "${tp[@]}"; do wait "$p" || ok=0; done
+        for p in "${tp[@]}"; do wait "$p" || { ok=0 why="a trainer failed"; }; done
     fi
     kill "$dpid" 2>/dev/null; wait "$dpid"
-    timeout 120 "$ti/reference" --trainers 2 --n 1000000 --steps 100 --rho 0.01 --warmup 3 \
-        --out "$rt/ref" >"$LOGS/reference.txt" 2>&1 || ok=0
+    timeout "$(tmo 120)" "$ti/reference" --trainers 2 --n 1000000 --steps 100 --rho 0.01 \
+        --warmup 3 --out "$rt/ref" >"$LOGS/reference.txt" 2>&1 || { ok=0 why="${why:-the reference failed}"; }
     if [ "$ok" = 1 ] && cmp -s "$rt/t0" "$rt/ref" && cmp -s "$rt/t1" "$rt/ref"; then
         NCCL_STATUS="$NCCL_STATUS; scaped on nccl, a host and a CUDA IPC trainer, 100 steps == reference: ok"
     else
-        NCCL_STATUS="$NCCL_STATUS; scaped on nccl vs reference: FAIL (see $LOGS)"
+        NCCL_STATUS="$NCCL_STATUS; scaped on nccl vs reference: FAIL (${why:-parameters differ}; see $LOGS)"
         NCCL_RC=1
     fi
+    progress "nccl: $NCCL_STATUS"
     rm -rf "$rt"
 }
 
@@ -235,34 +338,48 @@ run_nccl() {
 # CUDA and a CPU ScapeOptimizer agreeing bitwise (tests/gpu/torch_scape.py).
 run_torch_scape() {
     TORCH_STATUS="not run" TORCH_RC=0
+    local t
+    t=$(tmo 240)
     if [ -z "${DAEMON:-}" ] || [ -z "${LIBSCAPE:-}" ]; then
         TORCH_STATUS="not run: scaped or libscape not built here (carry build-gpu-pack)"
-        return
+    elif ! command -v python3 >/dev/null 2>&1; then
+        TORCH_STATUS="not run: no python3"
+    elif [ "$t" = 0 ]; then
+        TORCH_STATUS="not run: out of time"
+    else
+        timeout "$t" python3 tests/gpu/torch_scape.py --daemon "$DAEMON" --lib "$LIBSCAPE" \
+            --log "$LOGS/scaped_torch.txt" | tee "$LOGS/torch_scape.txt"
+        TORCH_RC=${PIPESTATUS[0]}
+        TORCH_STATUS=$(grep -E '^torch_scape: |^SKIP' "$LOGS/torch_scape.txt" | tail -n 1)
+        case "$TORCH_RC" in
+        0) ;;
+        77) TORCH_RC=0 TORCH_STATUS="not run: $TORCH_STATUS" ;;
+        124) TORCH_STATUS="torch_scape: FAIL: timed out after $t s"; TORCH_RC=1 ;;
+        *) TORCH_STATUS="${TORCH_STATUS:-torch_scape: FAIL: exit $TORCH_RC}"; TORCH_RC=1 ;;
+        esac
     fi
-    command -v python3 >/dev/null 2>&1 || { TORCH_STATUS="not run: no python3"; return; }
-    timeout 300 python3 tests/gpu/torch_scape.py --daemon "$DAEMON" --lib "$LIBSCAPE" \
-        --log "$LOGS/scaped_torch.txt" | tee "$LOGS/torch_scape.txt"
-    TORCH_RC=${PIPESTATUS[0]}
-    TORCH_STATUS=$(tail -n 1 "$LOGS/torch_scape.txt")
-    case "$TORCH_RC" in
-    0) ;;
-    77) TORCH_RC=0 ;;
-    124) TORCH_STATUS="torch_scape: timed out after 300 s"; TORCH_RC=1 ;;
-    *) TORCH_RC=1 ;;
-    esac
+    case "$TORCH_STATUS" in "not run"*) not_run "torch over CUDA IPC" ;; esac
+    progress "python: $TORCH_STATUS"
 }
 
 # Issue 3's service benchmark on this machine's CPUs (many more than the
 # 2-vCPU development machine): the daemon's overhead against the in-process
 # engine, handover bytes, memory (tests/bench/bench_service.py).
 run_service_bench() {
-    SERVICE_STATUS="not run"
+    SERVICE_STATUS="not run (give --service)"
+    [ "$SERVICE" = 1 ] || return 0
+    local t
+    t=$(tmo 300)
+    if [ "$t" = 0 ]; then
+        SERVICE_STATUS="not run: out of time"
+        return
+    fi
     if [ -z "${SERVICE_FROM+x}" ] || [ -z "${DAEMON:-}" ]; then
         SERVICE_STATUS="not run: the daemon programs are not built here"
         return
     fi
     command -v python3 >/dev/null 2>&1 || { SERVICE_STATUS="not run: no python3"; return; }
-    if timeout 300 python3 tests/bench/bench_service.py "${SERVICE_FROM[@]}" --quick \
+    if timeout "$t" python3 tests/bench/bench_service.py "${SERVICE_FROM[@]}" --quick \
         --markdown "$LOGS/service.md" >"$LOGS/service.txt" 2>&1; then
         local dflt nodefer
         dflt=$(grep -m1 "^| step, through scaped (last poster" "$LOGS/service.md" | awk -F'|' '{print $5}')
@@ -272,18 +389,20 @@ run_service_bench() {
     else
         SERVICE_STATUS="bench_service failed or timed out (see $LOGS/service.txt)"
     fi
+    progress "service: $SERVICE_STATUS"
 }
 
 print_summary() {
     local gpu status
     gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -n 1)
-    status=$(grep -E '^gpu_check: (PASS|FAIL)' "$LOGS/gpu_check.txt" | tail -n 1)
+    status=$(grep -E '^gpu_check: (PASS|FAIL)|^SKIP' "$LOGS/gpu_check.txt" 2>/dev/null | tail -n 1)
     echo
     echo "==================== scaped GPU check summary ===================="
     echo "date      : $(date -u '+%Y-%m-%d %H:%M UTC')"
     echo "host      : $(uname -n)"
     echo "gpu       : $gpu (nvcc $("$NVCC" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'))"
     echo "build     : $HOW"
+    echo "time      : $((SECONDS - T0)) s of a budget of $BUDGET s"
     echo "check     : ${status:-gpu_check exited with status $CHECK_RC}"
     echo "nccl      : ${NCCL_STATUS:-not run}"
     echo "python    : ${TORCH_STATUS:-not run}"
@@ -311,16 +430,27 @@ print_summary() {
                     s == "" ? "-" : s, s == "" ? "-" : sprintf("%.2fx", s / $4)
          }' "$LOGS/torch.txt" "$LOGS/gpu_bench.txt"
     [ "$BENCH_RC" -eq 0 ] || echo "bench     : gpu_bench exited with status $BENCH_RC"
+    local part
+    for part in ${NOT_RUN[@]+"${NOT_RUN[@]}"}; do echo "NOT RUN   : $part"; done
 }
 
+[ "$STAMP_ONLY" = 1 ] && { source_stamp; exit 0; }
 find_tools
+rm -rf "$LOGS"
 mkdir -p "$LOGS"
+trap save_out EXIT
+trap 'exit 143' TERM
+trap 'exit 130' INT
 find_nccl
 use_pack || build_cmake || build_direct
+progress "build: $HOW"
 run_check
 run_nccl
 run_torch_scape
 run_bench
 run_service_bench
-print_summary
-[ "$CHECK_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$NCCL_RC" -eq 0 ] && [ "$TORCH_RC" -eq 0 ]
+print_summary | tee "$LOGS/summary.txt"
+[ "$CHECK_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$NCCL_RC" -eq 0 ] && [ "$TORCH_RC" -eq 0 ] ||
+    exit 1
+[ "${#NOT_RUN[@]}" -eq 0 ] || [ "$PARTIAL_OK" = 1 ] || exit 3
+exit 0
