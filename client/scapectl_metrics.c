@@ -109,6 +109,7 @@ static void phases(const prom *m, const Scape__Phases *ph)
         { "gather", ph->has_gather, ph->gather },
         { "writeback", ph->has_writeback, ph->writeback },
         { "after_reply", ph->has_after_reply, ph->after_reply },
+        { "queued", ph->has_queued, ph->queued },
         { "total", ph->has_total, ph->total },
     };
     family(m, "scape_phase_seconds", "Seconds the last step spent in each phase.");
@@ -187,6 +188,10 @@ static void exposition(const prom *m, const Scape__StatusReply *st)
         counter(m, "scape_data_received_bytes_total",
                 "Bytes scaped received on its data plane (host backend, framing included).",
                 (double)st->data_recv_bytes);
+    if (st->has_queued_seconds_total)
+        counter(m, "scape_step_queued_seconds_total",
+                "Seconds trainers' step requests waited before scaped read them, summed.",
+                st->queued_seconds_total);
     if (st->last != NULL)
         last_step(m, st->last);
     if (st->has_loss)

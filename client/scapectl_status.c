@@ -40,6 +40,7 @@ static void print_phases(printer *p, const Scape__Phases *ph)
         { "gather", "gather", ph->has_gather, ph->gather },
         { "writeback", "writeback", ph->has_writeback, ph->writeback },
         { "after_reply", "after reply", ph->has_after_reply, ph->after_reply },
+        { "queued", "queued", ph->has_queued, ph->queued },
         { "total", NULL, ph->has_total, ph->total }, /* the text shows it above */
     };
     char b[32];
@@ -159,6 +160,12 @@ static void print_status(printer *p, const Scape__StatusReply *st)
         pr_str(p, "data_endpoint", NULL, st->data_endpoint);
     print_last(p, st->last);
     print_optional(p, "loss", "Loss", st->has_loss, st->loss);
+    if (st->has_queued_seconds_total) {
+        char q[64];
+        snprintf(q, sizeof q, "%.3f s (steps waiting for a busy daemon, in all)",
+                 st->queued_seconds_total);
+        pr_real(p, "queued_seconds_total", "Queued", st->queued_seconds_total, q);
+    }
     print_checkpoint(p, st->checkpoint);
     pr_str(p, "runtime_dir", "Runtime dir", st->runtime_dir);
 }

@@ -329,6 +329,15 @@ static scape_rc on_step(server *s, trainer *t, const Scape__Step *st)
     t->loss = st->loss;
     t->last_step = st->step;
     t->posted_at = srv_now();
+    /* How long the message waited for the daemon: the sender's clock is this
+     * host's CLOCK_MONOTONIC.  A stamp from the future or from over an hour
+     * ago is not that clock's (another host's, a forged one): unknown. */
+    t->queued = -1.0;
+    if (st->has_sent_ns) {
+        double q = t->posted_at - 1e-9 * (double)st->sent_ns;
+        if (q >= -1e-3 && q < 3600.0)
+            t->queued = q > 0.0 ? q : 0.0;
+    }
     t->step_msg_bytes = s->msg_bytes;
     ctl_maybe_step(s);
     return SCAPE_OK;
@@ -394,10 +403,12 @@ static scape_rc follow_trainers(server *s, int n)
 }
 
 static void fill_step_done(server *s, const eng_step_stats *st, double wait, double total,
-                           size_t control_bytes, uint64_t copied)
+                           double queued, size_t control_bytes, uint64_t copied)
 {
     Scape__Phases *ph = &s->last_phases;
     scape__phases__init(ph);
+    ph->has_queued = queued >= 0.0;
+    ph->queued = ph->has_queued ? queued : 0.0;
     double v[] = { wait, st->phase_s[ENG_PH_INTAKE], st->phase_s[ENG_PH_MASK_WAIT],
                    st->phase_s[ENG_PH_SELECT], st->phase_s[ENG_PH_PACK],
                    st->phase_s[ENG_PH_REDUCE], st->phase_s[ENG_PH_UPDATE],
@@ -511,11 +522,12 @@ static scape_rc select_after_reply(server *s, uint64_t t)
 static void run_step(server *s, trainer **ts, int n)
 {
     uint64_t t = s->next_step;
-    double first = ts[0]->posted_at, loss = 0.0;
+    double first = ts[0]->posted_at, loss = 0.0, queued = -1.0;
     int nloss = 0;
     size_t control_bytes = 0;
     for (int i = 0; i < n; i++) {
         control_bytes += ts[i]->step_msg_bytes;
+        queued = ts[i]->queued > queued ? ts[i]->queued : queued;
         first = ts[i]->posted_at < first ? ts[i]->posted_at : first;
         if (ts[i]->has_loss) {
             loss += ts[i]->loss;
@@ -551,7 +563,8 @@ static void run_step(server *s, trainer **ts, int n)
     if (rc == SCAPE_OK) {
         eng_step_stats st;
         eng_last_stats(s->eng, &st);
-        fill_step_done(s, &st, t0 - first, srv_now() - t0, control_bytes, copied);
+        fill_step_done(s, &st, t0 - first, srv_now() - t0, queued, control_bytes, copied);
+        s->queued_total += queued > 0.0 ? queued : 0.0;
         s->have_loss = nloss > 0;
         s->last_loss = nloss ? loss / nloss : 0.0;
         s->next_step = t + 1;

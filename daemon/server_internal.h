@@ -36,6 +36,7 @@ typedef struct trainer {
     uint64_t last_step;             /* last step it posted */
     size_t step_msg_bytes;          /* size of its Step message */
     double posted_at;
+    double queued;                 /* its Step's wait before it was read; < 0: unknown */
 } trainer;
 
 struct server {
@@ -74,6 +75,7 @@ struct server {
     Scape__CollectiveCount last_coll[COMM_OP_COUNT];   /* last.collectives points here */
     Scape__CollectiveCount *last_coll_p[COMM_OP_COUNT];
     double last_loss;
+    double queued_total;           /* Phases.queued summed over the steps run */
     int have_loss;
 
     /* Checkpoints (checkpoint.c). */

@@ -73,6 +73,8 @@ static void fill_status(server *s, status_buf *b)
     }
     if (s->data_ep[0])
         st->data_endpoint = s->data_ep;
+    st->has_queued_seconds_total = 1;
+    st->queued_seconds_total = s->queued_total;
     st->runtime_dir = s->dir;
     /* The residual norm is a pass over N floats: taken when asked, not on
      * the per-step path. */

@@ -440,6 +440,12 @@ scape_rc scape_step_begin(scape_session *s, uint64_t step, float lr, const float
     st.lr = lr;
     st.has_loss = loss != NULL;
     st.loss = loss ? *loss : 0.0f;
+    /* the daemon tells from it how long the step waited for it (Phases.queued) */
+    struct timespec now;
+    if (clock_gettime(CLOCK_MONOTONIC, &now) == 0) {
+        st.has_sent_ns = 1;
+        st.sent_ns = (uint64_t)now.tv_sec * 1000000000u + (uint64_t)now.tv_nsec;
+    }
     Scape__Request q = SCAPE__REQUEST__INIT;
     q.body_case = SCAPE__REQUEST__BODY_STEP;
     q.step = &st;

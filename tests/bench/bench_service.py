@@ -111,7 +111,7 @@ def overhead_round(build, work, n, steps, trainers, tag):
                  for i in range(trainers)]
         wait_all(procs, "trainer")
         wall = (time.time() - t0) / steps
-        _, last = status(build, rt)
+        st, last = status(build, rt)
         d.terminate()
         d.wait()
         rows = [[list(map(float, l.split())) for l in open(f)] for f in files]
@@ -119,6 +119,9 @@ def overhead_round(build, work, n, steps, trainers, tag):
         out["last_poster" + sfx] = [min(r[k][1] for r in rows) for k in range(steps)]
         out["engine_in_daemon" + sfx] = [rows[0][k][3] for k in range(steps)]
         out["wall" + sfx] = [wall]
+        # what the trainers' posts waited for a busy daemon (the deferred
+        # selection, when a post comes before it ends), per step
+        out["queued" + sfx] = [float(st.get("queued_seconds_total") or 0.0) / steps]
         if defer == "true":
             out["control_bytes"] = int(last.get("control_bytes") or 0)
             out["copied_bytes"] = int(last.get("handover_copy_bytes") or 0)
@@ -151,6 +154,8 @@ def overhead(build, work, n, steps, rounds, trainers=4):
         "nodefer_round_ratios": ratios("last_poster_nodefer"),
         "wall_ms": fig("wall", statistics.median),
         "nodefer_wall_ms": fig("wall_nodefer", statistics.median),
+        "queued_ms": fig("queued", statistics.median),
+        "nodefer_queued_ms": fig("queued_nodefer", statistics.median),
         "control_bytes": per[-1]["control_bytes"],
         "copied_bytes": per[-1]["copied_bytes"],
         "grad_bytes": trainers * 4 * int(n),
@@ -225,6 +230,9 @@ def main():
         "| whole job through scaped, wall time per step (trainers' gradient compute, "
         "start-up included) | %.2f ms | defer_select false %.2f ms | %.2fx |"
         % (o["wall_ms"], o["nodefer_wall_ms"], o["wall_ms"] / o["nodefer_wall_ms"]),
+        "| a post's wait for a busy daemon before it is read (Phases.queued, longest of the "
+        "step's trainers, mean per step) | %.3f ms | defer_select false %.3f ms | |"
+        % (o["queued_ms"], o["nodefer_queued_ms"]),
         "| control bytes per step (4 trainers) | %d B | gradient bytes %d B | %.2g |"
         % (o["control_bytes"], o["grad_bytes"], o["control_bytes"] / o["grad_bytes"]),
         "| gradient bytes copied in handover | %d B | gradient bytes %d B | %.2g |"

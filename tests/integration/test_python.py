@@ -3,6 +3,7 @@ job matching the in-process engine bit for bit, numpy views that alias the
 shared memory, errors, and the torch optimizer."""
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import SOURCE, run_reference, run_trainer, synth_layout
+from conftest import SOURCE, binary, run_reference, run_trainer, synth_layout
 
 sys.path.insert(0, os.path.join(SOURCE, "client", "python"))
 import scape  # noqa: E402
@@ -284,3 +285,41 @@ def test_cuda_session_buffers_are_torch_tensors(daemon_factory, dtype):
     torch, torch_scape = cuda_torch()
     d = daemon_factory()
     torch_scape.check_session_tensors(torch, scape, d.endpoint, dtype)
+
+
+def test_a_step_posted_to_a_busy_daemon_says_how_long_it_waited(daemon_factory):
+    """Phases.queued: how long the step's Step message waited before the
+    daemon read it (the trainer stamps its send time).  The daemon is stopped
+    (SIGSTOP) for 0.5 s while a step is posted: that step's figure covers the
+    stop and no more than the whole round trip; status and scapectl show it."""
+    import pbwire
+    d = daemon_factory(*ENGINE)
+
+    def queued():
+        phases = pbwire.parse(pbwire.query_status(d.status_endpoint)[3][2][0])
+        return phases[12][0]
+
+    with scape.attach(d.endpoint, [("w", 1000), ("b", 1)]) as s:
+        s.sync()
+        s.grads[:] = 1.0
+        t_first = time.monotonic()
+        s.step(0.1)
+        assert queued() >= 0.0
+        t0 = time.monotonic()
+        d.proc.send_signal(signal.SIGSTOP)
+        try:
+            s.step_begin(0.1)
+            time.sleep(0.5)
+        finally:
+            d.proc.send_signal(signal.SIGCONT)
+        assert s.step_wait().step == 2
+        round_trip = time.monotonic() - t0
+        q = queued()
+        assert 0.5 <= q <= round_trip, (q, round_trip)
+        out = subprocess.run([binary("client", "scapectl"), "--runtime-dir", d.rt, "status"],
+                             capture_output=True, text=True, check=True).stdout
+        assert re.search(r"^\s+queued\s*: [\d.]+ ms$", out, re.M), out
+        total = float(re.search(r"^Queued\s*: ([\d.]+) s ", out, re.M).group(1))
+        # the sum of both steps' waits: at least this one's, at most both round trips
+        assert q - 1e-6 <= total <= time.monotonic() - t_first, (q, total)
+    assert d.stop() == 0
