@@ -197,6 +197,11 @@ uint64_t comm_device_bytes(const comm_t *c)
     return c && c->ops && c->ops->device_bytes ? c->ops->device_bytes(c) : 0;
 }
 
+int comm_quiet(const comm_t *c)
+{
+    return c == NULL || c->ops == NULL || c->ops->quiet == NULL || c->ops->quiet(c);
+}
+
 int comm_data_bytes(const comm_t *c, uint64_t *sent, uint64_t *recvd)
 {
     *sent = *recvd = 0;

@@ -70,6 +70,10 @@ typedef struct comm_ops {
     /* Bytes this rank really sent and received on its data plane so far,
      * framing included (NULL: the backend does not measure them). */
     void (*data_bytes)(const comm_t *c, uint64_t *sent, uint64_t *recvd);
+    /* 1 when none of the backend's device work is in flight, so that a
+     * synchronising CUDA call (cudaFreeHost) cannot wait on a collective
+     * that a dead peer stalls (NULL: the backend runs nothing on a device). */
+    int (*quiet)(const comm_t *c);
 } comm_ops;
 
 struct comm {
@@ -110,6 +114,9 @@ void comm_progress(void);
 #define COMM_STOP_GRACE_MS 1000
 /* Device memory the backend holds (staging buffers), bytes. */
 uint64_t comm_device_bytes(const comm_t *c);
+/* 1 when no device work of the comm is in flight (always, without a device
+ * backend or without a comm). */
+int comm_quiet(const comm_t *c);
 /* Messages the backend dropped because they cannot be from a rank of this
  * job (another job's, or not its framing): how many so far, and (why, len
  * bytes) what the last one was.  0 for backends that cannot receive any. */

@@ -682,6 +682,29 @@ static uint64_t nc_device_bytes(const comm_t *c)
     return (uint64_t)x->main.dev_cap + (uint64_t)x->mask.dev_cap + 2 * (uint64_t)x->main.slot_cap;
 }
 
+/* A stream with work still queued (NotReady); an error counts as quiet:
+ * nothing more will complete there anyway. */
+static int stream_busy(cudaStream_t st)
+{
+    cudaError_t e = cudaStreamQuery(st);
+    if (e != cudaSuccess && e != cudaErrorNotReady)
+        (void)cudaGetLastError();
+    return e == cudaErrorNotReady;
+}
+
+static int nc_quiet(const comm_t *c)
+{
+    const nccl_impl *x = c->impl;
+    const lane *ls[] = { &x->main, &x->mask };
+    for (int i = 0; i < 2; i++) {
+        const lane *l = ls[i];
+        if ((l->stream && stream_busy(l->stream)) || (l->cin && stream_busy(l->cin)) ||
+            (l->cout && stream_busy(l->cout)))
+            return 0;
+    }
+    return 1;
+}
+
 static const comm_ops s_nccl_ops = {
     .name = "nccl",
     .allreduce_sum = nc_allreduce,
@@ -693,6 +716,7 @@ static const comm_ops s_nccl_ops = {
     .barrier = nc_barrier,
     .destroy = nc_destroy,
     .device_bytes = nc_device_bytes,
+    .quiet = nc_quiet,
 };
 
 int comm_nccl_built(void) { return 1; }

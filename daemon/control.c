@@ -194,14 +194,14 @@ static scape_rc map_one(const server *s, const Scape__MemHandle *h, size_t need,
                              s->cfg.cuda_device, what);
 }
 
-static scape_rc map_buffers(const server *s, const Scape__Register *g, size_t numel,
+static scape_rc map_buffers(server *s, const Scape__Register *g, size_t numel,
                             kern_dtype pdt, kern_dtype gdt, trainer *t)
 {
     scape_rc rc = map_one(s, g->params, numel * kern_dtype_size(pdt), "params", &t->params);
     if (rc == SCAPE_OK)
         rc = map_one(s, g->grads, numel * kern_dtype_size(gdt), "grads", &t->grads);
     if (rc != SCAPE_OK)
-        shm_map_close(&t->params, 0);
+        srv_close_map(s, &t->params, 0);
     return rc;
 }
 
@@ -286,8 +286,8 @@ static scape_rc on_register(server *s, trainer *t, const Scape__Register *g)
             free(s->layout);
             s->layout = NULL;
         }
-        shm_map_close(&t->grads, 0);
-        shm_map_close(&t->params, 0);
+        srv_close_map(s, &t->grads, 0);
+        srv_close_map(s, &t->params, 0);
         return rc;
     }
     t->registered = 1;
@@ -677,8 +677,8 @@ void ctl_drop(server *s, trainer *t, int died)
         s->spare = t->params;
         memset(&t->params, 0, sizeof t->params);
     }
-    shm_map_close(&t->params, died);
-    shm_map_close(&t->grads, died);
+    srv_close_map(s, &t->params, died);
+    srv_close_map(s, &t->grads, died);
     int idx = t->index;
     memset(t, 0, sizeof *t);
     if (!was_registered)

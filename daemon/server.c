@@ -334,6 +334,37 @@ static void check_liveness(server *s)
             ctl_drop(s, &s->slots[i], 1);
 }
 
+void srv_close_map(server *s, shm_map *m, int unlink_it)
+{
+    if (m->dev == NULL || comm_quiet(s->comm)) {
+        shm_map_close(m, unlink_it);
+        return;
+    }
+    if (s->ngraves == s->cap_graves) {
+        int cap = s->cap_graves ? 2 * s->cap_graves : 8;
+        shm_map *g = realloc(s->graves, (size_t)cap * sizeof *g);
+        if (g == NULL) { /* no room to wait: close now, and maybe wait there */
+            LOG_WARN(SUB_CTRL, "out of memory: closing a CUDA IPC buffer while the comm is busy");
+            shm_map_close(m, unlink_it);
+            return;
+        }
+        s->graves = g;
+        s->cap_graves = cap;
+    }
+    s->graves[s->ngraves++] = *m;
+    memset(m, 0, sizeof *m);
+    LOG_DEBUG(SUB_CTRL, "a CUDA IPC buffer waits for the comm to be quiet before it is closed");
+}
+
+void srv_reap_maps(server *s, int force)
+{
+    if (s->ngraves == 0 || !(force || comm_quiet(s->comm)))
+        return;
+    for (int i = 0; i < s->ngraves; i++)
+        shm_map_close(&s->graves[i], 0);
+    s->ngraves = 0;
+}
+
 /* Tell every attached trainer, then forget them and unmap their buffers (the
  * unlink is for names a trainer had not yet unlinked itself). */
 static void farewell(server *s)
@@ -344,8 +375,8 @@ static void farewell(server *s)
             continue;
         scape_set_error(SCAPE_REMOTE, "scaped is shutting down");
         srv_reply_error(s, t->rid, t->rid_len, SCAPE_REMOTE);
-        shm_map_close(&t->params, 1);
-        shm_map_close(&t->grads, 1);
+        srv_close_map(s, &t->params, 1);
+        srv_close_map(s, &t->grads, 1);
         t->used = 0;
     }
 }
@@ -365,6 +396,7 @@ scape_rc srv_run(server *s)
             control_recv(s);
         if (rc > 0 && (items[1].revents & ZMQ_POLLIN))
             status_serve(s);
+        srv_reap_maps(s, 0);
         if (srv_now() >= next_check) {
             check_liveness(s);
             next_check = srv_now() + 1e-3 * s->cfg.liveness_ms;
@@ -384,7 +416,9 @@ void srv_destroy(server **sp)
     farewell(s);
     shm_map_close(&s->spare, 1);
     eng_destroy(&s->eng);
-    comm_destroy(&s->comm);
+    comm_destroy(&s->comm); /* finalized or aborted: nothing in flight any more */
+    srv_reap_maps(s, 1);
+    free(s->graves);
     void *socks[] = { s->ctrl, s->status, s->events };
     for (size_t i = 0; i < 3; i++)
         if (socks[i])

@@ -64,6 +64,8 @@ struct server {
     int broken;                     /* the engine failed mid-step */
     uint64_t foreign_seen;          /* comm_foreign count already logged */
     shm_map spare;                  /* params of the last trainer that left, for the next */
+    shm_map *graves;                /* CUDA IPC maps of gone trainers, closed once the */
+    int ngraves, cap_graves;        /*   comm is quiet (srv_close_map) */
     char broken_why[512];           /* what failed, for the trainers' later steps */
     int stopping;
     size_t msg_bytes;               /* size of the request being handled */
@@ -105,6 +107,13 @@ void ctl_maybe_step(server *s);
 /* Number of registered trainers, and of those that may step. */
 int ctl_registered(const server *s);
 int ctl_synced(const server *s);
+/* Close a trainer's buffer map.  A CUDA IPC map is closed only once the
+ * comm has no device work in flight (closing synchronises the device, which
+ * a collective stalled by a dead peer would never let finish): until then it
+ * waits in s->graves, and srv_reap_maps closes it. */
+void srv_close_map(server *s, shm_map *m, int unlink_it);
+/* Close the waiting maps when the comm is quiet, or now when force. */
+void srv_reap_maps(server *s, int force);
 /* Mark the job broken (the ranks are no longer in step) with the current
  * last error as the reason. */
 void srv_mark_broken(server *s);
