@@ -713,14 +713,13 @@ static scape_rc on_detach(server *s, trainer *t)
                                "detach: trainer %d has a step in flight; wait for it first",
                                t->index);
     /* Unmap first, then answer: a CUDA IPC buffer must be closed here before
-     * the trainer frees it. */
+     * the trainer frees it, so while the comm is busy the answer waits too. */
     unsigned char rid[SRV_RID_MAX];
     size_t rid_len = t->rid_len;
     memcpy(rid, t->rid, rid_len);
+    int graves = s->ngraves;
     ctl_drop(s, t, 0);
-    Scape__Reply r = SCAPE__REPLY__INIT;
-    r.status = SCAPE__STATUS__OK;
-    srv_reply(s, rid, rid_len, &r);
+    srv_reply_detached(s, graves, rid, rid_len);
     return SCAPE_OK;
 }
 

@@ -426,14 +426,14 @@ static int interface_address(struct in_addr *out)
     return found;
 }
 
-/* What the host name resolves to, unless that is only loopback (Debian maps
- * the name to 127.0.1.1): then the first address of an interface that is up;
- * loopback only when there is nothing else (one machine). */
 int rdv_slurm_port(uint64_t job)
 {
     return RDV_SLURM_PORT_BASE + (int)(job % RDV_SLURM_PORT_SPAN);
 }
 
+/* What the host name resolves to, unless that is only loopback (Debian maps
+ * the name to 127.0.1.1): then the first address of an interface that is up;
+ * loopback only when there is nothing else (one machine). */
 scape_rc rdv_host_address(char *buf, size_t len)
 {
     char name[256];

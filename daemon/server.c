@@ -342,7 +342,7 @@ void srv_close_map(server *s, shm_map *m, int unlink_it)
     }
     if (s->ngraves == s->cap_graves) {
         int cap = s->cap_graves ? 2 * s->cap_graves : 8;
-        shm_map *g = realloc(s->graves, (size_t)cap * sizeof *g);
+        grave *g = realloc(s->graves, (size_t)cap * sizeof *g);
         if (g == NULL) { /* no room to wait: close now, and maybe wait there */
             LOG_WARN(SUB_CTRL, "out of memory: closing a CUDA IPC buffer while the comm is busy");
             shm_map_close(m, unlink_it);
@@ -351,9 +351,27 @@ void srv_close_map(server *s, shm_map *m, int unlink_it)
         s->graves = g;
         s->cap_graves = cap;
     }
-    s->graves[s->ngraves++] = *m;
+    s->graves[s->ngraves++] = (grave){ .map = *m };
     memset(m, 0, sizeof *m);
     LOG_DEBUG(SUB_CTRL, "a CUDA IPC buffer waits for the comm to be quiet before it is closed");
+}
+
+static void reply_ok(server *s, const unsigned char *rid, size_t rid_len)
+{
+    Scape__Reply r = SCAPE__REPLY__INIT;
+    r.status = SCAPE__STATUS__OK;
+    srv_reply(s, rid, rid_len, &r);
+}
+
+void srv_reply_detached(server *s, int graves_before, const unsigned char *rid, size_t rid_len)
+{
+    if (s->ngraves == graves_before || rid_len > SRV_RID_MAX) {
+        reply_ok(s, rid, rid_len);
+        return;
+    }
+    grave *g = &s->graves[s->ngraves - 1];
+    memcpy(g->rid, rid, rid_len);
+    g->rid_len = rid_len;
 }
 
 void srv_reap_maps(server *s, int force)
@@ -361,7 +379,10 @@ void srv_reap_maps(server *s, int force)
     if (s->ngraves == 0 || !(force || comm_quiet(s->comm)))
         return;
     for (int i = 0; i < s->ngraves; i++)
-        shm_map_close(&s->graves[i], 0);
+        shm_map_close(&s->graves[i].map, 0);
+    for (int i = 0; i < s->ngraves; i++)
+        if (s->graves[i].rid_len && s->ctrl)
+            reply_ok(s, s->graves[i].rid, s->graves[i].rid_len);
     s->ngraves = 0;
 }
 

@@ -18,6 +18,14 @@
 #define SRV_RID_MAX 256
 #define SRV_HARD_MAX_MESSAGE (64u << 20) /* ZeroMQ drops peers past this */
 
+/* A CUDA IPC map waiting for the comm to be quiet before it is closed, and
+ * the trainer owed a detach reply once it is (rid_len 0: none). */
+typedef struct grave {
+    shm_map map;
+    unsigned char rid[SRV_RID_MAX];
+    size_t rid_len;
+} grave;
+
 typedef struct trainer {
     int used;
     int registered;
@@ -64,7 +72,7 @@ struct server {
     int broken;                     /* the engine failed mid-step */
     uint64_t foreign_seen;          /* comm_foreign count already logged */
     shm_map spare;                  /* params of the last trainer that left, for the next */
-    shm_map *graves;                /* CUDA IPC maps of gone trainers, closed once the */
+    struct grave *graves;           /* CUDA IPC maps of gone trainers, closed once the */
     int ngraves, cap_graves;        /*   comm is quiet (srv_close_map) */
     char broken_why[512];           /* what failed, for the trainers' later steps */
     int stopping;
@@ -112,8 +120,13 @@ int ctl_synced(const server *s);
  * a collective stalled by a dead peer would never let finish): until then it
  * waits in s->graves, and srv_reap_maps closes it. */
 void srv_close_map(server *s, shm_map *m, int unlink_it);
-/* Close the waiting maps when the comm is quiet, or now when force. */
+/* Close the waiting maps when the comm is quiet, or now when force, and send
+ * the detach replies owed for them. */
 void srv_reap_maps(server *s, int force);
+/* Answer a detach with OK once this trainer's maps are closed: now if none
+ * of them waits (srv_close_map), else when srv_reap_maps closes them.  The
+ * trainer frees its CUDA buffers on that answer. */
+void srv_reply_detached(server *s, int graves_before, const unsigned char *rid, size_t rid_len);
 /* Mark the job broken (the ranks are no longer in step) with the current
  * last error as the reason. */
 void srv_mark_broken(server *s);

@@ -21,16 +21,18 @@
 # SCAPE_GPU_BUDGET seconds (default 480: one device call, with room for the
 # machine's start); a step that no longer fits is reported as not run.
 # Output: besides stdout, when $OUT is set (the device tool's result folder)
-# the summary goes to $OUT/summary.txt and every log to $OUT/gpu-logs.tgz,
-# also when the run is killed.
+# each step's result line goes to $OUT/progress.txt as the step ends, and at
+# the end (on SIGTERM too, once the running step has ended) the summary to
+# $OUT/summary.txt and every log to $OUT/gpu-logs.tgz.
 #
 # NCCL comes from NCCL_HOME, the CUDA toolkit, /usr, or the pip wheel
 # (nvidia/nccl in python3's site-packages), in that order.
 #
 # Exit 0 when every step ran and passed, or when there is nothing to run on
 # (no GPU or no nvcc: "SKIP: <reason>"); 1 when a check fails or a step
-# breaks; 3 when nothing failed but some step could not run here (a stale or
-# unusable pack, no NCCL, no torch, out of time), unless --allow-partial.
+# breaks (a benchmark that fails included); 3 when nothing failed but some
+# step could not run here (a stale or unusable pack, no NCCL, no torch, out of
+# time), unless --allow-partial.
 set -u -o pipefail
 
 cd "$(dirname "$0")/../.." || exit 1
@@ -55,7 +57,8 @@ done
 BUDGET=${SCAPE_GPU_BUDGET:-480}
 T0=$SECONDS
 NOT_RUN=()
-CHECK_RC=0 BENCH_RC=0 NCCL_RC=0 TORCH_RC=0
+CHECK_RC=0 BENCH_RC=0 NCCL_RC=0 TORCH_RC=0 OTHER_RC=0
+DPID=
 
 # Seconds a step may take: its own cap, cut to the budget left (less a
 # margin for the summary); 0 when too little is left to start it.
@@ -67,6 +70,7 @@ tmo() {
 # One line per finished step, as it finishes (a kill loses nothing before it).
 progress() {
     echo "== $*" | tee -a "$LOGS/progress.txt"
+    if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then echo "== $*" >>"$OUT/progress.txt"; fi
 }
 
 # A step that could not run here: reported, and exit 3 unless --allow-partial.
@@ -84,6 +88,7 @@ source_stamp() {
 # On any exit (a kill by the device tool's limit included): the summary and
 # the logs into $OUT, which is what comes back from the device machine.
 save_out() {
+    [ -n "$DPID" ] && kill "$DPID" 2>/dev/null
     [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ] || return 0
     [ -f "$LOGS/summary.txt" ] || cp "$LOGS/progress.txt" "$OUT/summary.txt" 2>/dev/null
     [ -f "$LOGS/summary.txt" ] && cp "$LOGS/summary.txt" "$OUT/summary.txt"
@@ -256,7 +261,9 @@ run_bench() {
     t=$(tmo 120)
     if [ "$t" != 0 ] && command -v python3 >/dev/null 2>&1; then
         timeout "$t" python3 tests/gpu/torch_topk.py "${TORCH_SIZES[@]}" | tee "$LOGS/torch.txt"
-        progress "torch.topk: exit ${PIPESTATUS[0]}"
+        local rc=${PIPESTATUS[0]}
+        progress "torch.topk: exit $rc"
+        case "$rc" in 0) ;; 77) not_run "torch.topk timing" ;; *) OTHER_RC=1 ;; esac
     fi
 }
 
@@ -303,6 +310,7 @@ run_nccl() {
     timeout "$t" "$DAEMON" --runtime-dir "$rt/rt" --comm-backend nccl --trainers 2 --rho 0.01 \
         --warmup 3 --comm-timeout-ms 60000 >"$LOGS/scaped_nccl.txt" 2>&1 &
     local dpid=$!
+    DPID=$dpid
     for _ in $(seq 150); do
         [ -S "$rt/rt/control" ] && break
         kill -0 "$dpid" 2>/dev/null || break
@@ -322,8 +330,15 @@ run_nccl() {
         for p in "${tp[@]}"; do wait "$p" || { ok=0 why="a trainer failed"; }; done
     fi
     kill "$dpid" 2>/dev/null; wait "$dpid"
-    timeout "$(tmo 120)" "$ti/reference" --trainers 2 --n 1000000 --steps 100 --rho 0.01 \
-        --warmup 3 --out "$rt/ref" >"$LOGS/reference.txt" 2>&1 || { ok=0 why="${why:-the reference failed}"; }
+    DPID=""
+    t=$(tmo 120)
+    if [ "$t" = 0 ]; then
+        ok=0 why="${why:-no time left for the reference}"
+    else
+        timeout "$t" "$ti/reference" --trainers 2 --n 1000000 --steps 100 --rho 0.01 \
+            --warmup 3 --out "$rt/ref" >"$LOGS/reference.txt" 2>&1 ||
+            { ok=0 why="${why:-the reference failed}"; }
+    fi
     if [ "$ok" = 1 ] && cmp -s "$rt/t0" "$rt/ref" && cmp -s "$rt/t1" "$rt/ref"; then
         NCCL_STATUS="$NCCL_STATUS; scaped on nccl, a host and a CUDA IPC trainer, 100 steps == reference: ok"
     else
@@ -388,6 +403,7 @@ run_service_bench() {
         SERVICE_STATUS="through scaped vs in-process:${dflt}; defer_select false:${nodefer} (table: $LOGS/service.md)"
     else
         SERVICE_STATUS="bench_service failed or timed out (see $LOGS/service.txt)"
+        OTHER_RC=1
     fi
     progress "service: $SERVICE_STATUS"
 }
@@ -450,7 +466,7 @@ run_torch_scape
 run_bench
 run_service_bench
 print_summary | tee "$LOGS/summary.txt"
-[ "$CHECK_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$NCCL_RC" -eq 0 ] && [ "$TORCH_RC" -eq 0 ] ||
-    exit 1
+[ "$CHECK_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$NCCL_RC" -eq 0 ] && [ "$TORCH_RC" -eq 0 ] &&
+    [ "$OTHER_RC" -eq 0 ] || exit 1
 [ "${#NOT_RUN[@]}" -eq 0 ] || [ "$PARTIAL_OK" = 1 ] || exit 3
 exit 0

@@ -59,8 +59,9 @@ if [ "${3:-}" = pair ]; then
   pair_cmd="$TRAINER_CMD --sleep-ms 20"
   ids=()
   for j in a b; do
-    id=$(TRAINER_CMD=$pair_cmd sbatch --parsable --nodes=2 --output="$DIR/pair-$j.out" \
-         --export=ALL "$root/slurm/generic.sbatch") || fail "sbatch refused job $j"
+    id=$(TRAINER_CMD=$pair_cmd SCAPE_CHECKPOINT_DIR=$DIR/ckpt-pair-$j sbatch --parsable \
+         --nodes=2 --output="$DIR/pair-$j.out" --export=ALL "$root/slurm/generic.sbatch") ||
+      fail "sbatch refused job $j"
     ids+=("$id")
   done
   both=0 deadline=$((SECONDS + 300))
@@ -76,7 +77,8 @@ if [ "${3:-}" = pair ]; then
   [ "$both" = 1 ] || fail "the two jobs never ran at the same time"
   pair=$(cat "$DIR"/pair-a.out "$DIR"/pair-b.out | grep -o "params [0-9a-f]*" | sort -u)
   [ "$(grep -c "steps 1..$steps done" "$DIR"/pair-a.out "$DIR"/pair-b.out | cut -d: -f2 |
-       tr '\n' ' ')" = "2 2 " ] || fail "not every trainer of the pair finished"
+       tr '\n' ' ')" = "$((2 * trainers)) $((2 * trainers)) " ] ||
+    fail "not every trainer of the pair finished"
   [ "$(echo "$pair" | wc -l)" -eq 1 ] || fail "the two jobs' parameters differ: $pair"
   echo "template: two 2-node jobs at once on shared addresses, each met its own daemons," \
        "the same parameters: ok"
