@@ -188,6 +188,10 @@ static void exposition(const prom *m, const Scape__StatusReply *st)
         counter(m, "scape_data_received_bytes_total",
                 "Bytes scaped received on its data plane (host backend, framing included).",
                 (double)st->data_recv_bytes);
+    if (st->has_peers_connected)
+        gauge(m, "scape_peers_connected",
+              "Other daemons this one's data-plane connections reach now (host backend).",
+              (double)st->peers_connected);
     if (st->has_queued_seconds_total)
         counter(m, "scape_step_queued_seconds_total",
                 "Seconds trainers' step requests waited before scaped read them, summed.",

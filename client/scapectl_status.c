@@ -63,6 +63,24 @@ static void print_optional(printer *p, const char *key, const char *label,
         pr_null(p, key, label);
 }
 
+/* The other daemons: `Peers : 2 of 3 connected; down: rank 2`. */
+static void print_peers(printer *p, const Scape__StatusReply *st)
+{
+    if (!st->has_peers_connected)
+        return;
+    char text[400];
+    int n = snprintf(text, sizeof text, "%u of %u connected", st->peers_connected,
+                     st->world > 0 ? st->world - 1 : 0);
+    for (size_t i = 0; i < st->n_peers_down && n > 0 && (size_t)n < sizeof text - 16; i++)
+        n += snprintf(text + n, sizeof text - (size_t)n, "%s%u", i ? ", " : "; down: rank ",
+                      st->peers_down[i]);
+    pr_uint(p, "peers_connected", "Peers", st->peers_connected, text);
+    pr_list(p, "peers_down", NULL, st->n_peers_down);
+    for (size_t i = 0; i < st->n_peers_down; i++)
+        pr_uint(p, NULL, NULL, st->peers_down[i], NULL);
+    pr_close(p);
+}
+
 /* The step's collectives, one row per op: `allreduce : calls 1, 2.3 KiB`. */
 static void print_collectives(printer *p, const Scape__StepDone *d)
 {
@@ -158,6 +176,7 @@ static void print_status(printer *p, const Scape__StatusReply *st)
     }
     if (st->data_endpoint)
         pr_str(p, "data_endpoint", NULL, st->data_endpoint);
+    print_peers(p, st);
     print_last(p, st->last);
     print_optional(p, "loss", "Loss", st->has_loss, st->loss);
     if (st->has_queued_seconds_total) {

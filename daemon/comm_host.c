@@ -1094,6 +1094,14 @@ int comm_host_connected(const comm_t *c)
     return n;
 }
 
+int comm_host_peer_up(const comm_t *c, int q)
+{
+    if (c == NULL || c->ops != &s_host_ops || q < 0 || q >= c->size || q == c->rank)
+        return 0;
+    const host *h = c->impl;
+    return h->up[q];
+}
+
 scape_rc comm_host_wire_stats(const comm_t *c, uint64_t *sent, uint64_t *recvd)
 {
     if (c == NULL || c->ops != &s_host_ops || sent == NULL || recvd == NULL)

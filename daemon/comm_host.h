@@ -36,5 +36,8 @@ scape_rc comm_host_create(const comm_host_opts *o, comm_t **out);
 scape_rc comm_host_wire_stats(const comm_t *c, uint64_t *sent, uint64_t *recvd);
 /* Peers this rank's connections currently reach (-1: not a host comm). */
 int comm_host_connected(const comm_t *c);
+/* Whether rank q was reached at the last comm_host_connected (or any wait);
+ * 0 for this rank itself and for a rank out of range. */
+int comm_host_peer_up(const comm_t *c, int q);
 
 #endif /* SCAPE_COMM_HOST_H */

@@ -6,6 +6,7 @@
 #include <string.h>
 #include <zmq.h>
 
+#include "comm_host.h"
 #include "log.h"
 #include "scape_wire.h"
 #include "server_internal.h"
@@ -41,6 +42,7 @@ typedef struct status_buf {
     Scape__TrainerInfo info[SRV_MAX_SLOTS];
     Scape__TrainerInfo *ptrs[SRV_MAX_SLOTS];
     Scape__CheckpointInfo ckpt;
+    uint32_t down[64];
 } status_buf;
 
 static void fill_status(server *s, status_buf *b)
@@ -75,6 +77,15 @@ static void fill_status(server *s, status_buf *b)
         st->data_endpoint = s->data_ep;
     st->has_queued_seconds_total = 1;
     st->queued_seconds_total = s->queued_total;
+    int up = comm_host_connected(s->comm);
+    if (up >= 0) {
+        st->has_peers_connected = 1;
+        st->peers_connected = (uint32_t)up;
+        st->peers_down = b->down;
+        for (int q = 0; q < s->comm->size && st->n_peers_down < 64; q++)
+            if (q != s->comm->rank && !comm_host_peer_up(s->comm, q))
+                b->down[st->n_peers_down++] = (uint32_t)q;
+    }
     st->runtime_dir = s->dir;
     /* The residual norm is a pass over N floats: taken when asked, not on
      * the per-step path. */

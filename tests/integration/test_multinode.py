@@ -245,6 +245,22 @@ def test_killed_daemon_fails_the_step_in_time(daemon_factory, victim, timeout_ms
         assert "rank %d" % victim in e and "daemon is gone" in e, e
     waited = time.time() - killed
     assert waited < min(timeout_ms / 1000, 1.0) + 5.0, "the step failed only after %.1f s" % waited
+    # status names the rank the survivors' connections no longer reach
+    ctl = binary("client", "scapectl")
+    for r in survivors:
+        deadline = time.time() + 30
+        while True:
+            js = json.loads(subprocess.run([ctl, "--runtime-dir", daemons[r].rt, "status",
+                                            "--json"], capture_output=True, text=True,
+                                           check=True).stdout)
+            if js["peers_down"] == [victim] or time.time() > deadline:
+                break
+            time.sleep(0.1)
+        assert (js["peers_connected"], js["peers_down"]) == (1, [victim]), js
+        text = subprocess.run([ctl, "--runtime-dir", daemons[r].rt, "status"],
+                              capture_output=True, text=True, check=True).stdout
+        assert re.search(r"^Peers\s*: 1 of 2 connected; down: rank %d$" % victim, text,
+                         re.M), text
     for r in survivors:
         assert daemons[r].proc.poll() is None, "a surviving daemon exited"
         assert daemons[r].stop() == 0
@@ -376,10 +392,13 @@ def test_data_plane_bytes_are_measured_and_shown(daemon_factory, tmp_path):
                               text=True, check=True).stdout
         listen = data_endpoint(d)
         assert re.fullmatch(r"tcp://127\.0\.0\.1:\d+", listen) and js["data_endpoint"] == listen
+        assert (js["peers_connected"], js["peers_down"]) == (1, []), js
         assert re.search(r"^Data plane\s*: %s: sent [\d.]+ \w+, received [\d.]+ \w+$"
                          % re.escape(listen), text, re.M), text
+        assert re.search(r"^Peers\s*: 1 of 1 connected$", text, re.M), text
         metrics = subprocess.run([ctl, "--runtime-dir", d.rt, "metrics"], capture_output=True,
                                  text=True, check=True).stdout
         assert "# TYPE scape_data_received_bytes_total counter" in metrics, metrics
+        assert re.search(r'^scape_peers_connected\{rank="%d"\} 1$' % r, metrics, re.M), metrics
         got = re.search(r'^scape_data_received_bytes_total\{rank="%d"\} (\S+)$' % r, metrics, re.M)
         assert got and float(got.group(1)) >= recvd, metrics
