@@ -180,22 +180,29 @@ static void exposition(const prom *m, const Scape__StatusReply *st)
           (double)st->state_bytes);
     gauge(m, "scape_device_bytes", "GPU memory scaped holds (nccl staging buffers).",
           (double)st->device_bytes);
-    if (st->has_data_sent_bytes)
-        counter(m, "scape_data_sent_bytes_total",
-                "Bytes scaped sent on its data plane (host backend, framing included).",
-                (double)st->data_sent_bytes);
-    if (st->has_data_recv_bytes)
-        counter(m, "scape_data_received_bytes_total",
-                "Bytes scaped received on its data plane (host backend, framing included).",
-                (double)st->data_recv_bytes);
-    if (st->has_peers_connected)
-        gauge(m, "scape_peers_connected",
-              "Other daemons this one's data-plane connections reach now (host backend).",
-              (double)st->peers_connected);
-    if (st->has_queued_seconds_total)
-        counter(m, "scape_step_queued_seconds_total",
-                "Seconds trainers' step requests waited before scaped read them, summed.",
-                st->queued_seconds_total);
+    /* what only some backends report */
+    const struct {
+        protobuf_c_boolean has;
+        int is_counter;
+        const char *name, *help;
+        double v;
+    } opt[] = {
+        { st->has_data_sent_bytes, 1, "scape_data_sent_bytes_total",
+          "Bytes scaped sent on its data plane (host backend, framing included).",
+          (double)st->data_sent_bytes },
+        { st->has_data_recv_bytes, 1, "scape_data_received_bytes_total",
+          "Bytes scaped received on its data plane (host backend, framing included).",
+          (double)st->data_recv_bytes },
+        { st->has_peers_connected, 0, "scape_peers_connected",
+          "Other daemons this one's data-plane connections reach now (host backend).",
+          (double)st->peers_connected },
+        { st->has_queued_seconds_total, 1, "scape_step_queued_seconds_total",
+          "Seconds trainers' step requests waited before scaped read them, summed.",
+          st->queued_seconds_total },
+    };
+    for (size_t i = 0; i < sizeof opt / sizeof opt[0]; i++)
+        if (opt[i].has)
+            (opt[i].is_counter ? counter : gauge)(m, opt[i].name, opt[i].help, opt[i].v);
     if (st->last != NULL)
         last_step(m, st->last);
     if (st->has_loss)
