@@ -10,6 +10,7 @@
 #include <stdio.h>
 
 #include "scape_wire.h"
+#include "try.h"
 
 #define CTL_EXIT_USAGE 64 /* sysexits.h EX_USAGE */
 
@@ -45,14 +46,6 @@ scape_rc ctl_wait(void *sock, int64_t deadline_ms, int *ready);
 scape_rc ctl_ask(const ctl_opts *o, const Scape__Request *q, Scape__Reply **reply);
 /* ctl_ask for a status request, checking that the reply carries a StatusReply. */
 scape_rc ctl_status(const ctl_opts *o, Scape__Reply **reply);
-
-/* Return a failed scape_rc to the caller. */
-#define TRY_CTL(call)                                                          \
-    do {                                                                       \
-        scape_rc rc_ = (call);                                                 \
-        if (rc_ != SCAPE_OK)                                                   \
-            return rc_;                                                        \
-    } while (0)
 
 /* ---- scapectl_print.c: the printer --------------------------------------------- */
 

@@ -39,7 +39,7 @@ static scape_rc wait_taken(const ctl_opts *o, uint64_t count)
     int64_t deadline = ctl_now_ms() + o->wait_ms;
     for (;;) {
         Scape__Reply *r = NULL;
-        TRY_CTL(ctl_status(o, &r));
+        TRY(ctl_status(o, &r));
         const Scape__CheckpointInfo *c = r->status_reply->checkpoint;
         scape_rc rc = SCAPE_TIMEOUT;
         if (c == NULL)
@@ -74,7 +74,7 @@ scape_rc cmd_checkpoint(const ctl_opts *o)
     q.body_case = SCAPE__REQUEST__BODY_CHECKPOINT;
     q.checkpoint = &body;
     Scape__Reply *r = NULL;
-    TRY_CTL(ctl_ask(o, &q, &r));
+    TRY(ctl_ask(o, &q, &r));
     if (r->body_case != SCAPE__REPLY__BODY_CHECKPOINT) {
         scape__reply__free_unpacked(r, NULL);
         return scape_set_error(SCAPE_PROTO, "%s answered a checkpoint request without its "

@@ -502,7 +502,7 @@ static void note_foreign(server *s)
 /* defer_select: the trainers have their parameters; select the next mask
  * while they compute.  Its time is the step's after_reply phase in status
  * and the events (the replies went out before it).  A trainer that posts the
- * next step meanwhile waits in the socket; that wait shows in no phase. */
+ * next step meanwhile waits in the socket: the next step's queued phase. */
 static scape_rc select_after_reply(server *s, uint64_t t)
 {
     s->last_phases.has_after_reply = s->cfg.engine.defer_select;

@@ -82,7 +82,8 @@ static void fill_status(server *s, status_buf *b)
         st->has_peers_connected = 1;
         st->peers_connected = (uint32_t)up;
         st->peers_down = b->down;
-        for (int q = 0; q < s->comm->size && st->n_peers_down < 64; q++)
+        for (int q = 0; q < s->comm->size && st->n_peers_down < sizeof b->down / sizeof *b->down;
+             q++)
             if (q != s->comm->rank && !comm_host_peer_up(s->comm, q))
                 b->down[st->n_peers_down++] = (uint32_t)q;
     }
