@@ -352,21 +352,49 @@ static scape_rc set_key(scaped_config *c, const cfg_key *k, const char *s)
     }
 }
 
-/* A YAML double-quoted scalar, so any path survives cfg_print -> load. */
+/* The code point of the valid UTF-8 sequence at s (its length in *len), or
+ * -1: a stray byte, an overlong form, a surrogate or beyond U+10FFFF. */
+static long utf8_at(const unsigned char *s, size_t *len)
+{
+    static const long least[5] = { 0, 0, 0x80, 0x800, 0x10000 };
+    size_t n = s[0] >= 0xF0 && s[0] < 0xF8 ? 4 : s[0] >= 0xE0 ? 3 : s[0] >= 0xC0 ? 2 : 0;
+    if (n == 0)
+        return -1;
+    long cp = s[0] & (0x3F >> (n - 1));
+    for (size_t i = 1; i < n; i++) {
+        if ((s[i] & 0xC0) != 0x80)
+            return -1;
+        cp = cp << 6 | (s[i] & 0x3F);
+    }
+    if (cp < least[n] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))
+        return -1;
+    *len = n;
+    return cp;
+}
+
+/* A YAML double-quoted scalar, so any value survives cfg_print -> load: what
+ * YAML may not hold as it is (controls, C1 controls and NEL, the line and
+ * paragraph separators, BOM, U+FFFE/FFFF) is escaped.  A byte that is not UTF-8 cannot be written in YAML at all; it
+ * comes out as \xNN, which reads back as the character U+00NN. */
 static void yaml_quote(const char *s, char *buf, size_t len)
 {
     size_t n = 0;
     buf[n++] = '"';
-    for (; *s && n + 6 < len; s++) {
-        unsigned char ch = (unsigned char)*s;
-        if (ch == '"' || ch == '\\') {
-            buf[n++] = '\\';
-            buf[n++] = (char)ch;
-        } else if (ch < 0x20 || ch == 0x7f) {
-            n += (size_t)snprintf(buf + n, len - n, "\\x%02X", ch);
-        } else {
-            buf[n++] = (char)ch;
-        }
+    for (const unsigned char *p = (const unsigned char *)s; *p && n + 12 < len;) {
+        size_t w = 1;
+        long cp = *p < 0x80 ? *p : utf8_at(p, &w);
+        if (cp == '"' || cp == '\\')
+            n += (size_t)snprintf(buf + n, len - n, "\\%c", (char)cp);
+        else if (cp < 0)
+            n += (size_t)snprintf(buf + n, len - n, "\\x%02X", *p);
+        else if (cp < 0x20 || (cp >= 0x7F && cp < 0xA0))
+            n += (size_t)snprintf(buf + n, len - n, "\\x%02lX", cp);
+        else if (cp == 0x2028 || cp == 0x2029 || cp == 0xFEFF || cp == 0xFFFE || cp == 0xFFFF)
+            n += (size_t)snprintf(buf + n, len - n, "\\u%04lX", cp);
+        else
+            for (size_t i = 0; i < w; i++)
+                buf[n++] = (char)p[i];
+        p += w;
     }
     buf[n++] = '"';
     buf[n] = '\0';
@@ -529,6 +557,26 @@ static scape_rc load_stream(loader *ld)
     return SCAPE_OK;
 }
 
+/* Load from f, or from the len bytes at text when f is NULL; *c changes only
+ * when everything in it is valid. */
+static scape_rc load_from(scaped_config *c, const char *path, FILE *f, const char *text,
+                          size_t len)
+{
+    scaped_config next = *c;
+    loader ld = { .path = path, .cfg = &next };
+    if (!yaml_parser_initialize(&ld.parser))
+        return scape_set_error(SCAPE_NOMEM, "%s: out of memory reading YAML", path);
+    if (f)
+        yaml_parser_set_input_file(&ld.parser, f);
+    else
+        yaml_parser_set_input_string(&ld.parser, (const unsigned char *)text, len);
+    scape_rc rc = load_stream(&ld);
+    yaml_parser_delete(&ld.parser);
+    if (rc == SCAPE_OK)
+        *c = next;
+    return rc;
+}
+
 static scape_rc load_open_file(scaped_config *c, const char *path, FILE *f)
 {
     struct stat st;
@@ -537,16 +585,7 @@ static scape_rc load_open_file(scaped_config *c, const char *path, FILE *f)
     /* fopen accepts a directory; reading it would fail as a vague YAML error. */
     if (S_ISDIR(st.st_mode))
         return scape_set_error(SCAPE_SYSTEM, "%s: %s", path, strerror(EISDIR));
-    scaped_config next = *c;
-    loader ld = { .path = path, .cfg = &next };
-    if (!yaml_parser_initialize(&ld.parser))
-        return scape_set_error(SCAPE_NOMEM, "%s: out of memory reading YAML", path);
-    yaml_parser_set_input_file(&ld.parser, f);
-    scape_rc rc = load_stream(&ld);
-    yaml_parser_delete(&ld.parser);
-    if (rc == SCAPE_OK)
-        *c = next;
-    return rc;
+    return load_from(c, path, f, NULL, 0);
 }
 
 /* ---- public ------------------------------------------------------------- */
@@ -573,6 +612,13 @@ scape_rc cfg_load_file(scaped_config *c, const char *path)
     scape_rc rc = load_open_file(c, path, f);
     fclose(f);
     return rc;
+}
+
+scape_rc cfg_load_text(scaped_config *c, const char *name, const char *text, size_t len)
+{
+    if (!c || !name || (!text && len))
+        return scape_set_error(SCAPE_INVALID, "cfg_load_text: NULL argument");
+    return load_from(c, name, NULL, text ? text : "", len);
 }
 
 scape_rc cfg_apply_env(scaped_config *c)

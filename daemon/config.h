@@ -54,6 +54,9 @@ void cfg_defaults(scaped_config *c);
 /* Apply the YAML file at path: a mapping of key: value scalars (empty file
  * allowed).  SYSTEM if it cannot be read, INVALID on any bad content. */
 scape_rc cfg_load_file(scaped_config *c, const char *path);
+/* The same from len bytes of YAML text; name stands for the file in
+ * messages.  *c changes only when all of it is valid (so does the file's). */
+scape_rc cfg_load_text(scaped_config *c, const char *name, const char *text, size_t len);
 /* Apply every non-empty SCAPE_<KEY> environment variable (SCAPE_RHO,
  * SCAPE_WEIGHT_DECAY, ...); the only place the daemon reads the environment
  * for configuration. */
