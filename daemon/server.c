@@ -402,32 +402,44 @@ static void farewell(server *s)
     }
 }
 
+scape_rc srv_serve_once(server *s, int timeout_ms, int *handled)
+{
+    zmq_pollitem_t items[] = { { s->ctrl, 0, ZMQ_POLLIN, 0 }, { s->status, 0, ZMQ_POLLIN, 0 } };
+    int rc = zmq_poll(items, 2, timeout_ms);
+    if (rc < 0 && zmq_errno() != EINTR)
+        return scape_set_error(SCAPE_ZMQ, "zmq_poll: %s", zmq_strerror(zmq_errno()));
+    int n = 0;
+    if (rc > 0 && (items[0].revents & ZMQ_POLLIN)) {
+        control_recv(s);
+        n++;
+    }
+    if (rc > 0 && (items[1].revents & ZMQ_POLLIN)) {
+        status_serve(s);
+        n++;
+    }
+    srv_reap_maps(s, 0);
+    if (srv_now() >= s->next_check) {
+        check_liveness(s);
+        s->next_check = srv_now() + 1e-3 * s->cfg.liveness_ms;
+    }
+    if (handled)
+        *handled = n;
+    return SCAPE_OK;
+}
+
 scape_rc srv_run(server *s)
 {
     LOG_INFO(SUB_MAIN, "serving %s (status %s, events %s)", s->ep_control, s->ep_status,
              s->ep_events);
-    double next_check = srv_now();
-    while (!s_stop && !s->stopping) {
-        zmq_pollitem_t items[] = { { s->ctrl, 0, ZMQ_POLLIN, 0 },
-                                   { s->status, 0, ZMQ_POLLIN, 0 } };
-        int rc = zmq_poll(items, 2, s->cfg.liveness_ms);
-        if (rc < 0 && zmq_errno() != EINTR)
-            return scape_set_error(SCAPE_ZMQ, "zmq_poll: %s", zmq_strerror(zmq_errno()));
-        if (rc > 0 && (items[0].revents & ZMQ_POLLIN))
-            control_recv(s);
-        if (rc > 0 && (items[1].revents & ZMQ_POLLIN))
-            status_serve(s);
-        srv_reap_maps(s, 0);
-        if (srv_now() >= next_check) {
-            check_liveness(s);
-            next_check = srv_now() + 1e-3 * s->cfg.liveness_ms;
-        }
-    }
+    while (!srv_stopping(s))
+        TRY(srv_serve_once(s, s->cfg.liveness_ms, NULL));
     s->stopping = 1;
     LOG_INFO(SUB_MAIN, "stopping after step %llu", (unsigned long long)s->next_step - 1);
     farewell(s);
     return SCAPE_OK;
 }
+
+int srv_stopping(const server *s) { return s->stopping || s_stop; }
 
 void srv_destroy(server **sp)
 {

@@ -76,6 +76,7 @@ struct server {
     int ngraves, cap_graves;        /*   comm is quiet (srv_close_map) */
     char broken_why[512];           /* what failed, for the trainers' later steps */
     int stopping;
+    double next_check;            /* srv_now() of the next trainer liveness check */
     size_t msg_bytes;               /* size of the request being handled */
 
     /* The last step's figures, for status and metrics. */
