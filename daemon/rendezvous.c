@@ -117,9 +117,8 @@ typedef struct joiner {
     size_t rid_len;
 } joiner;
 
-/* Check one join; on success record the rank's endpoint and routing id. */
-static scape_rc admit(const rdv_opts *o, const Scape__RdvJoin *j, rdv_result *out,
-                      joiner *who, const unsigned char *rid, size_t rid_len)
+/* Check one join; on success record the rank's endpoint. */
+static scape_rc admit(const rdv_opts *o, const Scape__RdvJoin *j, rdv_result *out)
 {
     if (j->protocol != RDV_PROTOCOL)
         return scape_set_error(SCAPE_PROTO, "rendezvous: protocol %u, rank 0 speaks %d",
@@ -134,30 +133,41 @@ static scape_rc admit(const rdv_opts *o, const Scape__RdvJoin *j, rdv_result *ou
                                j->rank, j->world, o->world);
     if (out->endpoints[j->rank])
         return scape_set_error(SCAPE_INVALID, "rendezvous: rank %u joined twice", j->rank);
-    if (rid_len > sizeof who->rid || (out->endpoints[j->rank] = strdup(j->endpoint)) == NULL)
+    if ((out->endpoints[j->rank] = strdup(j->endpoint)) == NULL)
         return scape_set_error(SCAPE_NOMEM, "rendezvous: cannot keep rank %u", j->rank);
-    memcpy(who[j->rank].rid, rid, rid_len);
-    who[j->rank].rid_len = rid_len;
     return SCAPE_OK;
+}
+
+scape_rc rdv_judge_join(const rdv_opts *o, const void *buf, size_t n, rdv_result *out,
+                        int *rank)
+{
+    Scape__RdvJoin *j = n <= RDV_JOIN_MAX ? scape__rdv_join__unpack(NULL, n, buf) : NULL;
+    if (j == NULL)
+        return scape_set_error(SCAPE_PROTO, "rendezvous: undecodable join of %zu bytes", n);
+    scape_rc rc = admit(o, j, out);
+    if (rc == SCAPE_OK)
+        *rank = (int)j->rank;
+    scape__rdv_join__free_unpacked(j, NULL);
+    return rc;
 }
 
 /* Receive and judge one join; refused joiners are told why. */
 static int take_join(void *sock, const rdv_opts *o, rdv_result *out, joiner *who)
 {
-    unsigned char rid[256], buf[4096];
+    unsigned char rid[256], buf[RDV_JOIN_MAX + 1];
     int rl = zmq_recv(sock, rid, sizeof rid, 0);
     int n = rl >= 0 ? zmq_recv(sock, buf, sizeof buf, 0) : -1;
     if (n < 0)
         return 0;
     size_t rid_len = (size_t)rl > sizeof rid ? sizeof rid : (size_t)rl;
-    Scape__RdvJoin *j = (size_t)n <= sizeof buf ? scape__rdv_join__unpack(NULL, (size_t)n, buf)
-                                                : NULL;
-    scape_rc rc = j ? admit(o, j, out, who, rid, rid_len)
-                    : scape_set_error(SCAPE_PROTO, "rendezvous: undecodable join of %d bytes", n);
-    if (j)
-        scape__rdv_join__free_unpacked(j, NULL);
-    if (rc != SCAPE_OK)
+    int rank = 0;
+    scape_rc rc = rdv_judge_join(o, buf, (size_t)n, out, &rank);
+    if (rc == SCAPE_OK) {
+        memcpy(who[rank].rid, rid, rid_len);
+        who[rank].rid_len = rid_len;
+    } else {
         refuse(sock, rid, rid_len, rc);
+    }
     return rc == SCAPE_OK;
 }
 
@@ -239,7 +249,7 @@ static scape_rc send_join(void *sock, const rdv_opts *o)
     j.rank = (uint32_t)o->rank;
     j.world = (uint32_t)o->world;
     j.endpoint = (char *)o->endpoint;
-    uint8_t buf[4096];
+    uint8_t buf[RDV_JOIN_MAX];
     size_t len = scape__rdv_join__get_packed_size(&j);
     if (len > sizeof buf)
         return scape_set_error(SCAPE_INVALID, "rendezvous: endpoint too long");
@@ -266,6 +276,17 @@ static scape_rc read_table(const Scape__RdvReply *r, const rdv_opts *o, rdv_resu
     return SCAPE_OK;
 }
 
+scape_rc rdv_read_reply(const rdv_opts *o, const void *buf, size_t n, rdv_result *out)
+{
+    Scape__RdvReply *r = scape__rdv_reply__unpack(NULL, n, buf);
+    if (r == NULL)
+        return scape_set_error(SCAPE_PROTO, "rendezvous: undecodable answer from rank 0 "
+                               "(%zu bytes)", n);
+    scape_rc rc = read_table(r, o, out);
+    scape__rdv_reply__free_unpacked(r, NULL);
+    return rc;
+}
+
 static scape_rc join(void *ctx, const rdv_opts *o, rdv_result *out)
 {
     void *sock = zmq_socket(ctx, ZMQ_DEALER);
@@ -286,14 +307,8 @@ static scape_rc join(void *ctx, const rdv_opts *o, rdv_result *out)
     zmq_msg_init(&msg);
     if (rc == SCAPE_OK && zmq_msg_recv(&msg, sock, 0) < 0)
         rc = scape_set_error(SCAPE_ZMQ, "rendezvous: receive: %s", zmq_strerror(zmq_errno()));
-    Scape__RdvReply *r = rc == SCAPE_OK ? scape__rdv_reply__unpack(NULL, zmq_msg_size(&msg),
-                                                                   zmq_msg_data(&msg))
-                                        : NULL;
     if (rc == SCAPE_OK)
-        rc = r ? read_table(r, o, out)
-               : scape_set_error(SCAPE_PROTO, "rendezvous: undecodable answer from rank 0");
-    if (r)
-        scape__rdv_reply__free_unpacked(r, NULL);
+        rc = rdv_read_reply(o, zmq_msg_data(&msg), zmq_msg_size(&msg), out);
     zmq_msg_close(&msg);
     if (sock)
         zmq_close(sock);

@@ -15,6 +15,7 @@
 #include "scape_rc.h"
 
 #define RDV_BLOB_MAX 256
+#define RDV_JOIN_MAX 4096 /* bytes of one packed join */
 
 typedef struct rdv_opts {
     int rank, world;
@@ -37,6 +38,15 @@ typedef struct rdv_result {
 scape_rc rdv_run(const rdv_opts *o, rdv_result *out);
 /* Free the table. */
 void rdv_result_free(rdv_result *r);
+
+/* The two readers of what a peer sends, as rdv_run uses them (tests/fuzz
+ * feeds them bytes).  Rank 0 judges one join as received: on success the
+ * joiner's endpoint is recorded in out and *rank says whose it is.  A joiner
+ * reads rank 0's answer into out.  Either way out is as rdv_run makes it:
+ * world = o->world and that many endpoint slots, NULL until filled. */
+scape_rc rdv_judge_join(const rdv_opts *o, const void *buf, size_t n, rdv_result *out,
+                        int *rank);
+scape_rc rdv_read_reply(const rdv_opts *o, const void *buf, size_t n, rdv_result *out);
 
 /* Where Slurm says we are: rank (SLURM_PROCID), world (SLURM_NTASKS), job
  * (SLURM_JOB_ID) and the first host of SLURM_STEP_NODELIST, else
