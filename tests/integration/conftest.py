@@ -51,6 +51,23 @@ class Daemon:
         assert status == 0, msg
         return [{k: v[0] for k, v in pbwire.parse(raw).items()} for raw in st.get(10, [])]
 
+    def kill_mid_step(self, waiting_pid, stopped, step):
+        """Kill `stopped` (a trainer run with stop_before=step) once it has
+        stopped before posting step and the trainer of waiting_pid has posted
+        it: a death in the middle of the step, for certain, however loaded the
+        machine.  Returns once the daemon has let the dead trainer go."""
+        deadline = time.time() + 60
+        while not (process_stopped(stopped.pid) and
+                   any(ti[3] == waiting_pid and ti[4] == step for ti in self.trainers())):
+            assert time.time() < deadline, "step %d: never posted by one and not the other" % step
+            assert stopped.poll() is None, "the trainer to kill ended early"
+            time.sleep(0.01)
+        stopped.send_signal(signal.SIGKILL)
+        stopped.wait()
+        while any(ti[3] == stopped.pid for ti in self.trainers()):
+            assert time.time() < deadline, "the daemon never noticed the death"
+            time.sleep(0.01)
+
     def output(self):
         self.log.flush()
         with open(self.log_path) as f:
@@ -88,10 +105,13 @@ def daemon_factory():
         d.close()
 
 
-def run_trainer(endpoint, index, n, steps, out=None, sleep_ms=0, seed=1, lr=1e-2, wait=True):
+def run_trainer(endpoint, index, n, steps, out=None, sleep_ms=0, seed=1, lr=1e-2, wait=True,
+                stop_before=None):
     cmd = [binary("tests", "integration", "trainer_c"), "--endpoint", endpoint,
            "--index", str(index), "--n", str(n), "--steps", str(steps), "--seed", str(seed),
            "--lr", repr(lr), "--sleep-ms", str(sleep_ms)]
+    if stop_before is not None:
+        cmd += ["--stop-before", str(stop_before)]
     if out:
         cmd += ["--out", out]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -99,6 +119,12 @@ def run_trainer(endpoint, index, n, steps, out=None, sleep_ms=0, seed=1, lr=1e-2
         o, e = proc.communicate(timeout=600)
         assert proc.returncode == 0, "trainer %d failed:\n%s\n%s" % (index, o, e)
     return proc
+
+
+def process_stopped(pid):
+    """Whether pid is stopped (SIGSTOP; its delivery is asynchronous)."""
+    with open("/proc/%d/stat" % pid) as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
 def run_reference(out, trainers, n, steps, *engine_args, seed=1, lr=1e-2):

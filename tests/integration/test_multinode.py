@@ -322,7 +322,7 @@ def test_sigterm_lets_the_running_step_finish(daemon_factory):
             for s in ss:
                 s.step_wait()
         post(0, 5)
-        time.sleep(0.5)  # rank 0 is in step 5, waiting for rank 1
+        time.sleep(0.5)  # rank 0 is in step 5, waiting for rank 1 (and deaf to status)
         daemons[0].proc.send_signal(signal.SIGTERM)
         time.sleep(0.4)
         post(1, 5)
@@ -354,7 +354,10 @@ def test_replacement_trainer_gets_the_whole_parameters_when_sharded(daemon_facto
         time.sleep(1.0)
         ts[1].kill()
         ts[1].wait()
-        time.sleep(0.5)
+        deadline = time.time() + 60
+        while daemons[1].trainers():  # its slot is free again
+            assert time.time() < deadline, "rank 1 never noticed its trainer's death"
+            time.sleep(0.01)
         ts[1] = run_trainer(daemons[1].endpoint, 0, 3000, steps, seed=1001,
                             out=str(tmp_path / "t1"), wait=False)
         outs = []

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import SOURCE, binary, run_reference, run_trainer, synth_layout
+from conftest import SOURCE, binary, process_stopped, run_reference, run_trainer, synth_layout
 
 sys.path.insert(0, os.path.join(SOURCE, "client", "python"))
 import scape  # noqa: E402
@@ -69,13 +69,9 @@ def test_python_trainer_reposts_abandoned_step_and_joins_running_job(daemon_fact
     n, steps = 4000, 150
     d = daemon_factory(*ENGINE, "--trainers", "2")
     a = run_py_trainer(d.endpoint, 0, n, steps, str(tmp_path / "a"))
-    # b sleeps long between steps, so a has posted when b dies: a mid-step death
-    b = run_trainer(d.endpoint, 1, n, steps, sleep_ms=300, wait=False)
-    time.sleep(1.5)
-    assert a.poll() is None and b.poll() is None
-    b.send_signal(signal.SIGKILL)
-    b.communicate()
-    time.sleep(0.5)
+    # b stops before posting step 5 and dies once a has posted it: mid-step
+    b = run_trainer(d.endpoint, 1, n, steps, stop_before=5, wait=False)
+    d.kill_mid_step(a.pid, b, 5)
     c = run_py_trainer(d.endpoint, 1, n, steps, str(tmp_path / "c"))
     errs = {}
     for name, p in (("a", a), ("c", c)):
@@ -95,7 +91,7 @@ def test_abandoned_step_leaves_the_last_consistent_state(daemon_factory, tmp_pat
     n, steps, kill_at = 4000, 30, 5
     d = daemon_factory(*ENGINE, "--trainers", "2")
     layout = synth_layout(n)
-    b = run_trainer(d.endpoint, 1, n, steps, sleep_ms=400, wait=False)
+    b = run_trainer(d.endpoint, 1, n, steps, stop_before=kill_at, wait=False)
     synth = py_trainer.Synth(1, 0, layout)
     c = None
     try:
@@ -108,8 +104,7 @@ def test_abandoned_step_leaves_the_last_consistent_state(daemon_factory, tmp_pat
                 if t != kill_at:
                     s.step_wait()
                     continue
-                b.send_signal(signal.SIGKILL)  # asleep for 400 ms: not posted yet
-                b.wait()
+                d.kill_mid_step(os.getpid(), b, kill_at)  # b stopped before posting it
                 with pytest.raises(scape.ScapeError) as e:
                     s.step_wait()
                 assert e.value.code == scape.Rc.REMOTE and "abandoned" in e.value.message
@@ -299,10 +294,6 @@ def test_a_step_posted_to_a_busy_daemon_says_how_long_it_waited(daemon_factory):
         _, _, st, done = pbwire.query_status(d.status_endpoint)
         return pbwire.parse(done[2][0])[12][0], st[23][0]
 
-    def stopped():  # SIGSTOP is delivered asynchronously
-        with open("/proc/%d/stat" % d.proc.pid) as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "T"
-
     with scape.attach(d.endpoint, [("w", 1000), ("b", 1)]) as s:
         s.sync()
         s.grads[:] = 1.0
@@ -312,7 +303,7 @@ def test_a_step_posted_to_a_busy_daemon_says_how_long_it_waited(daemon_factory):
         t0 = time.monotonic()
         d.proc.send_signal(signal.SIGSTOP)
         try:
-            while not stopped():
+            while not process_stopped(d.proc.pid):
                 time.sleep(0.001)
             s.step_begin(0.1)
             time.sleep(0.5)

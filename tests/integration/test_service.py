@@ -164,13 +164,9 @@ def test_trainer_killed_mid_step(daemon_factory, tmp_path):
     n, steps = 4000, 150
     d = daemon_factory(*ENGINE, "--trainers", "2")
     a = run_trainer(d.endpoint, 0, n, steps, out=str(tmp_path / "a"), wait=False)
-    # b sleeps long between steps, so a has posted when b dies: a mid-step death
-    b = run_trainer(d.endpoint, 1, n, steps, sleep_ms=300, wait=False)
-    time.sleep(1.0)
-    assert a.poll() is None and b.poll() is None
-    b.send_signal(signal.SIGKILL)
-    b.wait()
-    time.sleep(0.5)
+    # b stops before posting step 5 and dies once a has posted it: mid-step
+    b = run_trainer(d.endpoint, 1, n, steps, stop_before=5, wait=False)
+    d.kill_mid_step(a.pid, b, 5)
     # A replacement takes the dead trainer's slot and joins at the next step.
     c = run_trainer(d.endpoint, 1, n, steps, out=str(tmp_path / "c"), wait=False)
     for name, p in (("a", a), ("c", c)):

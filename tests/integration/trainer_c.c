@@ -3,12 +3,15 @@
  * final parameters to a file.
  *
  * usage: trainer_c --endpoint EP --index I --n N --steps S [--seed X] [--lr LR]
- *                  [--sleep-ms MS] [--out FILE] [--timing FILE]
+ *                  [--sleep-ms MS] [--stop-before STEP] [--out FILE] [--timing FILE]
  * --timing writes one line per step: step, seconds inside scape_step, and the
  * daemon's wait (first post to last post) and engine seconds.
+ * --stop-before stops the trainer (SIGSTOP) just before it posts that step,
+ * so a test knows for certain that the step is not posted.
  * A step abandoned because another trainer died is posted again.  A trainer
  * that attaches to a running job starts at the daemon's next step. */
 #define _POSIX_C_SOURCE 200809L
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,6 +27,7 @@ typedef struct args {
     uint64_t steps, seed;
     float lr;
     int sleep_ms;
+    uint64_t stop_before;
 } args;
 
 static int parse(int argc, char **argv, args *a)
@@ -40,6 +44,7 @@ static int parse(int argc, char **argv, args *a)
         else if (!strcmp(k, "--seed")) a->seed = strtoull(v, NULL, 0);
         else if (!strcmp(k, "--lr")) a->lr = strtof(v, NULL);
         else if (!strcmp(k, "--sleep-ms")) a->sleep_ms = atoi(v);
+        else if (!strcmp(k, "--stop-before")) a->stop_before = strtoull(v, NULL, 0);
         else {
             fprintf(stderr, "trainer_c: unknown flag %s\n", k);
             return 2;
@@ -124,6 +129,8 @@ int main(int argc, char **argv)
     }
     for (uint64_t t = first; t <= a.steps; t++) {
         compute_grads(&a, ts, nt, t, p, g);
+        if (t == a.stop_before)
+            raise(SIGSTOP);
         scape_step_info info;
         double t0 = now_s();
         scape_rc rc = step_retrying(s, t, a.lr, a.index, &info);
