@@ -41,10 +41,13 @@ static char s_dir[64];
 static void *s_ctx;
 static int s_verbose; /* SCAPE_FUZZ_LOG=2: every reply, in one line */
 
+static void cleanup(void) { rmdir(s_dir); }
+
 void fuzz_setup(void)
 {
     snprintf(s_dir, sizeof s_dir, "/tmp/scape-fuzz-XXXXXX");
     FUZZ_CHECK(mkdtemp(s_dir) != NULL, "mkdtemp failed");
+    atexit(cleanup);
     s_ctx = zmq_ctx_new();
     FUZZ_CHECK(s_ctx != NULL, "zmq_ctx_new failed");
     const char *v = getenv("SCAPE_FUZZ_LOG");
