@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up for a Debian 12 machine: installs the Debian packages scaped
 # needs to build and test, and says what it installs.  Safe to run again.
+# usage: deploy/setup.sh [--tests]   (--tests: also what only the tests need:
+#                                     clang and libFuzzer for tests/fuzz)
 set -euo pipefail
 
 PKGS=(
@@ -11,6 +13,9 @@ PKGS=(
   munge slurmctld slurmd slurm-client lmod
   fortunes python3-torch iproute2
 )
+if [ "${1:-}" = "--tests" ]; then
+  PKGS+=(clang libclang-rt-14-dev)
+fi
 
 missing=()
 for p in "${PKGS[@]}"; do
