@@ -99,7 +99,7 @@ static void put_join(fuzz_buf *b, uint32_t rank, uint32_t world, uint64_t job, c
 
 static void put_table(fuzz_buf *b, uint8_t sel, int world, const void *blob, size_t blob_len)
 {
-    char eps[16][32];
+    char eps[16][64];
     char *list[16];
     for (int i = 0; i < world; i++) {
         snprintf(eps[i], sizeof eps[i], "tcp://10.0.0.%d:%d", i + 1, 20000 + i);
