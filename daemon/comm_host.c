@@ -64,25 +64,14 @@
 #include <zmq.h>
 
 #include "comm_host.h"
+#include "comm_host_wire.h"
 #include "try.h"
 
-#define HOST_MAGIC 0x31484353u /* "SCH1" */
 #define HOST_DEFAULT_TIMEOUT_MS 30000
 #define HOST_DEFAULT_CHUNK (1u << 20)
 #define HOST_MAX_RANKS 4096
 #define LOST_GRACE_MS 1000  /* a closed connection this long: the peer is gone */
 #define PUMP_DEADLINE SCAPE_RC_COUNT /* pump_one: the deadline passed (no error set) */
-
-enum kind { K_RS_PART = 1, K_AG, K_IAG, K_BC, K_BAR_IN, K_BAR_OUT, K_END };
-
-typedef struct wire_hdr {
-    uint64_t job;
-    uint64_t seq;      /* op sequence number (K_IAG: its own sequence) */
-    uint64_t chunk;    /* index within the stream */
-    uint32_t magic;
-    uint16_t kind;
-    uint16_t sender;
-} wire_hdr;
 
 typedef struct host_msg {
     wire_hdr h;
@@ -353,7 +342,9 @@ static scape_rc gather_send(comm_t *c, int kind, uint64_t seq, const void *send,
 /* ---- routing ------------------------------------------------------------ */
 
 /* Handle or keep one message.  Returns SCAPE_OK with *mine = 1 when it belongs
- * to the current synchronous op (in_op) and the caller takes it. */
+ * to the current synchronous op (in_op) and the caller takes it; on any other
+ * success the message was used up or stashed.  On failure it is still the
+ * caller's to free. */
 static scape_rc route(comm_t *c, host_msg *m, int in_op, int *mine)
 {
     host *h = c->impl;
@@ -361,7 +352,8 @@ static scape_rc route(comm_t *c, host_msg *m, int in_op, int *mine)
     if (m->h.kind == K_IAG) {
         if (h->async_active && m->h.seq == h->aseq) {
             scape_rc rc = gather_take(c, &h->ag, m);
-            msg_free(m);
+            if (rc == SCAPE_OK)
+                msg_free(m);
             return rc;
         }
         if (m->h.seq < h->aseq + (uint64_t)h->async_active)
