@@ -1,0 +1,227 @@
+/* fuzz_hostmsg.c - what a peer daemon sends on the host backend's data plane
+ * (daemon/comm_host.c): a TCP port that anyone who can reach the node may
+ * connect to.
+ *
+ * The target plays rank 1 of a two-rank group: for every input a real rank 0
+ * (comm_host_create, TCP on loopback) is made, the input's messages are sent
+ * to it from a PUSH socket, as rank 1's would be, and rank 0 then runs one
+ * collective, which takes them apart.
+ *
+ * Input: the collective (barrier, all-gather, reduce-scatter, all-reduce,
+ * broadcast from rank 1, or the asynchronous all-gather and its wait), its
+ * size in floats and the chunk size; then records (fuzz.h), one message
+ * each.  A record's selector: bit 0 sends its bytes as one bare frame; else
+ * they are kind, op sequence, chunk index, sender (a byte each) and the
+ * payload, framed with the right magic and job unless bit 1 (magic) or bit 2
+ * (job) spoils them.
+ *
+ * Checked for every input, beyond "no crash" (ASan, UBSan): the collective
+ * either succeeds or fails with a reason, and no more messages are counted as
+ * foreign (dropped as not of this job) than were sent bare, with a bad magic
+ * or with another job's id.  The seeds are rank 1's real side of each
+ * collective, plus three such stray messages, so they succeed.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <string.h>
+#include <zmq.h>
+
+#include "comm.h"
+#include "comm_host.h"
+#include "comm_host_wire.h"
+#include "fuzz.h"
+
+#define JOB 4242u
+#define TIMEOUT_MS 20 /* rank 1 sends everything before rank 0 starts */
+#define MAX_N 48
+
+enum op { OP_BARRIER, OP_ALLGATHER, OP_REDUCE_SCATTER, OP_ALLREDUCE, OP_BROADCAST, OP_IAG, OP_N };
+
+static void *s_ctx, *s_pull; /* rank 1's own endpoint: rank 0's messages land here */
+static int s_verbose;        /* SCAPE_FUZZ_LOG=2: what became of each input */
+static const char *s_names[OP_N] = { "barrier", "allgather", "reduce-scatter", "allreduce",
+                                     "broadcast", "iallgather" };
+static char s_pull_ep[128];
+
+void fuzz_setup(void)
+{
+    s_ctx = zmq_ctx_new();
+    s_pull = s_ctx ? zmq_socket(s_ctx, ZMQ_PULL) : NULL;
+    size_t len = sizeof s_pull_ep;
+    int zero = 0;
+    FUZZ_CHECK(s_pull && zmq_setsockopt(s_pull, ZMQ_LINGER, &zero, sizeof zero) == 0 &&
+                   zmq_bind(s_pull, "tcp://127.0.0.1:*") == 0 &&
+                   zmq_getsockopt(s_pull, ZMQ_LAST_ENDPOINT, s_pull_ep, &len) == 0,
+               "rank 1's socket: %s", zmq_strerror(zmq_errno()));
+    const char *v = getenv("SCAPE_FUZZ_LOG");
+    s_verbose = v && strcmp(v, "2") == 0;
+}
+
+typedef struct meet_ctx {
+    char bound[256];
+    const char *eps[2];
+} meet_ctx;
+
+static scape_rc meet(void *arg, const char *bound, const char *const **endpoints)
+{
+    meet_ctx *m = arg;
+    snprintf(m->bound, sizeof m->bound, "%s", bound);
+    m->eps[0] = m->bound;
+    m->eps[1] = s_pull_ep;
+    *endpoints = m->eps;
+    return SCAPE_OK;
+}
+
+/* The op's shape: rank 0's and rank 1's element counts. */
+typedef struct shape {
+    enum op op;
+    size_t n, chunk_bytes, cnt[2];
+} shape;
+
+static void read_shape(fuzz_in *in, shape *sh)
+{
+    sh->op = (enum op)(fuzz_u8(in) % OP_N);
+    sh->n = 1 + fuzz_u8(in) % MAX_N;
+    sh->chunk_bytes = 4 * (1 + fuzz_u8(in) % 8);
+    sh->cnt[0] = (sh->n + 1) / 2; /* all-reduce's equal segments, for every op */
+    sh->cnt[1] = sh->n - sh->cnt[0];
+}
+
+/* Run the op on rank 0. */
+static scape_rc run_op(comm_t *c, const shape *sh)
+{
+    float send[MAX_N], recv[MAX_N];
+    for (size_t i = 0; i < MAX_N; i++)
+        send[i] = recv[i] = -1.0f - (float)i;
+    size_t bytes[2] = { 4 * sh->cnt[0], 4 * sh->cnt[1] };
+    scape_rc rc;
+    switch (sh->op) {
+    case OP_BARRIER: return comm_barrier(c);
+    case OP_ALLGATHER: return comm_allgather(c, send, recv, bytes);
+    case OP_REDUCE_SCATTER: return comm_reduce_scatter_sum(c, send, recv, sh->cnt);
+    case OP_ALLREDUCE: return comm_allreduce_sum(c, send, sh->n);
+    case OP_BROADCAST: return comm_broadcast(c, recv, bytes[0] + bytes[1], 1);
+    case OP_IAG:
+        rc = comm_iallgather(c, send, recv, bytes);
+        return rc == SCAPE_OK ? comm_iallgather_wait(c) : rc;
+    case OP_N: break;
+    }
+    abort();
+}
+
+static void send_msg(void *push, uint32_t sel, const uint8_t *p, size_t n)
+{
+    if (sel & 1) { /* one bare frame */
+        FUZZ_CHECK(zmq_send(push, p, n, 0) >= 0, "send: %s", zmq_strerror(zmq_errno()));
+        return;
+    }
+    fuzz_in in = { p, n };
+    wire_hdr h = { .job = sel & 4 ? JOB + 1 : JOB, .magic = sel & 2 ? ~HOST_MAGIC : HOST_MAGIC };
+    h.kind = (uint16_t)fuzz_u8(&in);
+    h.seq = fuzz_u8(&in);
+    h.chunk = fuzz_u8(&in);
+    h.sender = (uint16_t)fuzz_u8(&in);
+    FUZZ_CHECK(zmq_send(push, &h, sizeof h, ZMQ_SNDMORE) >= 0 &&
+                   zmq_send(push, in.p, in.left, 0) >= 0,
+               "send: %s", zmq_strerror(zmq_errno()));
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    fuzz_in in = { data, size };
+    shape sh;
+    read_shape(&in, &sh);
+    meet_ctx m;
+    comm_host_opts o = { .rank = 0, .size = 2, .listen = "tcp://127.0.0.1:*", .meet = meet,
+                         .meet_arg = &m, .timeout_ms = TIMEOUT_MS,
+                         .chunk_bytes = sh.chunk_bytes, .job = JOB };
+    comm_t *c = NULL;
+    FUZZ_CHECK(comm_host_create(&o, &c) == SCAPE_OK, "rank 0: %s", scape_last_error());
+    void *push = zmq_socket(s_ctx, ZMQ_PUSH);
+    int zero = 0;
+    FUZZ_CHECK(push && zmq_setsockopt(push, ZMQ_LINGER, &zero, sizeof zero) == 0 &&
+                   zmq_connect(push, m.bound) == 0,
+               "rank 1 -> rank 0: %s", zmq_strerror(zmq_errno()));
+    uint32_t sel;
+    const uint8_t *p;
+    size_t n;
+    uint64_t foreign = 0;
+    while (fuzz_record(&in, &sel, &p, &n)) {
+        send_msg(push, sel, p, n);
+        foreign += (sel & 7) != 0;
+    }
+    scape_rc rc = run_op(c, &sh);
+    if (s_verbose)
+        fprintf(stderr, "%s of %zu floats: %s\n", s_names[sh.op], sh.n,
+                rc == SCAPE_OK ? "done" : scape_last_error());
+    if (rc != SCAPE_OK)
+        FUZZ_CHECK(scape_last_error()[0] != '\0', "the collective failed without a reason");
+    /* Foreign messages are dropped and counted, never an error; those that
+     * had not been read when the op ended are not counted yet. */
+    FUZZ_CHECK(comm_foreign(c, NULL, 0) <= foreign, "%llu foreign messages counted of %llu sent",
+               (unsigned long long)comm_foreign(c, NULL, 0), (unsigned long long)foreign);
+    zmq_close(push);
+    comm_destroy(&c);
+    for (zmq_msg_t msg; zmq_msg_init(&msg) == 0 && zmq_msg_recv(&msg, s_pull, ZMQ_DONTWAIT) >= 0;)
+        zmq_msg_close(&msg);
+    return 0;
+}
+
+/* ---- seeds: rank 1's side of every collective --------------------------------- */
+
+static void put_msg(fuzz_buf *b, int kind, int seq, int chunk, const void *body, size_t n)
+{
+    uint8_t buf[4 + 4 * MAX_N];
+    buf[0] = (uint8_t)kind;
+    buf[1] = (uint8_t)seq;
+    buf[2] = (uint8_t)chunk;
+    buf[3] = 1; /* sender */
+    if (n)
+        memcpy(buf + 4, body, n);
+    fuzz_put(b, 0, buf, 4 + n);
+}
+
+/* A stream of count floats in chunks: 0.5, 1.5, ... or all 0.25. */
+static void put_stream(fuzz_buf *b, int kind, int seq, size_t count, size_t chunk_bytes,
+                       int pattern)
+{
+    size_t cf = chunk_bytes / 4;
+    for (size_t i = 0; i * cf < count; i++) {
+        float v[MAX_N];
+        size_t len = count - i * cf < cf ? count - i * cf : cf;
+        for (size_t j = 0; j < len; j++)
+            v[j] = pattern ? 0.5f + (float)(i * cf + j) : 0.25f;
+        put_msg(b, kind, seq, (int)i, v, 4 * len);
+    }
+}
+
+void fuzz_seeds(fuzz_emit emit, void *ctx)
+{
+    fuzz_buf *b = calloc(1, sizeof *b);
+    FUZZ_CHECK(b != NULL, "out of memory");
+    for (int op = 0; op < OP_N; op++) {
+        b->len = 0;
+        const size_t n = 21, chunk_bytes = 8 * 4; /* several chunks, the last short */
+        b->data[b->len++] = (uint8_t)op;
+        b->data[b->len++] = (uint8_t)(n - 1);
+        b->data[b->len++] = (uint8_t)(chunk_bytes / 4 - 1);
+        size_t mine = (n + 1) / 2, theirs = n - mine;
+        switch ((enum op)op) {
+        case OP_BARRIER: put_msg(b, K_BAR_IN, 0, 0, NULL, 0); break;
+        case OP_ALLGATHER: put_stream(b, K_AG, 0, theirs, chunk_bytes, 1); break;
+        case OP_REDUCE_SCATTER: put_stream(b, K_RS_PART, 0, mine, chunk_bytes, 0); break;
+        case OP_ALLREDUCE: /* a reduce-scatter (op 0), then an all-gather (op 1) */
+            put_stream(b, K_RS_PART, 0, mine, chunk_bytes, 0);
+            put_stream(b, K_AG, 1, theirs, chunk_bytes, 1);
+            break;
+        case OP_BROADCAST: put_stream(b, K_BC, 0, n, chunk_bytes, 1); break;
+        case OP_IAG: put_stream(b, K_IAG, 0, theirs, chunk_bytes, 1); break;
+        case OP_N: break;
+        }
+        /* A stray sender on the port: dropped and counted, never fatal. */
+        fuzz_put(b, 1, "hello?", 6);
+        fuzz_put(b, 2, "\x02\x00\x00\x01", 4);
+        fuzz_put(b, 4, "\x02\x00\x00\x01", 4);
+        emit(ctx, s_names[op], b->data, b->len);
+    }
+    free(b);
+}
