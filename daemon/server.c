@@ -246,12 +246,14 @@ scape_rc srv_create(server **out, const scaped_config *cfg)
         rc = lock_dir(s);
     if (rc == SCAPE_OK && (s->zctx = zmq_ctx_new()) == NULL)
         rc = scape_set_error(SCAPE_ZMQ, "zmq_ctx_new: %s", zmq_strerror(zmq_errno()));
-    if (rc == SCAPE_OK)
-        rc = open_socket(s, &s->ctrl, ZMQ_ROUTER, "control", s->ep_control, sizeof s->ep_control);
+    /* The control socket last: whoever waits for it to appear (trainers,
+     * scripts, tests) may then use every socket. */
     if (rc == SCAPE_OK)
         rc = open_socket(s, &s->status, ZMQ_REP, "status", s->ep_status, sizeof s->ep_status);
     if (rc == SCAPE_OK)
         rc = open_socket(s, &s->events, ZMQ_PUB, "events", s->ep_events, sizeof s->ep_events);
+    if (rc == SCAPE_OK)
+        rc = open_socket(s, &s->ctrl, ZMQ_ROUTER, "control", s->ep_control, sizeof s->ep_control);
     if (rc == SCAPE_OK) {
         comm_set_interrupt(stop_requested);
         rc = open_comm(s);
