@@ -374,8 +374,9 @@ static long utf8_at(const unsigned char *s, size_t *len)
 
 /* A YAML double-quoted scalar, so any value survives cfg_print -> load: what
  * YAML may not hold as it is (controls, C1 controls and NEL, the line and
- * paragraph separators, BOM, U+FFFE/FFFF) is escaped.  A byte that is not UTF-8 cannot be written in YAML at all; it
- * comes out as \xNN, which reads back as the character U+00NN. */
+ * paragraph separators, BOM, U+FFFE/FFFF) is escaped.  A byte that is not
+ * UTF-8 cannot be written in YAML at all; it comes out as \xNN, which reads
+ * back as the character U+00NN. */
 static void yaml_quote(const char *s, char *buf, size_t len)
 {
     size_t n = 0;
