@@ -138,7 +138,7 @@ def bad_inputs(ctx, endpoint, layout, n):
 
 
 def test_bad_input_refused_while_another_trainer_completes(daemon_factory, tmp_path):
-    n, steps = 5000, 300
+    n, steps = 5000, 1000  # >= 3 s of steps: the probes end well before, even under load
     d = daemon_factory(*ENGINE)
     layout = synth_layout(n)
     total = sum(t[2] for t in layout)
