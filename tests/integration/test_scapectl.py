@@ -5,6 +5,7 @@ import json
 import os
 import pty
 import re
+import select
 import shutil
 import signal
 import struct
@@ -94,8 +95,10 @@ def test_status_labels(job):
 
 def test_status_json_and_step_advances(job):
     a = status_json(job.d.rt)
-    time.sleep(0.3)
-    b = status_json(job.d.rt)
+    deadline = time.time() + 30
+    while (b := status_json(job.d.rt))["step"] == a["step"]:  # the trainers step on
+        assert time.time() < deadline, "the step never advanced past %d" % a["step"]
+        time.sleep(0.05)
     assert b["step"] > a["step"], (a["step"], b["step"])
     assert set(a) == set(b)
     assert a["optimizer"] == "scape" and a["mode"] == "replicated"
@@ -206,11 +209,16 @@ def test_watch_ends_on_sigint(job):
     p = subprocess.Popen([binary("client", "scapectl"), "--runtime-dir", job.d.rt, "watch",
                           "--interval-ms", "100"], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
-    time.sleep(0.6)
+    first = []
+    deadline = time.time() + 30
+    while len(first) < 2:  # two lines drawn: watch is running
+        assert time.time() < deadline and p.poll() is None, "watch drew nothing"
+        if select.select([p.stdout], [], [], 0.1)[0]:
+            first.append(p.stdout.readline())
     p.send_signal(signal.SIGINT)
     o, e = p.communicate(timeout=10)
     assert p.returncode == OK, e
-    assert len(o.splitlines()) >= 2
+    assert all(l.strip() for l in first), first
 
 
 def test_watch_ends_when_the_daemon_stops(job):
@@ -227,7 +235,10 @@ def test_watch_ends_when_the_daemon_stops(job):
 def test_shutdown(daemon_factory):
     d = daemon_factory("--rho", "0.01")
     t = run_trainer(d.endpoint, 0, 1000, 10 ** 6, sleep_ms=20, wait=False)
-    time.sleep(0.8)
+    deadline = time.time() + 30
+    while not d.trainers():  # attached, so it is told when the daemon stops
+        assert time.time() < deadline and t.poll() is None, "the trainer never attached"
+        time.sleep(0.02)
     res = ctl("shutdown", rt=d.rt)
     assert res.returncode == OK and res.stdout == "scaped is stopping\n", res.stderr
     assert d.proc.wait(20) == 0
