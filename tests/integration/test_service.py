@@ -184,7 +184,10 @@ def test_trainer_killed_mid_step(daemon_factory, tmp_path):
 def test_shutdown_tells_trainers_and_unlinks(daemon_factory):
     d = daemon_factory(*ENGINE)
     t = run_trainer(d.endpoint, 0, 1000, 10 ** 6, sleep_ms=20, wait=False)
-    time.sleep(0.8)
+    deadline = time.time() + 30
+    while not d.trainers():  # attached, so it is told when the daemon stops
+        assert time.time() < deadline and t.poll() is None, "the trainer never attached"
+        time.sleep(0.02)
     assert d.stop() == 0
     o, e = t.communicate(timeout=60)
     assert t.returncode != 0 and "shutting down" in e, e
