@@ -1,8 +1,10 @@
 """Fixtures for the integration tests: the real scaped binary started in a
 private runtime directory, and helpers to run trainers and the reference."""
 import os
+import random
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -150,15 +152,21 @@ def synth_layout(n):
 
 
 def free_endpoints(count):
-    """count tcp://127.0.0.1:PORT endpoints that were free a moment ago."""
-    ctx = zmq.Context()
-    socks, eps = [], []
-    for _ in range(count):
-        s = ctx.socket(zmq.REP)
-        s.bind("tcp://127.0.0.1:*")
-        eps.append(s.getsockopt_string(zmq.LAST_ENDPOINT))
-        socks.append(s)
-    for s in socks:
-        s.close(linger=0)
-    ctx.term()
-    return eps
+    """count distinct tcp://127.0.0.1:PORT endpoints that were free a moment
+    ago, from below the kernel's ephemeral range: the ports it picks for a
+    '*' bind (every data plane here binds one) are never among them.  (Taken
+    from that range, the coordinator port of one test was once given to rank
+    0's own data plane, bound first, and its rendezvous could not bind.)"""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    rng = random.SystemRandom()
+    ports = set()
+    while len(ports) < count:
+        port = rng.randrange(10000, max(low, 10001 + count))
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.add(port)
+    return ["tcp://127.0.0.1:%d" % p for p in sorted(ports)]
