@@ -123,7 +123,7 @@ static int drain(void *so, const char *who, int wait_ms)
 /* Let the server take what was sent: turns until it handled something. */
 static void serve(server *s)
 {
-    for (int i = 0; i < 40; i++) {
+    for (int i = 0; i < 200; i++) { /* 10 s: only a stalled machine takes that long */
         int handled = 0;
         FUZZ_CHECK(srv_serve_once(s, 50, &handled) == SCAPE_OK, "serve: %s",
                    scape_last_error());
@@ -146,7 +146,7 @@ static void ask_status(server *s, void *req, const uint8_t *p, size_t n, int spl
 {
     send_frames(req, p, n, split);
     serve(s);
-    FUZZ_CHECK(drain(req, "scapectl", 2000) == 1, "a status request got no answer");
+    FUZZ_CHECK(drain(req, "scapectl", 10000) == 1, "a status request got no answer");
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
