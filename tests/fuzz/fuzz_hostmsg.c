@@ -2,15 +2,15 @@
  * (daemon/comm_host.c): a TCP port that anyone who can reach the node may
  * connect to.
  *
- * The target plays rank 1 of a two-rank group: for every input a real rank 0
- * (comm_host_create, TCP on loopback) is made, the input's messages are sent
- * to it from a PUSH socket, as rank 1's would be, and rank 0 then runs one
- * collective, which takes them apart.
+ * The target plays one rank of a two-rank group: for every input the other
+ * rank is made for real (comm_host_create, TCP on loopback), the input's
+ * messages are sent to it from a PUSH socket, as the played rank's would be,
+ * and the real rank then runs one collective, which takes them apart.
  *
  * Input: the collective (barrier, all-gather, reduce-scatter, all-reduce,
- * broadcast from rank 1, or the asynchronous all-gather and its wait), its
- * size in floats and the chunk size; then records (fuzz.h), one message
- * each.  A record's selector: bit 0 sends its bytes as one bare frame; else
+ * broadcast from the played rank, or the asynchronous all-gather and its
+ * wait) with, in bit 7, which rank is real (0 or 1); its size in floats and
+ * the chunk size; then records (fuzz.h), one message each.  A record's selector: bit 0 sends its bytes as one bare frame; else
  * they are kind, op sequence, chunk index, sender (a byte each) and the
  * payload, framed with the right magic and job unless bit 1 (magic) or bit 2
  * (job) spoils them.
@@ -18,8 +18,9 @@
  * Checked for every input, beyond "no crash" (ASan, UBSan): the collective
  * either succeeds or fails with a reason, and no more messages are counted as
  * foreign (dropped as not of this job) than were sent bare, with a bad magic
- * or with another job's id.  The seeds are rank 1's real side of each
- * collective, plus three such stray messages, so they succeed.
+ * or with another job's id.  The seeds are the played rank's real side of
+ * each collective from either rank, plus three such stray messages, so they
+ * succeed.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <string.h>
@@ -31,12 +32,12 @@
 #include "fuzz.h"
 
 #define JOB 4242u
-#define TIMEOUT_MS 20 /* rank 1 sends everything before rank 0 starts */
+#define TIMEOUT_MS 20 /* the played rank sends everything before the op starts */
 #define MAX_N 48
 
 enum op { OP_BARRIER, OP_ALLGATHER, OP_REDUCE_SCATTER, OP_ALLREDUCE, OP_BROADCAST, OP_IAG, OP_N };
 
-static void *s_ctx, *s_pull; /* rank 1's own endpoint: rank 0's messages land here */
+static void *s_ctx, *s_pull; /* the played rank's endpoint: the real rank's messages */
 static int s_verbose;        /* SCAPE_FUZZ_LOG=2: what became of each input */
 static const char *s_names[OP_N] = { "barrier", "allgather", "reduce-scatter", "allreduce",
                                      "broadcast", "iallgather" };
@@ -51,12 +52,13 @@ void fuzz_setup(void)
     FUZZ_CHECK(s_pull && zmq_setsockopt(s_pull, ZMQ_LINGER, &zero, sizeof zero) == 0 &&
                    zmq_bind(s_pull, "tcp://127.0.0.1:*") == 0 &&
                    zmq_getsockopt(s_pull, ZMQ_LAST_ENDPOINT, s_pull_ep, &len) == 0,
-               "rank 1's socket: %s", zmq_strerror(zmq_errno()));
+               "the played rank's socket: %s", zmq_strerror(zmq_errno()));
     const char *v = getenv("SCAPE_FUZZ_LOG");
     s_verbose = v && strcmp(v, "2") == 0;
 }
 
 typedef struct meet_ctx {
+    int real;
     char bound[256];
     const char *eps[2];
 } meet_ctx;
@@ -65,28 +67,31 @@ static scape_rc meet(void *arg, const char *bound, const char *const **endpoints
 {
     meet_ctx *m = arg;
     snprintf(m->bound, sizeof m->bound, "%s", bound);
-    m->eps[0] = m->bound;
-    m->eps[1] = s_pull_ep;
+    m->eps[m->real] = m->bound;
+    m->eps[1 - m->real] = s_pull_ep;
     *endpoints = m->eps;
     return SCAPE_OK;
 }
 
-/* The op's shape: rank 0's and rank 1's element counts. */
+/* The op, the real rank, rank 0's and rank 1's element counts. */
 typedef struct shape {
     enum op op;
+    int real;
     size_t n, chunk_bytes, cnt[2];
 } shape;
 
 static void read_shape(fuzz_in *in, shape *sh)
 {
-    sh->op = (enum op)(fuzz_u8(in) % OP_N);
+    uint32_t b = fuzz_u8(in);
+    sh->op = (enum op)((b & 0x7f) % OP_N);
+    sh->real = (int)(b >> 7);
     sh->n = 1 + fuzz_u8(in) % MAX_N;
     sh->chunk_bytes = 4 * (1 + fuzz_u8(in) % 8);
     sh->cnt[0] = (sh->n + 1) / 2; /* all-reduce's equal segments, for every op */
     sh->cnt[1] = sh->n - sh->cnt[0];
 }
 
-/* Run the op on rank 0. */
+/* Run the op on the real rank. */
 static scape_rc run_op(comm_t *c, const shape *sh)
 {
     float send[MAX_N], recv[MAX_N];
@@ -99,7 +104,7 @@ static scape_rc run_op(comm_t *c, const shape *sh)
     case OP_ALLGATHER: return comm_allgather(c, send, recv, bytes);
     case OP_REDUCE_SCATTER: return comm_reduce_scatter_sum(c, send, recv, sh->cnt);
     case OP_ALLREDUCE: return comm_allreduce_sum(c, send, sh->n);
-    case OP_BROADCAST: return comm_broadcast(c, recv, bytes[0] + bytes[1], 1);
+    case OP_BROADCAST: return comm_broadcast(c, recv, bytes[0] + bytes[1], 1 - sh->real);
     case OP_IAG:
         rc = comm_iallgather(c, send, recv, bytes);
         return rc == SCAPE_OK ? comm_iallgather_wait(c) : rc;
@@ -130,17 +135,18 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     fuzz_in in = { data, size };
     shape sh;
     read_shape(&in, &sh);
-    meet_ctx m;
-    comm_host_opts o = { .rank = 0, .size = 2, .listen = "tcp://127.0.0.1:*", .meet = meet,
+    meet_ctx m = { .real = sh.real };
+    comm_host_opts o = { .rank = sh.real, .size = 2, .listen = "tcp://127.0.0.1:*", .meet = meet,
                          .meet_arg = &m, .timeout_ms = TIMEOUT_MS,
                          .chunk_bytes = sh.chunk_bytes, .job = JOB };
     comm_t *c = NULL;
-    FUZZ_CHECK(comm_host_create(&o, &c) == SCAPE_OK, "rank 0: %s", scape_last_error());
+    FUZZ_CHECK(comm_host_create(&o, &c) == SCAPE_OK, "rank %d: %s", sh.real,
+               scape_last_error());
     void *push = zmq_socket(s_ctx, ZMQ_PUSH);
     int zero = 0;
     FUZZ_CHECK(push && zmq_setsockopt(push, ZMQ_LINGER, &zero, sizeof zero) == 0 &&
                    zmq_connect(push, m.bound) == 0,
-               "rank 1 -> rank 0: %s", zmq_strerror(zmq_errno()));
+               "played rank -> real rank: %s", zmq_strerror(zmq_errno()));
     uint32_t sel;
     const uint8_t *p;
     size_t n;
@@ -151,7 +157,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     }
     scape_rc rc = run_op(c, &sh);
     if (s_verbose)
-        fprintf(stderr, "%s of %zu floats: %s\n", s_names[sh.op], sh.n,
+        fprintf(stderr, "rank %d: %s of %zu floats: %s\n", sh.real, s_names[sh.op], sh.n,
                 rc == SCAPE_OK ? "done" : scape_last_error());
     if (rc != SCAPE_OK)
         FUZZ_CHECK(scape_last_error()[0] != '\0', "the collective failed without a reason");
@@ -166,31 +172,32 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     return 0;
 }
 
-/* ---- seeds: rank 1's side of every collective --------------------------------- */
+/* ---- seeds: the played rank's side of every collective ---------------------- */
 
-static void put_msg(fuzz_buf *b, int kind, int seq, int chunk, const void *body, size_t n)
+static void put_msg(fuzz_buf *b, int sender, int kind, int seq, int chunk, const void *body,
+                    size_t n)
 {
     uint8_t buf[4 + 4 * MAX_N];
     buf[0] = (uint8_t)kind;
     buf[1] = (uint8_t)seq;
     buf[2] = (uint8_t)chunk;
-    buf[3] = 1; /* sender */
+    buf[3] = (uint8_t)sender;
     if (n)
         memcpy(buf + 4, body, n);
     fuzz_put(b, 0, buf, 4 + n);
 }
 
-/* A stream of count floats in chunks: 0.5, 1.5, ... or all 0.25. */
-static void put_stream(fuzz_buf *b, int kind, int seq, size_t count, size_t chunk_bytes,
-                       int pattern)
+/* A stream of count floats in chunks: 0.5, 1.5, ... */
+static void put_stream(fuzz_buf *b, int sender, int kind, int seq, size_t count,
+                       size_t chunk_bytes)
 {
     size_t cf = chunk_bytes / 4;
     for (size_t i = 0; i * cf < count; i++) {
         float v[MAX_N];
         size_t len = count - i * cf < cf ? count - i * cf : cf;
         for (size_t j = 0; j < len; j++)
-            v[j] = pattern ? 0.5f + (float)(i * cf + j) : 0.25f;
-        put_msg(b, kind, seq, (int)i, v, 4 * len);
+            v[j] = 0.5f + (float)(i * cf + j);
+        put_msg(b, sender, kind, seq, (int)i, v, 4 * len);
     }
 }
 
@@ -198,30 +205,38 @@ void fuzz_seeds(fuzz_emit emit, void *ctx)
 {
     fuzz_buf *b = calloc(1, sizeof *b);
     FUZZ_CHECK(b != NULL, "out of memory");
-    for (int op = 0; op < OP_N; op++) {
-        b->len = 0;
-        const size_t n = 21, chunk_bytes = 8 * 4; /* several chunks, the last short */
-        b->data[b->len++] = (uint8_t)op;
-        b->data[b->len++] = (uint8_t)(n - 1);
-        b->data[b->len++] = (uint8_t)(chunk_bytes / 4 - 1);
-        size_t mine = (n + 1) / 2, theirs = n - mine;
-        switch ((enum op)op) {
-        case OP_BARRIER: put_msg(b, K_BAR_IN, 0, 0, NULL, 0); break;
-        case OP_ALLGATHER: put_stream(b, K_AG, 0, theirs, chunk_bytes, 1); break;
-        case OP_REDUCE_SCATTER: put_stream(b, K_RS_PART, 0, mine, chunk_bytes, 0); break;
-        case OP_ALLREDUCE: /* a reduce-scatter (op 0), then an all-gather (op 1) */
-            put_stream(b, K_RS_PART, 0, mine, chunk_bytes, 0);
-            put_stream(b, K_AG, 1, theirs, chunk_bytes, 1);
-            break;
-        case OP_BROADCAST: put_stream(b, K_BC, 0, n, chunk_bytes, 1); break;
-        case OP_IAG: put_stream(b, K_IAG, 0, theirs, chunk_bytes, 1); break;
-        case OP_N: break;
+    for (int real = 0; real < 2; real++)
+        for (int op = 0; op < OP_N; op++) {
+            b->len = 0;
+            const size_t n = 21, chunk_bytes = 8 * 4; /* several chunks, the last short */
+            b->data[b->len++] = (uint8_t)(op | real << 7);
+            b->data[b->len++] = (uint8_t)(n - 1);
+            b->data[b->len++] = (uint8_t)(chunk_bytes / 4 - 1);
+            int me = 1 - real; /* the played rank */
+            size_t cnt[2] = { (n + 1) / 2, n - (n + 1) / 2 };
+            switch ((enum op)op) {
+            case OP_BARRIER: /* rank 1 reports to rank 0, which releases it */
+                put_msg(b, me, me ? K_BAR_IN : K_BAR_OUT, 0, 0, NULL, 0);
+                break;
+            case OP_ALLGATHER: put_stream(b, me, K_AG, 0, cnt[me], chunk_bytes); break;
+            case OP_REDUCE_SCATTER:
+                put_stream(b, me, K_RS_PART, 0, cnt[real], chunk_bytes);
+                break;
+            case OP_ALLREDUCE: /* a reduce-scatter (op 0), then an all-gather (op 1) */
+                put_stream(b, me, K_RS_PART, 0, cnt[real], chunk_bytes);
+                put_stream(b, me, K_AG, 1, cnt[me], chunk_bytes);
+                break;
+            case OP_BROADCAST: put_stream(b, me, K_BC, 0, n, chunk_bytes); break;
+            case OP_IAG: put_stream(b, me, K_IAG, 0, cnt[me], chunk_bytes); break;
+            case OP_N: break;
+            }
+            /* A stray sender on the port: dropped and counted, never fatal. */
+            fuzz_put(b, 1, "hello?", 6);
+            fuzz_put(b, 2, "\x02\x00\x00\x01", 4);
+            fuzz_put(b, 4, "\x02\x00\x00\x01", 4);
+            char name[64];
+            snprintf(name, sizeof name, "rank%d-%s", real, s_names[op]);
+            emit(ctx, name, b->data, b->len);
         }
-        /* A stray sender on the port: dropped and counted, never fatal. */
-        fuzz_put(b, 1, "hello?", 6);
-        fuzz_put(b, 2, "\x02\x00\x00\x01", 4);
-        fuzz_put(b, 4, "\x02\x00\x00\x01", 4);
-        emit(ctx, s_names[op], b->data, b->len);
-    }
     free(b);
 }
