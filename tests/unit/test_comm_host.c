@@ -12,6 +12,7 @@
 #include <zmq.h>
 
 #include "comm_host.h"
+#include "comm_host_wire.h"
 #include "rank_threads.h"
 #include "try.h"
 #include "check_run.h"
@@ -441,13 +442,6 @@ END_TEST
 
 /* ---- a rank of this job that breaks the schedule -------------------------- */
 
-/* The wire header (comm_host.c): job, op sequence, chunk, magic, kind, sender. */
-typedef struct forged_hdr {
-    uint64_t job, seq, chunk;
-    uint32_t magic;
-    uint16_t kind, sender;
-} forged_hdr;
-
 /* Rank 0 of a fresh group runs a reduce-scatter of 2 x 50 floats while a raw
  * socket, posing as rank `sender` of the job, sends it one message; rank 0
  * must fail with PROTO and `want` in the message, long before the timeout. */
@@ -460,8 +454,8 @@ static void forged_part(uint16_t kind, uint16_t sender, uint64_t chunk, size_t f
     int linger = 0;
     ck_assert_int_eq(zmq_setsockopt(push, ZMQ_LINGER, &linger, sizeof linger), 0);
     ck_assert_int_eq(zmq_connect(push, g.ep[0]), 0);
-    forged_hdr h = { .job = 7, .seq = 0, .chunk = chunk, .magic = 0x31484353u, .kind = kind,
-                     .sender = sender };
+    wire_hdr h = { .job = 7, .seq = 0, .chunk = chunk, .magic = HOST_MAGIC, .kind = kind,
+                   .sender = sender };
     float body[64] = { 0 };
     ck_assert_int_eq(zmq_send(push, &h, sizeof h, ZMQ_SNDMORE), (int)sizeof h);
     ck_assert_int_eq(zmq_send(push, body, floats * sizeof *body, 0), (int)(floats * 4));
@@ -482,12 +476,39 @@ static void forged_part(uint16_t kind, uint16_t sender, uint64_t chunk, size_t f
 
 START_TEST(schedule_breakers_are_refused)
 {
-    forged_part(1, 1, 0, 3, "wrong length");          /* a part of 3 floats, not 50 */
-    forged_part(1, 1, 1, 50, "out of order or past");   /* chunk 1 of a 1-chunk segment */
-    forged_part(2, 1, 0, 50, "unexpected message");     /* an all-gather's kind */
+    forged_part(K_RS_PART, 1, 0, 3, "wrong length");     /* a part of 3 floats, not 50 */
+    forged_part(K_RS_PART, 1, 1, 50, "out of order or past"); /* chunk 1 of 1 */
+    forged_part(K_AG, 1, 0, 50, "unexpected message");
     forged_part(99, 1, 0, 50, "unknown kind");
-    forged_part(1, 0, 0, 50, "impossible sender");      /* rank 0 from outside */
-    forged_part(1, 5, 0, 50, "impossible sender");      /* no rank 5 in a group of 2 */
+    forged_part(K_RS_PART, 0, 0, 50, "impossible sender"); /* rank 0 from outside */
+    forged_part(K_RS_PART, 5, 0, 50, "impossible sender"); /* no rank 5 of 2 */
+}
+END_TEST
+
+/* A bad chunk of the asynchronous all-gather fails its wait with PROTO, and
+ * the message is freed once (it was freed twice on this path: run this
+ * under ASan). */
+START_TEST(bad_async_chunk_is_refused)
+{
+    group g;
+    group_open(&g, 2, 7, 20000);
+    void *zctx = zmq_ctx_new(), *push = zmq_socket(zctx, ZMQ_PUSH);
+    int linger = 0;
+    ck_assert_int_eq(zmq_setsockopt(push, ZMQ_LINGER, &linger, sizeof linger), 0);
+    ck_assert_int_eq(zmq_connect(push, g.ep[0]), 0);
+    wire_hdr h = { .job = 7, .seq = 0, .chunk = 0, .magic = HOST_MAGIC, .kind = K_IAG,
+                   .sender = 1 };
+    ck_assert_int_eq(zmq_send(push, &h, sizeof h, ZMQ_SNDMORE), (int)sizeof h);
+    ck_assert_int_eq(zmq_send(push, "abc", 3, 0), 3); /* 3 bytes of rank 1's 64 */
+    unsigned char send[64] = { 0 }, recv[128];
+    size_t counts[2] = { 64, 64 };
+    ck_assert_int_eq(comm_iallgather(g.c[0], send, recv, counts), SCAPE_OK);
+    ck_assert_int_eq(comm_iallgather_wait(g.c[0]), SCAPE_PROTO);
+    ck_assert_msg(strstr(scape_last_error(), "wrong length"), "%s", scape_last_error());
+    ck_assert_int_eq(comm_barrier(g.c[0]), SCAPE_PROTO);
+    zmq_close(push);
+    zmq_ctx_term(zctx);
+    group_close(&g, 2);
 }
 END_TEST
 
@@ -733,6 +754,7 @@ int main(void)
     tcase_add_test(tc, stop_lets_a_progressing_wait_finish);
     tcase_add_test(tc, stop_gives_up_a_stalled_wait);
     tcase_add_test(tc, schedule_breakers_are_refused);
+    tcase_add_test(tc, bad_async_chunk_is_refused);
     tcase_add_test(tc, ports_picked_by_the_kernel_are_met);
     tcase_add_test(tc, unpublishable_listen_and_failed_meet);
     suite_add_tcase(s, tc);
