@@ -297,9 +297,9 @@ int main(int argc, char **argv)
     for (int i = 0; i < npaths; i++)
         add_path(paths[i]);
     free(paths);
-    s_nfixed = s_npool;
     if (s_npool == 0)
-        add("", 0);
+        add("", 0); /* nothing given: start from the empty input */
+    s_nfixed = s_npool;
     for (size_t i = 0; i < s_nfixed; i++)
         run(s_pool[i].p, s_pool[i].n);
 
