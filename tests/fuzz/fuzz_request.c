@@ -54,13 +54,15 @@ void fuzz_setup(void)
     s_verbose = v && strcmp(v, "2") == 0;
 }
 
-/* Fresh buffers for both trainer slots: params 1, 2, 3, ..., grads small. */
+/* Fresh buffers for both trainer slots: params 1, 2, 3, ..., grads small.
+ * The names are fixed (the seeds name them); a second fuzz_request running
+ * at the same time may share them, which can only make a register fail. */
 static void make_buffers(void)
 {
     for (int t = 0; t < 2; t++)
         for (int g = 0; g < 2; g++) {
             shm_unlink(s_shm[t][g]);
-            int fd = shm_open(s_shm[t][g], O_RDWR | O_CREAT | O_EXCL, 0600);
+            int fd = shm_open(s_shm[t][g], O_RDWR | O_CREAT, 0600);
             FUZZ_CHECK(fd >= 0 && ftruncate(fd, NUMEL * sizeof(float)) == 0,
                        "cannot make %s", s_shm[t][g]);
             float *v = mmap(NULL, NUMEL * sizeof(float), PROT_READ | PROT_WRITE, MAP_SHARED,
