@@ -47,6 +47,7 @@ struct scape_session {
     lsc_dev_buf dparams, dgrads;  /* SCAPE_MEMORY_CUDA */
     int in_flight;  /* a step was begun and not yet waited for */
     int dead;       /* the daemon said goodbye */
+    int dev_shared; /* the daemon may have dparams/dgrads open (CUDA IPC) */
 };
 
 static atomic_uint s_counter;
@@ -336,6 +337,9 @@ static scape_rc register_layout(scape_session *s, const scape_tensor *layout, si
     Scape__Request q = SCAPE__REQUEST__INIT;
     q.body_case = SCAPE__REQUEST__BODY_REGISTER;
     q.register_ = &g;
+    /* From here the daemon may open the device buffers; only its answer to
+     * a detach says that it has closed them again. */
+    s->dev_shared = on_device(s);
     scape_rc rc = call(s, &q, SCAPE__REPLY__BODY_REGISTERED, NULL);
     free(ts);
     free(tp);
@@ -350,8 +354,16 @@ static void session_free(scape_session *s)
         zmq_ctx_term(s->zctx);
     shm_free(&s->params);
     shm_free(&s->grads);
-    lsc_cuda_free(&s->dparams);
-    lsc_cuda_free(&s->dgrads);
+    if (s->dev_shared) {
+        /* Freeing device memory that another process still has open is
+         * undefined (cudaIpcOpenMemHandle): keep it until this process ends. */
+        fprintf(stderr, "libscape: scaped did not confirm that it closed this trainer's CUDA "
+                "buffers (%zu bytes); they stay allocated until the process ends\n",
+                s->dparams.bytes + s->dgrads.bytes);
+    } else {
+        lsc_cuda_free(&s->dparams);
+        lsc_cuda_free(&s->dgrads);
+    }
     free(s);
 }
 
@@ -512,6 +524,8 @@ scape_rc scape_detach(scape_session **sp)
         q.body_case = SCAPE__REQUEST__BODY_DETACH;
         q.detach = &d;
         scape_rc drc = call(s, &q, 0, NULL);
+        if (drc == SCAPE_OK) /* answered once the daemon has closed our buffers */
+            s->dev_shared = 0;
         rc = rc == SCAPE_OK ? drc : rc;
     }
     session_free(s);

@@ -102,7 +102,12 @@ scape_rc scape_step(scape_session *s, uint64_t step, float lr, const float *loss
 scape_rc scape_step_begin(scape_session *s, uint64_t step, float lr, const float *loss);
 scape_rc scape_step_wait(scape_session *s, scape_step_info *info);
 
-/* Tell the daemon goodbye, free the buffers, and set *s to NULL. */
+/* Tell the daemon goodbye, free the buffers, and set *s to NULL.  CUDA
+ * buffers are freed only once the daemon has answered the goodbye (it
+ * answers after closing its mappings of them): when it did not (an error
+ * here, a failed attach, a daemon that shut down), they stay allocated until
+ * the process ends, and a line on stderr says so, because freeing device
+ * memory another process still has open is undefined. */
 scape_rc scape_detach(scape_session **s);
 
 /* The library's version string. */
