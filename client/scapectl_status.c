@@ -63,6 +63,24 @@ static void print_optional(printer *p, const char *key, const char *label,
         pr_null(p, key, label);
 }
 
+/* What the data port dropped as not of this job:
+ * `Strays : 20 dropped; the last: a message of job 99 ...`. */
+static void print_strays(printer *p, const Scape__StatusReply *st)
+{
+    if (!st->has_foreign_messages)
+        return;
+    char text[320];
+    if (st->foreign_messages == 0)
+        snprintf(text, sizeof text, "none dropped");
+    else
+        snprintf(text, sizeof text, "%llu dropped; the last: %s",
+                 (unsigned long long)st->foreign_messages,
+                 st->foreign_last ? st->foreign_last : "?");
+    pr_uint(p, "foreign_messages", "Strays", st->foreign_messages, text);
+    if (st->foreign_last)
+        pr_str(p, "foreign_last", NULL, st->foreign_last);
+}
+
 /* The other daemons: `Peers : 2 of 3 connected; down: rank 2`. */
 static void print_peers(printer *p, const Scape__StatusReply *st)
 {
@@ -177,6 +195,7 @@ static void print_status(printer *p, const Scape__StatusReply *st)
     if (st->data_endpoint)
         pr_str(p, "data_endpoint", NULL, st->data_endpoint);
     print_peers(p, st);
+    print_strays(p, st);
     print_last(p, st->last);
     print_optional(p, "loss", "Loss", st->has_loss, st->loss);
     if (st->has_queued_seconds_total) {

@@ -43,6 +43,7 @@ typedef struct status_buf {
     Scape__TrainerInfo *ptrs[SRV_MAX_SLOTS];
     Scape__CheckpointInfo ckpt;
     uint32_t down[64];
+    char foreign_last[200];
 } status_buf;
 
 static void fill_status(server *s, status_buf *b)
@@ -72,6 +73,10 @@ static void fill_status(server *s, status_buf *b)
         st->has_data_sent_bytes = st->has_data_recv_bytes = 1;
         st->data_sent_bytes = sent;
         st->data_recv_bytes = recvd;
+        st->has_foreign_messages = 1;
+        st->foreign_messages = comm_foreign(s->comm, b->foreign_last, sizeof b->foreign_last);
+        if (st->foreign_messages)
+            st->foreign_last = b->foreign_last;
     }
     if (s->data_ep[0])
         st->data_endpoint = s->data_ep;

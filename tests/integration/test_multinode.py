@@ -16,7 +16,8 @@ import pytest
 import zmq
 
 import pbwire
-from conftest import SOURCE, binary, free_endpoints, run_reference, run_trainer, synth_layout
+from conftest import (SOURCE, binary, free_endpoints, process_stopped, run_reference,
+                      run_trainer, synth_layout)
 
 sys.path.insert(0, os.path.join(SOURCE, "client", "python"))
 import scape  # noqa: E402
@@ -154,34 +155,49 @@ def test_daemons_match_local_backend(daemon_factory, tmp_path, trainers):
 
 def test_strays_on_the_data_port_are_dropped_and_logged(daemon_factory, tmp_path):
     """A raw ZeroMQ peer pushing junk, and a frame pair that looks like
-    another job's, at a daemon's data port while the job trains: the job's
-    result is unchanged and the daemon says what it dropped."""
-    n, steps, trainers = 3000, 300, [1, 1]
+    another job's, at a daemon's data port in the middle of the job: the
+    job's result is unchanged, and the daemon logs what it dropped and counts
+    it in status (scapectl status, --json, metrics)."""
+    n, steps, trainers, pause = 3000, 300, [1, 1], 100
     daemons = start_group(daemon_factory, trainers)
     procs = [run_trainer(d.endpoint, 0, n, steps, out=str(tmp_path / ("r%d" % r)),
-                         seed=1 + 1000 * r, sleep_ms=3, wait=False)
+                         seed=1 + 1000 * r, stop_before=pause, wait=False)
              for r, d in enumerate(daemons)]
+    deadline = time.time() + 60
+    while not all(process_stopped(p.pid) for p in procs):  # both before step 100
+        assert time.time() < deadline and all(p.poll() is None for p in procs), "no pause"
+        time.sleep(0.01)
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 0)
+    push.setsockopt(zmq.LINGER, 5000)  # close() sends what is queued
     listen = data_endpoint(daemons[1])
     assert re.fullmatch(r"tcp://127\.0\.0\.1:\d+", listen), listen
     push.connect(listen)
     other_job = (99).to_bytes(8, "little") + bytes(16) + (0x31484353).to_bytes(4, "little") \
         + (1).to_bytes(2, "little") + (0).to_bytes(2, "little")
-    try:
-        for _ in range(10):  # well inside the 300 steps of >= 3 ms
-            push.send(b"junk")
-            push.send_multipart([other_job, b"\0" * 64])
-            time.sleep(0.05)
-    finally:
-        push.close()
-        ctx.term()
-    running = [p.poll() is None for p in procs]
+    for _ in range(10):
+        push.send(b"junk")
+        push.send_multipart([other_job, b"\0" * 64])
+    push.close()
+    ctx.term()
+    for p in procs:  # 200 more steps: every stray is read among their messages
+        p.send_signal(signal.SIGCONT)
     for p in procs:
         o, e = p.communicate(timeout=300)
         assert p.returncode == 0, o + e
-    assert all(running), "the trainers finished before the strays were sent: make them slower"
+    for r, d in enumerate(daemons):
+        res = subprocess.run([binary("client", "scapectl"), "--runtime-dir", d.rt, "status",
+                              "--json"], capture_output=True, text=True, check=True)
+        js = json.loads(res.stdout)
+        assert js["foreign_messages"] == (20 if r == 1 else 0), js
+        assert ("job 99" in js["foreign_last"]) if r == 1 else "foreign_last" not in js, js
+    text = subprocess.run([binary("client", "scapectl"), "--runtime-dir", daemons[1].rt,
+                           "status"], capture_output=True, text=True, check=True).stdout
+    assert re.search(r"^Strays\s*: 20 dropped; the last: a message of job 99", text, re.M), text
+    metrics = subprocess.run([binary("client", "scapectl"), "--runtime-dir", daemons[1].rt,
+                              "metrics"], capture_output=True, text=True, check=True).stdout
+    assert re.search(r'^scape_data_foreign_messages_total\{rank="1"\} 20$', metrics, re.M), \
+        metrics
     for d in daemons:
         assert d.stop() == 0
     run_reference(str(tmp_path / "ref"), "1,1", n, steps, *ENGINE)
