@@ -442,6 +442,27 @@ END_TEST
 
 /* ---- a rank of this job that breaks the schedule -------------------------- */
 
+/* A raw PUSH socket at rank 0 of g (free: zmq_close, zmq_ctx_term). */
+static void *forger(const group *g, void **zctx)
+{
+    *zctx = zmq_ctx_new();
+    void *push = zmq_socket(*zctx, ZMQ_PUSH);
+    int linger = 0;
+    ck_assert_int_eq(zmq_setsockopt(push, ZMQ_LINGER, &linger, sizeof linger), 0);
+    ck_assert_int_eq(zmq_connect(push, g->ep[0]), 0);
+    return push;
+}
+
+/* One message of this job, job 7, as rank `sender` would frame it. */
+static void forge(void *push, uint16_t kind, uint16_t sender, uint64_t chunk, const void *body,
+                  size_t len)
+{
+    wire_hdr h = { .job = 7, .seq = 0, .chunk = chunk, .magic = HOST_MAGIC, .kind = kind,
+                   .sender = sender };
+    ck_assert_int_eq(zmq_send(push, &h, sizeof h, ZMQ_SNDMORE), (int)sizeof h);
+    ck_assert_int_eq(zmq_send(push, body, len, 0), (int)len);
+}
+
 /* Rank 0 of a fresh group runs a reduce-scatter of 2 x 50 floats while a raw
  * socket, posing as rank `sender` of the job, sends it one message; rank 0
  * must fail with PROTO and `want` in the message, long before the timeout. */
@@ -450,15 +471,9 @@ static void forged_part(uint16_t kind, uint16_t sender, uint64_t chunk, size_t f
 {
     group g;
     group_open(&g, 2, 7, 20000);
-    void *zctx = zmq_ctx_new(), *push = zmq_socket(zctx, ZMQ_PUSH);
-    int linger = 0;
-    ck_assert_int_eq(zmq_setsockopt(push, ZMQ_LINGER, &linger, sizeof linger), 0);
-    ck_assert_int_eq(zmq_connect(push, g.ep[0]), 0);
-    wire_hdr h = { .job = 7, .seq = 0, .chunk = chunk, .magic = HOST_MAGIC, .kind = kind,
-                   .sender = sender };
+    void *zctx, *push = forger(&g, &zctx);
     float body[64] = { 0 };
-    ck_assert_int_eq(zmq_send(push, &h, sizeof h, ZMQ_SNDMORE), (int)sizeof h);
-    ck_assert_int_eq(zmq_send(push, body, floats * sizeof *body, 0), (int)(floats * 4));
+    forge(push, kind, sender, chunk, body, floats * sizeof *body);
     float x[100] = { 0 };
     size_t counts[2] = { 50, 50 };
     struct timespec t0;
@@ -492,14 +507,8 @@ START_TEST(bad_async_chunk_is_refused)
 {
     group g;
     group_open(&g, 2, 7, 20000);
-    void *zctx = zmq_ctx_new(), *push = zmq_socket(zctx, ZMQ_PUSH);
-    int linger = 0;
-    ck_assert_int_eq(zmq_setsockopt(push, ZMQ_LINGER, &linger, sizeof linger), 0);
-    ck_assert_int_eq(zmq_connect(push, g.ep[0]), 0);
-    wire_hdr h = { .job = 7, .seq = 0, .chunk = 0, .magic = HOST_MAGIC, .kind = K_IAG,
-                   .sender = 1 };
-    ck_assert_int_eq(zmq_send(push, &h, sizeof h, ZMQ_SNDMORE), (int)sizeof h);
-    ck_assert_int_eq(zmq_send(push, "abc", 3, 0), 3); /* 3 bytes of rank 1's 64 */
+    void *zctx, *push = forger(&g, &zctx);
+    forge(push, K_IAG, 1, 0, "abc", 3); /* 3 bytes of rank 1's 64 */
     unsigned char send[64] = { 0 }, recv[128];
     size_t counts[2] = { 64, 64 };
     ck_assert_int_eq(comm_iallgather(g.c[0], send, recv, counts), SCAPE_OK);
@@ -547,10 +556,7 @@ START_TEST(foreign_messages_are_dropped)
     comm_foreign(g.c[0], why, sizeof why);
     ck_assert_msg(strstr(why, "job 99") && strstr(why, "this is job 7"), "%s", why);
 
-    void *zctx = zmq_ctx_new(), *push = zmq_socket(zctx, ZMQ_PUSH);
-    int linger = 0;
-    ck_assert_int_eq(zmq_setsockopt(push, ZMQ_LINGER, &linger, sizeof linger), 0);
-    ck_assert_int_eq(zmq_connect(push, g.ep[0]), 0);
+    void *zctx, *push = forger(&g, &zctx);
     unsigned char hdr[32];
     memset(hdr, 0xA5, sizeof hdr); /* the right size, a wrong magic number */
     ck_assert_int_eq(zmq_send(push, "garbage", 7, 0), 7);                  /* one frame */
