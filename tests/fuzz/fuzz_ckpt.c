@@ -31,6 +31,8 @@
 #define N 96
 static const eng_tensor s_layout[] = { { "w", 0, 64 }, { "b", 64, 32 } };
 static char s_root[64], s_step[128];
+/* A step directory's files, by record selector. */
+static const char *s_files[] = { "MANIFEST", "rank-00000.ckpt" };
 
 static void write_file(const char *path, const void *p, size_t n)
 {
@@ -54,9 +56,8 @@ static void make_engine(eng_t **e, comm_t **comm)
 static void remove_files(void)
 {
     char path[256];
-    static const char *files[] = { "MANIFEST", "rank-00000.ckpt" };
     for (int i = 0; i < 2; i++) {
-        snprintf(path, sizeof path, "%s/%s", s_step, files[i]);
+        snprintf(path, sizeof path, "%s/%s", s_step, s_files[i]);
         unlink(path);
     }
     snprintf(path, sizeof path, "%s/LATEST", s_root);
@@ -81,7 +82,6 @@ void fuzz_setup(void)
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
-    static const char *files[] = { "MANIFEST", "rank-00000.ckpt" };
     char path[256];
     remove_files();
     int latest = 0;
@@ -94,7 +94,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         if (sel == 2)
             snprintf(path, sizeof path, "%s/LATEST", s_root);
         else
-            snprintf(path, sizeof path, "%s/%s", s_step, files[sel]);
+            snprintf(path, sizeof path, "%s/%s", s_step, s_files[sel]);
         write_file(path, p, n);
         latest |= sel == 2;
     }
