@@ -1,29 +1,7 @@
 /* cpu_adam.c - CPU reference of the AdamS and AdamW updates.
- * The scalar formulas live in one inline function each, so the masked and
- * dense variants compute identical bits. */
+ * The scalar formulas are scape_formula.h's, so the masked and dense
+ * variants, and the CUDA kernels, compute identical bits. */
 #include "kern_internal.h"
-
-static inline void adams_one(float *theta, float *m, float g, float b1, float b2,
-                             float eps, float wd, float lr)
-{
-    float mi = *m, th = *theta;
-    float b = b1 * mi + (1.0f - b1) * g;
-    float v = b2 * (mi * mi) + (1.0f - b2) * (g * g);
-    *m = b;
-    *theta = th - lr * (b / (sqrtf(v) + eps) + wd * th);
-}
-
-static inline void adamw_one(float *theta, float *m, float *v, float g, float b1,
-                             float b2, float eps, float wd, float lr, float bc1,
-                             float bc2)
-{
-    float th = *theta;
-    float mi = b1 * *m + (1.0f - b1) * g;
-    float vi = b2 * *v + (1.0f - b2) * (g * g);
-    *m = mi;
-    *v = vi;
-    *theta = th - lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) + wd * th);
-}
 
 /* Shared validation of theta/m/(v)/sum/mask for the update kernels. */
 static scape_rc check_update(const char *fn, const float *theta, const float *m,
@@ -86,8 +64,8 @@ scape_rc kern_adams_masked(float *theta, float *m, const float *sum, float div,
         size_t base = w * 32;
         while (bits) {
             unsigned i = (unsigned)__builtin_ctz(bits);
-            adams_one(theta + base + i, m + base + i, sum[j++] / div, b1, b2,
-                      eps, wd, lr);
+            scape_f_adams(theta + base + i, m + base + i, scape_f_mean(sum[j++], div), b1,
+                          b2, eps, wd, lr);
             bits &= bits - 1;
         }
     }
@@ -103,7 +81,7 @@ scape_rc kern_adams_dense(float *theta, float *m, const float *sum, float div,
         return rc;
     const float b1 = h->beta1, b2 = h->beta2, eps = h->eps, wd = h->wd;
     for (size_t i = 0; i < n; i++)
-        adams_one(theta + i, m + i, sum[i] / div, b1, b2, eps, wd, lr);
+        scape_f_adams(theta + i, m + i, scape_f_mean(sum[i], div), b1, b2, eps, wd, lr);
     return SCAPE_OK;
 }
 
@@ -120,8 +98,8 @@ scape_rc kern_adamw_dense(float *theta, float *m, float *v, const float *sum,
     const float b1 = h->beta1, b2 = h->beta2, eps = h->eps, wd = h->wd;
     const float bc1 = kern_bias_correction(b1, t), bc2 = kern_bias_correction(b2, t);
     for (size_t i = 0; i < n; i++)
-        adamw_one(theta + i, m + i, v + i, sum[i] / div, b1, b2, eps, wd, lr,
-                  bc1, bc2);
+        scape_f_adamw(theta + i, m + i, v + i, scape_f_mean(sum[i], div), b1, b2, eps, wd,
+                      lr, bc1, bc2);
     return SCAPE_OK;
 }
 
@@ -147,8 +125,8 @@ scape_rc kern_adamw_masked(float *theta, float *m, float *v, const float *sum,
         size_t base = w * 32;
         while (bits) {
             unsigned i = (unsigned)__builtin_ctz(bits);
-            adamw_one(theta + base + i, m + base + i, v + base + i,
-                      sum[j++] / div, b1, b2, eps, wd, lr, bc1, bc2);
+            scape_f_adamw(theta + base + i, m + base + i, v + base + i,
+                          scape_f_mean(sum[j++], div), b1, b2, eps, wd, lr, bc1, bc2);
             bits &= bits - 1;
         }
     }

@@ -85,7 +85,7 @@ scape_rc kern_pack_ef(const float *g, float *e, const uint32_t *mask, size_t n,
         uint32_t bits = mask[w] & (len == 32 ? 0xffffffffu : tail_bits(n));
         /* a = g + e for the whole word, then move the set bits out. */
         for (size_t i = 0; i < len; i++)
-            ew[i] = gw[i] + ew[i];
+            ew[i] = scape_f_ef(gw[i], ew[i]);
         if (bits == 0xffffffffu) {
             memcpy(out + j, ew, 32 * sizeof(float));
             memset(ew, 0, 32 * sizeof(float));
@@ -161,7 +161,7 @@ scape_rc kern_mask_expand(const float *packed, const uint32_t *mask, size_t n,
             uint16_t *d = (uint16_t *)dense + base;
             while (bits) {
                 unsigned i = (unsigned)__builtin_ctz(bits);
-                d[i] = kern_bf16_from_f32(packed[j++]);
+                d[i] = scape_f_bf16(packed[j++]);
                 bits &= bits - 1;
             }
         }

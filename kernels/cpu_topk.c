@@ -16,13 +16,6 @@
 #define DIGIT_BITS 11
 #define NBUCKETS (1u << DIGIT_BITS)
 
-static inline uint32_t key_of(float x)
-{
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    return u & 0x7fffffffu;
-}
-
 scape_rc kern_mask_stat(const float *m, const float *g, const float *e, size_t n,
                         float beta1, float t_r, float *stat)
 {
@@ -37,8 +30,7 @@ scape_rc kern_mask_stat(const float *m, const float *g, const float *e, size_t n
     KERN_DISJOINT(fn, stat, n * 4, e, n * 4);
     const float c1 = 1.0f - beta1;
     for (size_t i = 0; i < n; i++) {
-        float a = g[i] + e[i];
-        stat[i] = fabsf(beta1 * m[i] + c1 * (a / t_r));
+        stat[i] = scape_f_stat(m[i], scape_f_ef(g[i], e[i]), beta1, c1, t_r);
     }
     return SCAPE_OK;
 }
@@ -53,7 +45,7 @@ scape_rc kern_abs_stat(const float *g, const float *e, size_t n, float *stat)
     KERN_DISJOINT(fn, stat, n * 4, g, n * 4);
     KERN_DISJOINT(fn, stat, n * 4, e, n * 4);
     for (size_t i = 0; i < n; i++)
-        stat[i] = fabsf(g[i] + e[i]);
+        stat[i] = scape_f_abs_stat(scape_f_ef(g[i], e[i]));
     return SCAPE_OK;
 }
 
@@ -74,7 +66,7 @@ typedef struct key_src {
 /* The statistic of one coordinate: the one expression every path uses. */
 static inline float stat_of(const float *m, float m_i, float a, float beta1, float c1, float t_r)
 {
-    return m ? fabsf(beta1 * m_i + c1 * (a / t_r)) : fabsf(a);
+    return m ? scape_f_stat(m_i, a, beta1, c1, t_r) : scape_f_abs_stat(a);
 }
 
 /* Keys of the elements [base, base + len) of one mask word (len <= 32) into
@@ -85,13 +77,13 @@ static void word_keys(const key_src *s, size_t base, size_t len, size_t *j, uint
     float a[32];
     if (s->stat) {
         for (size_t i = 0; i < len; i++)
-            out[i] = key_of(s->stat[base + i]);
+            out[i] = scape_f_key(s->stat[base + i]);
         return;
     }
     uint32_t bits = 0; /* stored a: the packed coordinates of this word */
     if (s->g) {
         for (size_t i = 0; i < len; i++)
-            a[i] = s->g[base + i] + s->e[base + i];
+            a[i] = scape_f_ef(s->g[base + i], s->e[base + i]);
     } else {
         memcpy(a, s->e + base, len * sizeof *a);
         bits = s->sent ? s->sent[base / 32] : 0;
@@ -103,13 +95,13 @@ static void word_keys(const key_src *s, size_t base, size_t len, size_t *j, uint
     }
     if (s->m)
         for (size_t i = 0; i < len; i++)
-            out[i] = key_of(stat_of(s->m, s->m[base + i], a[i], s->beta1, s->c1, s->t_r));
+            out[i] = scape_f_key(stat_of(s->m, s->m[base + i], a[i], s->beta1, s->c1, s->t_r));
     else
         for (size_t i = 0; i < len; i++)
-            out[i] = key_of(stat_of(NULL, 0.0f, a[i], 0.0f, 0.0f, 1.0f));
+            out[i] = scape_f_key(stat_of(NULL, 0.0f, a[i], 0.0f, 0.0f, 1.0f));
     if (s->packed_stat) /* the statistic there was taken beforehand */
         for (; bits; bits &= bits - 1)
-            out[__builtin_ctz(bits)] = key_of(s->packed[(*j)++]);
+            out[__builtin_ctz(bits)] = scape_f_key(s->packed[(*j)++]);
 }
 
 /* A key that may be the k-th largest: in the histogram bucket that holds it. */

@@ -2,8 +2,8 @@
  *
  * Each kern_cuda_* function validates its arguments exactly like the CPU
  * function of the same name, then enqueues work on the caller's stream.  The
- * arithmetic is written in the CPU's order and the build passes --fmad=false,
- * so the update kernels round like the reference, bit for bit.
+ * arithmetic is scape_formula.h's, the CPU's own, and the build passes
+ * --fmad=false, so the update kernels round like the reference, bit for bit.
  *
  * Three kernel families:
  *  - map kernels: one element (or one aligned group of four) per thread in a
@@ -140,20 +140,9 @@ __device__ __forceinline__ void st(T *p, size_t v, const vec<T, V> &a)
     reinterpret_cast<vec<T, V> *>(p)[v] = a;
 }
 
-/* Device copies of kern_bf16_from_f32 / kern_f32_from_bf16. */
-__device__ __forceinline__ uint16_t d_bf16_from_f32(float x)
-{
-    uint32_t u = __float_as_uint(x);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x0040u);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-__device__ __forceinline__ float d_to_f32(uint16_t x) { return __uint_as_float((uint32_t)x << 16); }
+/* Element loads of the accumulating ops: scape_formula.h's conversion. */
+__device__ __forceinline__ float d_to_f32(uint16_t x) { return scape_f_from_bf16(x); }
 __device__ __forceinline__ float d_to_f32(float x) { return x; }
-
-/* Radix key: |x| orders like its bit pattern; NaN lands above +inf. */
-__device__ __forceinline__ uint32_t key_of(float x) { return __float_as_uint(x) & 0x7fffffffu; }
 
 __device__ __forceinline__ size_t global_tid() { return (size_t)blockIdx.x * blockDim.x + threadIdx.x; }
 __device__ __forceinline__ size_t grid_threads() { return (size_t)gridDim.x * blockDim.x; }
@@ -302,10 +291,8 @@ struct mask_stat_op {
     {
         vec<float, V> mv = ld<V>(m, v), gv = ld<V>(g, v), ev = ld<V>(e, v), r;
 #pragma unroll
-        for (int i = 0; i < V; i++) {
-            float a = gv.x[i] + ev.x[i];
-            r.x[i] = fabsf(beta1 * mv.x[i] + c1 * (a / t_r));
-        }
+        for (int i = 0; i < V; i++)
+            r.x[i] = scape_f_stat(mv.x[i], scape_f_ef(gv.x[i], ev.x[i]), beta1, c1, t_r);
         st<V>(stat, v, r);
     }
 };
@@ -318,7 +305,7 @@ struct abs_stat_op {
         vec<float, V> gv = ld<V>(g, v), ev = ld<V>(e, v), r;
 #pragma unroll
         for (int i = 0; i < V; i++)
-            r.x[i] = fabsf(gv.x[i] + ev.x[i]);
+            r.x[i] = scape_f_abs_stat(scape_f_ef(gv.x[i], ev.x[i]));
         st<V>(stat, v, r);
     }
 };
@@ -368,7 +355,7 @@ template <class S, bool OVERWRITE> struct accum_op {
             d = ld<V>(dst, v);
 #pragma unroll
         for (int i = 0; i < V; i++)
-            d.x[i] = OVERWRITE ? d_to_f32(s.x[i]) : d.x[i] + d_to_f32(s.x[i]);
+            d.x[i] = OVERWRITE ? d_to_f32(s.x[i]) : scape_f_grad_add(d.x[i], d_to_f32(s.x[i]));
         st<V>(dst, v, d);
     }
 };
@@ -408,7 +395,7 @@ struct to_bf16_op {
         vec<uint16_t, V> d;
 #pragma unroll
         for (int i = 0; i < V; i++)
-            d.x[i] = d_bf16_from_f32(s.x[i]);
+            d.x[i] = scape_f_bf16(s.x[i]);
         st<V>(dst, v, d);
     }
 };
@@ -475,7 +462,7 @@ extern "C" scape_rc kern_cuda_mask_or(uint32_t *dst, const uint32_t *src, size_t
     return launch_map(fn, or_op{dst, src}, nwords, vec4, as_stream(stream));
 }
 
-/* ---- Adam family: the scalar updates of cpu_adam.c ----------------------- */
+/* ---- Adam family: the updates of scape_formula.h ------------------------- */
 
 struct adam_par {
     float div, b1, b2, eps, wd, lr, bc1, bc2;
@@ -483,22 +470,13 @@ struct adam_par {
 
 __device__ __forceinline__ void adams_one(float &theta, float &m, float g, const adam_par &p)
 {
-    float mi = m, th = theta;
-    float b = p.b1 * mi + (1.0f - p.b1) * g;
-    float v = p.b2 * (mi * mi) + (1.0f - p.b2) * (g * g);
-    m = b;
-    theta = th - p.lr * (b / (sqrtf(v) + p.eps) + p.wd * th);
+    scape_f_adams(&theta, &m, g, p.b1, p.b2, p.eps, p.wd, p.lr);
 }
 
 __device__ __forceinline__ void adamw_one(float &theta, float &m, float &v, float g,
                                           const adam_par &p)
 {
-    float th = theta;
-    float mi = p.b1 * m + (1.0f - p.b1) * g;
-    float vi = p.b2 * v + (1.0f - p.b2) * (g * g);
-    m = mi;
-    v = vi;
-    theta = th - p.lr * ((mi / p.bc1) / (sqrtf(vi / p.bc2) + p.eps) + p.wd * th);
+    scape_f_adamw(&theta, &m, &v, g, p.b1, p.b2, p.eps, p.wd, p.lr, p.bc1, p.bc2);
 }
 
 static adam_par make_par(const kern_hyper *h, float div, float lr, uint64_t t)
@@ -520,7 +498,7 @@ struct adams_dense_op {
         vec<float, V> th = ld<V>(theta, v), mv = ld<V>(m, v), s = ld<V>(sum, v);
 #pragma unroll
         for (int i = 0; i < V; i++)
-            adams_one(th.x[i], mv.x[i], s.x[i] / p.div, p);
+            adams_one(th.x[i], mv.x[i], scape_f_mean(s.x[i], p.div), p);
         st<V>(m, v, mv);
         st<V>(theta, v, th);
     }
@@ -536,7 +514,7 @@ struct adamw_dense_op {
         vec<float, V> s = ld<V>(sum, v);
 #pragma unroll
         for (int i = 0; i < V; i++)
-            adamw_one(th.x[i], mv.x[i], w.x[i], s.x[i] / p.div, p);
+            adamw_one(th.x[i], mv.x[i], w.x[i], scape_f_mean(s.x[i], p.div), p);
         st<V>(m, v, mv);
         st<V>(vv, v, w);
         st<V>(theta, v, th);
@@ -784,7 +762,7 @@ struct pack_ef_op {
     }
     __device__ void store(size_t i, uint32_t j, bool on, item x) const
     {
-        float a = x.g + x.e;
+        float a = scape_f_ef(x.g, x.e);
         if (on)
             out[j] = a;
         e[i] = on ? 0.0f : a;
@@ -854,7 +832,7 @@ template <bool BF16> struct expand_op {
         if (!on)
             return;
         if (BF16)
-            static_cast<uint16_t *>(dense)[i] = d_bf16_from_f32(x);
+            static_cast<uint16_t *>(dense)[i] = scape_f_bf16(x);
         else
             static_cast<float *>(dense)[i] = x;
     }
@@ -899,7 +877,7 @@ struct adams_masked_op {
     {
         if (!on)
             return;
-        adams_one(x.th, x.m, x.s / p.div, p);
+        adams_one(x.th, x.m, scape_f_mean(x.s, p.div), p);
         m[i] = x.m;
         theta[i] = x.th;
     }
@@ -920,7 +898,7 @@ struct adamw_masked_op {
     {
         if (!on)
             return;
-        adamw_one(x.th, x.m, x.v, x.s / p.div, p);
+        adamw_one(x.th, x.m, x.v, scape_f_mean(x.s, p.div), p);
         m[i] = x.m;
         v[i] = x.v;
         theta[i] = x.th;
@@ -1010,13 +988,13 @@ __global__ void __launch_bounds__(HIST_THREADS)
         vec<float, V> x = ld<V>(stat, v), y = two ? ld<V>(stat, v + stride) : x;
 #pragma unroll
         for (int i = 0; i < V; i++) {
-            count_key(h, key_of(x.x[i]), prefix, pshift, shift, bins);
+            count_key(h, scape_f_key(x.x[i]), prefix, pshift, shift, bins);
             if (two)
-                count_key(h, key_of(y.x[i]), prefix, pshift, shift, bins);
+                count_key(h, scape_f_key(y.x[i]), prefix, pshift, shift, bins);
         }
     }
     if (V > 1 && t < n - nv * V)
-        count_key(h, key_of(stat[nv * V + t]), prefix, pshift, shift, bins);
+        count_key(h, scape_f_key(stat[nv * V + t]), prefix, pshift, shift, bins);
     flush_hist(h, bins, st->hist[LEVEL]);
 }
 
@@ -1067,7 +1045,7 @@ __device__ void ballot_tile(const float *stat, size_t n, uint32_t tau, uint32_t 
         for (unsigned b = 0; b < BATCH; b++) {
             size_t i = e0 + (size_t)((r0 + b) * WARPS + warp) * 32 + lane;
             ok[b] = i < n;
-            u[b] = ok[b] ? key_of(stat[i]) : 0u;
+            u[b] = ok[b] ? scape_f_key(stat[i]) : 0u;
         }
 #pragma unroll
         for (unsigned b = 0; b < BATCH; b++) {

@@ -21,6 +21,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "scape_formula.h"
 #include "scape_rc.h"
 
 #ifdef __cplusplus
@@ -162,20 +163,9 @@ scape_rc kern_f32_to_bf16(const float *src, uint16_t *dst, size_t n);
 /* bf16 -> fp32 (exact). */
 scape_rc kern_bf16_to_f32(const uint16_t *src, float *dst, size_t n);
 
-/* Scalar conversions shared by the CPU code paths. */
-static inline uint16_t kern_bf16_from_f32(float x)
-{
-    union { float f; uint32_t u; } c = { .f = x };
-    /* Both candidates, then a select: branch-free, so loops vectorise. */
-    uint32_t rounded = (c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16;
-    uint32_t quiet = (c.u >> 16) | 0x0040u; /* NaN stays NaN, sign kept */
-    return (uint16_t)((c.u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
-}
-static inline float kern_f32_from_bf16(uint16_t x)
-{
-    union { uint32_t u; float f; } c = { .u = (uint32_t)x << 16 };
-    return c.f;
-}
+/* Scalar conversions (scape_formula.h), under their kernel names. */
+static inline uint16_t kern_bf16_from_f32(float x) { return scape_f_bf16(x); }
+static inline float kern_f32_from_bf16(uint16_t x) { return scape_f_from_bf16(x); }
 
 /* ---- CUDA twins ----------------------------------------------------------
  * Same semantics as the CPU functions of the same name, on device pointers,
