@@ -225,3 +225,13 @@ void comm_destroy(comm_t **c)
     (*c)->ops->destroy(*c);
     *c = NULL;
 }
+
+void *comm_device_stream(const comm_t *c)
+{
+    return c && c->ops && c->ops->device_stream ? c->ops->device_stream(c) : NULL;
+}
+
+scape_rc comm_device_sync(comm_t *c)
+{
+    return c && c->ops && c->ops->device_sync ? c->ops->device_sync(c) : SCAPE_OK;
+}

@@ -74,6 +74,14 @@ typedef struct comm_ops {
      * synchronising CUDA call (cudaFreeHost) cannot wait on a collective
      * that a dead peer stalls (NULL: the backend runs nothing on a device). */
     int (*quiet)(const comm_t *c);
+    /* The CUDA stream (a cudaStream_t) on which the backend also takes
+     * device memory: a collective on device buffers is then enqueued there,
+     * in place, and returns at once; it is done when the stream has reached
+     * it (NULL: host memory only). */
+    void *(*device_stream)(const comm_t *c);
+    /* Wait, bounded like every wait of the backend, until the device stream
+     * has run everything enqueued on it (with device_stream). */
+    scape_rc (*device_sync)(comm_t *c);
 } comm_ops;
 
 struct comm {
@@ -124,6 +132,10 @@ uint64_t comm_foreign(const comm_t *c, char *why, size_t len);
 /* Bytes really sent and received on the data plane so far, framing
  * included: 1 when the backend measures them (host), else 0 and zeros. */
 int comm_data_bytes(const comm_t *c, uint64_t *sent, uint64_t *recvd);
+/* The stream on which the comm takes device memory, or NULL (comm_ops). */
+void *comm_device_stream(const comm_t *c);
+/* Wait until that stream has run all its work (SCAPE_OK without one). */
+scape_rc comm_device_sync(comm_t *c);
 /* Free one rank's handle and set *c to NULL. */
 void comm_destroy(comm_t **c);
 

@@ -1,11 +1,6 @@
-/* engine.c - one rank's optimizer step (algorithm.md, "Step t").
- *
- * Per step: intake (sum the local trainers' gradients) -> pick the mask
- * (all ones in warm-up, else the lagged one, waiting for its all-gather) ->
- * statistics and top-k of the next mask for the owned tensors, whose
- * all-gather starts at once -> pack a = G + e on the mask and keep the rest
- * in e -> one reduction collective -> update on the mask -> (sharded) gather
- * the updated values -> write them into every trainer's buffer.
+/* engine.c - one rank's optimizer: creation, the handshake between ranks,
+ * the checks around each step (the phases are engine_step.c's, the
+ * per-coordinate work the executor's, exec.h).
  */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
@@ -25,6 +20,9 @@ static const char *const s_opt_names[ENG_OPT_COUNT] = {
 static const char *const s_mode_names[ENG_MODE_COUNT] = {
     [ENG_MODE_REPLICATED] = "replicated", [ENG_MODE_SHARDED] = "sharded",
 };
+static const char *const s_exec_names[ENG_EXEC_COUNT] = {
+    [ENG_EXEC_HOST] = "host", [ENG_EXEC_CUDA] = "cuda", [ENG_EXEC_SIM] = "sim",
+};
 
 void eng_config_default(eng_config *cfg)
 {
@@ -36,6 +34,8 @@ void eng_config_default(eng_config *cfg)
     cfg->hyper = (kern_hyper){ .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .wd = 0.0f };
     cfg->intake_chunk = 16384;
     cfg->threads = 1;
+    cfg->executor = ENG_EXEC_HOST;
+    cfg->residual_chunk = (size_t)4 << 20;
 }
 
 const char *eng_optimizer_name(eng_optimizer opt)
@@ -46,6 +46,22 @@ const char *eng_optimizer_name(eng_optimizer opt)
 const char *eng_mode_name(eng_mode mode)
 {
     return (unsigned)mode < ENG_MODE_COUNT ? s_mode_names[mode] : "?";
+}
+
+const char *eng_executor_name(eng_executor x)
+{
+    return (unsigned)x < ENG_EXEC_COUNT ? s_exec_names[x] : "?";
+}
+
+scape_rc eng_executor_parse(const char *s, eng_executor *out)
+{
+    for (int i = 0; s && out && i < ENG_EXEC_COUNT; i++)
+        if (strcmp(s, s_exec_names[i]) == 0) {
+            *out = (eng_executor)i;
+            return SCAPE_OK;
+        }
+    return scape_set_error(SCAPE_INVALID, "unknown executor '%s' (host, cuda, sim)",
+                           s ? s : "(null)");
 }
 
 scape_rc eng_optimizer_parse(const char *s, eng_optimizer *out)
@@ -90,6 +106,12 @@ static scape_rc check_config(const eng_config *c)
     if (c->threads < 1 || c->threads > POOL_MAX_THREADS)
         return scape_set_error(SCAPE_INVALID, "config: threads=%d must be in [1, %d]",
                                c->threads, POOL_MAX_THREADS);
+    if ((unsigned)c->executor >= ENG_EXEC_COUNT)
+        return scape_set_error(SCAPE_INVALID, "config: unknown executor %d", (int)c->executor);
+    if (c->residual_chunk < 32 || c->residual_chunk % 32)
+        return scape_set_error(SCAPE_INVALID,
+                               "config: residual_chunk=%zu must be a positive multiple of 32",
+                               c->residual_chunk);
     const kern_hyper *h = &c->hyper;
     if (!(h->beta1 >= 0.0f && h->beta1 < 1.0f) || !(h->beta2 >= 0.0f && h->beta2 < 1.0f))
         return scape_set_error(SCAPE_INVALID, "config: beta1=%g beta2=%g must be in [0, 1)",
@@ -114,31 +136,12 @@ uint64_t eng_config_hash(const eng_config *c)
     return h;
 }
 
-/* The pack's pieces: every tensor in comm order cut into intake_chunk
- * coordinates (a multiple of 32, so each piece starts on a mask word). */
-static scape_rc plan_items(eng_t *e)
-{
-    const plan *p = e->p;
-    size_t chunk = e->cfg.intake_chunk, n = 0;
-    for (size_t j = 0; j < p->ntensors; j++)
-        n += (p->t[p->order[j]].len + chunk - 1) / chunk;
-    e->items = calloc(n ? n : 1, sizeof *e->items);
-    if (e->items == NULL)
-        return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
-    e->nitems = 0;
-    for (size_t j = 0; j < p->ntensors; j++) {
-        size_t len = p->t[p->order[j]].len;
-        for (size_t c = 0; c < len; c += chunk)
-            e->items[e->nitems++] = (eng_item){ .j = j, .c = c,
-                                                .len = len - c < chunk ? len - c : chunk };
-    }
-    return SCAPE_OK;
-}
-
+/* The sizes the plan gives this rank, the small host arrays, and the
+ * executor with every vector. */
 static scape_rc alloc_state(eng_t *e)
 {
     const plan *p = e->p;
-    size_t n = p->n, w = p->nwords, R = (size_t)e->comm->size;
+    size_t n = p->n, R = (size_t)e->comm->size;
     const plan_shard *me = &p->shard[e->rank];
     int sharded = e->cfg.mode == ENG_MODE_SHARDED;
     int topk = e->cfg.optimizer == ENG_OPT_TOPK_ADAMW;
@@ -146,26 +149,11 @@ static scape_rc alloc_state(eng_t *e)
 
     e->state_base = sharded ? me->pos0 : 0;
     e->state_len = sharded ? me->len : n;
-    size_t sl = e->state_len ? e->state_len : 1;
     e->k_cap = dense_only ? 1 : topk ? (R * p->k_total < n ? R * p->k_total : n) : p->k_total;
-    e->m = calloc(sl, sizeof(float));
-    e->v = eng_uses_v(e) ? calloc(sl, sizeof(float)) : NULL;
-    e->theta = calloc(sl, sizeof(float));
-    e->e = calloc(n, sizeof(float));
-    e->send = calloc(e->k_cap, sizeof(float));
-    e->upd = calloc(e->k_cap, sizeof(float));
-    if (e->cfg.defer_select && e->cfg.optimizer == ENG_OPT_SCAPE &&
-        (e->sstat = calloc(e->k_cap, sizeof(float))) == NULL)
-        return scape_set_error(SCAPE_NOMEM, "engine: cannot allocate state for N=%zu", n);
-    size_t workers = (size_t)e->cfg.threads;
-    e->topk_scratch_bytes = kern_topk_scratch_bytes(p->max_len);
-    e->topk_scratch = malloc(e->topk_scratch_bytes ? workers * e->topk_scratch_bytes : 1);
-    e->mask_buf[0] = calloc(w, sizeof(uint32_t));
-    e->mask_buf[1] = calloc(w, sizeof(uint32_t));
     e->toff = calloc(p->ntensors + 1, sizeof(size_t));
     e->counts = calloc(R, sizeof(size_t));
     e->code_bytes = calloc(R, sizeof(size_t));
-    if (e->code_bytes == NULL)
+    if (e->toff == NULL || e->counts == NULL || e->code_bytes == NULL)
         return scape_set_error(SCAPE_NOMEM, "engine: cannot allocate state for N=%zu", n);
     /* SCAPE: each rank sends its shard's bits; topk-adamw: every rank all of its own. */
     for (size_t r = 0; r < R; r++) {
@@ -176,29 +164,9 @@ static scape_rc alloc_state(eng_t *e)
             e->code_off = e->code_total;
         e->code_total += e->code_bytes[r];
     }
-    e->code_all = calloc(e->code_total / 4 + 1, sizeof(uint32_t));
-    if (!e->m || (eng_uses_v(e) && !e->v) || !e->theta || !e->e || !e->send || !e->upd ||
-        !e->topk_scratch || !e->mask_buf[0] || !e->mask_buf[1] || !e->code_all || !e->toff ||
-        !e->counts)
-        return scape_set_error(SCAPE_NOMEM, "engine: cannot allocate state for N=%zu", n);
+    TRY(exec_create(e));
     e->mask_cur = NULL;
     e->mask_next = e->mask_buf[0];
-    TRY(plan_items(e));
-    TRY(pool_create(&e->pool, e->cfg.threads));
-    return eng_alloc_intake(e);
-}
-
-scape_rc eng_alloc_intake(eng_t *e)
-{
-    if (e->tr == 1 && e->gdt == KERN_F32)
-        return SCAPE_OK; /* the trainer's buffer is G_r */
-    int whole = e->cfg.optimizer == ENG_OPT_TOPK_ADAMW; /* selects before packing */
-    float **buf = whole ? &e->g : &e->gchunk;
-    if (*buf == NULL)
-        *buf = calloc(whole ? e->p->n : (size_t)e->cfg.threads * e->cfg.intake_chunk,
-                      sizeof(float));
-    if (*buf == NULL)
-        return scape_set_error(SCAPE_NOMEM, "engine: cannot allocate the intake buffer");
     return SCAPE_OK;
 }
 
@@ -279,12 +247,11 @@ void eng_destroy(eng_t **ep)
     eng_t *e = *ep;
     if (e->mask_pending && !e->broken)
         comm_iallgather_wait(e->comm);
-    pool_destroy(&e->pool);
+    exec_destroy(e);
+    eng_ckpt_unstage(e);
     plan_destroy(&e->p);
-    void *bufs[] = { e->items, e->m, e->v, e->theta, e->e, e->g, e->gchunk, e->send, e->upd,
-                     e->topk_scratch, e->sstat,
-                     e->mask_buf[0], e->mask_buf[1], e->code_all,
-                     e->code_bytes, e->toff, e->counts, e->ghat, e->ghave };
+    void *bufs[] = { e->code_bytes, e->toff, e->counts, e->ghat, e->ghave, e->bounce,
+                     e->mbounce };
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         free(bufs[i]);
     free(e);
@@ -301,7 +268,6 @@ scape_rc eng_set_local_trainers(eng_t *e, int local_trainers)
                                ENG_MAX_TRAINERS);
     TRY(eng_step_finish(e)); /* it selects with the old T_r */
     e->tr = local_trainers;
-    TRY(eng_alloc_intake(e));
     return handshake(e);
 }
 
@@ -325,19 +291,20 @@ scape_rc eng_init_params(eng_t *e, void *const *params)
         return scape_set_error(SCAPE_INVALID, "eng_init_params: already initialised");
     TRY(check_buffers(e, (const void *const *)params, "params"));
     size_t bytes = e->p->n * kern_dtype_size(e->pdt);
-    TRY(comm_broadcast(e->comm, params[0], bytes, 0));
-    for (int j = 1; j < e->tr; j++)
-        memcpy(params[j], params[0], bytes);
-    for (size_t i = 0; i < e->p->ntensors; i++) {
-        const plan_tensor *t = &e->p->t[i];
-        if (t->pos < e->state_base || t->pos >= e->state_base + e->state_len)
-            continue;
-        float *dst = e->theta + (t->pos - e->state_base);
-        if (e->pdt == KERN_F32)
-            memcpy(dst, (const float *)params[0] + t->off, t->len * sizeof(float));
-        else
-            TRY(kern_bf16_to_f32((const uint16_t *)params[0] + t->off, dst, t->len));
-    }
+    exec_t *x = e->x;
+    /* On the host, trainer 0's buffer itself; else through the dense buffer
+     * (N floats hold N parameters of either dtype) */
+    void *buf = x->host_memory ? params[0] : (void *)e->dense;
+    if (buf != params[0])
+        TRY(x->ops->copy(x, buf, params[0], bytes));
+    TRY(eng_broadcast(e, buf, bytes, 0));
+    for (int j = 0; j < e->tr; j++)
+        if (params[j] != buf)
+            TRY(x->ops->copy(x, params[j], buf, bytes));
+    TRY(x->ops->load_theta(x, buf));
+    TRY(x->ops->sync(x));
+    if (buf == e->e)
+        e->e_stale = 1; /* it held the parameters: the residual is zero */
     e->initialised = 1;
     return SCAPE_OK;
 }
@@ -381,6 +348,7 @@ scape_rc eng_step(eng_t *e, uint64_t t, float lr, const void *const *grads,
         return scape_set_error(SCAPE_INVALID, "eng_step: engine is NULL");
     TRY(check_step(e, t, lr, grads, params));
     TRY(eng_step_finish(e)); /* the caller left the last step's selection */
+    eng_ckpt_unstage(e);     /* a checkpoint's host copies are written by now */
     comm_stats before = e->comm->stats;
     memset(&e->last, 0, sizeof e->last);
     memset(e->used_iag, 0, sizeof e->used_iag);

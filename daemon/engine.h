@@ -32,6 +32,14 @@ typedef enum eng_mode {
     ENG_MODE_COUNT
 } eng_mode;
 
+/* Where the step's per-coordinate work runs (exec.h). */
+typedef enum eng_executor {
+    ENG_EXEC_HOST = 0, /* CPU kernels on a thread pool, state in host memory */
+    ENG_EXEC_CUDA,     /* CUDA kernels, state on the GPU */
+    ENG_EXEC_SIM,      /* the cuda executor's orchestration on the CPU (tests) */
+    ENG_EXEC_COUNT
+} eng_executor;
+
 typedef struct eng_config {
     eng_optimizer optimizer;
     eng_mode mode;
@@ -49,6 +57,14 @@ typedef struct eng_config {
                             eng_step_finish, so a caller can return the
                             parameters first (default 0).  Results do not depend
                             on it; every rank must set it alike. */
+    eng_executor executor; /* host (default), cuda or sim; results do not
+                              depend on it, ranks may differ */
+    int device;            /* cuda: the CUDA device ordinal (default 0) */
+    int residual_on_device; /* cuda/sim: keep the residual in device memory
+                               instead of pinned host memory (default 0) */
+    size_t residual_chunk; /* cuda/sim: coordinates of the residual streamed
+                              through the GPU at a time (default 4 Mi); a
+                              multiple of 32 */
 } eng_config;
 
 typedef struct eng_tensor {
@@ -102,6 +118,8 @@ void eng_config_default(eng_config *cfg);
 /* Names as used in configuration files ("scape", "topk-adamw", "sharded"...). */
 const char *eng_optimizer_name(eng_optimizer opt);
 const char *eng_mode_name(eng_mode mode);
+const char *eng_executor_name(eng_executor x);
+scape_rc eng_executor_parse(const char *s, eng_executor *out);
 scape_rc eng_optimizer_parse(const char *s, eng_optimizer *out);
 scape_rc eng_mode_parse(const char *s, eng_mode *out);
 
@@ -113,8 +131,10 @@ scape_rc eng_create(eng_t **out, const eng_config *cfg, const eng_layout *layout
  * and initialise the master copy from them (collective, before step 1). */
 scape_rc eng_init_params(eng_t *e, void *const *params);
 /* Step t (t = last step + 1): grads[j] and params[j] are trainer j's buffers
- * of N elements in the layout's dtypes.  Writes the new parameters into every
- * params[j] (collective). */
+ * of N elements in the layout's dtypes: host memory for the host executor;
+ * device memory or pinned (cudaHostRegister'ed) host memory for the cuda
+ * executor.  Writes the new parameters into every params[j] and returns once
+ * they are there (collective). */
 scape_rc eng_step(eng_t *e, uint64_t t, float lr, const void *const *grads,
                   void *const *params);
 /* With cfg.defer_select: select the next mask and start its all-gather,
@@ -139,6 +159,11 @@ size_t eng_n(const eng_t *e);
  * for its state range (all N when replicated, its shard when sharded), the
  * residual for all N. */
 uint64_t eng_state_bytes(const eng_t *e);
+/* Bytes of device memory and of pinned host memory the executor holds. */
+uint64_t eng_device_bytes(const eng_t *e);
+uint64_t eng_pinned_bytes(const eng_t *e);
+/* The executor that runs the step (host, cuda or sim). */
+eng_executor eng_get_executor(const eng_t *e);
 /* T, the trainers of all ranks. */
 int eng_total_trainers(const eng_t *e);
 /* k_l of tensor l (layout index) and its owning rank. */

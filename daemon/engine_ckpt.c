@@ -43,6 +43,57 @@ int eng_ckpt_layout(eng_optimizer opt, uint32_t flags, size_t state_len, size_t 
     return k;
 }
 
+void eng_ckpt_unstage(eng_t *e)
+{
+    free(e->stage);
+    e->stage = NULL;
+    e->nstaged = 0;
+}
+
+/* The residual is host memory even where the other vectors are not (the
+ * cuda executor's pinned residual). */
+static int host_section(const eng_t *e, uint32_t id)
+{
+    return e->x->host_memory || (id == ENG_SEC_RESIDUAL && e->x->residual_host);
+}
+
+/* Point the sections that are not in host memory at host copies, filled
+ * from the executor when `down` (saving); the rest stay where they are.
+ * Waits for the executor's work either way, so host sections are current. */
+static scape_rc stage(eng_t *e, eng_ckpt_sec *secs, int nsecs, int down)
+{
+    eng_ckpt_unstage(e);
+    size_t total = 0;
+    for (int i = 0; i < nsecs; i++)
+        if (!host_section(e, secs[i].id))
+            total += (secs[i].bytes + 63) & ~(size_t)63;
+    if (total && (e->stage = malloc(total)) == NULL)
+        return scape_set_error(SCAPE_NOMEM, "checkpoint: cannot allocate %zu bytes to stage "
+                               "the state through host memory", total);
+    char *at = e->stage;
+    for (int i = 0; i < nsecs; i++) {
+        if (host_section(e, secs[i].id))
+            continue;
+        e->staged[e->nstaged++] = (__typeof__(e->staged[0])){ secs[i].ptr, at, secs[i].bytes,
+                                                              secs[i].id };
+        if (down)
+            TRY(e->x->ops->copy(e->x, at, secs[i].ptr, secs[i].bytes));
+        secs[i].ptr = at;
+        at += (secs[i].bytes + 63) & ~(size_t)63;
+    }
+    return e->x->ops->sync(e->x);
+}
+
+/* The staged sections into the executor's memory: all but the residual
+ * (residual 0), or the residual alone (1). */
+static scape_rc unstage_up(eng_t *e, int residual)
+{
+    for (int i = 0; i < e->nstaged; i++)
+        if ((e->staged[i].id == ENG_SEC_RESIDUAL) == residual)
+            TRY(e->x->ops->copy(e->x, e->staged[i].vec, e->staged[i].host, e->staged[i].bytes));
+    return e->x->ops->sync(e->x);
+}
+
 /* The layout, pointing into this engine's buffers. */
 static void describe(eng_t *e, uint32_t flags, eng_ckpt_sec *secs, int *nsecs)
 {
@@ -106,7 +157,7 @@ scape_rc eng_ckpt_save(eng_t *e, eng_ckpt_meta *meta, eng_ckpt_sec *secs, int *n
     if (next_mask_due(e, e->last_step))
         meta->flags |= ENG_CKF_MASK_NEXT;
     describe(e, meta->flags, secs, nsecs);
-    return SCAPE_OK;
+    return stage(e, secs, *nsecs, 1);
 }
 
 scape_rc eng_ckpt_load_begin(eng_t *e, const eng_ckpt_meta *meta, eng_ckpt_sec *secs,
@@ -158,41 +209,39 @@ scape_rc eng_ckpt_load_begin(eng_t *e, const eng_ckpt_meta *meta, eng_ckpt_sec *
     if (next_mask_due(e, meta->step) && !(meta->flags & ENG_CKF_MASK_NEXT))
         return scape_set_error(SCAPE_INVALID, "restore: the checkpoint has no next mask");
     describe(e, meta->flags, secs, nsecs);
-    return SCAPE_OK;
+    return stage(e, secs, *nsecs, 0);
 }
 
-/* The master parameters, coordinate order per tensor, into every trainer's
- * buffer; sharded ranks first gather the whole vector (comm order). */
+/* The master parameters into every trainer's buffer (the write-back of a
+ * dense step); sharded ranks first gather the whole vector (comm order). */
 static scape_rc publish_theta(eng_t *e, void *const *params)
 {
+    exec_t *x = e->x;
     const float *src = e->theta;
     float *whole = NULL;
+    size_t k;
     if (e->cfg.mode == ENG_MODE_SHARDED) {
-        whole = malloc((e->p->n ? e->p->n : 1) * sizeof *whole);
+        /* on the host apart, the residual being restored; elsewhere the
+         * dense buffer, whose residual (if it is one) is uploaded after */
+        whole = x->host_memory ? malloc((e->p->n ? e->p->n : 1) * sizeof *whole) : e->dense;
         if (whole == NULL)
             return scape_set_error(SCAPE_NOMEM, "restore: out of memory");
-        for (int r = 0; r < e->comm->size; r++)
-            e->counts[r] = e->p->shard[r].len * sizeof(float);
-        scape_rc rc = comm_allgather(e->comm, e->theta, whole, e->counts);
+        scape_rc rc = eng_gather_shards(e, e->theta, whole);
         if (rc != SCAPE_OK) {
-            free(whole);
+            if (x->host_memory)
+                free(whole);
             return rc;
         }
         src = whole;
     }
-    size_t esz = kern_dtype_size(e->pdt);
-    scape_rc rc = SCAPE_OK;
-    for (size_t i = 0; rc == SCAPE_OK && i < e->p->ntensors; i++) {
-        const plan_tensor *t = &e->p->t[i];
-        for (int q = 0; rc == SCAPE_OK && q < e->tr; q++) {
-            char *dst = (char *)params[q] + t->off * esz;
-            if (e->pdt == KERN_F32)
-                memcpy(dst, src + t->pos, t->len * sizeof(float));
-            else
-                rc = kern_f32_to_bf16(src + t->pos, (uint16_t *)(void *)dst, t->len);
-        }
-    }
-    free(whole);
+    e->mask_cur = NULL;
+    scape_rc rc = x->ops->offsets(x, &k);
+    if (rc == SCAPE_OK)
+        rc = x->ops->write_back(x, src, params);
+    if (rc == SCAPE_OK)
+        rc = x->ops->sync(x);
+    if (x->host_memory)
+        free(whole);
     return rc;
 }
 
@@ -203,7 +252,10 @@ scape_rc eng_ckpt_load_finish(eng_t *e, const eng_ckpt_meta *meta, void *const *
     for (int q = 0; q < e->tr; q++)
         if (params[q] == NULL)
             return scape_set_error(SCAPE_INVALID, "restore: params[%d] is NULL", q);
+    TRY(unstage_up(e, 0));
     TRY(publish_theta(e, params));
+    TRY(unstage_up(e, 1));
+    eng_ckpt_unstage(e);
     e->last_step = meta->step;
     e->e_stale = (meta->flags & ENG_CKF_RESIDUAL_ZERO) != 0;
     e->mask_cur = (meta->flags & ENG_CKF_MASK_CUR) ? e->mask_buf[1] : NULL;
@@ -244,6 +296,19 @@ static void pack_mask(const eng_t *e, const unsigned char *bytes, uint32_t *word
     }
 }
 
+/* Coordinate order into a section of comm order: this rank's state range
+ * (state) or all N (residual). */
+static void to_comm_order(const eng_t *e, const float *src, float *dst, int state)
+{
+    for (size_t l = 0; l < e->p->ntensors; l++) {
+        const plan_tensor *t = &e->p->t[l];
+        if (!state)
+            memcpy(dst + t->pos, src + t->off, t->len * sizeof(float));
+        else if (t->pos >= e->state_base && t->pos < e->state_base + e->state_len)
+            memcpy(dst + (t->pos - e->state_base), src + t->off, t->len * sizeof(float));
+    }
+}
+
 scape_rc eng_ckpt_load_coords(eng_t *e, const eng_coord_state *st, void *const *params)
 {
     if (e == NULL || st == NULL || params == NULL || st->m == NULL || st->theta == NULL ||
@@ -253,31 +318,33 @@ scape_rc eng_ckpt_load_coords(eng_t *e, const eng_coord_state *st, void *const *
         return scape_set_error(SCAPE_INVALID, "restore: the engine has already started");
     if (st->step == 0)
         return scape_set_error(SCAPE_INVALID, "restore: the checkpoint holds no step");
-    for (size_t l = 0; l < e->p->ntensors; l++) {
-        const plan_tensor *t = &e->p->t[l];
-        if (t->pos >= e->state_base && t->pos < e->state_base + e->state_len) {
-            size_t s = t->pos - e->state_base;
-            memcpy(e->m + s, st->m + t->off, t->len * sizeof(float));
-            memcpy(e->theta + s, st->theta + t->off, t->len * sizeof(float));
-            if (eng_uses_v(e))
-                memcpy(e->v + s, st->v + t->off, t->len * sizeof(float));
-        }
-        if (st->residual)
-            memcpy(e->e + t->pos, st->residual + t->off, t->len * sizeof(float));
-        else
-            memset(e->e + t->pos, 0, t->len * sizeof(float));
-    }
     int cur = (st->flags & ENG_CKF_MASK_CUR) && st->mask_cur;
     int next = (st->flags & ENG_CKF_MASK_NEXT) && st->mask_next;
     if (next_mask_due(e, st->step) && !next)
         return scape_set_error(SCAPE_INVALID, "restore: the checkpoint has no next mask");
-    if (cur)
-        pack_mask(e, st->mask_cur, e->mask_buf[1]);
-    if (next)
-        pack_mask(e, st->mask_next, e->mask_buf[0]);
     eng_ckpt_meta meta;
     fill_meta(e, &meta);
     meta.step = st->step;
     meta.flags = (cur ? ENG_CKF_MASK_CUR : 0) | (next ? ENG_CKF_MASK_NEXT : 0);
+    eng_ckpt_sec secs[ENG_CKPT_MAX_SECS];
+    int nsecs;
+    describe(e, meta.flags, secs, &nsecs);
+    TRY(stage(e, secs, nsecs, 0));
+    for (int i = 0; i < nsecs; i++) {
+        void *at = secs[i].ptr;
+        switch (secs[i].id) {
+        case ENG_SEC_M: to_comm_order(e, st->m, at, 1); break;
+        case ENG_SEC_V: to_comm_order(e, st->v, at, 1); break;
+        case ENG_SEC_THETA: to_comm_order(e, st->theta, at, 1); break;
+        case ENG_SEC_RESIDUAL:
+            if (st->residual)
+                to_comm_order(e, st->residual, at, 0);
+            else
+                memset(at, 0, secs[i].bytes);
+            break;
+        case ENG_SEC_MASK_CUR: pack_mask(e, st->mask_cur, at); break;
+        default: pack_mask(e, st->mask_next, at); break;
+        }
+    }
     return eng_ckpt_load_finish(e, &meta, params);
 }

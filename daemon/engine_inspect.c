@@ -1,12 +1,63 @@
 /* engine_inspect.c - read-only views of an engine's state in coordinate
  * order, for tests, the status plane and checkpoints. */
-#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "engine_internal.h"
 
 size_t eng_n(const eng_t *e) { return e ? e->p->n : 0; }
+
+scape_rc eng_view(const eng_t *e, const void *p, size_t bytes, const void **out)
+{
+    *out = NULL;
+    exec_t *x = e->x;
+    if (x->host_memory) {
+        *out = p;
+        return SCAPE_OK;
+    }
+    void *h = malloc(bytes ? bytes : 1);
+    if (h == NULL)
+        return scape_set_error(SCAPE_NOMEM, "engine: cannot allocate %zu bytes for a view of "
+                               "the executor's memory", bytes);
+    scape_rc rc = x->ops->copy(x, h, p, bytes);
+    if (rc == SCAPE_OK)
+        rc = x->ops->sync(x);
+    if (rc != SCAPE_OK) {
+        free(h);
+        return rc;
+    }
+    *out = h;
+    return SCAPE_OK;
+}
+
+void eng_view_free(const eng_t *e, const void *view)
+{
+    if (!e->x->host_memory)
+        free((void *)view);
+}
+
+scape_rc eng_upload(eng_t *e, void *dst, const void *src, size_t bytes)
+{
+    if (dst == src)
+        return SCAPE_OK;
+    TRY(e->x->ops->copy(e->x, dst, src, bytes));
+    return e->x->ops->sync(e->x);
+}
+
+uint64_t eng_device_bytes(const eng_t *e)
+{
+    return e ? e->x->ops->device_bytes(e->x) : 0;
+}
+
+uint64_t eng_pinned_bytes(const eng_t *e)
+{
+    return e ? e->x->ops->pinned_bytes(e->x) : 0;
+}
+
+eng_executor eng_get_executor(const eng_t *e)
+{
+    return e ? e->cfg.executor : ENG_EXEC_HOST;
+}
 
 uint64_t eng_state_bytes(const eng_t *e)
 {
@@ -30,23 +81,26 @@ int eng_tensor_owner(const eng_t *e, size_t l)
 
 double eng_residual_norm(const eng_t *e)
 {
-    double s = 0.0;
-    for (size_t i = 0; e && !e->e_stale && i < e->p->n; i++)
-        s += (double)e->e[i] * (double)e->e[i];
-    return sqrt(s);
+    return e ? e->x->ops->residual_norm(e->x) : 0.0;
 }
 
 scape_rc eng_get_residual(const eng_t *e, float *out)
 {
     if (e == NULL || out == NULL)
         return scape_set_error(SCAPE_INVALID, "eng_get_residual: NULL argument");
+    const void *v = NULL;
+    if (!e->e_stale)
+        TRY(eng_view(e, e->e, e->p->n * sizeof(float), &v));
+    const float *res = v;
     for (size_t l = 0; l < e->p->ntensors; l++) {
         const plan_tensor *t = &e->p->t[l];
         if (e->e_stale)
             memset(out + t->off, 0, t->len * sizeof *out);
         else
-            memcpy(out + t->off, e->e + t->pos, t->len * sizeof *out);
+            memcpy(out + t->off, res + t->pos, t->len * sizeof *out);
     }
+    if (v)
+        eng_view_free(e, v);
     return SCAPE_OK;
 }
 
@@ -63,15 +117,19 @@ scape_rc eng_get_state(const eng_t *e, eng_state_vec which, float *out, unsigned
                      : which == ENG_VEC_THETA ? e->theta : NULL;
     if (src == NULL)
         return scape_set_error(SCAPE_INVALID, "eng_get_state: this optimizer keeps no such vector");
+    const void *v;
+    TRY(eng_view(e, src, e->state_len * sizeof(float), &v));
+    const float *state = v;
     memset(out, 0, e->p->n * sizeof *out);
     memset(have, 0, e->p->n);
     for (size_t i = 0; i < e->p->ntensors; i++) {
         const plan_tensor *t = &e->p->t[i];
         if (!holds(e, t))
             continue;
-        memcpy(out + t->off, src + (t->pos - e->state_base), t->len * sizeof *out);
+        memcpy(out + t->off, state + (t->pos - e->state_base), t->len * sizeof *out);
         memset(have + t->off, 1, t->len);
     }
+    eng_view_free(e, v);
     return SCAPE_OK;
 }
 
@@ -79,16 +137,22 @@ scape_rc eng_get_mask(const eng_t *e, unsigned char *bits)
 {
     if (e == NULL || bits == NULL)
         return scape_set_error(SCAPE_INVALID, "eng_get_mask: NULL argument");
+    const void *v = NULL;
+    if (e->mask_cur)
+        TRY(eng_view(e, e->mask_cur, e->p->nwords * sizeof(uint32_t), &v));
+    const uint32_t *mask = v;
     for (size_t l = 0; l < e->p->ntensors; l++) {
         const plan_tensor *t = &e->p->t[l];
-        if (e->mask_cur == NULL) { /* a dense step: every bit */
+        if (mask == NULL) { /* a dense step: every bit */
             memset(bits + t->off, 1, t->len);
             continue;
         }
-        const uint32_t *w = e->mask_cur + t->word;
+        const uint32_t *w = mask + t->word;
         for (size_t i = 0; i < t->len; i++)
             bits[t->off + i] = (unsigned char)((w[i >> 5] >> (i & 31)) & 1u);
     }
+    if (v)
+        eng_view_free(e, v);
     return SCAPE_OK;
 }
 

@@ -1,29 +1,27 @@
 /* engine_internal.h - the engine's state, shared by engine.c (the step) and
  * engine_inspect.c (read-only views for tests, status and checkpoints).
  *
- * Memory beyond the optimizer state (m, theta, v) and the residual is kept
- * small: two masks of N bits, per-tensor offsets, two buffers of K_cap floats
- * (sum k_l for SCAPE) and one chunk for summing the trainers' gradients.  A
- * dense step packs in place in the residual, which the comm order makes
- * possible: the residual is stored in comm order, so with every bit set it
- * already is the packed send buffer.  SCAPE selects the next mask after the
- * pack, from the a = G + e the pack stored, so G is never whole in memory.
+ * The vectors belong to the executor (exec.h), which allocates them; the
+ * engine keeps the plan, the step's bookkeeping and small host arrays
+ * (per-tensor offsets, per-rank counts).  Memory beyond the optimizer state
+ * (m, theta, v) and the residual is kept small: two masks of N bits, two
+ * buffers of K_cap floats (sum k_l for SCAPE) and, on the host executor, one
+ * chunk per worker for summing the trainers' gradients.  A dense step packs
+ * in place in the residual where the residual is the executor's working
+ * memory, which the comm order makes possible: the residual is stored in
+ * comm order, so with every bit set it already is the packed send buffer.
+ * SCAPE selects the next mask after the pack, from the a = G + e the pack
+ * stored, so G is never whole in memory.
  */
 #ifndef SCAPE_ENGINE_INTERNAL_H
 #define SCAPE_ENGINE_INTERNAL_H
 
 #include "engine.h"
+#include "exec.h"
 #include "maskcode.h"
 #include "plan.h"
 #include "pool.h"
 #include "try.h"
-
-/* One piece of the pack: coordinates [c, c + len) of tensor j (comm order);
- * chunks never straddle tensors and start on a mask word. */
-typedef struct eng_item {
-    size_t j, c, len;
-    size_t done;         /* values of tensor j packed before this piece */
-} eng_item;
 
 struct eng {
     eng_config cfg;
@@ -37,23 +35,22 @@ struct eng {
     int initialised;
     int broken;          /* a step failed after its collectives began */
 
+    exec_t *x;           /* the executor: it owns every vector below */
+
     /* Optimizer state in comm order, elements [base, base + len). */
     size_t state_base, state_len;
     float *m, *v, *theta;
 
     float *e;            /* residual e_r, comm order, N */
-    int e_stale;         /* e holds a dense step's sums: the residual is zero */
-    float *g;            /* topk-adamw: G_r whole, coordinate order (NULL: a trainer's serves) */
-    float *gchunk;       /* others: G_r one chunk at a time, fused into the pack;
-                            one chunk per worker */
-    pool *pool;          /* cfg.threads workers */
-    eng_item *items;     /* the pack's pieces, comm order */
-    size_t nitems;
+    int e_stale;         /* the residual is zero (e holds a dense step's sums,
+                            or nothing) */
+    float *dense;        /* where a dense step packs a and reduces it, N (the
+                            residual itself where it is N floats of the
+                            executor's working memory) */
+    float *g;            /* topk-adamw: G_r whole, coordinate order */
     size_t k_cap;        /* most values a sparse step reduces */
     float *send;         /* sparse: packed a_r, then the sums (own segment in place) */
     float *upd;          /* sparse: packed updated parameters */
-    void *topk_scratch;  /* one per worker, topk_scratch_bytes each */
-    size_t topk_scratch_bytes;
 
     uint32_t *mask_buf[2];
     const uint32_t *mask_cur; /* mask of the last step; NULL: all ones (dense) */
@@ -71,15 +68,29 @@ struct eng {
                               fills mask_next (counted to the step that uses it) */
     uint64_t used_iag[3];  /* the same for the mask of the step in progress */
 
-    /* defer_select: the statistic at M_t's coordinates of the owned tensors,
-     * taken before the update changed m there, packed like `send` (K_cap);
-     * the selection from it and the residual waits for eng_step_finish. */
-    float *sstat;
+    /* defer_select: the selection waits for eng_step_finish, from what the
+     * executor kept (keep_stats) before the update changed m. */
     int select_pending;
     int sel_tr;          /* T_r of the step whose selection waits */
 
     size_t *counts;      /* per rank, scratch for collective counts */
     const float *sum;    /* the last step's reduced values, packed */
+    int select_due;      /* this step selects the next mask */
+
+    /* Host copies for collectives the comm cannot run on the executor's
+     * memory (the cuda executor on the host or local backend). */
+    void *bounce, *mbounce;
+    size_t bounce_cap, mbounce_cap;
+
+    /* Checkpoints of an executor whose vectors are not host memory: the
+     * sections' host copies, and where each belongs. */
+    void *stage;
+    struct {
+        void *vec, *host;
+        size_t bytes;
+        uint32_t id;
+    } staged[ENG_CKPT_MAX_SECS];
+    int nstaged;
 
     float *ghat;         /* inspection only: the last g_hat, comm order */
     unsigned char *ghave;
@@ -100,8 +111,38 @@ scape_rc eng_mask_finish(eng_t *e, double *waited);
 /* Run the deferred selection (select_pending is set; engine_step.c). */
 scape_rc eng_select_pending(eng_t *e);
 
-/* Allocate the intake buffer the optimizer and trainer count need. */
-scape_rc eng_alloc_intake(eng_t *e);
+/* Tensor j of comm order. */
+static inline const plan_tensor *eng_tensor_at(const eng_t *e, size_t j)
+{
+    return &e->p->t[e->p->order[j]];
+}
+
+/* Range of comm order this rank updates: all tensors, or its shard. */
+static inline void eng_update_range(const eng_t *e, size_t *first, size_t *count)
+{
+    if (e->cfg.mode == ENG_MODE_REPLICATED) {
+        *first = 0;
+        *count = e->p->ntensors;
+    } else {
+        *first = e->p->shard[e->rank].first;
+        *count = e->p->shard[e->rank].count;
+    }
+}
+
+/* A host view of `bytes` of the executor's memory at p: p itself on the
+ * host executor, else a copy (after the executor's work is done) that the
+ * caller frees with eng_view_free. */
+scape_rc eng_view(const eng_t *e, const void *p, size_t bytes, const void **out);
+void eng_view_free(const eng_t *e, const void *view);
+/* Copy host memory into the executor's memory and wait for it. */
+scape_rc eng_upload(eng_t *e, void *dst, const void *src, size_t bytes);
+/* Collectives on the executor's memory (engine_step.c): a broadcast from
+ * root, and every rank's state shard (`own`, state_len floats) into whole
+ * (N floats, comm order). */
+scape_rc eng_broadcast(eng_t *e, void *buf, size_t bytes, int root);
+scape_rc eng_gather_shards(eng_t *e, const float *own, float *whole);
+/* Free the host copies a checkpoint left (engine_ckpt.c). */
+void eng_ckpt_unstage(eng_t *e);
 
 /* Run step t's phases (engine_step.c); the caller validated the arguments. */
 scape_rc eng_step_body(eng_t *e, uint64_t t, float lr, const void *const *grads,

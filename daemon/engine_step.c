@@ -1,4 +1,5 @@
-/* engine_step.c - the phases of one step (algorithm.md, "Step t").
+/* engine_step.c - the phases of one step (algorithm.md, "Step t"), written
+ * once for every executor (exec.h).
  *
  * the mask (all ones in warm-up and for the dense optimizers, else the lagged
  * one, waiting for its all-gather) -> pack a = G + e on the mask, summing the
@@ -6,16 +7,20 @@
  * next mask for the owned tensors, from the a just packed; its all-gather
  * starts at once -> one reduction collective -> update on the mask ->
  * (sharded) all-gather of the updated values -> write them into every
- * trainer's buffer.  With defer_select a sparse step keeps only the
- * statistic at the mask's coordinates (which the update and the reduction
- * are about to overwrite) and the selection runs after the write-back, in
- * eng_step_finish.
+ * trainer's buffer.  With defer_select a sparse step keeps only what the
+ * selection needs before the update changes m, and the selection runs after
+ * the write-back, in eng_step_finish.
  *
- * A dense step packs in place: the residual, kept in comm order, becomes the
- * send buffer and then holds the sums (e_stale), so no N-sized working
- * buffer exists.  A sparse step packs into `send` (K_cap floats) and gathers
- * the new parameters in `upd` (K_cap floats).  Sharded collectives run in
- * place: each rank's segment is its own part of the same buffer.
+ * A dense step packs in place in the dense buffer (the residual, kept in
+ * comm order, where it is the executor's working memory) and marks the
+ * residual zero (e_stale).  A sparse step packs into `send` (K_cap floats)
+ * and gathers the new parameters in `upd` (K_cap floats).  Sharded
+ * collectives run in place: each rank's segment is its own part of the same
+ * buffer.
+ *
+ * Collectives run on the executor's memory when the comm can take it (host
+ * memory; device memory on a comm with a device stream); otherwise, for the
+ * cuda executor on the host or local backend, through host copies (bounce).
  */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
@@ -32,50 +37,116 @@ static double now_s(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-static const plan_tensor *tensor_at(const eng_t *e, size_t j)
+/* ---- collectives on the executor's memory -------------------------------- */
+
+/* The comm reads and writes the executor's vectors itself. */
+static int comm_direct(const eng_t *e)
 {
-    return &e->p->t[e->p->order[j]];
+    return e->x->host_memory || comm_device_stream(e->comm) != NULL;
 }
 
-/* G_r, the sum of the local trainers' gradients in trainer order: a
- * trainer's own buffer when it is the only one, the whole sum for topk-adamw
- * (it selects before packing), else NULL: the pack sums chunk by chunk. */
-static scape_rc intake(eng_t *e, const void *const *grads, const float **g_out)
+/* A host buffer of at least `bytes` in *buf (grown, never shrunk). */
+static scape_rc bounce_buf(void **buf, size_t *cap, size_t bytes)
 {
-    *g_out = NULL;
-    if (e->tr == 1 && e->gdt == KERN_F32) {
-        *g_out = grads[0];
-    } else if (e->g) {
-        for (int j = 0; j < e->tr; j++)
-            TRY(kern_grad_accum(e->g, grads[j], e->gdt, e->p->n, j == 0));
-        *g_out = e->g;
-    }
+    if (bytes <= *cap)
+        return SCAPE_OK;
+    void *p = realloc(*buf, bytes);
+    if (p == NULL)
+        return scape_set_error(SCAPE_NOMEM, "engine: cannot allocate %zu bytes of host "
+                               "staging for a collective", bytes);
+    *buf = p;
+    *cap = bytes;
     return SCAPE_OK;
 }
 
-/* G_r over coordinates [off, off + len) into buf (a worker's chunk). */
-static scape_rc intake_chunk(eng_t *e, const void *const *grads, size_t off, size_t len,
-                             float *buf)
+/* Device `bytes` at src into the bounce buffer, once the work that writes
+ * them is done. */
+static scape_rc bounce_down(eng_t *e, const void *src, size_t bytes)
 {
-    size_t esz = kern_dtype_size(e->gdt);
-    for (int j = 0; j < e->tr; j++)
-        TRY(kern_grad_accum(buf, (const char *)grads[j] + off * esz, e->gdt, len, j == 0));
-    return SCAPE_OK;
+    TRY(bounce_buf(&e->bounce, &e->bounce_cap, bytes ? bytes : 1));
+    TRY(e->x->ops->copy(e->x, e->bounce, src, bytes));
+    return e->x->ops->sync(e->x);
 }
 
-static void *worker_scratch(const eng_t *e, int w)
+static scape_rc x_allreduce(eng_t *e, float *buf, size_t n)
 {
-    return (char *)e->topk_scratch + (size_t)w * e->topk_scratch_bytes;
+    if (comm_direct(e))
+        return comm_allreduce_sum(e->comm, buf, n);
+    TRY(bounce_down(e, buf, n * sizeof *buf));
+    TRY(comm_allreduce_sum(e->comm, e->bounce, n));
+    return e->x->ops->copy(e->x, buf, e->bounce, n * sizeof *buf);
 }
 
-/* A dense step left its sums in e; the residual they stand for is zero. */
-static void clean_residual(eng_t *e)
+/* Reduce-scatter in place: recv is this rank's segment of send. */
+static scape_rc x_reduce_scatter(eng_t *e, float *send, float *recv, const size_t *counts)
 {
-    if (e->e_stale) {
-        memset(e->e, 0, e->p->n * sizeof *e->e);
-        e->e_stale = 0;
-    }
+    if (comm_direct(e))
+        return comm_reduce_scatter_sum(e->comm, send, recv, counts);
+    size_t total = 0;
+    for (int r = 0; r < e->comm->size; r++)
+        total += counts[r];
+    TRY(bounce_down(e, send, total * sizeof *send));
+    float *hs = e->bounce, *hr = hs + (recv - send);
+    TRY(comm_reduce_scatter_sum(e->comm, hs, hr, counts));
+    return e->x->ops->copy(e->x, recv, hr, counts[e->rank] * sizeof *recv);
 }
+
+/* All-gather in place: send is this rank's place in recv. */
+static scape_rc x_allgather(eng_t *e, const void *send, void *recv, const size_t *counts)
+{
+    if (comm_direct(e))
+        return comm_allgather(e->comm, send, recv, counts);
+    size_t total = 0, own = (size_t)((const char *)send - (const char *)recv);
+    for (int r = 0; r < e->comm->size; r++)
+        total += counts[r];
+    TRY(bounce_down(e, recv, total));
+    char *h = e->bounce;
+    TRY(comm_allgather(e->comm, h + own, h, counts));
+    return e->x->ops->copy(e->x, recv, h, total);
+}
+
+/* The lagged mask all-gather: started here, finished by x_iallgather_wait;
+ * through the bounce, this rank's code goes down first and the gathered
+ * codes come up at the wait. */
+static scape_rc x_iallgather(eng_t *e, const void *send, void *recv, const size_t *counts)
+{
+    if (comm_direct(e))
+        return comm_iallgather(e->comm, send, recv, counts);
+    size_t own = (size_t)((const char *)send - (const char *)recv);
+    TRY(bounce_buf(&e->mbounce, &e->mbounce_cap, e->code_total ? e->code_total : 1));
+    TRY(e->x->ops->copy(e->x, (char *)e->mbounce + own, send, counts[e->rank]));
+    TRY(e->x->ops->sync(e->x));
+    char *h = e->mbounce;
+    return comm_iallgather(e->comm, h + own, h, counts);
+}
+
+static scape_rc x_iallgather_wait(eng_t *e)
+{
+    TRY(comm_iallgather_wait(e->comm));
+    if (comm_direct(e))
+        return SCAPE_OK;
+    return e->x->ops->copy(e->x, e->code_all, e->mbounce, e->code_total);
+}
+
+scape_rc eng_broadcast(eng_t *e, void *buf, size_t bytes, int root)
+{
+    if (comm_direct(e))
+        return comm_broadcast(e->comm, buf, bytes, root);
+    TRY(bounce_down(e, buf, bytes));
+    TRY(comm_broadcast(e->comm, e->bounce, bytes, root));
+    return e->x->ops->copy(e->x, buf, e->bounce, bytes);
+}
+
+scape_rc eng_gather_shards(eng_t *e, const float *own, float *whole)
+{
+    float *mine = whole + e->p->shard[e->rank].pos0;
+    TRY(e->x->ops->copy(e->x, mine, own, e->state_len * sizeof(float)));
+    for (int r = 0; r < e->comm->size; r++)
+        e->counts[r] = e->p->shard[r].len * sizeof(float);
+    return x_allgather(e, mine, whole, e->counts);
+}
+
+/* ---- the mask ---------------------------------------------------------------- */
 
 scape_rc eng_mask_finish(eng_t *e, double *waited)
 {
@@ -84,7 +155,7 @@ scape_rc eng_mask_finish(eng_t *e, double *waited)
     if (!e->mask_pending)
         return SCAPE_OK;
     double t0 = now_s();
-    TRY(comm_iallgather_wait(e->comm));
+    TRY(x_iallgather_wait(e));
     if (waited)
         *waited = now_s() - t0;
     e->mask_pending = 0;
@@ -94,8 +165,8 @@ scape_rc eng_mask_finish(eng_t *e, double *waited)
         if (r == e->rank)
             continue; /* its bits were selected straight into mask_next */
         const plan_shard *sh = &p->shard[r];
-        scape_rc rc = mcode_decode(p, sh->first, sh->count, e->code_all + off / 4,
-                                   e->code_bytes[r], e->mask_next + sh->word0, 0, r);
+        scape_rc rc = e->x->ops->decode(e->x, sh->first, sh->count, e->code_all + off / 4,
+                                        e->code_bytes[r], e->mask_next + sh->word0, 0, r);
         if (rc != SCAPE_OK) {
             /* M_{t+1} is half written and the ranks no longer agree on it:
              * no further step may use it (outside eng_step, e.g. from a
@@ -127,52 +198,27 @@ static scape_rc scape_mask(eng_t *e, uint64_t t)
         e->last.mask_bytes = e->used_iag[1];
     }
     memset(e->next_iag, 0, sizeof e->next_iag);
-    if (prev && e->mask_cur) {
-        uint64_t fresh = 0, total = 0;
-        for (size_t w = 0; w < e->p->nwords; w++) {
-            fresh += (uint64_t)__builtin_popcount(e->mask_cur[w] & ~prev[w]);
-            total += (uint64_t)__builtin_popcount(e->mask_cur[w]);
-        }
-        e->last.mask_churn = total ? (double)fresh / (double)total : 0.0;
-    }
+    if (prev && e->mask_cur)
+        TRY(e->x->ops->churn(e->x, e->mask_cur, prev));
     return SCAPE_OK;
 }
 
-/* SCAPE: exact top-k of the statistic over the owned tensors -> M_{t+1},
- * whose all-gather starts at once and is waited for at the next step.  Runs
- * right after the pack, from the a = G + e it left in e and `send`; or,
- * deferred, after the step, from e and the statistic keep_stats took at the
- * mask's coordinates before the update changed m there. */
-static scape_rc select_tensor(void *ctx, size_t i, int w)
-{
-    eng_t *e = ctx;
-    size_t j = e->p->shard[e->rank].first + i;
-    const plan_tensor *t = tensor_at(e, j);
-    const uint32_t *sent = e->mask_cur ? e->mask_cur + t->word : NULL;
-    const float *m = e->m + (t->pos - e->state_base);
-    if (e->select_pending)
-        return kern_topk_prestat(m, e->e + t->pos, sent, e->sstat + e->toff[j], t->len,
-                                 e->cfg.hyper.beta1, (float)e->sel_tr, t->k,
-                                 e->mask_next + t->word, worker_scratch(e, w),
-                                 e->topk_scratch_bytes);
-    return kern_topk_packed(m, e->e + t->pos, sent, sent ? e->send + e->toff[j] : NULL, t->len,
-                            e->cfg.hyper.beta1, (float)e->tr, t->k, e->mask_next + t->word,
-                            worker_scratch(e, w), e->topk_scratch_bytes);
-}
-
+/* SCAPE: this rank's bits of M_{t+1} (the executor's selection) go into
+ * its place of the gathered code, whose all-gather starts at once and is
+ * waited for at the next step. */
 static scape_rc scape_select(eng_t *e)
 {
     const plan *p = e->p;
     const plan_shard *me = &p->shard[e->rank];
-    TRY(pool_run(e->pool, me->count, select_tensor, e));
+    TRY(e->x->ops->select(e->x));
     /* The own bits go straight into M_{t+1}'s words (the decode rewrites them
      * the same) and the code into this rank's place of the gathered code. */
     uint32_t *own = e->code_all + e->code_off / 4;
-    TRY(mcode_encode(p, me->first, me->count, e->mask_next + me->word0, own));
+    TRY(e->x->ops->encode(e->x, me->first, me->count, e->mask_next + me->word0, own));
     const comm_stats *cs = &e->comm->stats;
     uint64_t before[3] = { cs->calls[COMM_IALLGATHER], cs->bytes[COMM_IALLGATHER],
                            cs->wire_bytes[COMM_IALLGATHER] };
-    TRY(comm_iallgather(e->comm, own, e->code_all, e->code_bytes));
+    TRY(x_iallgather(e, own, e->code_all, e->code_bytes));
     e->next_iag[0] = cs->calls[COMM_IALLGATHER] - before[0];
     e->next_iag[1] = cs->bytes[COMM_IALLGATHER] - before[1];
     e->next_iag[2] = cs->wire_bytes[COMM_IALLGATHER] - before[2];
@@ -181,22 +227,9 @@ static scape_rc scape_select(eng_t *e)
     return SCAPE_OK;
 }
 
-/* defer_select: the statistic at M_t's coordinates of one owned tensor,
- * while m there and the packed a still hold what the selection needs. */
-static scape_rc keep_stat_tensor(void *ctx, size_t i, int w)
-{
-    eng_t *e = ctx;
-    size_t j = e->p->shard[e->rank].first + i;
-    const plan_tensor *t = tensor_at(e, j);
-    (void)w;
-    return kern_stat_packed(e->m + (t->pos - e->state_base), e->mask_cur + t->word,
-                            e->send + e->toff[j], t->len, e->cfg.hyper.beta1, (float)e->tr,
-                            e->sstat + e->toff[j]);
-}
-
 static scape_rc keep_stats(eng_t *e)
 {
-    TRY(pool_run(e->pool, e->p->shard[e->rank].count, keep_stat_tensor, e));
+    TRY(e->x->ops->keep_stats(e->x));
     e->sel_tr = e->tr;
     e->select_pending = 1;
     return SCAPE_OK;
@@ -204,86 +237,35 @@ static scape_rc keep_stats(eng_t *e)
 
 scape_rc eng_select_pending(eng_t *e)
 {
-    double t0 = now_s();
+    e->x->ops->mark(e->x, ENG_PH_SELECT, 0);
     scape_rc rc = scape_select(e);
     e->select_pending = 0;
-    e->last.phase_s[ENG_PH_SELECT] += now_s() - t0;
+    e->x->ops->mark(e->x, ENG_PH_SELECT, 1);
+    if (rc == SCAPE_OK)
+        rc = e->x->ops->sync(e->x);
+    e->x->ops->times(e->x, e->last.phase_s);
     return rc;
 }
 
 /* topk-adamw: each rank's top-k of |a_r| per tensor; the union is the mask. */
-typedef struct union_ctx {
-    eng_t *e;
-    const float *g;
-} union_ctx;
-
-static scape_rc own_topk_tensor(void *ctx, size_t i, int w)
-{
-    union_ctx *u = ctx;
-    eng_t *e = u->e;
-    const plan_tensor *t = &e->p->t[i];
-    return kern_topk_ef(NULL, u->g + t->off, e->e + t->pos, t->len, 0.0f, 1.0f, t->k,
-                        e->mask_buf[1] + t->word, worker_scratch(e, w), e->topk_scratch_bytes);
-}
-
-static scape_rc topk_union_mask(eng_t *e, const float *g)
+static scape_rc topk_union_mask(eng_t *e)
 {
     const plan *p = e->p;
-    clean_residual(e);
-    union_ctx uc = { e, g };
-    TRY(pool_run(e->pool, p->ntensors, own_topk_tensor, &uc));
+    TRY(e->x->ops->own_topk(e->x));
     /* this rank's own mask in the spare mask buffer, the union in the other */
     uint32_t *own = e->code_all + e->code_off / 4;
-    TRY(mcode_encode(p, 0, p->ntensors, e->mask_buf[1], own));
-    TRY(comm_allgather(e->comm, own, e->code_all, e->code_bytes));
+    TRY(e->x->ops->encode(e->x, 0, p->ntensors, e->mask_buf[1], own));
+    TRY(x_allgather(e, own, e->code_all, e->code_bytes));
     e->last.mask_bytes = e->code_total;
     uint32_t *u = e->mask_buf[0];
-    memset(u, 0, p->nwords * sizeof *u);
+    TRY(e->x->ops->mask_zero(e->x, u));
     size_t off = 0;
     for (int r = 0; r < e->comm->size; r++) {
-        TRY(mcode_decode(p, 0, p->ntensors, e->code_all + off / 4, e->code_bytes[r], u, 1, r));
+        TRY(e->x->ops->decode(e->x, 0, p->ntensors, e->code_all + off / 4, e->code_bytes[r],
+                              u, 1, r));
         off += e->code_bytes[r];
     }
     e->mask_cur = u;
-    return SCAPE_OK;
-}
-
-static scape_rc count_item(void *ctx, size_t i, int w)
-{
-    eng_t *e = ctx;
-    eng_item *it = &e->items[i];
-    (void)w;
-    if (!e->mask_cur) {
-        it->done = it->len;
-        return SCAPE_OK;
-    }
-    return kern_mask_popcount(e->mask_cur + tensor_at(e, it->j)->word + it->c / 32, it->len,
-                              &it->done);
-}
-
-/* toff[j]: where tensor j (comm order) starts among the packed values; and
- * for each pack piece, the values of its tensor before it. */
-static scape_rc tensor_offsets(eng_t *e, size_t *k_out)
-{
-    TRY(pool_run(e->pool, e->nitems, count_item, e));
-    e->toff[0] = 0;
-    size_t j = 0, before = 0; /* values of tensor j in the pieces so far */
-    for (size_t i = 0; i < e->nitems; i++) {
-        eng_item *it = &e->items[i];
-        if (it->j != j) {
-            e->toff[j + 1] = e->toff[j] + before;
-            j = it->j;
-            before = 0;
-        }
-        size_t k = it->done;
-        it->done = before;
-        before += k;
-    }
-    e->toff[j + 1] = e->toff[j] + before;
-    *k_out = e->toff[e->p->ntensors];
-    if (e->mask_cur && *k_out > e->k_cap)
-        return scape_set_error(SCAPE_INVALID, "engine: mask of %zu values exceeds the "
-                               "capacity of %zu", *k_out, e->k_cap);
     return SCAPE_OK;
 }
 
@@ -296,205 +278,75 @@ static void shard_counts(eng_t *e, size_t elem)
     }
 }
 
-typedef struct pack_ctx {
-    eng_t *e;
-    const float *g;
-    const void *const *grads;
-} pack_ctx;
-
-/* Pack one piece: coordinates [c, c + len) of tensor j, with the gradient
- * sum read from g or summed into the worker's chunk buffer. */
-static scape_rc pack_item(void *ctx, size_t i, int w)
-{
-    pack_ctx *pc = ctx;
-    eng_t *e = pc->e;
-    const eng_item *it = &e->items[i];
-    const plan_tensor *t = tensor_at(e, it->j);
-    const float *g = pc->g ? pc->g + t->off + it->c : NULL;
-    if (g == NULL) {
-        float *buf = e->gchunk + (size_t)w * e->cfg.intake_chunk;
-        TRY(intake_chunk(e, pc->grads, t->off + it->c, it->len, buf));
-        g = buf;
-    }
-    size_t k;
-    if (!e->mask_cur)
-        return kern_grad_accum(e->e + t->pos + it->c, g, KERN_F32, it->len, e->e_stale);
-    return kern_pack_ef(g, e->e + t->pos + it->c, e->mask_cur + t->word + it->c / 32, it->len,
-                        e->send + e->toff[it->j] + it->done, &k);
-}
-
-/* Pack a = G + e: in place in e when dense, into `send` on the mask.  Without
- * a whole G_r, the trainers' gradients are summed one chunk at a time. */
-static scape_rc pack(eng_t *e, const float *g, const void *const *grads, float **buf)
-{
-    pack_ctx pc = { e, g, grads };
-    TRY(pool_run(e->pool, e->nitems, pack_item, &pc));
-    if (!e->mask_cur)
-        e->e_stale = 1; /* e now holds a, and after the reduction the sums */
-    *buf = e->mask_cur ? e->send : e->e;
-    return SCAPE_OK;
-}
-
 /* The one reduction collective, in place; sharded ranks keep their segment. */
 static scape_rc reduce(eng_t *e, float *buf, size_t k)
 {
     e->sum = buf;
     if (e->cfg.mode == ENG_MODE_REPLICATED)
-        return comm_allreduce_sum(e->comm, buf, k);
+        return x_allreduce(e, buf, k);
     shard_counts(e, 1);
-    return comm_reduce_scatter_sum(e->comm, buf, buf + e->toff[e->p->shard[e->rank].first],
-                                   e->counts);
-}
-
-/* Range of comm order this rank updates: all tensors, or its shard. */
-static void update_range(const eng_t *e, size_t *first, size_t *count)
-{
-    if (e->cfg.mode == ENG_MODE_REPLICATED) {
-        *first = 0;
-        *count = e->p->ntensors;
-    } else {
-        *first = e->p->shard[e->rank].first;
-        *count = e->p->shard[e->rank].count;
-    }
+    return x_reduce_scatter(e, buf, buf + e->toff[e->p->shard[e->rank].first], e->counts);
 }
 
 /* Inspection: keep g_hat = S / T of the coordinates this rank reduced. */
-static void keep_ghat(eng_t *e)
+static scape_rc keep_ghat(eng_t *e, size_t k)
 {
     size_t first, count;
-    update_range(e, &first, &count);
+    const void *sv = NULL, *mv = NULL;
+    eng_update_range(e, &first, &count);
+    TRY(eng_view(e, e->sum, k * sizeof(float), &sv));
+    scape_rc rc = e->mask_cur ? eng_view(e, e->mask_cur, e->p->nwords * 4, &mv) : SCAPE_OK;
+    const float *sum = sv;
+    const uint32_t *mask = mv;
     memset(e->ghave, 0, e->p->n);
-    for (size_t j = first; j < first + count; j++) {
-        const plan_tensor *t = tensor_at(e, j);
-        const float *s = e->sum + e->toff[j];
+    for (size_t j = first; rc == SCAPE_OK && j < first + count; j++) {
+        const plan_tensor *t = eng_tensor_at(e, j);
+        const float *s = sum + e->toff[j];
         for (size_t i = 0, q = 0; i < t->len; i++) {
-            int on = !e->mask_cur || ((e->mask_cur[t->word + i / 32] >> (i & 31)) & 1u);
+            int on = !mask || ((mask[t->word + i / 32] >> (i & 31)) & 1u);
             e->ghat[t->pos + i] = on ? s[q++] / (float)e->t_total : 0.0f;
             e->ghave[t->pos + i] = (unsigned char)on;
         }
     }
-}
-
-typedef struct update_ctx {
-    eng_t *e;
-    size_t first;
-    uint64_t t;
-    float lr;
-    float *dst;  /* gather_updates */
-} update_ctx;
-
-static scape_rc update_tensor(void *ctx, size_t i, int w)
-{
-    update_ctx *u = ctx;
-    eng_t *e = u->e;
-    size_t j = u->first + i;
-    uint64_t t_step = u->t;
-    float lr = u->lr;
-    (void)w;
-    const plan_tensor *t = tensor_at(e, j);
-    size_t s = t->pos - e->state_base;
-    const float *sum = e->sum + e->toff[j];
-    const uint32_t *mask = e->mask_cur ? e->mask_cur + t->word : NULL;
-    float div = (float)e->t_total;
-    const kern_hyper *h = &e->cfg.hyper;
-    if (eng_uses_v(e))
-        return mask ? kern_adamw_masked(e->theta + s, e->m + s, e->v + s, sum, div, mask,
-                                        t->len, h, lr, t_step)
-                    : kern_adamw_dense(e->theta + s, e->m + s, e->v + s, sum, div, t->len, h,
-                                       lr, t_step);
-    return mask ? kern_adams_masked(e->theta + s, e->m + s, sum, div, mask, t->len, h, lr)
-                : kern_adams_dense(e->theta + s, e->m + s, sum, div, t->len, h, lr);
-}
-
-static scape_rc update(eng_t *e, uint64_t t, float lr)
-{
-    size_t count;
-    update_ctx u = { .e = e, .t = t, .lr = lr };
-    update_range(e, &u.first, &count);
-    return pool_run(e->pool, count, update_tensor, &u);
+    eng_view_free(e, sv);
+    eng_view_free(e, mv);
+    return rc;
 }
 
 /* The new parameters, comm order, into `dst`: packed at the mask (sparse) or
  * whole (dense); sharded ranks then all-gather their parts in place. */
-static scape_rc compact_tensor(void *ctx, size_t i, int w)
-{
-    update_ctx *u = ctx;
-    eng_t *e = u->e;
-    size_t j = u->first + i, k;
-    (void)w;
-    const plan_tensor *t = tensor_at(e, j);
-    const float *th = e->theta + (t->pos - e->state_base);
-    if (e->mask_cur)
-        return kern_mask_compact(th, e->mask_cur + t->word, t->len, u->dst + e->toff[j], &k);
-    memcpy(u->dst + e->toff[j], th, t->len * sizeof *th);
-    return SCAPE_OK;
-}
-
 static scape_rc gather_updates(eng_t *e, float *dst)
 {
     size_t first, count;
-    update_range(e, &first, &count);
-    update_ctx u = { .e = e, .first = first, .dst = dst };
-    TRY(pool_run(e->pool, count, compact_tensor, &u));
+    eng_update_range(e, &first, &count);
+    TRY(e->x->ops->compact(e->x, first, count, dst));
     if (e->cfg.mode == ENG_MODE_REPLICATED)
         return SCAPE_OK;
     shard_counts(e, sizeof(float));
-    return comm_allgather(e->comm, dst + e->toff[first], dst, e->counts);
-}
-
-/* Every trainer's buffer receives the new values (at the mask when sparse). */
-typedef struct wb_ctx {
-    eng_t *e;
-    const float *src;
-    void *const *params;
-} wb_ctx;
-
-/* Item j * T_r + q: tensor j (comm order) into trainer q's buffer. */
-static scape_rc write_back_item(void *ctx, size_t i, int w)
-{
-    wb_ctx *b = ctx;
-    eng_t *e = b->e;
-    size_t j = i / (size_t)e->tr;
-    int q = (int)(i % (size_t)e->tr);
-    (void)w;
-    const plan_tensor *t = tensor_at(e, j);
-    char *dst = (char *)b->params[q] + t->off * kern_dtype_size(e->pdt);
-    const float *src = b->src + e->toff[j];
-    if (e->mask_cur)
-        return kern_mask_expand(src, e->mask_cur + t->word, t->len, dst, e->pdt);
-    if (e->pdt == KERN_F32) {
-        memcpy(dst, src, t->len * sizeof(float));
-        return SCAPE_OK;
-    }
-    return kern_f32_to_bf16(src, (uint16_t *)(void *)dst, t->len);
-}
-
-static scape_rc write_back(eng_t *e, const float *src, void *const *params)
-{
-    wb_ctx b = { e, src, params };
-    return pool_run(e->pool, e->p->ntensors * (size_t)e->tr, write_back_item, &b);
+    return x_allgather(e, dst + e->toff[first], dst, e->counts);
 }
 
 /* Where the new parameters are gathered: `upd` when sparse; when dense, the
- * master copy itself (replicated) or e, whose sums are spent (sharded). */
+ * master copy itself (replicated) or the dense buffer, whose sums are spent
+ * (sharded). */
 static float *publish_buffer(eng_t *e)
 {
     if (e->mask_cur)
         return e->upd;
-    return e->cfg.mode == ENG_MODE_REPLICATED ? e->theta : e->e;
+    return e->cfg.mode == ENG_MODE_REPLICATED ? e->theta : e->dense;
 }
 
-/* Run the call and add its wall time to phase ph. */
+/* Run the call as phase ph (the executor times it). */
 #define PHASE(ph, call)                                                        \
     do {                                                                       \
-        double t0_ = now_s();                                                  \
+        e->x->ops->mark(e->x, ph, 0);                                          \
         scape_rc rc_ = (call);                                                 \
-        e->last.phase_s[ph] += now_s() - t0_;                                  \
+        e->x->ops->mark(e->x, ph, 1);                                          \
         if (rc_ != SCAPE_OK)                                                   \
             return rc_;                                                        \
     } while (0)
 
-static scape_rc choose_mask(eng_t *e, uint64_t t, const float *g)
+static scape_rc choose_mask(eng_t *e, uint64_t t)
 {
     int dense_opt = e->cfg.optimizer == ENG_OPT_ADAMS || e->cfg.optimizer == ENG_OPT_ADAMW;
     if (e->cfg.optimizer == ENG_OPT_SCAPE) {
@@ -502,24 +354,26 @@ static scape_rc choose_mask(eng_t *e, uint64_t t, const float *g)
     } else if (dense_opt || t <= e->cfg.warmup) {
         e->mask_cur = NULL;
     } else {
-        PHASE(ENG_PH_SELECT, topk_union_mask(e, g));
+        PHASE(ENG_PH_SELECT, topk_union_mask(e));
     }
     return SCAPE_OK;
 }
 
-scape_rc eng_step_body(eng_t *e, uint64_t t, float lr, const void *const *grads,
-                       void *const *params)
+static scape_rc step_phases(eng_t *e, uint64_t t, float lr, const void *const *grads,
+                            void *const *params)
 {
-    const float *g = NULL;
-    float *buf = NULL, *pub;
     size_t k = 0;
-    PHASE(ENG_PH_INTAKE, intake(e, grads, &g));
-    TRY(choose_mask(e, t, g));
-    TRY(tensor_offsets(e, &k));
-    if (e->mask_cur)
-        clean_residual(e);
-    PHASE(ENG_PH_PACK, pack(e, g, grads, &buf));
-    if (e->cfg.optimizer == ENG_OPT_SCAPE && t + 1 > e->cfg.warmup) {
+    float *pub;
+    if (e->cfg.optimizer == ENG_OPT_TOPK_ADAMW)
+        PHASE(ENG_PH_INTAKE, e->x->ops->intake(e->x, grads));
+    TRY(choose_mask(e, t));
+    TRY(e->x->ops->offsets(e->x, &k));
+    if (e->mask_cur && k > e->k_cap)
+        return scape_set_error(SCAPE_INVALID, "engine: mask of %zu values exceeds the "
+                               "capacity of %zu", k, e->k_cap);
+    e->select_due = e->cfg.optimizer == ENG_OPT_SCAPE && t + 1 > e->cfg.warmup;
+    PHASE(ENG_PH_PACK, e->x->ops->pack(e->x, grads, e->select_due));
+    if (e->select_due) {
         /* deferred only from a sparse step: a dense one's a is overwritten
          * by its in-place reduction */
         if (e->cfg.defer_select && e->mask_cur)
@@ -527,14 +381,27 @@ scape_rc eng_step_body(eng_t *e, uint64_t t, float lr, const void *const *grads,
         else
             PHASE(ENG_PH_SELECT, scape_select(e));
     }
-    PHASE(ENG_PH_REDUCE, reduce(e, buf, k));
+    PHASE(ENG_PH_REDUCE, reduce(e, e->mask_cur ? e->send : e->dense, k));
     if (e->ghat)
-        keep_ghat(e);
-    PHASE(ENG_PH_UPDATE, update(e, t, lr));
+        TRY(keep_ghat(e, k));
+    size_t first, count;
+    eng_update_range(e, &first, &count);
+    PHASE(ENG_PH_UPDATE, e->x->ops->update(e->x, first, count, t, lr));
     pub = publish_buffer(e);
     if (pub != e->theta)
         PHASE(ENG_PH_GATHER, gather_updates(e, pub));
-    PHASE(ENG_PH_WRITEBACK, write_back(e, pub, params));
+    PHASE(ENG_PH_WRITEBACK, e->x->ops->write_back(e->x, pub, params));
     e->last.k = k;
     return SCAPE_OK;
+}
+
+scape_rc eng_step_body(eng_t *e, uint64_t t, float lr, const void *const *grads,
+                       void *const *params)
+{
+    scape_rc rc = step_phases(e, t, lr, grads, params);
+    /* the parameters are in every trainer's buffer once the work is done */
+    if (rc == SCAPE_OK)
+        rc = e->x->ops->sync(e->x);
+    e->x->ops->times(e->x, e->last.phase_s);
+    return rc;
 }

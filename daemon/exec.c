@@ -1,0 +1,33 @@
+/* exec.c - choosing and creating an engine's executor (exec.h). */
+#include <stdlib.h>
+
+#include "engine_internal.h"
+
+scape_rc exec_create(eng_t *e)
+{
+    exec_t *x = calloc(1, sizeof *x);
+    if (x == NULL)
+        return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
+    x->e = e;
+    if (e->cfg.executor != ENG_EXEC_HOST) {
+        free(x);
+        return scape_set_error(SCAPE_UNSUPPORTED, "engine: executor %s is not built yet",
+                               eng_executor_name(e->cfg.executor));
+    }
+    x->ops = &exec_host_ops;
+    e->x = x;
+    scape_rc rc = x->ops->create(x);
+    if (rc != SCAPE_OK)
+        exec_destroy(e);
+    return rc;
+}
+
+void exec_destroy(eng_t *e)
+{
+    exec_t *x = e->x;
+    if (x == NULL)
+        return;
+    x->ops->destroy(x);
+    free(x);
+    e->x = NULL;
+}

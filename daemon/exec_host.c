@@ -1,0 +1,532 @@
+/* exec_host.c - the host executor: the CPU kernels of kernels/ on the
+ * engine's fork-join pool, every vector in host memory (exec.h).
+ *
+ * The pack is cut into pieces of intake_chunk coordinates that never
+ * straddle tensors and start on a mask word; a piece sums the trainers'
+ * gradients into its worker's chunk buffer (or reads a trainer's own buffer
+ * when it alone is G_r) and packs it.  Selection, update, compaction and
+ * write-back run one tensor per pool item.  Nothing is asynchronous: sync()
+ * has nothing to wait for.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "engine_internal.h"
+
+/* One piece of the pack: coordinates [c, c + len) of tensor j (comm order). */
+typedef struct item {
+    size_t j, c, len;
+    size_t done;         /* values of tensor j packed before this piece */
+} item;
+
+typedef struct host_x {
+    pool *pool;          /* cfg.threads workers */
+    item *items;         /* the pack's pieces, comm order */
+    size_t nitems;
+    float *gchunk;       /* one intake chunk per worker */
+    const float *g;      /* G_r whole for this step, or NULL: summed per chunk */
+    void *topk_scratch;  /* one per worker, topk_scratch_bytes each */
+    size_t topk_scratch_bytes;
+    float *sstat;        /* defer_select: the statistic at M_t's coordinates of
+                            the owned tensors, packed like `send` (K_cap) */
+    double begun[ENG_PH_COUNT], spent[ENG_PH_COUNT];
+} host_x;
+
+static host_x *impl(const exec_t *x) { return x->impl; }
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void *worker_scratch(const host_x *h, int w)
+{
+    return (char *)h->topk_scratch + (size_t)w * h->topk_scratch_bytes;
+}
+
+/* ---- life ------------------------------------------------------------------- */
+
+/* Every tensor in comm order cut into intake_chunk coordinates (a multiple
+ * of 32, so each piece starts on a mask word). */
+static scape_rc plan_items(const eng_t *e, host_x *h)
+{
+    const plan *p = e->p;
+    size_t chunk = e->cfg.intake_chunk, n = 0;
+    for (size_t j = 0; j < p->ntensors; j++)
+        n += (eng_tensor_at(e, j)->len + chunk - 1) / chunk;
+    h->items = calloc(n ? n : 1, sizeof *h->items);
+    if (h->items == NULL)
+        return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
+    for (size_t j = 0; j < p->ntensors; j++) {
+        size_t len = eng_tensor_at(e, j)->len;
+        for (size_t c = 0; c < len; c += chunk)
+            h->items[h->nitems++] = (item){ .j = j, .c = c,
+                                            .len = len - c < chunk ? len - c : chunk };
+    }
+    return SCAPE_OK;
+}
+
+static scape_rc host_create(exec_t *x)
+{
+    eng_t *e = x->e;
+    const plan *p = e->p;
+    size_t n = p->n, w = p->nwords, sl = e->state_len ? e->state_len : 1;
+    host_x *h = calloc(1, sizeof *h);
+    if (h == NULL)
+        return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
+    x->impl = h;
+    x->host_memory = 1;
+    e->m = calloc(sl, sizeof(float));
+    e->v = eng_uses_v(e) ? calloc(sl, sizeof(float)) : NULL;
+    e->theta = calloc(sl, sizeof(float));
+    e->e = calloc(n ? n : 1, sizeof(float));
+    e->dense = e->e;
+    e->send = calloc(e->k_cap, sizeof(float));
+    e->upd = calloc(e->k_cap, sizeof(float));
+    e->mask_buf[0] = calloc(w ? w : 1, sizeof(uint32_t));
+    e->mask_buf[1] = calloc(w ? w : 1, sizeof(uint32_t));
+    e->code_all = calloc(e->code_total / 4 + 1, sizeof(uint32_t));
+    size_t workers = (size_t)e->cfg.threads;
+    h->topk_scratch_bytes = kern_topk_scratch_bytes(p->max_len);
+    h->topk_scratch = malloc(h->topk_scratch_bytes ? workers * h->topk_scratch_bytes : 1);
+    h->gchunk = calloc(workers * e->cfg.intake_chunk, sizeof(float));
+    if (e->cfg.defer_select && e->cfg.optimizer == ENG_OPT_SCAPE)
+        h->sstat = calloc(e->k_cap, sizeof(float));
+    if (!e->m || (eng_uses_v(e) && !e->v) || !e->theta || !e->e || !e->send || !e->upd ||
+        !e->mask_buf[0] || !e->mask_buf[1] || !e->code_all || !h->topk_scratch ||
+        !h->gchunk || (e->cfg.defer_select && e->cfg.optimizer == ENG_OPT_SCAPE && !h->sstat))
+        return scape_set_error(SCAPE_NOMEM, "engine: cannot allocate state for N=%zu", n);
+    TRY(plan_items(e, h));
+    return pool_create(&h->pool, e->cfg.threads);
+}
+
+static void host_destroy(exec_t *x)
+{
+    eng_t *e = x->e;
+    host_x *h = impl(x);
+    void *bufs[] = { e->m, e->v, e->theta, e->e, e->g, e->send, e->upd, e->mask_buf[0],
+                     e->mask_buf[1], e->code_all };
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        free(bufs[i]);
+    if (h) {
+        pool_destroy(&h->pool);
+        free(h->items);
+        free(h->gchunk);
+        free(h->topk_scratch);
+        free(h->sstat);
+        free(h);
+    }
+    x->impl = NULL;
+}
+
+/* ---- intake and pack ------------------------------------------------------ */
+
+/* G_r whole for topk-adamw (it selects before packing): a trainer's own
+ * buffer when it is the only one, else the sum in e->g. */
+static scape_rc host_intake(exec_t *x, const void *const *grads)
+{
+    eng_t *e = x->e;
+    host_x *h = impl(x);
+    if (e->tr == 1 && e->gdt == KERN_F32) {
+        h->g = grads[0];
+        return SCAPE_OK;
+    }
+    if (e->g == NULL && (e->g = calloc(e->p->n ? e->p->n : 1, sizeof(float))) == NULL)
+        return scape_set_error(SCAPE_NOMEM, "engine: cannot allocate the intake buffer");
+    for (int j = 0; j < e->tr; j++)
+        TRY(kern_grad_accum(e->g, grads[j], e->gdt, e->p->n, j == 0));
+    h->g = e->g;
+    return SCAPE_OK;
+}
+
+/* G_r over coordinates [off, off + len) into buf (a worker's chunk). */
+static scape_rc intake_chunk(const eng_t *e, const void *const *grads, size_t off, size_t len,
+                             float *buf)
+{
+    size_t esz = kern_dtype_size(e->gdt);
+    for (int j = 0; j < e->tr; j++)
+        TRY(kern_grad_accum(buf, (const char *)grads[j] + off * esz, e->gdt, len, j == 0));
+    return SCAPE_OK;
+}
+
+typedef struct pack_ctx {
+    exec_t *x;
+    const float *g;
+    const void *const *grads;
+} pack_ctx;
+
+/* Pack one piece, the gradient sum read from g or summed into the worker's
+ * chunk buffer. */
+static scape_rc pack_item(void *ctx, size_t i, int w)
+{
+    pack_ctx *pc = ctx;
+    eng_t *e = pc->x->e;
+    host_x *h = impl(pc->x);
+    const item *it = &h->items[i];
+    const plan_tensor *t = eng_tensor_at(e, it->j);
+    const float *g = pc->g ? pc->g + t->off + it->c : NULL;
+    if (g == NULL) {
+        float *buf = h->gchunk + (size_t)w * e->cfg.intake_chunk;
+        TRY(intake_chunk(e, pc->grads, t->off + it->c, it->len, buf));
+        g = buf;
+    }
+    size_t k;
+    if (!e->mask_cur)
+        return kern_grad_accum(e->e + t->pos + it->c, g, KERN_F32, it->len, e->e_stale);
+    return kern_pack_ef(g, e->e + t->pos + it->c, e->mask_cur + t->word + it->c / 32, it->len,
+                        e->send + e->toff[it->j] + it->done, &k);
+}
+
+static scape_rc host_pack(exec_t *x, const void *const *grads, int select_due)
+{
+    eng_t *e = x->e;
+    host_x *h = impl(x);
+    (void)select_due; /* the selection reads a back from e and send */
+    if (e->mask_cur && e->e_stale) {
+        memset(e->e, 0, e->p->n * sizeof *e->e);
+        e->e_stale = 0;
+    }
+    const float *g = e->cfg.optimizer == ENG_OPT_TOPK_ADAMW ? h->g : NULL;
+    if (g == NULL && e->tr == 1 && e->gdt == KERN_F32)
+        g = grads[0];
+    pack_ctx pc = { x, g, grads };
+    TRY(pool_run(h->pool, h->nitems, pack_item, &pc));
+    if (!e->mask_cur)
+        e->e_stale = 1; /* e now holds a, and after the reduction the sums */
+    return SCAPE_OK;
+}
+
+/* ---- offsets ---------------------------------------------------------------- */
+
+static scape_rc count_item(void *ctx, size_t i, int w)
+{
+    exec_t *x = ctx;
+    eng_t *e = x->e;
+    item *it = &impl(x)->items[i];
+    (void)w;
+    if (!e->mask_cur) {
+        it->done = it->len;
+        return SCAPE_OK;
+    }
+    return kern_mask_popcount(e->mask_cur + eng_tensor_at(e, it->j)->word + it->c / 32,
+                              it->len, &it->done);
+}
+
+/* toff[j]: where tensor j (comm order) starts among the packed values; and
+ * for each pack piece, the values of its tensor before it. */
+static scape_rc host_offsets(exec_t *x, size_t *k_out)
+{
+    eng_t *e = x->e;
+    host_x *h = impl(x);
+    TRY(pool_run(h->pool, h->nitems, count_item, x));
+    e->toff[0] = 0;
+    size_t j = 0, before = 0; /* values of tensor j in the pieces so far */
+    for (size_t i = 0; i < h->nitems; i++) {
+        item *it = &h->items[i];
+        if (it->j != j) {
+            e->toff[j + 1] = e->toff[j] + before;
+            j = it->j;
+            before = 0;
+        }
+        size_t k = it->done;
+        it->done = before;
+        before += k;
+    }
+    e->toff[j + 1] = e->toff[j] + before;
+    *k_out = e->toff[e->p->ntensors];
+    return SCAPE_OK;
+}
+
+/* ---- selection --------------------------------------------------------------- */
+
+/* SCAPE: exact top-k of the statistic over the owned tensors -> M_{t+1}.
+ * Right after the pack, from the a = G + e it left in e and `send`; or,
+ * deferred, from e and the statistic keep_stats took at the mask's
+ * coordinates before the update changed m there. */
+static scape_rc select_tensor(void *ctx, size_t i, int w)
+{
+    exec_t *x = ctx;
+    eng_t *e = x->e;
+    host_x *h = impl(x);
+    size_t j = e->p->shard[e->rank].first + i;
+    const plan_tensor *t = eng_tensor_at(e, j);
+    const uint32_t *sent = e->mask_cur ? e->mask_cur + t->word : NULL;
+    const float *m = e->m + (t->pos - e->state_base);
+    if (e->select_pending)
+        return kern_topk_prestat(m, e->e + t->pos, sent, h->sstat + e->toff[j], t->len,
+                                 e->cfg.hyper.beta1, (float)e->sel_tr, t->k,
+                                 e->mask_next + t->word, worker_scratch(h, w),
+                                 h->topk_scratch_bytes);
+    return kern_topk_packed(m, e->e + t->pos, sent, sent ? e->send + e->toff[j] : NULL, t->len,
+                            e->cfg.hyper.beta1, (float)e->tr, t->k, e->mask_next + t->word,
+                            worker_scratch(h, w), h->topk_scratch_bytes);
+}
+
+static scape_rc host_select(exec_t *x)
+{
+    eng_t *e = x->e;
+    return pool_run(impl(x)->pool, e->p->shard[e->rank].count, select_tensor, x);
+}
+
+/* defer_select: the statistic at M_t's coordinates of one owned tensor,
+ * while m there and the packed a still hold what the selection needs. */
+static scape_rc keep_stat_tensor(void *ctx, size_t i, int w)
+{
+    exec_t *x = ctx;
+    eng_t *e = x->e;
+    size_t j = e->p->shard[e->rank].first + i;
+    const plan_tensor *t = eng_tensor_at(e, j);
+    (void)w;
+    return kern_stat_packed(e->m + (t->pos - e->state_base), e->mask_cur + t->word,
+                            e->send + e->toff[j], t->len, e->cfg.hyper.beta1, (float)e->tr,
+                            impl(x)->sstat + e->toff[j]);
+}
+
+static scape_rc host_keep_stats(exec_t *x)
+{
+    eng_t *e = x->e;
+    return pool_run(impl(x)->pool, e->p->shard[e->rank].count, keep_stat_tensor, x);
+}
+
+/* topk-adamw: each rank's top-k of |a_r| per tensor into the spare buffer. */
+static scape_rc own_topk_tensor(void *ctx, size_t i, int w)
+{
+    exec_t *x = ctx;
+    eng_t *e = x->e;
+    host_x *h = impl(x);
+    const plan_tensor *t = &e->p->t[i];
+    return kern_topk_ef(NULL, h->g + t->off, e->e + t->pos, t->len, 0.0f, 1.0f, t->k,
+                        e->mask_buf[1] + t->word, worker_scratch(h, w), h->topk_scratch_bytes);
+}
+
+static scape_rc host_own_topk(exec_t *x)
+{
+    eng_t *e = x->e;
+    if (e->e_stale) {
+        memset(e->e, 0, e->p->n * sizeof *e->e);
+        e->e_stale = 0;
+    }
+    return pool_run(impl(x)->pool, e->p->ntensors, own_topk_tensor, x);
+}
+
+static scape_rc host_encode(exec_t *x, size_t first, size_t count, const uint32_t *words,
+                            uint32_t *code)
+{
+    return mcode_encode(x->e->p, first, count, words, code);
+}
+
+static scape_rc host_decode(exec_t *x, size_t first, size_t count, const uint32_t *code,
+                            size_t nbytes, uint32_t *words, int merge, int from)
+{
+    return mcode_decode(x->e->p, first, count, code, nbytes, words, merge, from);
+}
+
+static scape_rc host_mask_zero(exec_t *x, uint32_t *words)
+{
+    memset(words, 0, x->e->p->nwords * sizeof *words);
+    return SCAPE_OK;
+}
+
+static scape_rc host_churn(exec_t *x, const uint32_t *cur, const uint32_t *prev)
+{
+    eng_t *e = x->e;
+    uint64_t fresh = 0, total = 0;
+    for (size_t w = 0; w < e->p->nwords; w++) {
+        fresh += (uint64_t)__builtin_popcount(cur[w] & ~prev[w]);
+        total += (uint64_t)__builtin_popcount(cur[w]);
+    }
+    e->last.mask_churn = total ? (double)fresh / (double)total : 0.0;
+    return SCAPE_OK;
+}
+
+/* ---- update, compaction, write-back ------------------------------------- */
+
+typedef struct update_ctx {
+    eng_t *e;
+    size_t first;
+    uint64_t t;
+    float lr;
+    float *dst;  /* compact */
+    const float *src;       /* write_back */
+    void *const *params;
+} update_ctx;
+
+static scape_rc update_tensor(void *ctx, size_t i, int w)
+{
+    update_ctx *u = ctx;
+    eng_t *e = u->e;
+    const plan_tensor *t = eng_tensor_at(e, u->first + i);
+    size_t s = t->pos - e->state_base;
+    const float *sum = e->sum + e->toff[u->first + i];
+    const uint32_t *mask = e->mask_cur ? e->mask_cur + t->word : NULL;
+    float div = (float)e->t_total;
+    const kern_hyper *h = &e->cfg.hyper;
+    (void)w;
+    if (eng_uses_v(e))
+        return mask ? kern_adamw_masked(e->theta + s, e->m + s, e->v + s, sum, div, mask,
+                                        t->len, h, u->lr, u->t)
+                    : kern_adamw_dense(e->theta + s, e->m + s, e->v + s, sum, div, t->len, h,
+                                       u->lr, u->t);
+    return mask ? kern_adams_masked(e->theta + s, e->m + s, sum, div, mask, t->len, h, u->lr)
+                : kern_adams_dense(e->theta + s, e->m + s, sum, div, t->len, h, u->lr);
+}
+
+static scape_rc host_update(exec_t *x, size_t first, size_t count, uint64_t t, float lr)
+{
+    update_ctx u = { .e = x->e, .first = first, .t = t, .lr = lr };
+    return pool_run(impl(x)->pool, count, update_tensor, &u);
+}
+
+static scape_rc compact_tensor(void *ctx, size_t i, int w)
+{
+    update_ctx *u = ctx;
+    eng_t *e = u->e;
+    size_t j = u->first + i, k;
+    (void)w;
+    const plan_tensor *t = eng_tensor_at(e, j);
+    const float *th = e->theta + (t->pos - e->state_base);
+    if (e->mask_cur)
+        return kern_mask_compact(th, e->mask_cur + t->word, t->len, u->dst + e->toff[j], &k);
+    if (u->dst + e->toff[j] != th)
+        memcpy(u->dst + e->toff[j], th, t->len * sizeof *th);
+    return SCAPE_OK;
+}
+
+static scape_rc host_compact(exec_t *x, size_t first, size_t count, float *dst)
+{
+    update_ctx u = { .e = x->e, .first = first, .dst = dst };
+    return pool_run(impl(x)->pool, count, compact_tensor, &u);
+}
+
+/* Item j * T_r + q: tensor j (comm order) into trainer q's buffer. */
+static scape_rc write_back_item(void *ctx, size_t i, int w)
+{
+    update_ctx *b = ctx;
+    eng_t *e = b->e;
+    size_t j = i / (size_t)e->tr;
+    int q = (int)(i % (size_t)e->tr);
+    (void)w;
+    const plan_tensor *t = eng_tensor_at(e, j);
+    char *dst = (char *)b->params[q] + t->off * kern_dtype_size(e->pdt);
+    const float *src = b->src + e->toff[j];
+    if (e->mask_cur)
+        return kern_mask_expand(src, e->mask_cur + t->word, t->len, dst, e->pdt);
+    if (e->pdt == KERN_F32) {
+        memcpy(dst, src, t->len * sizeof(float));
+        return SCAPE_OK;
+    }
+    return kern_f32_to_bf16(src, (uint16_t *)(void *)dst, t->len);
+}
+
+static scape_rc host_write_back(exec_t *x, const float *src, void *const *params)
+{
+    eng_t *e = x->e;
+    update_ctx b = { .e = e, .src = src, .params = params };
+    return pool_run(impl(x)->pool, e->p->ntensors * (size_t)e->tr, write_back_item, &b);
+}
+
+static scape_rc host_load_theta(exec_t *x, const void *src)
+{
+    eng_t *e = x->e;
+    for (size_t i = 0; i < e->p->ntensors; i++) {
+        const plan_tensor *t = &e->p->t[i];
+        if (t->pos < e->state_base || t->pos >= e->state_base + e->state_len)
+            continue;
+        float *dst = e->theta + (t->pos - e->state_base);
+        if (e->pdt == KERN_F32)
+            memcpy(dst, (const float *)src + t->off, t->len * sizeof(float));
+        else
+            TRY(kern_bf16_to_f32((const uint16_t *)src + t->off, dst, t->len));
+    }
+    return SCAPE_OK;
+}
+
+/* ---- memory, time ---------------------------------------------------------- */
+
+static scape_rc host_copy(exec_t *x, void *dst, const void *src, size_t bytes)
+{
+    (void)x;
+    if (bytes && dst != src)
+        memmove(dst, src, bytes);
+    return SCAPE_OK;
+}
+
+static scape_rc host_zero(exec_t *x, void *dst, size_t bytes)
+{
+    (void)x;
+    if (bytes)
+        memset(dst, 0, bytes);
+    return SCAPE_OK;
+}
+
+static scape_rc host_sync(exec_t *x)
+{
+    (void)x;
+    return SCAPE_OK;
+}
+
+static void host_mark(exec_t *x, eng_phase ph, int end)
+{
+    host_x *h = impl(x);
+    if (end)
+        h->spent[ph] += now_s() - h->begun[ph];
+    else
+        h->begun[ph] = now_s();
+}
+
+static void host_times(exec_t *x, double *phase_s)
+{
+    host_x *h = impl(x);
+    for (int p = 0; p < ENG_PH_COUNT; p++) {
+        phase_s[p] += h->spent[p];
+        h->spent[p] = 0.0;
+    }
+}
+
+static double host_residual_norm(exec_t *x)
+{
+    const eng_t *e = x->e;
+    double s = 0.0;
+    for (size_t i = 0; !e->e_stale && i < e->p->n; i++)
+        s += (double)e->e[i] * (double)e->e[i];
+    return sqrt(s);
+}
+
+static uint64_t host_no_bytes(const exec_t *x)
+{
+    (void)x;
+    return 0;
+}
+
+const exec_ops exec_host_ops = {
+    .name = "host",
+    .create = host_create,
+    .destroy = host_destroy,
+    .intake = host_intake,
+    .pack = host_pack,
+    .keep_stats = host_keep_stats,
+    .select = host_select,
+    .own_topk = host_own_topk,
+    .encode = host_encode,
+    .decode = host_decode,
+    .mask_zero = host_mask_zero,
+    .churn = host_churn,
+    .offsets = host_offsets,
+    .update = host_update,
+    .compact = host_compact,
+    .write_back = host_write_back,
+    .load_theta = host_load_theta,
+    .copy = host_copy,
+    .zero = host_zero,
+    .sync = host_sync,
+    .mark = host_mark,
+    .times = host_times,
+    .residual_norm = host_residual_norm,
+    .device_bytes = host_no_bytes,
+    .pinned_bytes = host_no_bytes,
+};
