@@ -9,12 +9,7 @@ scape_rc exec_create(eng_t *e)
     if (x == NULL)
         return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
     x->e = e;
-    if (e->cfg.executor != ENG_EXEC_HOST) {
-        free(x);
-        return scape_set_error(SCAPE_UNSUPPORTED, "engine: executor %s is not built yet",
-                               eng_executor_name(e->cfg.executor));
-    }
-    x->ops = &exec_host_ops;
+    x->ops = e->cfg.executor == ENG_EXEC_HOST ? &exec_host_ops : &exec_dev_ops;
     e->x = x;
     scape_rc rc = x->ops->create(x);
     if (rc != SCAPE_OK)

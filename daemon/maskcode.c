@@ -7,8 +7,7 @@
 
 static size_t words_of(const plan_tensor *t) { return (t->len + 31) / 32; }
 
-/* Bits that hold any position in [0, len). */
-static unsigned pos_bits(size_t len)
+unsigned mcode_pos_bits(size_t len)
 {
     unsigned b = 1;
     while (b < 64 && (len - 1) >> b)
@@ -18,7 +17,7 @@ static unsigned pos_bits(size_t len)
 
 int mcode_by_index(const plan_tensor *t)
 {
-    return t->k * pos_bits(t->len) < 32 * words_of(t); /* k <= len < 2^57: no overflow */
+    return t->k * mcode_pos_bits(t->len) < 32 * words_of(t); /* k <= len < 2^57: no overflow */
 }
 
 static const plan_tensor *at(const plan *p, size_t j) { return &p->t[p->order[j]]; }
@@ -29,7 +28,7 @@ size_t mcode_bytes(const plan *p, size_t first, size_t count)
     for (size_t j = first; j < first + count; j++) {
         const plan_tensor *t = at(p, j);
         if (mcode_by_index(t))
-            bits += t->k * pos_bits(t->len);
+            bits += t->k * mcode_pos_bits(t->len);
         else
             words += words_of(t);
     }
@@ -116,7 +115,7 @@ scape_rc mcode_encode(const plan *p, size_t first, size_t count, const uint32_t 
         if (!mcode_by_index(t))
             continue;
         const uint32_t *tw = words + (t->word - w0);
-        unsigned b = pos_bits(t->len);
+        unsigned b = mcode_pos_bits(t->len);
         size_t got = 0;
         for (size_t i = 0; i < words_of(t); i++)
             for (uint32_t x = tw[i]; x; x &= x - 1, got++) {
@@ -173,7 +172,7 @@ scape_rc mcode_decode(const plan *p, size_t first, size_t count, const uint32_t 
         uint32_t *tw = words + (t->word - w0);
         if (!merge)
             memset(tw, 0, words_of(t) * sizeof *tw);
-        unsigned b = pos_bits(t->len);
+        unsigned b = mcode_pos_bits(t->len);
         uint64_t prev = 0;
         for (size_t q = 0; q < t->k; q++) {
             uint64_t pos;

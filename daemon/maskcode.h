@@ -21,6 +21,9 @@
 #include <stdint.h>
 #include "plan.h"
 
+/* Bits that hold any position in [0, len): the width of an index code. */
+unsigned mcode_pos_bits(size_t len);
+
 /* The tensor goes as positions (1) or as bitmap words (0). */
 int mcode_by_index(const plan_tensor *t);
 

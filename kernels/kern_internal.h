@@ -62,7 +62,7 @@ static inline scape_rc kern_check_stat_args(const char *fn, size_t n, const floa
 /* 1 - beta^t, computed in double and rounded once to float. */
 static inline float kern_bias_correction(float beta, uint64_t t)
 {
-    return (float)(1.0 - pow((double)beta, (double)t));
+    return scape_f_bias_correction(beta, t);
 }
 
 /* Validate the hyper-parameters shared by all Adam-family kernels. */

@@ -107,6 +107,12 @@ SCAPE_HD uint32_t scape_f_key(float stat) { return scape_f_bits(stat) & 0x7fffff
 
 /* ---- updates ----------------------------------------------------------------- */
 
+/* AdamW's bias correction 1 - beta^t, in double, rounded once (host side). */
+static inline float scape_f_bias_correction(float beta, uint64_t t)
+{
+    return (float)(1.0 - pow((double)beta, (double)t));
+}
+
 /* g_hat: the reduced sum over T trainers, as their mean. */
 SCAPE_HD float scape_f_mean(float sum, float div) { return sum / div; }
 

@@ -724,6 +724,45 @@ START_TEST(threads_do_not_change_results)
 }
 END_TEST
 
+/* variant 0: the host executor; 1: the device executor on the simulated
+ * device, residual streamed in chunks of 64 coordinates (about twenty per
+ * step); 2: the same, residual in device memory */
+static void vary_executor(spec *sp, int k)
+{
+    sp->cfg.executor = k ? ENG_EXEC_SIM : ENG_EXEC_HOST;
+    sp->cfg.residual_chunk = 64;
+    sp->cfg.residual_on_device = k == 2;
+}
+
+/* The device executor's orchestration and kernels (the CPU versions of the
+ * CUDA kernels, their streams replayed in a random order that keeps only
+ * the declared dependencies) give the host executor's bits, with every
+ * per-step check on: every optimizer, both modes, one and three ranks, f32
+ * and bf16 buffers, the selection deferred or not. */
+START_TEST(sim_executor_is_the_host_executor)
+{
+    static const struct {
+        eng_optimizer opt;
+        double rho;
+    } opts[] = { { ENG_OPT_SCAPE, 0.1 }, { ENG_OPT_SCAPE, 0.01 }, { ENG_OPT_ADAMS, 1.0 },
+                 { ENG_OPT_ADAMW, 1.0 }, { ENG_OPT_TOPK_ADAMW, 0.1 } };
+    for (size_t o = 0; o < sizeof opts / sizeof opts[0]; o++)
+        for (int mode = 0; mode < 2; mode++)
+            for (int R = 1; R <= 3; R += 2)
+                for (int bf16 = 0; bf16 < 2; bf16++) {
+                    spec sp = make_spec(opts[o].opt, (eng_mode)mode, R, opts[o].rho, 40);
+                    if (bf16)
+                        sp.pdt = sp.gdt = KERN_BF16;
+                    sp.cfg.defer_select = (int)(o + (size_t)mode + (size_t)bf16) % 2;
+                    char what[160];
+                    snprintf(what, sizeof what, "%s %s R=%d%s%s, host / sim / sim resident",
+                             eng_optimizer_name(opts[o].opt), eng_mode_name((eng_mode)mode), R,
+                             bf16 ? " bf16" : "", sp.cfg.defer_select ? " deferred" : "");
+                    expect_variants_agree(&sp, 3, vary_executor, what);
+                }
+}
+END_TEST
+
 /* variant 0: selection inside the step; 1: deferred, eng_step_finish called
  * after each step; 2: deferred, left to the next eng_step */
 static void vary_defer(spec *sp, int k)
@@ -1108,6 +1147,7 @@ int main(void)
     tcase_add_test(inv, scape_rho_0_1);
     tcase_add_test(inv, scape_rho_0_01);
     tcase_add_test(inv, threads_do_not_change_results);
+    tcase_add_test(inv, sim_executor_is_the_host_executor);
     tcase_add_test(inv, deferred_selection_changes_nothing);
     tcase_add_test(inv, ties_keep_exact_k);
     tcase_add_test(inv, bf16_buffers);

@@ -1,0 +1,905 @@
+/* exec_dev.c - the device executor: the step's per-coordinate work as the
+ * segmented kernels of kernels/scape_seg.h on a device (dev.h): the CUDA
+ * one (executor cuda) or its CPU model (executor sim), which runs this very
+ * code in the CPU tests.
+ *
+ * Memory.  m, theta (v), send, upd, both masks, the gathered mask codes, the
+ * selection keys and the kernels' tables live in device memory.  The
+ * residual lives in pinned host memory, in comm order, and streams through
+ * the device in chunks of about residual_chunk coordinates (whole mask
+ * words), two slots: on
+ * stream IN chunk c+1 is copied into its slot while MAIN packs chunk c and
+ * OUT copies chunk c-1 back.  residual_on_device keeps it in device memory
+ * instead, where a dense step packs in place in it; otherwise a dense step
+ * packs into a device buffer of N floats (`wide`).
+ *
+ * The step.  Everything is enqueued on MAIN in the engine's order, and the
+ * host waits once, in sync() at the end of the step (and where a collective
+ * needs host copies).  The plan fixes SCAPE's packed offsets (k_l per
+ * tensor), so no count goes back to the host; a scan of the mask per tile
+ * gives each set bit its packed index.  The pack also writes the selection's
+ * key of every owned coordinate, from a = G + e and the m before the update,
+ * so the selection (whenever it runs) needs neither e nor a second pass:
+ * a radix select over the keys, one launch per pass for all owned tensors.
+ * Mask codes are encoded and decoded on the device; what a peer's code
+ * breaks is recorded there and reported by the next sync().
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "dev.h"
+#include "engine_internal.h"
+
+/* Events: the streaming slots', then pairs for the phases' marks. */
+#define EV_IN(b) (b)
+#define EV_K(b) (2 + (b))
+#define EV_OUT(b) (4 + (b))
+#define EV_MARK0 8
+#define MAX_MARKS ((DEV_EVENTS - EV_MARK0) / 2)
+
+typedef struct chunk {
+    uint64_t w0, w1;     /* mask words */
+    uint64_t p0, p1;     /* their elements, comm order */
+} chunk;
+
+/* A set of tensors selected from together: their top-k tables. */
+typedef struct sel {
+    uint32_t first, n;
+    kseg_item *items;    /* device */
+    uint32_t nitems;
+    uint32_t *item0, *hist, *item_eq;
+    kseg_tstate *st;
+} sel;
+
+/* A range of tensors coded together: a rank's shard (SCAPE), or all. */
+typedef struct crange {
+    uint32_t first, n;
+    kseg_code *c;        /* device */
+    uint32_t *tiles, *count;
+    uint64_t w0, nwords, npos, pos_bits, map_words, code_words;
+} crange;
+
+typedef struct mark {
+    int ph;
+    double h0, h1;       /* host seconds, when the dev does not time */
+} mark;
+
+typedef struct dev_x {
+    const dev_ops *ops;
+    dev_t *d;
+    int timing;          /* the dev times phases with events */
+    int resident;        /* the residual is device memory */
+    kseg_tensor *tt;     /* device: every tensor, comm order */
+    uint32_t *tiles;     /* device: the scan of mask_cur from word 0 */
+    kseg_status *status, *status_h; /* device, and its pinned copy */
+    float *slot[2];
+    chunk *chunks;
+    size_t nchunks;
+    uint32_t *keys;      /* device: keys of [key_lo, key_hi) */
+    uint64_t key_lo, key_hi;
+    sel own, all;        /* SCAPE's owned tensors; topk-adamw's every tensor */
+    crange *ranges;      /* SCAPE: per rank; topk-adamw: one of all tensors */
+    int nranges;
+    float *wide;         /* device N floats: dense steps when streamed */
+    int churn_due, norm_due;
+    mark marks[MAX_MARKS];
+    int nmarks;
+    double norm;
+    uint64_t dev_bytes, pin_bytes;
+} dev_x;
+
+static dev_x *impl(const exec_t *x) { return x->impl; }
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* ---- memory ------------------------------------------------------------------ */
+
+static scape_rc dalloc(dev_x *h, size_t bytes, int pinned, void *out)
+{
+    void **p = out;
+    bytes = bytes ? bytes : 4;
+    TRY(h->ops->alloc(h->d, bytes, pinned, p));
+    if (pinned)
+        h->pin_bytes += bytes;
+    else
+        h->dev_bytes += bytes;
+    return SCAPE_OK;
+}
+
+static void dfree(dev_x *h, void *p, int pinned)
+{
+    if (p)
+        h->ops->release(h->d, p, pinned);
+}
+
+/* Host bytes into a fresh device buffer (the tables, at creation). */
+static scape_rc upload_new(dev_x *h, const void *src, size_t bytes, void *out)
+{
+    TRY(dalloc(h, bytes, 0, out));
+    if (bytes)
+        TRY(h->ops->copy(h->d, DEV_MAIN, *(void **)out, src, bytes));
+    return SCAPE_OK;
+}
+
+/* ---- tables ------------------------------------------------------------------- */
+
+static scape_rc build_tensors(eng_t *e, dev_x *h)
+{
+    const plan *p = e->p;
+    kseg_tensor *t = calloc(p->ntensors ? p->ntensors : 1, sizeof *t);
+    if (t == NULL)
+        return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
+    for (size_t j = 0; j < p->ntensors; j++) {
+        const plan_tensor *pt = eng_tensor_at(e, j);
+        t[j] = (kseg_tensor){ pt->pos, pt->off, pt->word, (uint32_t)pt->len, (uint32_t)pt->k };
+    }
+    scape_rc rc = upload_new(h, t, p->ntensors * sizeof *t, &h->tt);
+    if (rc == SCAPE_OK)
+        rc = h->ops->sync(h->d);
+    free(t);
+    return rc;
+}
+
+/* The residual's chunks: runs of whole mask words, about residual_chunk
+ * coordinates each. */
+static scape_rc build_chunks(eng_t *e, dev_x *h, size_t *most)
+{
+    const plan *p = e->p;
+    size_t cap = p->n / e->cfg.residual_chunk + p->ntensors + 1;
+    h->chunks = calloc(cap, sizeof *h->chunks);
+    if (h->chunks == NULL)
+        return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
+    *most = 0;
+    uint64_t w0 = 0, p0 = 0;
+    for (size_t j = 0; j < p->ntensors; j++) {
+        const plan_tensor *t = eng_tensor_at(e, j);
+        uint64_t words = (t->len + 31) / 32;
+        for (uint64_t q = 0; q < words; q++) {
+            /* after word q of tensor j: the element where the next word starts */
+            uint64_t pw = q + 1 < words ? t->pos + 32 * (q + 1) : t->pos + t->len;
+            int last = j + 1 == p->ntensors && q + 1 == words;
+            if (pw - p0 >= e->cfg.residual_chunk || last) {
+                if (h->nchunks == cap)
+                    return scape_set_error(SCAPE_INVALID, "engine: residual chunks overflow");
+                h->chunks[h->nchunks++] = (chunk){ w0, t->word + q + 1, p0, pw };
+                *most = pw - p0 > *most ? pw - p0 : *most;
+                w0 = t->word + q + 1;
+                p0 = pw;
+            }
+        }
+    }
+    return SCAPE_OK;
+}
+
+static scape_rc build_sel(eng_t *e, dev_x *h, sel *s, uint32_t first, uint32_t n)
+{
+    s->first = first;
+    s->n = n;
+    size_t ni = 0;
+    for (uint32_t q = 0; q < n; q++)
+        ni += (kseg_tiles((eng_tensor_at(e, first + q)->len + 31) / 32));
+    kseg_item *items = calloc(ni ? ni : 1, sizeof *items);
+    uint32_t *item0 = calloc(n + 1, sizeof *item0);
+    if (items == NULL || item0 == NULL) {
+        free(items);
+        free(item0);
+        return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
+    }
+    for (uint32_t q = 0; q < n; q++) {
+        const plan_tensor *t = eng_tensor_at(e, first + q);
+        uint64_t words = (t->len + 31) / 32;
+        item0[q] = s->nitems;
+        for (uint64_t w = 0; w < words; w += KSEG_TILE)
+            items[s->nitems++] = (kseg_item){ t->word + w,
+                                              (uint32_t)(words - w < KSEG_TILE ? words - w
+                                                                              : KSEG_TILE),
+                                              q };
+    }
+    item0[n] = s->nitems;
+    scape_rc rc = upload_new(h, items, ni * sizeof *items, &s->items);
+    if (rc == SCAPE_OK)
+        rc = upload_new(h, item0, (n + 1) * sizeof *item0, &s->item0);
+    if (rc == SCAPE_OK)
+        rc = dalloc(h, (size_t)n * KSEG_BINS0 * sizeof(uint32_t), 0, &s->hist);
+    if (rc == SCAPE_OK)
+        rc = dalloc(h, n * sizeof(kseg_tstate), 0, &s->st);
+    if (rc == SCAPE_OK)
+        rc = dalloc(h, ni * sizeof(uint32_t), 0, &s->item_eq);
+    if (rc == SCAPE_OK)
+        rc = h->ops->sync(h->d);
+    free(items);
+    free(item0);
+    return rc;
+}
+
+/* Where each tensor of comm range [first, first + n) goes in its code. */
+static scape_rc build_range(eng_t *e, dev_x *h, crange *r, uint32_t first, uint32_t n)
+{
+    kseg_code *c = calloc(n ? n : 1, sizeof *c);
+    if (c == NULL)
+        return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
+    r->first = first;
+    r->n = n;
+    r->w0 = n ? eng_tensor_at(e, first)->word : 0;
+    uint64_t kcum = 0;
+    for (uint32_t q = 0; q < n; q++) {
+        const plan_tensor *t = eng_tensor_at(e, first + q);
+        r->nwords += (t->len + 31) / 32;
+        if (!mcode_by_index(t)) {
+            c[q] = (kseg_code){ .tensor = first + q, .at = r->map_words, .kcum = kcum };
+            r->map_words += (t->len + 31) / 32;
+        }
+        kcum += t->k;
+    }
+    kcum = 0;
+    for (uint32_t q = 0; q < n; q++) {
+        const plan_tensor *t = eng_tensor_at(e, first + q);
+        if (mcode_by_index(t)) {
+            uint32_t b = mcode_pos_bits(t->len);
+            c[q] = (kseg_code){ .tensor = first + q, .by_index = 1, .bits = b,
+                                .at = 32 * r->map_words + r->pos_bits, .kcum = kcum,
+                                .qbase = r->npos };
+            r->npos += t->k;
+            r->pos_bits += (uint64_t)t->k * b;
+        }
+        kcum += t->k;
+    }
+    r->code_words = r->map_words + (r->pos_bits + 31) / 32;
+    scape_rc rc = SCAPE_OK;
+    if (4 * r->code_words != mcode_bytes(e->p, first, n))
+        rc = scape_set_error(SCAPE_INVALID, "engine: the device's mask code of tensors "
+                             "[%u, +%u) has %llu bytes, maskcode.c's %zu", first, n,
+                             (unsigned long long)(4 * r->code_words),
+                             mcode_bytes(e->p, first, n));
+    if (rc == SCAPE_OK)
+        rc = upload_new(h, c, n * sizeof *c, &r->c);
+    if (rc == SCAPE_OK)
+        rc = dalloc(h, (kseg_tiles(r->nwords) + 1) * sizeof(uint32_t), 0, &r->tiles);
+    if (rc == SCAPE_OK)
+        rc = dalloc(h, n * sizeof(uint32_t), 0, &r->count);
+    if (rc == SCAPE_OK)
+        rc = h->ops->sync(h->d);
+    free(c);
+    return rc;
+}
+
+/* ---- life ------------------------------------------------------------------------ */
+
+static const dev_ops *dev_for(eng_executor x)
+{
+    return x == ENG_EXEC_CUDA ? &dev_cuda_ops : &dev_sim_ops;
+}
+
+static scape_rc alloc_vectors(eng_t *e, dev_x *h)
+{
+    const plan *p = e->p;
+    size_t n = p->n, sl = e->state_len, f = sizeof(float);
+    TRY(dalloc(h, sl * f, 0, &e->m));
+    if (eng_uses_v(e))
+        TRY(dalloc(h, sl * f, 0, &e->v));
+    TRY(dalloc(h, sl * f, 0, &e->theta));
+    TRY(dalloc(h, n * f, !h->resident, &e->e));
+    if (!h->resident)
+        TRY(dalloc(h, n * f, 0, &h->wide));
+    e->dense = h->resident ? e->e : h->wide;
+    if (e->cfg.optimizer == ENG_OPT_TOPK_ADAMW)
+        TRY(dalloc(h, n * f, 0, &e->g));
+    TRY(dalloc(h, e->k_cap * f, 0, &e->send));
+    TRY(dalloc(h, e->k_cap * f, 0, &e->upd));
+    TRY(dalloc(h, p->nwords * 4, 0, &e->mask_buf[0]));
+    TRY(dalloc(h, p->nwords * 4, 0, &e->mask_buf[1]));
+    TRY(dalloc(h, e->code_total + 4, 0, &e->code_all));
+    TRY(dalloc(h, (kseg_tiles(p->nwords) + 1) * 4, 0, &h->tiles));
+    TRY(dalloc(h, sizeof(kseg_status), 0, &h->status));
+    TRY(dalloc(h, sizeof(kseg_status), 1, &h->status_h));
+    /* no bad code seen yet: the first one recorded is the least */
+    memset(h->status_h, 0, sizeof *h->status_h);
+    h->status_h->first = UINT64_MAX;
+    return h->ops->copy(h->d, DEV_MAIN, h->status, h->status_h, sizeof *h->status);
+}
+
+static scape_rc dev_create(exec_t *x)
+{
+    static atomic_ulong s_engines;
+    eng_t *e = x->e;
+    const plan *p = e->p;
+    dev_x *h = calloc(1, sizeof *h);
+    if (h == NULL)
+        return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
+    x->impl = h;
+    h->ops = dev_for(e->cfg.executor);
+    h->timing = e->cfg.executor == ENG_EXEC_CUDA;
+    h->resident = e->cfg.residual_on_device;
+    x->host_memory = 0;
+    x->residual_host = !h->resident;
+    void *main = e->cfg.executor == ENG_EXEC_CUDA ? comm_device_stream(e->comm) : NULL;
+    TRY(h->ops->create(&h->d, e->cfg.device, main, e->comm, 600000,
+                       atomic_fetch_add(&s_engines, 1) * 7919ul + (unsigned long)e->rank));
+    TRY(alloc_vectors(e, h));
+    TRY(build_tensors(e, h));
+    size_t most = 0;
+    if (!h->resident) {
+        TRY(build_chunks(e, h, &most));
+        TRY(dalloc(h, most * sizeof(float), 0, &h->slot[0]));
+        TRY(dalloc(h, most * sizeof(float), 0, &h->slot[1]));
+    }
+    const plan_shard *me = &p->shard[e->rank];
+    if (e->cfg.optimizer == ENG_OPT_SCAPE) {
+        h->key_lo = me->pos0;
+        h->key_hi = me->pos0 + me->len;
+        TRY(build_sel(e, h, &h->own, (uint32_t)me->first, (uint32_t)me->count));
+        h->nranges = e->comm->size;
+        if ((h->ranges = calloc((size_t)h->nranges, sizeof *h->ranges)) == NULL)
+            return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
+        for (int r = 0; r < h->nranges; r++)
+            TRY(build_range(e, h, &h->ranges[r], (uint32_t)p->shard[r].first,
+                            (uint32_t)p->shard[r].count));
+    } else if (e->cfg.optimizer == ENG_OPT_TOPK_ADAMW) {
+        h->key_lo = 0;
+        h->key_hi = p->n;
+        TRY(build_sel(e, h, &h->all, 0, (uint32_t)p->ntensors));
+        h->nranges = 1;
+        if ((h->ranges = calloc(1, sizeof *h->ranges)) == NULL)
+            return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
+        TRY(build_range(e, h, &h->ranges[0], 0, (uint32_t)p->ntensors));
+    }
+    if (h->key_hi > h->key_lo)
+        TRY(dalloc(h, (h->key_hi - h->key_lo) * sizeof(uint32_t), 0, &h->keys));
+    return h->ops->sync(h->d);
+}
+
+static void free_sel(dev_x *h, sel *s)
+{
+    dfree(h, s->items, 0);
+    dfree(h, s->item0, 0);
+    dfree(h, s->hist, 0);
+    dfree(h, s->st, 0);
+    dfree(h, s->item_eq, 0);
+}
+
+static void dev_destroy(exec_t *x)
+{
+    eng_t *e = x->e;
+    dev_x *h = impl(x);
+    if (h == NULL)
+        return;
+    if (h->d) {
+        h->ops->sync(h->d); /* nothing may still write what is freed */
+        void *dv[] = { e->m, e->v, e->theta, h->wide, e->g, e->send, e->upd, e->mask_buf[0],
+                       e->mask_buf[1], e->code_all, h->tiles, h->status, h->tt, h->slot[0],
+                       h->slot[1], h->keys };
+        for (size_t i = 0; i < sizeof dv / sizeof dv[0]; i++)
+            dfree(h, dv[i], 0);
+        dfree(h, e->e, !h->resident);
+        dfree(h, h->status_h, 1);
+        free_sel(h, &h->own);
+        free_sel(h, &h->all);
+        for (int r = 0; h->ranges && r < h->nranges; r++) {
+            dfree(h, h->ranges[r].c, 0);
+            dfree(h, h->ranges[r].tiles, 0);
+            dfree(h, h->ranges[r].count, 0);
+        }
+        h->ops->destroy(h->d);
+    }
+    free(h->ranges);
+    free(h->chunks);
+    free(h);
+    x->impl = NULL;
+}
+
+/* ---- launches ----------------------------------------------------------------- */
+
+static scape_rc run(dev_x *h, kseg_kernel k, const void *args)
+{
+    return h->ops->launch(h->d, DEV_MAIN, k, args);
+}
+
+/* A word-range kernel's arguments with the engine's tables filled in. */
+static kseg_args args_for(const eng_t *e, const dev_x *h)
+{
+    kseg_args a;
+    memset(&a, 0, sizeof a);
+    a.t = h->tt;
+    a.nt = (uint32_t)e->p->ntensors;
+    a.w1 = e->p->nwords;
+    a.mask = e->mask_cur;
+    a.tiles = h->tiles;
+    a.k_cap = e->mask_cur ? e->k_cap : e->p->n;
+    a.theta = e->theta;
+    a.m = e->m;
+    a.v = e->v;
+    a.s_base = e->state_base;
+    a.status = h->status;
+    return a;
+}
+
+/* The trainers' buffers as the kernels address them. */
+static scape_rc resolve_all(exec_t *x, const void *const *bufs, size_t elem, kseg_args *a)
+{
+    eng_t *e = x->e;
+    dev_x *h = impl(x);
+    if (e->tr > KSEG_MAX_TRAINERS)
+        return scape_set_error(SCAPE_INVALID, "engine: the %s executor serves at most %d "
+                               "trainers per daemon, %d are attached",
+                               eng_executor_name(e->cfg.executor), KSEG_MAX_TRAINERS, e->tr);
+    for (int j = 0; j < e->tr; j++)
+        TRY(h->ops->resolve(h->d, bufs[j], e->p->n * elem, &a->tr[j]));
+    a->ntr = (uint32_t)e->tr;
+    return SCAPE_OK;
+}
+
+/* Words [w0, w1) of comm range [first, first + count). */
+static void range_words(const eng_t *e, size_t first, size_t count, uint64_t *w0, uint64_t *w1)
+{
+    *w0 = *w1 = 0;
+    if (count == 0)
+        return;
+    const plan_tensor *a = eng_tensor_at(e, first), *b = eng_tensor_at(e, first + count - 1);
+    *w0 = a->word;
+    *w1 = b->word + (b->len + 31) / 32;
+}
+
+/* ---- the pack and the streamed residual -------------------------------------- */
+
+/* One PACK over the residual: in one launch when it is device memory, else
+ * chunk by chunk through the two slots (in: copy the chunk in first; out:
+ * copy it back after). */
+static scape_rc stream_pack(exec_t *x, kseg_args *a, int in, int out)
+{
+    eng_t *e = x->e;
+    dev_x *h = impl(x);
+    if (h->resident || (!in && !out)) {
+        a->e = h->resident ? e->e : NULL;
+        a->e_base = 0;
+        a->w0 = 0;
+        a->w1 = e->p->nwords;
+        return run(h, KSEG_PACK, a);
+    }
+    for (size_t c = 0; c < h->nchunks; c++) {
+        const chunk *ch = &h->chunks[c];
+        int b = (int)(c & 1);
+        size_t bytes = (ch->p1 - ch->p0) * sizeof(float);
+        a->w0 = ch->w0;
+        a->w1 = ch->w1;
+        a->e = h->slot[b];
+        a->e_base = ch->p0;
+        /* the slot is free once chunk c - 2's kernel and copy out are done */
+        if (in) {
+            TRY(h->ops->wait(h->d, DEV_IN, EV_K(b)));
+            TRY(h->ops->wait(h->d, DEV_IN, EV_OUT(b)));
+            TRY(h->ops->copy(h->d, DEV_IN, h->slot[b], e->e + ch->p0, bytes));
+            TRY(h->ops->record(h->d, DEV_IN, EV_IN(b)));
+            TRY(h->ops->wait(h->d, DEV_MAIN, EV_IN(b)));
+        } else {
+            TRY(h->ops->wait(h->d, DEV_MAIN, EV_OUT(b)));
+        }
+        TRY(run(h, KSEG_PACK, a));
+        TRY(h->ops->record(h->d, DEV_MAIN, EV_K(b)));
+        if (out) {
+            TRY(h->ops->wait(h->d, DEV_OUT, EV_K(b)));
+            TRY(h->ops->copy(h->d, DEV_OUT, e->e + ch->p0, h->slot[b], bytes));
+            TRY(h->ops->record(h->d, DEV_OUT, EV_OUT(b)));
+        }
+    }
+    return SCAPE_OK;
+}
+
+/* The selection's keys: SCAPE's statistic of the owned coordinates. */
+static void want_keys(const eng_t *e, const dev_x *h, kseg_args *a)
+{
+    a->keys = h->keys;
+    a->key_lo = h->key_lo;
+    a->key_hi = h->key_hi;
+    a->beta1 = e->cfg.hyper.beta1;
+    a->c1 = 1.0f - e->cfg.hyper.beta1;
+    a->t_r = (float)e->tr;
+}
+
+static scape_rc dev_intake(exec_t *x, const void *const *grads)
+{
+    eng_t *e = x->e;
+    dev_x *h = impl(x);
+    kseg_args a = args_for(e, h);
+    TRY(resolve_all(x, grads, kern_dtype_size(e->gdt), &a));
+    a.bf16 = e->gdt == KERN_BF16;
+    a.out = e->g;
+    a.n = e->p->n;
+    return run(h, KSEG_GSUM, &a);
+}
+
+/* G as the pack reads it: the trainers' buffers, or topk-adamw's sum. */
+static scape_rc grad_source(exec_t *x, const void *const *grads, kseg_args *a)
+{
+    eng_t *e = x->e;
+    if (e->cfg.optimizer == ENG_OPT_TOPK_ADAMW) {
+        a->tr[0] = e->g;
+        a->ntr = 1;
+        a->bf16 = 0;
+        return SCAPE_OK;
+    }
+    a->bf16 = e->gdt == KERN_BF16;
+    return resolve_all(x, grads, kern_dtype_size(e->gdt), a);
+}
+
+static scape_rc dev_pack(exec_t *x, const void *const *grads, int select_due)
+{
+    eng_t *e = x->e;
+    dev_x *h = impl(x);
+    kseg_args a = args_for(e, h);
+    TRY(grad_source(x, grads, &a));
+    if (select_due)
+        want_keys(e, h, &a);
+    int stale = e->e_stale;
+    a.e_zero = stale;
+    if (e->mask_cur) {
+        a.out = e->send;
+        a.e_write = 1;
+        TRY(h->ops->zero(h->d, DEV_MAIN, &h->status->norm2, sizeof h->status->norm2));
+        TRY(stream_pack(x, &a, !stale, 1));
+        e->e_stale = 0;
+        h->norm_due = 1;
+    } else {
+        a.out = e->dense;
+        TRY(stream_pack(x, &a, !stale && !h->resident, 0));
+        e->e_stale = 1;
+        h->norm = 0.0;
+    }
+    return SCAPE_OK;
+}
+
+/* ---- selection --------------------------------------------------------------------- */
+
+/* Exact top-k of every tensor of s from the keys, into mask. */
+static scape_rc topk(exec_t *x, const sel *s, uint32_t *mask)
+{
+    dev_x *h = impl(x);
+    if (s->n == 0)
+        return SCAPE_OK;
+    kseg_topk_args a = { .t = h->tt, .first = s->first, .nsel = s->n, .items = s->items,
+                         .nitems = s->nitems, .item0 = s->item0, .keys = h->keys,
+                         .key_lo = h->key_lo, .hist = s->hist, .st = s->st,
+                         .item_eq = s->item_eq, .mask = mask };
+    for (a.level = 0; a.level < 3; a.level++) {
+        TRY(h->ops->zero(h->d, DEV_MAIN, s->hist, (size_t)s->n * KSEG_BINS0 * 4));
+        TRY(run(h, KSEG_TOPK_HIST, &a));
+        TRY(run(h, KSEG_TOPK_PICK, &a));
+    }
+    TRY(run(h, KSEG_TOPK_COUNT, &a));
+    TRY(run(h, KSEG_TOPK_SCAN, &a));
+    return run(h, KSEG_TOPK_WRITE, &a);
+}
+
+static scape_rc dev_keep_stats(exec_t *x)
+{
+    (void)x; /* the pack wrote every key the selection reads */
+    return SCAPE_OK;
+}
+
+static scape_rc dev_select(exec_t *x)
+{
+    return topk(x, &impl(x)->own, x->e->mask_next);
+}
+
+static scape_rc dev_own_topk(exec_t *x)
+{
+    eng_t *e = x->e;
+    dev_x *h = impl(x);
+    kseg_args a = args_for(e, h);
+    TRY(grad_source(x, NULL, &a));
+    a.keys = h->keys;
+    a.key_lo = 0;
+    a.key_hi = e->p->n;
+    a.key_abs = 1;
+    a.e_zero = e->e_stale;
+    TRY(stream_pack(x, &a, !e->e_stale, 0));
+    return topk(x, &h->all, e->mask_buf[1]);
+}
+
+/* ---- mask codes ------------------------------------------------------------------ */
+
+static crange *range_of(dev_x *h, size_t first, size_t count, int from)
+{
+    if (h->nranges == 1 && h->ranges[0].first == first && h->ranges[0].n == count)
+        return &h->ranges[0];
+    if (from >= 0 && from < h->nranges && h->ranges[from].first == first &&
+        h->ranges[from].n == count)
+        return &h->ranges[from];
+    return NULL;
+}
+
+static kseg_code_args code_args(const exec_t *x, const crange *r, const uint32_t *words,
+                                const uint32_t *code)
+{
+    dev_x *h = impl(x);
+    kseg_code_args a = { .t = h->tt, .c = r->c, .nc = r->n, .w0 = r->w0, .nwords = r->nwords,
+                         .npos = r->npos, .pos_bits = r->pos_bits, .map_words = r->map_words,
+                         .code_words = r->code_words,
+                         /* the range's words are given from its first word */
+                         .words = (uint32_t *)words - r->w0, .code = (uint32_t *)code,
+                         .tiles = r->tiles, .count = r->count,
+                         .rank = (uint32_t)x->e->rank, .status = h->status };
+    return a;
+}
+
+static scape_rc dev_encode(exec_t *x, size_t first, size_t count, const uint32_t *words,
+                           uint32_t *code)
+{
+    dev_x *h = impl(x);
+    crange *r = range_of(h, first, count, x->e->rank);
+    if (r == NULL)
+        return scape_set_error(SCAPE_INVALID, "engine: no mask code for tensors [%zu, +%zu)",
+                               first, count);
+    kseg_code_args a = code_args(x, r, words, code);
+    kseg_args s;
+    memset(&s, 0, sizeof s);
+    s.mask = a.words;
+    s.w0 = r->w0;
+    s.w1 = r->w0 + r->nwords;
+    s.tiles = r->tiles;
+    TRY(h->ops->zero(h->d, DEV_MAIN, code, r->code_words * 4));
+    TRY(run(h, KSEG_SCAN, &s));
+    return run(h, KSEG_ENCODE, &a);
+}
+
+static scape_rc dev_decode(exec_t *x, size_t first, size_t count, const uint32_t *code,
+                           size_t nbytes, uint32_t *words, int merge, int from)
+{
+    dev_x *h = impl(x);
+    crange *r = range_of(h, first, count, from);
+    if (r == NULL)
+        return scape_set_error(SCAPE_INVALID, "engine: no mask code for tensors [%zu, +%zu)",
+                               first, count);
+    if (nbytes != 4 * r->code_words)
+        return scape_set_error(SCAPE_PROTO, "mask from rank %d: %zu bytes, the plan says %llu",
+                               from, nbytes, (unsigned long long)(4 * r->code_words));
+    kseg_code_args a = code_args(x, r, words, code);
+    a.merge = merge;
+    a.rank = (uint32_t)from;
+    TRY(h->ops->zero(h->d, DEV_MAIN, r->count, r->n * sizeof(uint32_t)));
+    TRY(run(h, KSEG_DECODE_ZERO, &a));
+    TRY(run(h, KSEG_DECODE_MAP, &a));
+    TRY(run(h, KSEG_DECODE_POS, &a));
+    return run(h, KSEG_DECODE_CHECK, &a);
+}
+
+static scape_rc dev_mask_zero(exec_t *x, uint32_t *words)
+{
+    return impl(x)->ops->zero(impl(x)->d, DEV_MAIN, words, x->e->p->nwords * 4);
+}
+
+static scape_rc dev_churn(exec_t *x, const uint32_t *cur, const uint32_t *prev)
+{
+    dev_x *h = impl(x);
+    kseg_args a = args_for(x->e, h);
+    a.mask = cur;
+    a.prev = prev;
+    TRY(h->ops->zero(h->d, DEV_MAIN, h->status->churn, sizeof h->status->churn));
+    TRY(run(h, KSEG_CHURN, &a));
+    h->churn_due = 1;
+    return SCAPE_OK;
+}
+
+/* Packed offsets: fixed by the plan for SCAPE (k_l per tensor) and dense
+ * steps; topk-adamw's union is counted on the host. */
+static scape_rc dev_offsets(exec_t *x, size_t *k_out)
+{
+    eng_t *e = x->e;
+    dev_x *h = impl(x);
+    const plan *p = e->p;
+    e->toff[0] = 0;
+    if (e->mask_cur == NULL || e->cfg.optimizer == ENG_OPT_SCAPE) {
+        for (size_t j = 0; j < p->ntensors; j++) {
+            const plan_tensor *t = eng_tensor_at(e, j);
+            e->toff[j + 1] = e->toff[j] + (e->mask_cur ? t->k : t->len);
+        }
+    } else {
+        const void *v;
+        TRY(eng_view(e, e->mask_cur, p->nwords * 4, &v));
+        const uint32_t *mask = v;
+        for (size_t j = 0; j < p->ntensors; j++) {
+            const plan_tensor *t = eng_tensor_at(e, j);
+            size_t k = 0;
+            kern_mask_popcount(mask + t->word, t->len, &k);
+            e->toff[j + 1] = e->toff[j] + k;
+        }
+        eng_view_free(e, v);
+    }
+    *k_out = e->toff[p->ntensors];
+    if (e->mask_cur == NULL)
+        return SCAPE_OK;
+    kseg_args a = args_for(e, h);
+    a.w0 = 0;
+    return run(h, KSEG_SCAN, &a);
+}
+
+/* ---- update, compaction, write-back ---------------------------------------- */
+
+static scape_rc dev_update(exec_t *x, size_t first, size_t count, uint64_t t, float lr)
+{
+    eng_t *e = x->e;
+    dev_x *h = impl(x);
+    if (count == 0)
+        return SCAPE_OK;
+    kseg_args a = args_for(e, h);
+    range_words(e, first, count, &a.w0, &a.w1);
+    const kern_hyper *hy = &e->cfg.hyper;
+    a.in = e->sum;
+    a.adamw = eng_uses_v(e);
+    a.b1 = hy->beta1;
+    a.b2 = hy->beta2;
+    a.eps = hy->eps;
+    a.wd = hy->wd;
+    a.lr = lr;
+    a.div = (float)e->t_total;
+    a.bc1 = a.adamw ? scape_f_bias_correction(hy->beta1, t) : 1.0f;
+    a.bc2 = a.adamw ? scape_f_bias_correction(hy->beta2, t) : 1.0f;
+    return run(h, KSEG_UPDATE, &a);
+}
+
+static scape_rc dev_compact(exec_t *x, size_t first, size_t count, float *dst)
+{
+    eng_t *e = x->e;
+    dev_x *h = impl(x);
+    if (count == 0)
+        return SCAPE_OK;
+    kseg_args a = args_for(e, h);
+    range_words(e, first, count, &a.w0, &a.w1);
+    a.out = dst;
+    return run(h, KSEG_COMPACT, &a);
+}
+
+static scape_rc dev_write_back(exec_t *x, const float *src, void *const *params)
+{
+    eng_t *e = x->e;
+    dev_x *h = impl(x);
+    kseg_args a = args_for(e, h);
+    TRY(resolve_all(x, (const void *const *)params, kern_dtype_size(e->pdt), &a));
+    a.bf16 = e->pdt == KERN_BF16;
+    a.in = src;
+    return run(h, KSEG_WRITEBACK, &a);
+}
+
+static scape_rc dev_load_theta(exec_t *x, const void *src)
+{
+    eng_t *e = x->e;
+    dev_x *h = impl(x);
+    kseg_args a = args_for(e, h);
+    size_t first, count;
+    eng_update_range(e, &first, &count);
+    range_words(e, first, count, &a.w0, &a.w1);
+    a.mask = NULL;
+    TRY(h->ops->resolve(h->d, src, e->p->n * kern_dtype_size(e->pdt), (const void **)&a.in));
+    a.bf16 = e->pdt == KERN_BF16;
+    a.n = e->state_len;
+    return count ? run(h, KSEG_LOAD_THETA, &a) : SCAPE_OK;
+}
+
+/* ---- memory, waiting, time ------------------------------------------------------ */
+
+static scape_rc dev_copy(exec_t *x, void *dst, const void *src, size_t bytes)
+{
+    return dst == src ? SCAPE_OK : impl(x)->ops->copy(impl(x)->d, DEV_MAIN, dst, src, bytes);
+}
+
+static scape_rc dev_zero(exec_t *x, void *dst, size_t bytes)
+{
+    return impl(x)->ops->zero(impl(x)->d, DEV_MAIN, dst, bytes);
+}
+
+/* What the kernels recorded in the status, as the engine reports it. */
+static scape_rc status_rc(const eng_t *e, const kseg_status *st)
+{
+    if (st->err & KSEG_E_CODE) {
+        static const char *const what[] = { "?", "bits set past the tensor's end",
+                                            "not exactly k bits",
+                                            "positions not ascending inside the tensor",
+                                            "padding is not zero",
+                                            "the own mask has not exactly k bits" };
+        uint32_t w = (uint32_t)(st->first & 0xff), j = (uint32_t)((st->first >> 8) & 0xffffffu);
+        const char *name = j < e->p->ntensors ? eng_tensor_at(e, j)->name : "-";
+        return scape_set_error(SCAPE_PROTO, "mask from rank %u: tensor %s: %s",
+                               (unsigned)(st->first >> 40), name ? name : "-",
+                               w < sizeof what / sizeof what[0] ? what[w] : "?");
+    }
+    if (st->err & KSEG_E_PACKED)
+        return scape_set_error(SCAPE_INVALID, "engine: a mask held more bits than the plan "
+                               "allows; its values were not packed");
+    return SCAPE_OK;
+}
+
+static scape_rc dev_sync(exec_t *x)
+{
+    eng_t *e = x->e;
+    dev_x *h = impl(x);
+    TRY(h->ops->copy(h->d, DEV_MAIN, h->status_h, h->status, sizeof *h->status));
+    TRY(h->ops->sync(h->d));
+    const kseg_status *st = h->status_h;
+    if (h->churn_due) {
+        e->last.mask_churn = st->churn[1] ? (double)st->churn[0] / (double)st->churn[1] : 0.0;
+        h->churn_due = 0;
+    }
+    if (h->norm_due) {
+        h->norm = sqrt(st->norm2);
+        h->norm_due = 0;
+    }
+    return status_rc(e, st);
+}
+
+static void dev_mark(exec_t *x, eng_phase ph, int end)
+{
+    dev_x *h = impl(x);
+    if (!end) {
+        if (h->nmarks == MAX_MARKS)
+            return; /* more phases than events: the rest go untimed */
+        mark *m = &h->marks[h->nmarks++];
+        m->ph = ph;
+        m->h0 = now_s();
+        if (h->timing)
+            h->ops->record(h->d, DEV_MAIN, EV_MARK0 + 2 * (h->nmarks - 1));
+        return;
+    }
+    for (int i = h->nmarks; i-- > 0;)
+        if (h->marks[i].ph == (int)ph) {
+            h->marks[i].h1 = now_s();
+            if (h->timing)
+                h->ops->record(h->d, DEV_MAIN, EV_MARK0 + 2 * i + 1);
+            return;
+        }
+}
+
+static void dev_times(exec_t *x, double *phase_s)
+{
+    dev_x *h = impl(x);
+    for (int i = 0; i < h->nmarks; i++) {
+        const mark *m = &h->marks[i];
+        double s = h->timing ? h->ops->elapsed(h->d, EV_MARK0 + 2 * i, EV_MARK0 + 2 * i + 1)
+                             : -1.0;
+        phase_s[m->ph] += s >= 0.0 ? s : m->h1 - m->h0;
+    }
+    h->nmarks = 0;
+}
+
+static double dev_residual_norm(exec_t *x)
+{
+    return x->e->e_stale ? 0.0 : impl(x)->norm;
+}
+
+static uint64_t dev_device_bytes(const exec_t *x) { return impl(x)->dev_bytes; }
+static uint64_t dev_pinned_bytes(const exec_t *x) { return impl(x)->pin_bytes; }
+
+const exec_ops exec_dev_ops = {
+    .name = "dev",
+    .create = dev_create,
+    .destroy = dev_destroy,
+    .intake = dev_intake,
+    .pack = dev_pack,
+    .keep_stats = dev_keep_stats,
+    .select = dev_select,
+    .own_topk = dev_own_topk,
+    .encode = dev_encode,
+    .decode = dev_decode,
+    .mask_zero = dev_mask_zero,
+    .churn = dev_churn,
+    .offsets = dev_offsets,
+    .update = dev_update,
+    .compact = dev_compact,
+    .write_back = dev_write_back,
+    .load_theta = dev_load_theta,
+    .copy = dev_copy,
+    .zero = dev_zero,
+    .sync = dev_sync,
+    .mark = dev_mark,
+    .times = dev_times,
+    .residual_norm = dev_residual_norm,
+    .device_bytes = dev_device_bytes,
+    .pinned_bytes = dev_pinned_bytes,
+};
