@@ -26,3 +26,8 @@ void exec_destroy(eng_t *e)
     free(x);
     e->x = NULL;
 }
+
+int exec_cuda_available(const char **why)
+{
+    return kern_cuda_available(why);
+}

@@ -250,6 +250,8 @@ static scape_rc build_range(eng_t *e, dev_x *h, crange *r, uint32_t first, uint3
                                 .qbase = r->npos };
             r->npos += t->k;
             r->pos_bits += (uint64_t)t->k * b;
+        } else {
+            c[q].qbase = r->npos; /* so that a search by qbase lands on an index tensor */
         }
         kcum += t->k;
     }

@@ -26,6 +26,7 @@
 #include <initializer_list>
 #include <stdint.h>
 
+#include "cuda_scan.cuh"
 #include "kern_internal.h"
 
 #define TILE 256          /* mask words per scan tile = threads of a tile block */
@@ -33,8 +34,6 @@
 #define BATCH 8           /* words a warp loads before using them: keeps loads in flight */
 #define MAP_THREADS 256
 #define MAP_MAX_BLOCKS 8192 /* grid-stride beyond this: several waves on any GPU */
-#define SCAN_THREADS 1024
-#define SCAN_ITEMS 8 /* tile counts per thread in the one-block scan */
 #define HIST_THREADS 256
 #define HIST_MAX_BLOCKS 1024 /* each block flushes a shared histogram: keep it few */
 #define DIGIT1_BINS 2048     /* top digit: key bits 30..20 */
@@ -146,44 +145,6 @@ __device__ __forceinline__ float d_to_f32(float x) { return x; }
 
 __device__ __forceinline__ size_t global_tid() { return (size_t)blockIdx.x * blockDim.x + threadIdx.x; }
 __device__ __forceinline__ size_t grid_threads() { return (size_t)gridDim.x * blockDim.x; }
-
-__device__ __forceinline__ uint32_t warp_incl_scan(uint32_t x)
-{
-    const unsigned lane = threadIdx.x & 31;
-#pragma unroll
-    for (unsigned d = 1; d < 32; d <<= 1) {
-        uint32_t y = __shfl_up_sync(0xffffffffu, x, d);
-        if (lane >= d)
-            x += y;
-    }
-    return x;
-}
-
-/* Exclusive scan across a block of NT threads; *total (if non-null) gets the
- * block's sum.  Every thread of the block must call it. */
-template <unsigned NT> __device__ uint32_t block_excl_scan(uint32_t x, uint32_t *total)
-{
-    __shared__ uint32_t s_warp[NT / 32], s_total;
-    const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    uint32_t incl = warp_incl_scan(x);
-    if (lane == 31)
-        s_warp[warp] = incl;
-    __syncthreads();
-    if (warp == 0) {
-        uint32_t w = lane < NT / 32 ? s_warp[lane] : 0;
-        uint32_t wi = warp_incl_scan(w);
-        if (lane < NT / 32)
-            s_warp[lane] = wi - w;
-        if (lane == 31)
-            s_total = wi;
-    }
-    __syncthreads();
-    uint32_t r = s_warp[warp] + incl - x;
-    if (total)
-        *total = s_total;
-    __syncthreads(); /* the next call reuses s_warp */
-    return r;
-}
 
 /* ---- availability and scratch ------------------------------------------- */
 
@@ -601,31 +562,12 @@ __global__ void __launch_bounds__(TILE)
         tiles[blockIdx.x] = total;
 }
 
-/* In place: tiles[t] becomes the count of tiles before t; tiles[nt] the total.
- * One block walks the counts in chunks, carrying the running sum. */
+/* In place: tiles[t] becomes the count of tiles before t; tiles[nt] the total. */
 __global__ void __launch_bounds__(SCAN_THREADS) tile_scan_kernel(uint32_t *tiles, size_t nt)
 {
-    const size_t chunk = (size_t)SCAN_THREADS * SCAN_ITEMS;
-    uint32_t carry = 0;
-    for (size_t base = 0; base < nt; base += chunk) {
-        size_t first = base + (size_t)threadIdx.x * SCAN_ITEMS;
-        uint32_t v[SCAN_ITEMS], sum = 0, total;
-#pragma unroll
-        for (int q = 0; q < SCAN_ITEMS; q++) {
-            v[q] = first + q < nt ? tiles[first + q] : 0;
-            sum += v[q];
-        }
-        uint32_t off = carry + block_excl_scan<SCAN_THREADS>(sum, &total);
-#pragma unroll
-        for (int q = 0; q < SCAN_ITEMS; q++) {
-            if (first + q < nt)
-                tiles[first + q] = off;
-            off += v[q];
-        }
-        carry += total;
-    }
+    uint32_t total = block_scan_run(tiles, nt);
     if (threadIdx.x == 0)
-        tiles[nt] = carry;
+        tiles[nt] = total;
 }
 
 /* Fill tiles[0..nt] with the exclusive offsets of the mask's tiles. */

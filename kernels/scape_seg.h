@@ -169,7 +169,10 @@ typedef struct kseg_code {
     uint32_t pad;
     uint64_t at;            /* bitmap: its first code word; index: its first bit */
     uint64_t kcum;          /* k of the range's tensors before it */
-    uint64_t qbase;         /* positions of the range's index-coded tensors before it */
+    uint64_t qbase;         /* positions of the range's index-coded tensors before it
+                               (also for a bitmap-coded one, so that the last entry
+                               with qbase <= f is the index-coded tensor of
+                               position f) */
 } kseg_code;
 
 typedef struct kseg_code_args {
