@@ -178,7 +178,8 @@ static void exposition(const prom *m, const Scape__StatusReply *st)
           (double)st->rss_bytes);
     gauge(m, "scape_state_bytes", "Bytes of optimizer state and residual.",
           (double)st->state_bytes);
-    gauge(m, "scape_device_bytes", "GPU memory scaped holds (nccl staging buffers).",
+    gauge(m, "scape_device_bytes",
+          "GPU memory scaped holds (the cuda executor's state and buffers, nccl staging).",
           (double)st->device_bytes);
     /* what only some backends report */
     const struct {
@@ -187,6 +188,9 @@ static void exposition(const prom *m, const Scape__StatusReply *st)
         const char *name, *help;
         double v;
     } opt[] = {
+        { st->has_pinned_bytes, 0, "scape_pinned_bytes",
+          "Pinned host memory the executor holds (the cuda executor's residual).",
+          (double)st->pinned_bytes },
         { st->has_data_sent_bytes, 1, "scape_data_sent_bytes_total",
           "Bytes scaped sent on its data plane (host backend, framing included).",
           (double)st->data_sent_bytes },

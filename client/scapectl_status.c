@@ -164,6 +164,8 @@ static void print_identity(printer *p, const Scape__StatusReply *st)
     pr_str(p, "optimizer", "Optimizer", st->optimizer);
     pr_str(p, "mode", "Mode", st->mode);
     pr_real(p, "rho", "Rho", st->rho, NULL);
+    if (st->executor)
+        pr_str(p, "executor", "Executor", st->executor);
 }
 
 static void print_status(printer *p, const Scape__StatusReply *st)
@@ -182,6 +184,9 @@ static void print_status(printer *p, const Scape__StatusReply *st)
              st->device_bytes_per_param);
     pr_uint(p, "device_bytes", "Device memory", st->device_bytes, dev);
     pr_real(p, "device_bytes_per_param", NULL, st->device_bytes_per_param, NULL);
+    if (st->has_pinned_bytes)
+        pr_uint(p, "pinned_bytes", "Pinned memory", st->pinned_bytes,
+                fmt_bytes(b, sizeof b, st->pinned_bytes));
     if (st->has_data_sent_bytes && st->has_data_recv_bytes) {
         char sb[24], rb[24], both[320];
         snprintf(both, sizeof both, "%s%ssent %s, received %s",

@@ -23,8 +23,17 @@
  * then ncclCommDestroy (which no longer waits for the peers); past that, or
  * on an error, ncclCommAbort.
  *
- * Streaming.  The engine's buffers (the residual, which a dense step sends,
- * among them) stay in host memory; the main lane's collectives stream them
+ * Device memory.  A collective on device buffers (the cuda executor's) runs
+ * in place on them, enqueued on the main lane's stream, which is the
+ * executor's main stream too (comm_device_stream), and returns at once: the
+ * step's one host wait is comm_device_sync, bounded like all of the above.
+ * Uneven segments go as grouped per-owner ncclReduce / ncclBroadcast.  The
+ * mask all-gather then runs on the mask lane between two events: after the
+ * main stream's selection and code, before its next step's decode.
+ *
+ * Streaming.  Host buffers (the host executor's: the residual, which a dense
+ * step sends, among them) stay in host memory; the main lane's collectives
+ * stream them
  * through two fixed staging slots (NC_SLOT_BYTES of device and of pinned
  * memory each) round by round: round c's input is copied into slot c % 2's
  * pinned half while the GPU still works on round c - 1, and round c - 2's
@@ -78,6 +87,10 @@ typedef struct nccl_impl {
     lane main, mask;
     void *mask_recv;      /* where the outstanding all-gather's result goes */
     size_t mask_bytes;
+    int mask_on_device;   /* the outstanding all-gather runs in place on device
+                             memory: its wait is the main stream's, on `gathered` */
+    cudaEvent_t selected; /* main stream: the mask's code is encoded */
+    cudaEvent_t gathered; /* mask stream: every rank's code is in place */
 } nccl_impl;
 
 static double now_ms(void)
@@ -260,6 +273,120 @@ static scape_rc end_group(nccl_impl *x, lane *l, ncclResult_t first, const char 
     return settle(x, l, first, what);
 }
 
+/* A group's calls.  `first` keeps the first failure inside a group. */
+static void note(ncclResult_t r, ncclResult_t *first)
+{
+    if (*first == ncclSuccess && r != ncclSuccess && r != ncclInProgress)
+        *first = r;
+}
+
+/* ---- in place on device memory, on the main stream --------------------- */
+
+/* Device memory: then a collective runs in place on it, enqueued on the
+ * main stream, and is done when the stream reaches it (comm.h). */
+static int on_device(const void *p)
+{
+    struct cudaPointerAttributes at;
+    if (p == NULL || cudaPointerGetAttributes(&at, p) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return at.type == cudaMemoryTypeDevice || at.type == cudaMemoryTypeManaged;
+}
+
+/* One grouped round of per-owner calls (ncclReduce or ncclBroadcast) on
+ * lane l over segments at buf + off[q], counts[q] elements of `elem` bytes;
+ * enqueued, not waited for. */
+static scape_rc dev_grouped(nccl_impl *x, lane *l, const comm_t *c, char *buf,
+                            const size_t *counts, size_t elem, int reduce, const char *what)
+{
+    size_t off = 0;
+    ncclResult_t first = ncclSuccess;
+    ncclResult_t r = ncclGroupStart();
+    for (int q = 0; (r == ncclSuccess || r == ncclInProgress) && q < c->size; q++) {
+        char *seg = buf + off * elem;
+        if (counts[q])
+            note(reduce ? ncclReduce(seg, seg, counts[q], ncclFloat32, ncclSum, q, l->comm,
+                                     l->stream)
+                        : ncclBroadcast(seg, seg, counts[q] * elem, ncclUint8, q, l->comm,
+                                        l->stream),
+                 &first);
+        off += counts[q];
+    }
+    if (r != ncclSuccess && r != ncclInProgress)
+        first = r;
+    return end_group(x, l, first, what);
+}
+
+static scape_rc dev_allreduce(nccl_impl *x, float *buf, size_t n)
+{
+    TRY(usable(x));
+    lane *l = &x->main;
+    return settle(x, l, ncclAllReduce(buf, buf, n, ncclFloat32, ncclSum, l->comm, l->stream),
+                  "all-reduce");
+}
+
+static scape_rc dev_broadcast(nccl_impl *x, void *buf, size_t bytes, int root)
+{
+    TRY(usable(x));
+    lane *l = &x->main;
+    return settle(x, l, ncclBroadcast(buf, buf, bytes, ncclUint8, root, l->comm, l->stream),
+                  "broadcast");
+}
+
+/* Uneven segments: one ncclReduce per owner, in place (recv must be this
+ * rank's segment of send, as the engine passes it). */
+static scape_rc dev_reduce_scatter(nccl_impl *x, const comm_t *c, const float *send,
+                                   float *recv, const size_t *counts)
+{
+    TRY(usable(x));
+    size_t mine = 0;
+    for (int q = 0; q < c->rank; q++)
+        mine += counts[q];
+    if (recv != send + mine)
+        return scape_set_error(SCAPE_INVALID, "comm nccl: a reduce-scatter of device memory "
+                               "runs in place only");
+    return dev_grouped(x, &x->main, c, (char *)send, counts, sizeof(float), 1,
+                       "reduce-scatter");
+}
+
+/* Uneven segments: one ncclBroadcast per owner, in place; a send apart from
+ * its place in recv is copied there first. */
+static scape_rc dev_allgather(nccl_impl *x, lane *l, const comm_t *c, const void *send,
+                              void *recv, const size_t *counts, const char *what)
+{
+    TRY(usable(x));
+    size_t mine = 0;
+    for (int q = 0; q < c->rank; q++)
+        mine += counts[q];
+    char *place = (char *)recv + mine;
+    if (place != send && counts[c->rank])
+        CUDA_TRY(x, cudaMemcpyAsync(place, send, counts[c->rank], cudaMemcpyDeviceToDevice,
+                                    l->stream), "copy into the all-gather's place");
+    return dev_grouped(x, l, c, recv, counts, 1, 0, what);
+}
+
+/* The mask all-gather on its own lane, ordered after what the main stream
+ * has enqueued (the selection and the code) and before what the main stream
+ * enqueues after the wait, by two events: no host wait in between. */
+static scape_rc dev_iallgather(nccl_impl *x, const comm_t *c, const void *send, void *recv,
+                               const size_t *counts)
+{
+    TRY(usable(x));
+    if (x->selected == NULL) {
+        CUDA_TRY(x, cudaEventCreateWithFlags(&x->selected, cudaEventDisableTiming),
+                 "cudaEventCreate");
+        CUDA_TRY(x, cudaEventCreateWithFlags(&x->gathered, cudaEventDisableTiming),
+                 "cudaEventCreate");
+    }
+    CUDA_TRY(x, cudaEventRecord(x->selected, x->main.stream), "cudaEventRecord");
+    CUDA_TRY(x, cudaStreamWaitEvent(x->mask.stream, x->selected, 0), "cudaStreamWaitEvent");
+    TRY(dev_allgather(x, &x->mask, c, send, recv, counts, "mask all-gather"));
+    CUDA_TRY(x, cudaEventRecord(x->gathered, x->mask.stream), "cudaEventRecord");
+    x->mask_on_device = 1;
+    return SCAPE_OK;
+}
+
 /* ---- blocking collectives on the main lane, streamed ------------------- */
 
 /* One streamed collective: `nseg` segments of host bytes (segment q at
@@ -427,12 +554,6 @@ static size_t piece_for(int nseg, int reduce_out)
     return p ? p : 16;
 }
 
-/* A round's collectives.  `first` keeps the first failure inside a group. */
-static void note(ncclResult_t r, ncclResult_t *first)
-{
-    if (*first == ncclSuccess && r != ncclSuccess && r != ncclInProgress)
-        *first = r;
-}
 
 static ncclResult_t run_allreduce(const sop *o, lane *l, char *dev, const size_t *pos,
                                   const size_t *n, ncclResult_t *first)
@@ -479,6 +600,8 @@ static ncclResult_t run_gather(const sop *o, lane *l, char *dev, const size_t *p
 static scape_rc nc_allreduce(comm_t *c, float *buf, size_t n)
 {
     nccl_impl *x = c->impl;
+    if (n && on_device(buf))
+        return dev_allreduce(x, buf, n);
     size_t off = 0, len = n * sizeof(float), pos, cnt;
     sop o = { .what = "all-reduce", .nseg = 1, .off = &off, .len = &len,
               .piece = piece_for(1, 0), .src = (const char *)buf, .dst = (char *)buf,
@@ -489,6 +612,8 @@ static scape_rc nc_allreduce(comm_t *c, float *buf, size_t n)
 static scape_rc nc_broadcast(comm_t *c, void *buf, size_t bytes, int root)
 {
     nccl_impl *x = c->impl;
+    if (bytes && on_device(buf))
+        return dev_broadcast(x, buf, bytes, root);
     size_t off = 0, pos, cnt;
     /* Only the root's bytes go in; the others' arrive. */
     sop o = { .what = "broadcast", .nseg = 1, .off = &off, .len = &bytes,
@@ -515,6 +640,8 @@ static scape_rc nc_reduce_scatter(comm_t *c, const float *send, float *recv,
                                   const size_t *counts)
 {
     nccl_impl *x = c->impl;
+    if (on_device(send))
+        return dev_reduce_scatter(x, c, send, recv, counts);
     size_t R = (size_t)c->size, *a = seg_arrays(c, counts, sizeof(float));
     if (a == NULL)
         return scape_set_error(SCAPE_NOMEM, "comm nccl: out of memory");
@@ -533,6 +660,8 @@ static scape_rc nc_reduce_scatter(comm_t *c, const float *send, float *recv,
 static scape_rc nc_allgather(comm_t *c, const void *send, void *recv, const size_t *counts)
 {
     nccl_impl *x = c->impl;
+    if (on_device(recv))
+        return dev_allgather(x, &x->main, c, send, recv, counts, "all-gather");
     size_t R = (size_t)c->size, *a = seg_arrays(c, counts, 1);
     if (a == NULL)
         return scape_set_error(SCAPE_NOMEM, "comm nccl: out of memory");
@@ -585,6 +714,8 @@ static scape_rc gather_start(nccl_impl *x, lane *l, const comm_t *c, const void 
 static scape_rc nc_iallgather(comm_t *c, const void *send, void *recv, const size_t *counts)
 {
     nccl_impl *x = c->impl;
+    if (on_device(recv))
+        return dev_iallgather(x, c, send, recv, counts);
     size_t total = 0;
     TRY(gather_start(x, &x->mask, c, send, counts, &total, "mask all-gather"));
     x->mask_recv = recv;
@@ -596,6 +727,12 @@ static scape_rc nc_iallgather_wait(comm_t *c)
 {
     nccl_impl *x = c->impl;
     TRY(usable(x));
+    if (x->mask_on_device) {
+        x->mask_on_device = 0;
+        CUDA_TRY(x, cudaStreamWaitEvent(x->main.stream, x->gathered, 0),
+                 "cudaStreamWaitEvent");
+        return SCAPE_OK;
+    }
     TRY(drain(x, &x->mask, "mask all-gather"));
     if (x->mask_bytes)
         memcpy(x->mask_recv, x->mask.pinned, x->mask_bytes);
@@ -671,6 +808,10 @@ static void nc_destroy(comm_t *c)
         close_lanes(x);
         lane_free(&x->mask);
         lane_free(&x->main);
+        if (x->selected)
+            cudaEventDestroy(x->selected);
+        if (x->gathered)
+            cudaEventDestroy(x->gathered);
         free(x);
     }
     free(c);
@@ -705,6 +846,21 @@ static int nc_quiet(const comm_t *c)
     return 1;
 }
 
+static void *nc_device_stream(const comm_t *c)
+{
+    const nccl_impl *x = c->impl;
+    return x->main.stream;
+}
+
+/* Bounded, like every wait here: the main stream, watching for NCCL errors
+ * (a peer gone aborts both communicators). */
+static scape_rc nc_device_sync(comm_t *c)
+{
+    nccl_impl *x = c->impl;
+    TRY(usable(x));
+    return drain(x, &x->main, "the device work of the step");
+}
+
 static const comm_ops s_nccl_ops = {
     .name = "nccl",
     .allreduce_sum = nc_allreduce,
@@ -717,6 +873,8 @@ static const comm_ops s_nccl_ops = {
     .destroy = nc_destroy,
     .device_bytes = nc_device_bytes,
     .quiet = nc_quiet,
+    .device_stream = nc_device_stream,
+    .device_sync = nc_device_sync,
 };
 
 int comm_nccl_built(void) { return 1; }

@@ -18,6 +18,7 @@
 #include <yaml.h>
 
 #include "config.h"
+#include "exec.h"
 #include "try.h"
 
 #define VALUE_BYTES 2200  /* a printed value: a 511-byte path fully escaped, quoted */
@@ -52,6 +53,49 @@ static scape_rc parse_mode(const char *s, void *f) { return eng_mode_parse(s, f)
 static scape_rc parse_backend(const char *s, void *f) { return comm_backend_parse(s, f); }
 
 static const char *const s_backend_names[COMM_BACKEND_COUNT] = { "host", "nccl" };
+static const char *const s_exec_names[CFG_EXEC_COUNT] = { "auto", "host", "cuda", "sim" };
+
+const char *cfg_executor_name(cfg_executor x)
+{
+    return (unsigned)x < CFG_EXEC_COUNT ? s_exec_names[x] : "?";
+}
+
+static scape_rc parse_executor(const char *s, void *f)
+{
+    for (int i = 0; s && i < CFG_EXEC_COUNT; i++)
+        if (strcmp(s, s_exec_names[i]) == 0) {
+            *(cfg_executor *)f = (cfg_executor)i;
+            return SCAPE_OK;
+        }
+    return scape_set_error(SCAPE_INVALID, "unknown executor '%s' (auto, host, cuda, sim)",
+                           s ? s : "(null)");
+}
+
+static const char *name_executor(const void *f)
+{
+    return cfg_executor_name(*(const cfg_executor *)f);
+}
+
+scape_rc cfg_resolve_executor(const scaped_config *c, eng_executor *out, const char **why)
+{
+    const char *no = NULL;
+    int cuda = exec_cuda_available(&no);
+    *why = "";
+    switch (c->executor) {
+    case CFG_EXEC_HOST: *out = ENG_EXEC_HOST; return SCAPE_OK;
+    case CFG_EXEC_SIM: *out = ENG_EXEC_SIM; return SCAPE_OK;
+    case CFG_EXEC_CUDA:
+        if (!cuda)
+            return scape_set_error(SCAPE_UNSUPPORTED, "executor cuda: %s (set executor: host "
+                                   "or auto)", no);
+        *out = ENG_EXEC_CUDA;
+        return SCAPE_OK;
+    default:
+        *out = cuda ? ENG_EXEC_CUDA : ENG_EXEC_HOST;
+        *why = cuda ? "a GPU is visible and this build has CUDA" : no;
+        return SCAPE_OK;
+    }
+}
 
 const char *comm_backend_name(comm_backend b)
 {
@@ -129,6 +173,17 @@ static const cfg_key s_keys[] = {
     { .name = "engine_threads", .type = KT_INT, .offset = OFF(engine.threads), .min = 1,
       .max = 256, .def = "1",
       .doc = "threads for the step's data-parallel phases (results do not depend on it)" },
+    { .name = "executor", .type = KT_ENUM, .offset = OFF(executor), .parse = parse_executor,
+      .name_of = name_executor, .def = "auto",
+      .doc = "where the step runs: auto (cuda when built with CUDA and a GPU is visible, else "
+             "host), host, cuda, or sim (the cuda executor's code on the CPU, for tests)" },
+    { .name = "residual_on_device", .type = KT_ENUM, .offset = OFF(engine.residual_on_device),
+      .parse = parse_bool, .name_of = name_bool, .def = "false",
+      .doc = "cuda: keep the residual in GPU memory instead of pinned host memory streamed "
+             "through the GPU" },
+    { .name = "residual_chunk", .type = KT_U32, .offset = OFF(engine.residual_chunk),
+      .min = 32, .max = 2147483648.0, .def = "4194304",
+      .doc = "cuda: coordinates of the pinned residual streamed through the GPU at a time" },
     { .name = "defer_select", .type = KT_ENUM, .offset = OFF(engine.defer_select),
       .parse = parse_bool, .name_of = name_bool, .def = "true",
       .doc = "select the next mask after the trainers have their parameters, behind their "
@@ -161,7 +216,7 @@ static const cfg_key s_keys[] = {
       .name_of = name_backend, .def = "host",
       .doc = "between daemons: host (ZeroMQ TCP) or nccl (the node's GPU)" },
     { .name = "cuda_device", .type = KT_INT, .offset = OFF(cuda_device), .min = 0, .max = 63,
-      .def = "0", .doc = "CUDA device of the nccl backend" },
+      .def = "0", .doc = "CUDA device of the nccl backend and the cuda executor" },
     { .name = "checkpoint_dir", .type = KT_STRING, .offset = OFF(checkpoint_dir),
       .size = sizeof ((scaped_config *)0)->checkpoint_dir, .def = "",
       .doc = "directory of checkpoints, shared by the job's daemons (\"\" = none)" },

@@ -27,6 +27,17 @@ typedef enum comm_backend {
 const char *comm_backend_name(comm_backend b);
 scape_rc comm_backend_parse(const char *s, comm_backend *out);
 
+/* The executor key: a choice of eng_executor, or auto. */
+typedef enum cfg_executor {
+    CFG_EXEC_AUTO = 0, /* cuda when this build has CUDA and a GPU is visible, else host */
+    CFG_EXEC_HOST,
+    CFG_EXEC_CUDA,
+    CFG_EXEC_SIM,
+    CFG_EXEC_COUNT
+} cfg_executor;
+
+const char *cfg_executor_name(cfg_executor x);
+
 typedef struct scaped_config {
     char runtime_dir[256];      /* "" = default (resolved later by the daemon) */
     log_level log_level;        /* default info */
@@ -42,12 +53,17 @@ typedef struct scaped_config {
     uint32_t job;               /* job id; daemons of other jobs are refused */
     int comm_timeout_ms;        /* longest wait for another daemon */
     comm_backend backend;       /* host (default) or nccl */
-    int cuda_device;            /* the GPU the nccl backend uses, 0..63 */
+    int cuda_device;            /* the GPU of the nccl backend and the cuda executor, 0..63 */
+    cfg_executor executor;      /* auto (default), host, cuda or sim */
     char checkpoint_dir[512];   /* where checkpoints go; "" = none */
     uint32_t checkpoint_every;  /* take one every this many steps; 0 = on request */
     int checkpoint_keep;        /* complete checkpoints kept, 1..1000, default 2 */
     char resume[512];           /* a checkpoint to restore at the job's start */
 } scaped_config;
+
+/* The engine's executor for the executor key: auto resolved here (*why
+ * says which and why), cuda refused when it cannot run on this machine. */
+scape_rc cfg_resolve_executor(const scaped_config *c, eng_executor *out, const char **why);
 
 /* Every key at its default. */
 void cfg_defaults(scaped_config *c);

@@ -179,19 +179,27 @@ static scape_rc agree_layout(server *s, const eng_tensor *ts, size_t nt, kern_dt
     return SCAPE_OK;
 }
 
-/* One buffer: host shared memory by name, or a CUDA IPC handle. */
+/* One buffer: host shared memory by name, or a CUDA IPC handle.  The cuda
+ * executor works on a CUDA IPC buffer in place and needs shared memory
+ * registered; the others work on host memory (a pinned copy of the former). */
 static scape_rc map_one(const server *s, const Scape__MemHandle *h, size_t need,
                         const char *what, shm_map *m)
 {
-    if (h->kind == SCAPE__MEM_KIND__SHM)
-        return shm_map_open(m, h->shm_name, (size_t)h->bytes, need, what);
+    int cuda = s->cfg.engine.executor == ENG_EXEC_CUDA;
+    if (h->kind == SCAPE__MEM_KIND__SHM) {
+        TRY(shm_map_open(m, h->shm_name, (size_t)h->bytes, need, what));
+        scape_rc rc = cuda ? shm_map_pin(m, what) : SCAPE_OK;
+        if (rc != SCAPE_OK)
+            shm_map_close(m, 0);
+        return rc;
+    }
     if (h->kind != SCAPE__MEM_KIND__CUDA_IPC)
         return scape_set_error(SCAPE_INVALID, "register: %s: unknown memory kind %d", what,
                                (int)h->kind);
     if (!h->has_ipc_handle)
         return scape_set_error(SCAPE_INVALID, "register: %s: CUDA_IPC without a handle", what);
     return shm_map_open_cuda(m, h->ipc_handle.data, h->ipc_handle.len, (size_t)h->bytes, need,
-                             s->cfg.cuda_device, what);
+                             s->cfg.cuda_device, !cuda, what);
 }
 
 static scape_rc map_buffers(server *s, const Scape__Register *g, size_t numel,
@@ -205,9 +213,11 @@ static scape_rc map_buffers(server *s, const Scape__Register *g, size_t numel,
     return rc;
 }
 
-/* CUDA IPC buffers: the engine works on host copies.  Pull the trainers'
- * buffers into them (grads before a step, trainer 0's params before the
- * start) or push the new parameters back; shm buffers need nothing. */
+/* CUDA IPC buffers under the host executor: the engine works on host
+ * copies.  Pull the trainers' buffers into them (grads before a step,
+ * trainer 0's params before the start) or push the new parameters back;
+ * shm buffers, and CUDA IPC buffers the cuda executor works on in place,
+ * need nothing. */
 static scape_rc pull(trainer **ts, int n, int grads, size_t bytes, uint64_t *copied)
 {
     for (int i = 0; i < n; i++)
@@ -222,22 +232,33 @@ static scape_rc push_params(trainer **ts, int n, size_t bytes, uint64_t *copied)
     return SCAPE_OK;
 }
 
+/* Another trainer's parameters into t's buffer, through host memory. */
+static scape_rc copy_params(const shm_map *from, shm_map *to, size_t bytes)
+{
+    void *tmp = malloc(bytes ? bytes : 1);
+    if (tmp == NULL)
+        return scape_set_error(SCAPE_NOMEM, "register: out of memory");
+    scape_rc rc = shm_map_read(from, tmp, bytes);
+    if (rc == SCAPE_OK)
+        rc = shm_map_write(to, tmp, bytes);
+    free(tmp);
+    return rc;
+}
+
 /* A trainer joining a running job gets the current parameters. */
 static scape_rc seed_params(server *s, trainer *t)
 {
     size_t pb = s->numel * kern_dtype_size(s->pdt);
     for (int i = 0; i < SRV_MAX_SLOTS; i++) {
         const trainer *o = &s->slots[i];
-        if (o != t && o->used && o->synced) {
-            memcpy(t->params.addr, o->params.addr, pb);
-            return shm_map_push(&t->params, pb, NULL);
-        }
+        if (o != t && o->used && o->synced)
+            return copy_params(&o->params, &t->params, pb);
     }
     /* Nobody here holds them: the buffer of the last trainer that left. */
     if (s->spare.addr) {
-        memcpy(t->params.addr, s->spare.addr, pb);
+        scape_rc rc = copy_params(&s->spare, &t->params, pb);
         shm_map_close(&s->spare, 1);
-        return shm_map_push(&t->params, pb, NULL);
+        return rc;
     }
     /* A sharded rank's master copy is only its shard. */
     if (s->cfg.engine.mode == ENG_MODE_SHARDED && s->cfg.world > 1)
@@ -247,13 +268,15 @@ static scape_rc seed_params(server *s, trainer *t)
     unsigned char *have = malloc(s->numel);
     scape_rc rc = theta && have ? eng_get_state(s->eng, ENG_VEC_THETA, theta, have)
                                 : scape_set_error(SCAPE_NOMEM, "register: out of memory");
-    if (rc == SCAPE_OK && s->pdt == KERN_F32)
-        memcpy(t->params.addr, theta, s->numel * sizeof *theta);
-    else if (rc == SCAPE_OK)
-        rc = kern_f32_to_bf16(theta, t->params.addr, s->numel);
+    /* bf16 in place: element i's two bytes land below element i's float */
+    if (rc == SCAPE_OK && s->pdt == KERN_BF16)
+        for (size_t i = 0; i < s->numel; i++)
+            ((uint16_t *)theta)[i] = kern_bf16_from_f32(theta[i]);
+    if (rc == SCAPE_OK)
+        rc = shm_map_write(&t->params, theta, pb);
     free(theta);
     free(have);
-    return rc == SCAPE_OK ? shm_map_push(&t->params, pb, NULL) : rc;
+    return rc;
 }
 
 static scape_rc on_register(server *s, trainer *t, const Scape__Register *g)
@@ -362,7 +385,7 @@ static scape_rc start_job(server *s, trainer **ts, int n)
     eng_layout lay = { s->layout, s->ntensors, s->pdt, s->gdt };
     void *params[SRV_MAX_SLOTS];
     for (int i = 0; i < n; i++)
-        params[i] = ts[i]->params.addr;
+        params[i] = shm_map_engine(&ts[i]->params);
     size_t pb = s->numel * kern_dtype_size(s->pdt);
     scape_rc rc = pull(ts, 1, 0, pb, NULL); /* trainer 0's initial parameters */
     if (rc == SCAPE_OK)
@@ -542,8 +565,8 @@ static void run_step(server *s, trainer **ts, int n)
     const void *grads[SRV_MAX_SLOTS];
     void *params[SRV_MAX_SLOTS];
     for (int i = 0; i < n; i++) {
-        grads[i] = ts[i]->grads.addr;
-        params[i] = ts[i]->params.addr;
+        grads[i] = shm_map_engine(&ts[i]->grads);
+        params[i] = shm_map_engine(&ts[i]->params);
     }
     uint64_t copied = 0;
     size_t gb = s->numel * kern_dtype_size(s->gdt), pb = s->numel * kern_dtype_size(s->pdt);

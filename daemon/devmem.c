@@ -1,7 +1,9 @@
-/* devmem.c - trainers' CUDA IPC buffers (shm.h).
+/* devmem.c - trainers' CUDA IPC buffers, and shared memory registered for
+ * the cuda executor (shm.h).
  *
- * The daemon opens the trainer's allocation on its own device and keeps a
- * pinned host copy of it, which is what the engine (host memory) reads and
+ * The daemon opens the trainer's allocation on its own device.  The cuda
+ * executor reads and writes it there; for the host executor the daemon
+ * keeps a pinned host copy of it, which is what that engine reads and
  * writes: the gradients are pulled into it before a step and the new
  * parameters pushed back after.  Before opening, the handle's allocation is
  * measured with the driver's cuMemGetAddressRange (looked up in the already
@@ -37,7 +39,7 @@ static get_range_fn address_range(void)
 }
 
 scape_rc shm_map_open_cuda(shm_map *m, const void *handle, size_t handle_len, size_t declared,
-                           size_t need, int device, const char *what)
+                           size_t need, int device, int mirror, const char *what)
 {
     memset(m, 0, sizeof *m);
     if (handle == NULL || handle_len != SHM_IPC_HANDLE_BYTES)
@@ -71,7 +73,8 @@ scape_rc shm_map_open_cuda(shm_map *m, const void *handle, size_t handle_len, si
                              (size_t)(size - ((unsigned long long)(uintptr_t)dev - base)),
                              declared);
     void *host = NULL;
-    if (rc == SCAPE_OK && (e = cudaMallocHost(&host, declared ? declared : 1)) != cudaSuccess)
+    if (rc == SCAPE_OK && mirror &&
+        (e = cudaMallocHost(&host, declared ? declared : 1)) != cudaSuccess)
         rc = scape_set_error(SCAPE_NOMEM, "%s: cudaMallocHost(%zu): %s", what, declared,
                              cudaGetErrorString(e));
     if (rc != SCAPE_OK) {
@@ -85,7 +88,7 @@ scape_rc shm_map_open_cuda(shm_map *m, const void *handle, size_t handle_len, si
 
 static scape_rc copy(shm_map *m, size_t bytes, uint64_t *copied, int to_host)
 {
-    if (m->dev == NULL || bytes == 0)
+    if (m->dev == NULL || m->addr == NULL || bytes == 0)
         return SCAPE_OK;
     if (bytes > m->bytes)
         return scape_set_error(SCAPE_INVALID, "devmem: copy of %zu bytes past a %zu-byte "
@@ -109,6 +112,65 @@ scape_rc shm_map_pull(shm_map *m, size_t bytes, uint64_t *copied)
 scape_rc shm_map_push(shm_map *m, size_t bytes, uint64_t *copied)
 {
     return copy(m, bytes, copied, 0);
+}
+
+scape_rc shm_map_pin(shm_map *m, const char *what)
+{
+    if (m->addr == NULL || m->dev || m->pinned)
+        return SCAPE_OK;
+    cudaError_t e = cudaHostRegister(m->addr, m->bytes ? m->bytes : 1, cudaHostRegisterDefault);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return scape_set_error(SCAPE_CUDA, "%s: cudaHostRegister of the trainer's shared memory "
+                               "(%zu bytes): %s; the cuda executor reads such buffers through "
+                               "it (executor host does not need it)", what, m->bytes,
+                               cudaGetErrorString(e));
+    }
+    m->pinned = 1;
+    return SCAPE_OK;
+}
+
+void shm_map_unpin(shm_map *m)
+{
+    if (m->pinned && cudaHostUnregister(m->addr) != cudaSuccess)
+        (void)cudaGetLastError();
+    m->pinned = 0;
+}
+
+/* Between host memory and a buffer; the device buffer only without a copy. */
+static scape_rc move(void *dst, const void *src, size_t bytes, const char *what)
+{
+    cudaError_t e = cudaMemcpy(dst, src, bytes, cudaMemcpyDefault);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return scape_set_error(SCAPE_CUDA, "devmem: %s of %zu bytes: %s", what, bytes,
+                               cudaGetErrorString(e));
+    }
+    return SCAPE_OK;
+}
+
+scape_rc shm_map_read(const shm_map *m, void *dst, size_t bytes)
+{
+    if (bytes > m->bytes)
+        return scape_set_error(SCAPE_INVALID, "devmem: read of %zu bytes past a %zu-byte "
+                               "buffer", bytes, m->bytes);
+    if (m->addr) {
+        memcpy(dst, m->addr, bytes);
+        return SCAPE_OK;
+    }
+    return move(dst, m->dev, bytes, "read from the trainer's device buffer");
+}
+
+scape_rc shm_map_write(shm_map *m, const void *src, size_t bytes)
+{
+    if (bytes > m->bytes)
+        return scape_set_error(SCAPE_INVALID, "devmem: write of %zu bytes past a %zu-byte "
+                               "buffer", bytes, m->bytes);
+    if (m->addr) {
+        memcpy(m->addr, src, bytes);
+        return shm_map_push(m, bytes, NULL);
+    }
+    return move(m->dev, src, bytes, "write into the trainer's device buffer");
 }
 
 void shm_map_close_cuda(shm_map *m)

@@ -4,8 +4,9 @@
 #include "shm.h"
 
 scape_rc shm_map_open_cuda(shm_map *m, const void *handle, size_t handle_len, size_t declared,
-                           size_t need, int device, const char *what)
+                           size_t need, int device, int mirror, const char *what)
 {
+    (void)mirror;
     (void)handle;
     (void)handle_len;
     (void)declared;
@@ -34,3 +35,29 @@ scape_rc shm_map_push(shm_map *m, size_t bytes, uint64_t *copied)
 }
 
 void shm_map_close_cuda(shm_map *m) { memset(m, 0, sizeof *m); }
+
+scape_rc shm_map_pin(shm_map *m, const char *what)
+{
+    (void)m;
+    return scape_set_error(SCAPE_UNSUPPORTED, "%s: this scaped is built without CUDA", what);
+}
+
+void shm_map_unpin(shm_map *m) { m->pinned = 0; }
+
+scape_rc shm_map_read(const shm_map *m, void *dst, size_t bytes)
+{
+    if (bytes > m->bytes || m->addr == NULL)
+        return scape_set_error(SCAPE_INVALID, "read of %zu bytes from a %zu-byte buffer", bytes,
+                               m->bytes);
+    memcpy(dst, m->addr, bytes);
+    return SCAPE_OK;
+}
+
+scape_rc shm_map_write(shm_map *m, const void *src, size_t bytes)
+{
+    if (bytes > m->bytes || m->addr == NULL)
+        return scape_set_error(SCAPE_INVALID, "write of %zu bytes into a %zu-byte buffer", bytes,
+                               m->bytes);
+    memcpy(m->addr, src, bytes);
+    return SCAPE_OK;
+}

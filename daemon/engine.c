@@ -35,7 +35,7 @@ void eng_config_default(eng_config *cfg)
     cfg->intake_chunk = 16384;
     cfg->threads = 1;
     cfg->executor = ENG_EXEC_HOST;
-    cfg->residual_chunk = (size_t)4 << 20;
+    cfg->residual_chunk = 4u << 20;
 }
 
 const char *eng_optimizer_name(eng_optimizer opt)
@@ -108,10 +108,9 @@ static scape_rc check_config(const eng_config *c)
                                c->threads, POOL_MAX_THREADS);
     if ((unsigned)c->executor >= ENG_EXEC_COUNT)
         return scape_set_error(SCAPE_INVALID, "config: unknown executor %d", (int)c->executor);
-    if (c->residual_chunk < 32 || c->residual_chunk % 32)
-        return scape_set_error(SCAPE_INVALID,
-                               "config: residual_chunk=%zu must be a positive multiple of 32",
-                               c->residual_chunk);
+    if (c->residual_chunk < 32)
+        return scape_set_error(SCAPE_INVALID, "config: residual_chunk=%u must be >= 32",
+                               (unsigned)c->residual_chunk);
     const kern_hyper *h = &c->hyper;
     if (!(h->beta1 >= 0.0f && h->beta1 < 1.0f) || !(h->beta2 >= 0.0f && h->beta2 < 1.0f))
         return scape_set_error(SCAPE_INVALID, "config: beta1=%g beta2=%g must be in [0, 1)",

@@ -62,9 +62,9 @@ typedef struct eng_config {
     int device;            /* cuda: the CUDA device ordinal (default 0) */
     int residual_on_device; /* cuda/sim: keep the residual in device memory
                                instead of pinned host memory (default 0) */
-    size_t residual_chunk; /* cuda/sim: coordinates of the residual streamed
-                              through the GPU at a time (default 4 Mi); a
-                              multiple of 32 */
+    uint32_t residual_chunk; /* cuda/sim: about this many coordinates of the
+                                residual stream through the GPU at a time
+                                (whole mask words; default 4 Mi, >= 32) */
 } eng_config;
 
 typedef struct eng_tensor {

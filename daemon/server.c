@@ -224,6 +224,20 @@ static scape_rc open_comm(server *s)
     return rc;
 }
 
+/* The executor the engine will run on: the key's choice, auto resolved. */
+static scape_rc choose_executor(server *s)
+{
+    const char *why = "";
+    TRY(cfg_resolve_executor(&s->cfg, &s->cfg.engine.executor, &why));
+    s->cfg.engine.device = s->cfg.cuda_device;
+    if (s->cfg.executor == CFG_EXEC_AUTO)
+        LOG_INFO(SUB_ENGINE, "executor %s (auto: %s)",
+                 eng_executor_name(s->cfg.engine.executor), why);
+    else
+        LOG_INFO(SUB_ENGINE, "executor %s", eng_executor_name(s->cfg.engine.executor));
+    return SCAPE_OK;
+}
+
 scape_rc srv_create(server **out, const scaped_config *cfg)
 {
     server *s = calloc(1, sizeof *s);
@@ -238,6 +252,8 @@ scape_rc srv_create(server **out, const scaped_config *cfg)
                       : wire_runtime_dir(s->dir, sizeof s->dir);
     /* A checkpoint that cannot be resumed stops the daemon before it binds
      * anything that trainers or scapectl could find. */
+    if (rc == SCAPE_OK)
+        rc = choose_executor(s);
     if (rc == SCAPE_OK)
         rc = ckp_prepare_resume(s);
     if (rc == SCAPE_OK)
@@ -338,7 +354,8 @@ static void check_liveness(server *s)
 
 void srv_close_map(server *s, shm_map *m, int unlink_it)
 {
-    if (m->dev == NULL || comm_quiet(s->comm)) {
+    /* closing a CUDA mapping (and unregistering pinned memory) synchronises */
+    if ((m->dev == NULL && !m->pinned) || comm_quiet(s->comm)) {
         shm_map_close(m, unlink_it);
         return;
     }

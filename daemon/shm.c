@@ -70,6 +70,8 @@ void shm_map_close(shm_map *m, int unlink_it)
         shm_map_close_cuda(m);
         return;
     }
+    if (m->pinned)
+        shm_map_unpin(m); /* before the pages go */
     if (m->addr)
         munmap(m->addr, m->bytes);
     if (unlink_it && m->name[0])

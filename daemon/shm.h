@@ -1,7 +1,9 @@
 /* shm.h - the daemon's view of a trainer's buffer: a POSIX shared-memory
- * object mapped by name after its size has been checked, or (devmem.c) a
- * CUDA IPC buffer opened on the daemon's GPU with a pinned host copy that the
- * engine works on, pulled before and pushed after each step. */
+ * object mapped by name after its size has been checked (and, for the cuda
+ * executor, registered with CUDA so that its kernels address it), or
+ * (devmem.c) a CUDA IPC buffer opened on the daemon's GPU: read and written
+ * in place by the cuda executor, or through a pinned host copy that the host
+ * executor works on, pulled before and pushed after each step. */
 #ifndef SCAPE_SHM_H
 #define SCAPE_SHM_H
 
@@ -13,12 +15,17 @@
 #define SHM_NAME_MAX 128
 
 typedef struct shm_map {
-    void *addr;              /* what the engine reads and writes */
+    void *addr;              /* host memory: the mapping, or a CUDA IPC
+                                buffer's pinned copy (NULL: none) */
     size_t bytes;
     char name[SHM_NAME_MAX];
-    void *dev;               /* CUDA IPC: the trainer's device buffer; addr is
-                                a pinned host copy of it */
+    void *dev;               /* CUDA IPC: the trainer's device buffer */
+    int pinned;              /* shm registered with cudaHostRegister */
 } shm_map;
+
+/* What the engine reads and writes: the pinned copy or the mapping, else
+ * the device buffer itself. */
+static inline void *shm_map_engine(const shm_map *m) { return m->addr ? m->addr : m->dev; }
 
 /* Map the shm object `name` read-write.  It must hold at least `need` bytes
  * and exactly the `declared` bytes the trainer said it has.  `what` names the
@@ -33,12 +40,21 @@ void shm_map_close(shm_map *m, int unlink_it);
 #define SHM_IPC_HANDLE_BYTES 64  /* sizeof(cudaIpcMemHandle_t) */
 
 /* Open the trainer's cudaIpcMemHandle on `device`; the allocation must hold
- * exactly `declared` bytes and at least `need`.  UNSUPPORTED in a build
- * without CUDA. */
+ * exactly `declared` bytes and at least `need`; with `mirror`, also
+ * allocate the pinned host copy.  UNSUPPORTED in a build without CUDA. */
 scape_rc shm_map_open_cuda(shm_map *m, const void *handle, size_t handle_len, size_t declared,
-                           size_t need, int device, const char *what);
+                           size_t need, int device, int mirror, const char *what);
+/* Register a shm mapping with CUDA (cudaHostRegister), so that kernels read
+ * and write it; shm_map_close unregisters it before unmapping. */
+scape_rc shm_map_pin(shm_map *m, const char *what);
+void shm_map_unpin(shm_map *m);
+/* The first `bytes` of a buffer into host memory, or from it: the mapping or
+ * the pinned copy where there is one, else the device buffer. */
+scape_rc shm_map_read(const shm_map *m, void *dst, size_t bytes);
+scape_rc shm_map_write(shm_map *m, const void *src, size_t bytes);
 /* Copy the first `bytes` of a CUDA IPC buffer into its host copy (pull) or
- * back (push); *copied grows by the bytes moved.  Nothing for shm buffers. */
+ * back (push); *copied grows by the bytes moved.  Nothing for shm buffers
+ * and for CUDA IPC buffers without a copy. */
 scape_rc shm_map_pull(shm_map *m, size_t bytes, uint64_t *copied);
 scape_rc shm_map_push(shm_map *m, size_t bytes, uint64_t *copied);
 /* Close a CUDA IPC buffer (called by shm_map_close). */

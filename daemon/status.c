@@ -62,10 +62,14 @@ static void fill_status(server *s, status_buf *b)
     st->uptime_ms = (uint64_t)(1e3 * (srv_now() - s->started_at));
     st->rss_bytes = rss_bytes();
     st->state_bytes = eng_state_bytes(s->eng);
-    /* The engine's state is in host memory; what the daemon holds on a GPU is
-     * the nccl backend's staging (the trainers' CUDA IPC buffers are theirs). */
+    /* What the daemon holds on a GPU: the cuda executor's state and buffers,
+     * and the nccl backend's staging (the trainers' CUDA IPC buffers are
+     * theirs); in pinned host memory, the executor's residual and copies. */
+    st->executor = (char *)eng_executor_name(s->cfg.engine.executor);
     st->has_device_bytes = 1;
-    st->device_bytes = comm_device_bytes(s->comm);
+    st->device_bytes = comm_device_bytes(s->comm) + eng_device_bytes(s->eng);
+    st->has_pinned_bytes = 1;
+    st->pinned_bytes = eng_pinned_bytes(s->eng);
     st->has_device_bytes_per_param = 1;
     st->device_bytes_per_param = s->numel ? (double)st->device_bytes / (double)s->numel : 0.0;
     uint64_t sent, recvd;

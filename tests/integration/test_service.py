@@ -24,12 +24,14 @@ def read(path):
         return f.read()
 
 
-@pytest.mark.parametrize("threads", [1, 3])
-def test_c_trainers_match_in_process_engine(daemon_factory, tmp_path, threads):
-    """Bitwise equal to the in-process engine (one thread), whatever the
-    daemon's engine_threads."""
+@pytest.mark.parametrize("executor,threads", [("host", 1), ("host", 3), ("sim", 1)])
+def test_c_trainers_match_in_process_engine(daemon_factory, tmp_path, executor, threads):
+    """Bitwise equal to the in-process engine (host executor, one thread),
+    whatever the daemon's engine_threads and executor: sim runs the cuda
+    executor's code, the residual streamed in chunks of 5000 coordinates."""
     n, steps = 20000, 60
-    d = daemon_factory(*ENGINE, "--trainers", "4", "--engine-threads", str(threads))
+    d = daemon_factory(*ENGINE, "--trainers", "4", "--engine-threads", str(threads),
+                       "--executor", executor, "--residual-chunk", "5000")
     ctx = zmq.Context()
     events = ctx.socket(zmq.SUB)
     events.setsockopt(zmq.LINGER, 0)
@@ -52,9 +54,18 @@ def test_c_trainers_match_in_process_engine(daemon_factory, tmp_path, threads):
     assert published == list(range(1, steps + 1)), published
     # zero-copy handover: the engine read the gradients where the trainers
     # wrote them; only the four Step messages came in
-    status, msg, _, done = pbwire.query_status(d.status_endpoint)
+    status, msg, st, done = pbwire.query_status(d.status_endpoint)
     assert status == 0, msg
     assert done[1][0] == steps and done[9][0] == 0 and 0 < done[10][0] < 200, done
+    # which executor ran, and the memory it holds: the residual pinned
+    # (N floats), m, theta and the rest on the "device"
+    assert st[28][0] == executor.encode(), st.get(28)
+    numel = sum(t[2] for t in synth_layout(n))
+    if executor == "sim":
+        assert 4 * numel <= st[29][0] < 4 * numel + 4096, st.get(29)
+        assert st[18][0] >= 12 * numel, st.get(18)
+    else:
+        assert st[29][0] == 0 and st[18][0] == 0, (st.get(18), st.get(29))
     run_reference(str(tmp_path / "ref"), 4, n, steps, *ENGINE)
     ref = read(tmp_path / "ref")
     assert len(ref) == 4 * sum(t[2] for t in synth_layout(n))

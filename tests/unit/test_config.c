@@ -11,9 +11,10 @@
 #include <unistd.h>
 
 #include "config.h"
+#include "exec.h"
 #include "check_run.h"
 
-#define NKEYS 28
+#define NKEYS 31
 
 /* Every key with a valid value other than its default. */
 static const struct {
@@ -30,6 +31,9 @@ static const struct {
     { "eps", "1e-06" },
     { "weight_decay", "0.1" },
     { "engine_threads", "6" },
+    { "executor", "sim" },
+    { "residual_on_device", "true" },
+    { "residual_chunk", "65536" },
     { "defer_select", "false" },
     { "max_trainers", "8" },
     { "max_message_bytes", "4096" },
@@ -63,6 +67,9 @@ static void check_full(const scaped_config *c)
     ck_assert_float_eq(c->engine.hyper.eps, 1e-6f);
     ck_assert_float_eq(c->engine.hyper.wd, 0.1f);
     ck_assert_int_eq(c->engine.threads, 6);
+    ck_assert_int_eq(c->executor, CFG_EXEC_SIM);
+    ck_assert_int_eq(c->engine.residual_on_device, 1);
+    ck_assert_uint_eq(c->engine.residual_chunk, 65536);
     ck_assert_int_eq(c->max_trainers, 8);
     ck_assert_uint_eq(c->max_message_bytes, 4096);
     ck_assert_int_eq(c->liveness_ms, 50);
@@ -507,7 +514,9 @@ START_TEST(print_format)
         "runtime_dir: \"\"",  "log_level: info",       "optimizer: scape",
         "mode: replicated",   "rho: 0.01",             "warmup: 1",
         "beta1: 0.9",         "beta2: 0.95",           "eps: 1e-08",
-        "weight_decay: 0",    "engine_threads: 1",     "defer_select: true",
+        "weight_decay: 0",    "engine_threads: 1",     "executor: auto",
+        "residual_on_device: false",                   "residual_chunk: 4194304",
+        "defer_select: true",
         "max_trainers: 64",
         "max_message_bytes: 1048576",
         "liveness_ms: 200",   "trainers: 0",           "world: 1",
@@ -556,9 +565,44 @@ START_TEST(print_write_error)
 }
 END_TEST
 
+/* The executor key resolves to the engine's executor: host and sim as
+ * given; auto to cuda only where CUDA can run (a reason either way); cuda
+ * refused, saying why, where it cannot. */
+START_TEST(executor_resolution)
+{
+    scaped_config c;
+    cfg_defaults(&c);
+    ck_assert_int_eq(c.executor, CFG_EXEC_AUTO);
+    eng_executor x = ENG_EXEC_COUNT;
+    const char *why = NULL, *no = NULL;
+    int cuda = exec_cuda_available(&no);
+    ck_assert_int_eq(cfg_resolve_executor(&c, &x, &why), SCAPE_OK);
+    ck_assert_int_eq(x, cuda ? ENG_EXEC_CUDA : ENG_EXEC_HOST);
+    ck_assert(why != NULL && why[0] != '\0');
+    ck_assert_int_eq(cfg_set(&c, "executor", "host", "test"), SCAPE_OK);
+    ck_assert_int_eq(cfg_resolve_executor(&c, &x, &why), SCAPE_OK);
+    ck_assert_int_eq(x, ENG_EXEC_HOST);
+    ck_assert_int_eq(cfg_set(&c, "executor", "sim", "test"), SCAPE_OK);
+    ck_assert_int_eq(cfg_resolve_executor(&c, &x, &why), SCAPE_OK);
+    ck_assert_int_eq(x, ENG_EXEC_SIM);
+    ck_assert_int_eq(cfg_set(&c, "executor", "cuda", "test"), SCAPE_OK);
+    scape_rc rc = cfg_resolve_executor(&c, &x, &why);
+    if (cuda) {
+        ck_assert_int_eq(rc, SCAPE_OK);
+        ck_assert_int_eq(x, ENG_EXEC_CUDA);
+    } else {
+        ck_assert_int_eq(rc, SCAPE_UNSUPPORTED);
+        ck_assert_msg(strstr(scape_last_error(), no) != NULL, "%s", scape_last_error());
+    }
+    ck_assert_int_eq(cfg_set(&c, "executor", "gpu", "test"), SCAPE_INVALID);
+    ck_assert_msg(strstr(scape_last_error(), "auto, host, cuda, sim") != NULL, "%s",
+                  scape_last_error());
+}
+END_TEST
+
 int main(void)
 {
-    Suite *s = suite_create("config");
+Suite *s = suite_create("config");
     TCase *tc = tcase_create("config");
     tcase_add_test(tc, defaults);
     tcase_add_test(tc, key_listing);
@@ -577,6 +621,7 @@ int main(void)
     tcase_add_test(tc, print_round_trip);
     tcase_add_test(tc, print_format);
     tcase_add_test(tc, print_write_error);
+    tcase_add_test(tc, executor_resolution);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
