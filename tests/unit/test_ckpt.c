@@ -1,7 +1,9 @@
 /* test_ckpt.c - checkpoints of the engine on the local backend: for every
  * optimizer and mode, with uneven trainers per rank, saving after a warm-up
  * step, at the warm-up boundary and after sparse steps, then restoring into
- * fresh engines gives bitwise the parameters of an uninterrupted run; the
+ * fresh engines gives bitwise the parameters of an uninterrupted run, also
+ * when the engine that saves and the one that restores run on different
+ * executors; the
  * checksum catches any one changed word; and a checkpoint of other settings
  * is refused on every rank. */
 #define _POSIX_C_SOURCE 200809L
@@ -145,7 +147,20 @@ static void remove_root(const char *root)
     ck_assert_int_eq(system(cmd), 0);
 }
 
-static void roundtrip(eng_optimizer opt, eng_mode mode)
+/* Executors a checkpoint is saved with and restored on (exec.h). */
+typedef struct exec_pair {
+    eng_executor save, restore;
+    int resident;  /* the sim's residual in device memory */
+} exec_pair;
+
+static void set_executor(eng_config *c, eng_executor x, int resident)
+{
+    c->executor = x;
+    c->residual_on_device = resident;
+    c->residual_chunk = 100; /* several chunks of the 1024 coordinates */
+}
+
+static void roundtrip_on(eng_optimizer opt, eng_mode mode, exec_pair ex)
 {
     static job full, part;
     memset(&full, 0, sizeof full);
@@ -162,15 +177,23 @@ static void roundtrip(eng_optimizer opt, eng_mode mode)
     for (size_t k = 0; k < sizeof at / sizeof at[0]; k++) {
         memset(&part, 0, sizeof part);
         part.cfg = part.restore_cfg = full.cfg;
+        set_executor(&part.cfg, ex.save, ex.resident);
+        set_executor(&part.restore_cfg, ex.restore, ex.resident);
         part.save_at = at[k];
         temp_root(&part);
         run_job(&part);
         for (int r = 0; r < R; r++)
             ck_assert_msg(memcmp(full.out[r], part.out[r], sizeof full.out[r]) == 0,
-                          "%s/%s: resumed after step %d differs on rank %d",
-                          eng_optimizer_name(opt), eng_mode_name(mode), at[k], r);
+                          "%s/%s: saved on %s, resumed on %s after step %d differs on "
+                          "rank %d", eng_optimizer_name(opt), eng_mode_name(mode),
+                          eng_executor_name(ex.save), eng_executor_name(ex.restore), at[k], r);
         remove_root(part.root);
     }
+}
+
+static void roundtrip(eng_optimizer opt, eng_mode mode)
+{
+    roundtrip_on(opt, mode, (exec_pair){ ENG_EXEC_HOST, ENG_EXEC_HOST, 0 });
 }
 
 START_TEST(roundtrip_every_optimizer_and_mode)
@@ -178,6 +201,21 @@ START_TEST(roundtrip_every_optimizer_and_mode)
     for (int opt = 0; opt < ENG_OPT_COUNT; opt++)
         for (int mode = 0; mode < ENG_MODE_COUNT; mode++)
             roundtrip((eng_optimizer)opt, (eng_mode)mode);
+}
+END_TEST
+
+/* A checkpoint written by one executor resumes on the other, bitwise the
+ * uninterrupted host run: host -> sim, sim -> host (residual streamed from
+ * pinned memory), and sim -> sim with the residual in device memory. */
+START_TEST(checkpoints_cross_executors)
+{
+    const exec_pair pairs[] = { { ENG_EXEC_HOST, ENG_EXEC_SIM, 0 },
+                                { ENG_EXEC_SIM, ENG_EXEC_HOST, 0 },
+                                { ENG_EXEC_SIM, ENG_EXEC_SIM, 1 } };
+    for (size_t q = 0; q < sizeof pairs / sizeof pairs[0]; q++)
+        for (int opt = 0; opt < ENG_OPT_COUNT; opt++)
+            for (int mode = 0; mode < ENG_MODE_COUNT; mode++)
+                roundtrip_on((eng_optimizer)opt, (eng_mode)mode, pairs[q]);
 }
 END_TEST
 
@@ -367,6 +405,9 @@ START_TEST(reshard_keeps_state_and_residual_sum)
         memset(&after, 0, sizeof after);
         after.cfg = before.cfg;
         after.cfg.mode = modes[k];
+        /* the second onto the sim executor: resharding stages through it too */
+        if (k == 1)
+            set_executor(&after.cfg, ENG_EXEC_SIM, 0);
         after.restore = 1;
         memcpy(after.root, before.root, sizeof after.root);
         run_reshard(&after, onto[k]);
@@ -393,6 +434,7 @@ int main(void)
     tcase_set_timeout(tc, 300);
     tcase_add_test(tc, checksum_sees_every_word);
     tcase_add_test(tc, roundtrip_every_optimizer_and_mode);
+    tcase_add_test(tc, checkpoints_cross_executors);
     tcase_add_test(tc, other_settings_are_refused_on_every_rank);
     tcase_add_test(tc, missing_checkpoints_are_named);
     tcase_add_test(tc, reshard_keeps_state_and_residual_sum);

@@ -894,10 +894,9 @@ static void wcase_new(rng *r, wcase *c, int dense, const char *name, int it)
     random_range(r, c);
     random_trainers(r, c);
     snprintf(c->ctx, sizeof c->ctx, "%s seed %" PRIu64 " loop %d: %u tensors, %d ranks, "
-             "rho %g, words [%" PRIu64 ", %" PRIu64 ") of %" PRIu64 ", %s, %u %s trainers",
-             name, s_seed, it, nt, c->l->p->nranks, c->l->p->t[0].len ? (double)c->l->p->k_total
-             / (double)c->n : 0.0, c->w0, c->w1, c->nwords, dense ? "dense" : "masked", c->ntr,
-             c->bf16 ? "bf16" : "f32");
+             "words [%" PRIu64 ", %" PRIu64 ") of %" PRIu64 ", %s, %u %s trainers", name,
+             s_seed, it, nt, c->l->p->nranks, c->w0, c->w1, c->nwords,
+             dense ? "dense" : "masked", c->ntr, c->bf16 ? "bf16" : "f32");
     if (dense)
         return;
     c->mask = random_mask(r, c->l);
@@ -1106,6 +1105,9 @@ static void pack_one(rng *r, const wcase *c)
     fill_random(r, keys_got, nkeys * 4);
     float *e_want = xdup(e_got, (len + GUARD_W) * 4), *out_want = xdup(out_got, nout * 4);
     uint32_t *keys_want = xdup(keys_got, nkeys * 4);
+    double norm2 = ref_pack(c, &o, m, e_want, out_want, keys_want);
+    if (!o.no_out && c->mask) /* nothing is written from k_cap on */
+        memcpy(out_want + o.k_cap, out_got + o.k_cap, (nout - o.k_cap) * 4);
     kseg_status st = status_new();
     kseg_args a = wargs(c, &st);
     a.e = o.e_zero && !o.e_write ? NULL : e_got; /* not read then */
@@ -1123,9 +1125,6 @@ static void pack_one(rng *r, const wcase *c)
     a.c1 = 1.0f - 0.9f; /* as exec_dev.c's want_keys */
     a.t_r = (float)c->ntr;
     run(KSEG_PACK, &a);
-    double norm2 = ref_pack(c, &o, m, e_want, out_want, keys_want);
-    if (!o.no_out && c->mask) /* past k_cap nothing is written */
-        memcpy(out_want + o.k_cap, out_got + o.k_cap, 0); /* placeholder, see below */
     char ctx[400];
     snprintf(ctx, sizeof ctx, "%s; pack e_zero %d e_write %d keys %d abs %d out %d keys "
              "[%" PRIu64 ", %" PRIu64 ") k_cap %" PRIu64, c->ctx, o.e_zero, o.e_write, o.keys,
