@@ -4,7 +4,8 @@
 # machine with every build dependency; carry it along) when they load here,
 # else build them (CMake when it can configure the project, otherwise nvcc +
 # cc directly, so a machine without CMake, Check or ZeroMQ still works); run
-# gpu_check (CUDA twins against the CPU reference), the nccl backend with one
+# gpu_check (CUDA twins against the CPU reference), gpu_exec (the cuda
+# executor against the host executor, bitwise), the nccl backend with one
 # rank and a whole scaped on it with a host and a CUDA IPC trainer (run_nccl),
 # the Python binding's CUDA path with torch (run_torch_scape), gpu_bench (GB/s
 # against a device copy) and, when PyTorch with CUDA is importable, the
@@ -39,6 +40,7 @@ cd "$(dirname "$0")/../.." || exit 1
 BUILD=build-gpu
 LOGS=$BUILD/logs
 CHECK_ARGS=()
+EXEC_ARGS=()
 BENCH_ARGS=(--sizes "1e6,1e7,1e8")
 TORCH_SIZES=(1e6 1e7 1e8)
 SERVICE=0 PARTIAL_OK=0 STAMP_ONLY=0
@@ -46,6 +48,7 @@ for arg in "$@"; do
     case "$arg" in
     --quick)
         CHECK_ARGS=(--max-n 1048583)
+        EXEC_ARGS=(--quick)
         BENCH_ARGS=(--sizes "1e6,1e7")
         TORCH_SIZES=(1e6 1e7) ;;
     --service) SERVICE=1 ;;
@@ -57,7 +60,7 @@ done
 BUDGET=${SCAPE_GPU_BUDGET:-480}
 T0=$SECONDS
 NOT_RUN=()
-CHECK_RC=0 BENCH_RC=0 NCCL_RC=0 TORCH_RC=0 OTHER_RC=0
+CHECK_RC=0 EXEC_RC=0 BENCH_RC=0 NCCL_RC=0 TORCH_RC=0 OTHER_RC=0
 DPID=
 
 # Seconds a step may take: its own cap, cut to the budget left (less a
@@ -81,7 +84,8 @@ not_run() {
 # The sources the programs come from: a pack built from other sources is stale.
 source_stamp() {
     find daemon client kernels proto tests/gpu tests/integration -type f \
-        \( -name '*.c' -o -name '*.h' -o -name '*.cu' -o -name '*.proto' -o -name '*.py' \) \
+        \( -name '*.c' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name '*.proto' \
+           -o -name '*.py' \) \
         -not -path '*/__pycache__/*' | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16
 }
 
@@ -176,7 +180,7 @@ build_cmake() {
         return 1
     fi
     # The rest is best-effort: each missing piece is reported by run_nccl.
-    cmake --build "$BUILD" -j "$(nproc)" --target gpu_nccl scaped trainer_c reference \
+    cmake --build "$BUILD" -j "$(nproc)" --target gpu_nccl gpu_exec scaped trainer_c reference \
         gpu_trainer scape scapectl >>"$LOGS/cmake.txt" 2>&1 ||
         echo "run.sh: some nccl/daemon programs did not build"
     BIN=$BUILD/tests/gpu
@@ -208,26 +212,33 @@ build_direct() {
         check+=("$(cc_one "$src")") || die "compiling $src failed"
     done
     bench+=("$(cc_one tests/gpu/gpu_bench.c)") || die "compiling gpu_bench.c failed"
-    "$NVCC" -std=c++17 -O3 --fmad=false -Xcompiler=-Wall -Ikernels \
-        -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90 \
-        -c kernels/cuda_kernels.cu -o "$OBJ/cuda_kernels.o" || die "nvcc failed"
-    lib+=("$OBJ/cuda_kernels.o")
+    for src in cuda_kernels cuda_seg; do
+        "$NVCC" -std=c++17 -O3 --fmad=false -Xcompiler=-Wall -Xcompiler=-ffp-contract=off \
+            -Ikernels -gencode arch=compute_90,code=sm_90 \
+            -gencode arch=compute_90,code=compute_90 \
+            -c "kernels/$src.cu" -o "$OBJ/$src.o" || die "nvcc failed on $src.cu"
+        lib+=("$OBJ/$src.o")
+    done
     "$NVCC" -o "$OBJ/gpu_check" "${check[@]}" "${lib[@]}" -lm || die "linking gpu_check failed"
     "$NVCC" -o "$OBJ/gpu_bench" "${bench[@]}" "${lib[@]}" -lm || die "linking gpu_bench failed"
     BIN=$OBJ
     HOW="direct (nvcc + $(basename "$CC"))"
-    # gpu_nccl: the engine and the local and nccl backends (no ZeroMQ needed);
-    # skipped, and reported, without NCCL.
+    # gpu_nccl and gpu_exec: the engine, its executors and the local and nccl
+    # backends (no ZeroMQ needed); skipped, and reported, without NCCL.
     [ -n "$NCCL_LIB" ] && [ -n "$NCCL_INC" ] || return 0
-    local eng=() ok=1
+    local eng=() ok=1 prog
     for src in daemon/engine.c daemon/engine_step.c daemon/engine_inspect.c \
                daemon/engine_ckpt.c daemon/plan.c daemon/pool.c daemon/maskcode.c \
-               daemon/comm.c daemon/comm_local.c daemon/comm_nccl.c tests/gpu/gpu_nccl.c; do
+               daemon/exec.c daemon/exec_host.c daemon/exec_dev.c daemon/dev_sim.c \
+               daemon/dev_cuda.c daemon/comm.c daemon/comm_local.c daemon/comm_nccl.c; do
         eng+=("$(cc_one "$src" -Idaemon -I"$NCCL_INC")") || ok=0
     done
-    [ "$ok" = 1 ] && "$NVCC" -o "$OBJ/gpu_nccl" "${eng[@]}" "${lib[@]}" -L"$NCCL_LIB" \
-        -Xlinker -rpath -Xlinker "$NCCL_LIB" -l:libnccl.so.2 -lpthread -lm ||
-        echo "run.sh: gpu_nccl did not build"
+    for prog in gpu_nccl gpu_exec; do
+        [ "$ok" = 1 ] && "$NVCC" -o "$OBJ/$prog" \
+            "$(cc_one "tests/gpu/$prog.c" -Idaemon -I"$NCCL_INC")" "${eng[@]}" "${lib[@]}" \
+            -L"$NCCL_LIB" -Xlinker -rpath -Xlinker "$NCCL_LIB" -l:libnccl.so.2 -lpthread -lm ||
+            echo "run.sh: $prog did not build"
+    done
 }
 
 run_check() {
@@ -265,6 +276,32 @@ run_bench() {
         progress "torch.topk: exit $rc"
         case "$rc" in 0) ;; 77) not_run "torch.topk timing" ;; *) OTHER_RC=1 ;; esac
     fi
+}
+
+# The cuda executor against the host executor, bitwise, over every optimizer,
+# mode, dtype and trainer count, and checkpoints across executors (gpu_exec).
+run_exec() {
+    EXEC_STATUS="not run" EXEC_RC=0
+    local t
+    t=$(tmo 240)
+    if [ ! -x "$BIN/gpu_exec" ]; then
+        EXEC_STATUS="gpu_exec: not built (no NCCL?)"
+        not_run gpu_exec
+    elif [ "$t" = 0 ]; then
+        EXEC_STATUS="gpu_exec: not run (out of time)"
+        not_run gpu_exec
+    else
+        timeout "$t" "$BIN/gpu_exec" ${EXEC_ARGS[@]+"${EXEC_ARGS[@]}"} | tee "$LOGS/gpu_exec.txt"
+        EXEC_RC=${PIPESTATUS[0]}
+        EXEC_STATUS=$(grep -E '^gpu_exec: (PASS|FAIL)|^SKIP' "$LOGS/gpu_exec.txt" | tail -n 1)
+        case "$EXEC_RC" in
+        0) ;;
+        77) EXEC_RC=0; not_run "gpu_exec ($EXEC_STATUS)" ;;
+        124) EXEC_STATUS="gpu_exec: FAIL: timed out after $t s" ;;
+        *) EXEC_STATUS="${EXEC_STATUS:-gpu_exec: FAIL: exit $EXEC_RC}" ;;
+        esac
+    fi
+    progress "exec: $EXEC_STATUS"
 }
 
 # The nccl backend with one rank: its collectives and the engine on it
@@ -307,8 +344,9 @@ run_nccl() {
     fi
     local rt ti=${TI:-$BUILD/tests/integration}
     rt=$(mktemp -d /tmp/scape-gpu.XXXXXX)
-    timeout "$t" "$DAEMON" --runtime-dir "$rt/rt" --comm-backend nccl --trainers 2 --rho 0.01 \
-        --warmup 3 --comm-timeout-ms 60000 >"$LOGS/scaped_nccl.txt" 2>&1 &
+    timeout "$t" "$DAEMON" --runtime-dir "$rt/rt" --comm-backend nccl --executor cuda \
+        --trainers 2 --rho 0.01 --warmup 3 --comm-timeout-ms 60000 \
+        >"$LOGS/scaped_nccl.txt" 2>&1 &
     local dpid=$!
     DPID=$dpid
     for _ in $(seq 150); do
@@ -340,7 +378,7 @@ run_nccl() {
             { ok=0 why="${why:-the reference failed}"; }
     fi
     if [ "$ok" = 1 ] && cmp -s "$rt/t0" "$rt/ref" && cmp -s "$rt/t1" "$rt/ref"; then
-        NCCL_STATUS="$NCCL_STATUS; scaped on nccl, a host and a CUDA IPC trainer, 100 steps == reference: ok"
+        NCCL_STATUS="$NCCL_STATUS; scaped (cuda executor) on nccl, a host and a CUDA IPC trainer, 100 steps == reference: ok"
     else
         NCCL_STATUS="$NCCL_STATUS; scaped on nccl vs reference: FAIL (${why:-parameters differ}; see $LOGS)"
         NCCL_RC=1
@@ -420,6 +458,7 @@ print_summary() {
     echo "build     : $HOW"
     echo "time      : $((SECONDS - T0)) s of a budget of $BUDGET s"
     echo "check     : ${status:-gpu_check exited with status $CHECK_RC}"
+    echo "exec      : ${EXEC_STATUS:-not run}"
     echo "nccl      : ${NCCL_STATUS:-not run}"
     echo "python    : ${TORCH_STATUS:-not run}"
     echo "service   : ${SERVICE_STATUS:-not run}"
@@ -461,12 +500,14 @@ find_nccl
 use_pack || build_cmake || build_direct
 progress "build: $HOW"
 run_check
+run_exec
 run_nccl
 run_torch_scape
 run_bench
 run_service_bench
 print_summary | tee "$LOGS/summary.txt"
-[ "$CHECK_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$NCCL_RC" -eq 0 ] && [ "$TORCH_RC" -eq 0 ] &&
+[ "$CHECK_RC" -eq 0 ] && [ "$EXEC_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$NCCL_RC" -eq 0 ] &&
+    [ "$TORCH_RC" -eq 0 ] &&
     [ "$OTHER_RC" -eq 0 ] || exit 1
 [ "${#NOT_RUN[@]}" -eq 0 ] || [ "$PARTIAL_OK" = 1 ] || exit 3
 exit 0

@@ -1000,7 +1000,7 @@ static int seg_get(const wcase *c, uint32_t j, seg *s)
 }
 
 /* The segment's mask words: m's, or all ones when dense. */
-static const uint32_t *seg_mask(const wcase *c, const uint32_t *m, const seg *s)
+static const uint32_t *seg_mask(const uint32_t *m, const seg *s)
 {
     static uint32_t ones[2048];
     if (m)
@@ -1008,7 +1008,6 @@ static const uint32_t *seg_mask(const wcase *c, const uint32_t *m, const seg *s)
     if (ones[0] == 0)
         memset(ones, 0xff, sizeof ones);
     ck_assert_uint_le(kern_mask_words(s->n), 2048);
-    (void)c;
     return ones;
 }
 
@@ -1080,7 +1079,7 @@ static double ref_pack(const wcase *c, const pack_opt *o, const float *m, float 
         if (o->no_out)
             continue;
         size_t k;
-        ck_assert_int_eq(kern_pack_ef(g, es, seg_mask(c, c->mask, &s), s.n, out + s.j0, &k),
+        ck_assert_int_eq(kern_pack_ef(g, es, seg_mask(c->mask, &s), s.n, out + s.j0, &k),
                          SCAPE_OK);
         if (c->mask && o->e_write) {
             memcpy(e + r0, es, s.n * 4);
@@ -1154,3 +1153,285 @@ START_TEST(pack_matches_reference)
     wcase_free(&c);
 }
 END_TEST
+
+/* ---- UPDATE ---- */
+
+typedef struct upd_opt {
+    int adamw;
+    kern_hyper h;
+    float lr, div;
+    uint64_t t, k_cap;
+} upd_opt;
+
+/* kern_adams_* / kern_adamw_* per segment, on the mask below k_cap. */
+static void ref_update(const wcase *c, const upd_opt *o, const float *in, float *theta,
+                       float *m, float *v)
+{
+    uint32_t *mask = c->mask ? mask_below(c, o->k_cap) : NULL;
+    seg s;
+    for (uint32_t j = 0; j < c->l->nt; j++) {
+        if (!seg_get(c, j, &s))
+            continue;
+        uint64_t r0 = s.pos - c->p0;
+        scape_rc rc;
+        if (mask && o->adamw)
+            rc = kern_adamw_masked(theta + r0, m + r0, v + r0, in + s.j0, o->div,
+                                   mask + s.ws, s.n, &o->h, o->lr, o->t);
+        else if (mask)
+            rc = kern_adams_masked(theta + r0, m + r0, in + s.j0, o->div, mask + s.ws, s.n,
+                                   &o->h, o->lr);
+        else if (o->adamw)
+            rc = kern_adamw_dense(theta + r0, m + r0, v + r0, in + s.j0, o->div, s.n, &o->h,
+                                  o->lr, o->t);
+        else
+            rc = kern_adams_dense(theta + r0, m + r0, in + s.j0, o->div, s.n, &o->h, o->lr);
+        ck_assert_int_eq(rc, SCAPE_OK);
+    }
+    free(mask);
+}
+
+static void update_one(rng *r, const wcase *c)
+{
+    upd_opt o = { (int)rng_below(r, 2), { 0.9f, 0.95f, 1e-8f, rng_below(r, 2) ? 0.0f : 0.1f },
+                  1e-3f * (float)(1 + rng_below(r, 10)), (float)(1 + rng_below(r, 8)),
+                  1 + rng_below(r, 1000), pick_k_cap(r, c) };
+    uint64_t len = c->p1 - c->p0, bytes = (len + GUARD_W) * 4;
+    float *in = random_floats(r, packed_len(c), 0);
+    float *theta = random_floats(r, len, 0), *m = random_floats(r, len, 0);
+    float *v = o.adamw ? random_floats(r, len, 1) : NULL;
+    float *theta_w = xdup(theta, bytes), *m_w = xdup(m, bytes);
+    float *v_w = v ? xdup(v, bytes) : NULL;
+    ref_update(c, &o, in, theta_w, m_w, v_w);
+    kseg_status st = status_new();
+    kseg_args a = wargs(c, &st);
+    a.in = in;
+    a.theta = theta;
+    a.m = m;
+    a.v = v;
+    a.k_cap = o.k_cap;
+    a.adamw = o.adamw;
+    a.b1 = o.h.beta1;
+    a.b2 = o.h.beta2;
+    a.eps = o.h.eps;
+    a.wd = o.h.wd;
+    a.lr = o.lr;
+    a.div = o.div;
+    a.bc1 = o.adamw ? scape_f_bias_correction(o.h.beta1, o.t) : 1.0f; /* as dev_update */
+    a.bc2 = o.adamw ? scape_f_bias_correction(o.h.beta2, o.t) : 1.0f;
+    run(KSEG_UPDATE, &a);
+    char ctx[400];
+    snprintf(ctx, sizeof ctx, "%s; update %s wd %g t %" PRIu64 " k_cap %" PRIu64, c->ctx,
+             o.adamw ? "adamw" : "adams", (double)o.h.wd, o.t, o.k_cap);
+    ck_assert_msg(st.err == packed_err(c, o.k_cap), "%s: err %u", ctx, st.err);
+    expect_same(theta, theta_w, len + GUARD_W, 4, "theta", ctx);
+    expect_same(m, m_w, len + GUARD_W, 4, "m", ctx);
+    if (v)
+        expect_same(v, v_w, len + GUARD_W, 4, "v", ctx);
+    free(in);
+    free(theta);
+    free(m);
+    free(v);
+    free(theta_w);
+    free(m_w);
+    free(v_w);
+}
+
+START_TEST(update_matches_reference)
+{
+    rng r = rng_make("update", _i);
+    wcase c;
+    wcase_new(&r, &c, _i % 4 == 3, "update", _i);
+    for (int v = 0; v < 4; v++)
+        update_one(&r, &c);
+    wcase_free(&c);
+}
+END_TEST
+
+/* ---- COMPACT ---- */
+
+static void compact_one(rng *r, const wcase *c)
+{
+    uint64_t len = c->p1 - c->p0, nout = packed_len(c) + GUARD_W, k_cap = pick_k_cap(r, c);
+    float *theta = random_floats(r, len, 0), *got = random_floats(r, nout - GUARD_W, 0);
+    float *want = xdup(got, nout * 4);
+    uint32_t *mask = c->mask ? mask_below(c, k_cap) : NULL;
+    seg s;
+    for (uint32_t j = 0; j < c->l->nt; j++) {
+        size_t k;
+        if (seg_get(c, j, &s))
+            ck_assert_int_eq(kern_mask_compact(theta + (s.pos - c->p0), seg_mask(mask, &s), s.n,
+                                               want + s.j0, &k), SCAPE_OK);
+    }
+    kseg_status st = status_new();
+    kseg_args a = wargs(c, &st);
+    a.theta = theta;
+    a.out = got;
+    a.k_cap = k_cap;
+    run(KSEG_COMPACT, &a);
+    char ctx[400];
+    snprintf(ctx, sizeof ctx, "%s; compact k_cap %" PRIu64, c->ctx, k_cap);
+    ck_assert_msg(st.err == packed_err(c, k_cap), "%s: err %u", ctx, st.err);
+    expect_same(got, want, nout, 4, "out", ctx);
+    free(theta);
+    free(got);
+    free(want);
+    free(mask);
+}
+
+START_TEST(compact_matches_reference)
+{
+    rng r = rng_make("compact", _i);
+    wcase c;
+    wcase_new(&r, &c, _i % 4 == 3, "compact", _i);
+    for (int v = 0; v < 4; v++)
+        compact_one(&r, &c);
+    wcase_free(&c);
+}
+END_TEST
+
+/* ---- WRITEBACK ---- */
+
+/* kern_mask_expand into every trainer's buffer, per segment. */
+static void ref_writeback(const wcase *c, const float *in, const uint32_t *mask, void **tr)
+{
+    size_t es = c->bf16 ? 2 : 4;
+    seg s;
+    for (uint32_t q = 0; q < c->ntr; q++)
+        for (uint32_t j = 0; j < c->l->nt; j++)
+            if (seg_get(c, j, &s))
+                ck_assert_int_eq(kern_mask_expand(in + s.j0, seg_mask(mask, &s), s.n,
+                                                  (char *)tr[q] + (s.t->off + s.i0) * es,
+                                                  c->bf16 ? KERN_BF16 : KERN_F32),
+                                 SCAPE_OK);
+}
+
+static void writeback_one(rng *r, wcase *c)
+{
+    uint64_t k_cap = pick_k_cap(r, c);
+    size_t bytes = c->n * (c->bf16 ? 2 : 4);
+    float *in = random_floats(r, packed_len(c), 0);
+    void *want[KSEG_MAX_TRAINERS];
+    for (uint32_t q = 0; q < c->ntr; q++)
+        want[q] = xdup(c->tr[q], bytes);
+    uint32_t *mask = c->mask ? mask_below(c, k_cap) : NULL;
+    ref_writeback(c, in, mask, want);
+    kseg_status st = status_new();
+    kseg_args a = wargs(c, &st); /* the trainers' buffers are the case's: written in place */
+    a.in = in;
+    a.k_cap = k_cap;
+    run(KSEG_WRITEBACK, &a);
+    char ctx[400];
+    snprintf(ctx, sizeof ctx, "%s; writeback k_cap %" PRIu64, c->ctx, k_cap);
+    ck_assert_msg(st.err == packed_err(c, k_cap), "%s: err %u", ctx, st.err);
+    for (uint32_t q = 0; q < c->ntr; q++) {
+        expect_same(c->tr[q], want[q], c->n, c->bf16 ? 2 : 4, "trainer buffer", ctx);
+        free(want[q]);
+    }
+    free(in);
+    free(mask);
+}
+
+START_TEST(writeback_matches_reference)
+{
+    rng r = rng_make("writeback", _i);
+    wcase c;
+    wcase_new(&r, &c, _i % 4 == 3, "writeback", _i);
+    for (int v = 0; v < 4; v++)
+        writeback_one(&r, &c);
+    wcase_free(&c);
+}
+END_TEST
+
+/* ---- KSEG_E_PACKED: a mask with more bits than k_cap -------------------- */
+
+/* Two tensors at the plan's k, then one bit more in the second: every
+ * packing kernel flags it, and none writes the packed index k_cap. */
+START_TEST(packed_overflow_flagged)
+{
+    rng r = rng_make("overflow", 0);
+    const uint32_t lens[] = { 100, 50 };
+    wcase c;
+    memset(&c, 0, sizeof c);
+    snprintf(c.ctx, sizeof c.ctx, "overflow");
+    c.l = layout_new(lens, 2, 1, 0.1);
+    c.nwords = c.l->p->nwords;
+    c.n = c.l->p->n;
+    c.w1 = c.nwords;
+    c.p1 = c.n;
+    c.mask = xcalloc(c.nwords, 4);
+    mask_exact_k(&r, c.l, c.mask);
+    const kseg_tensor *t1 = &c.l->t[1];
+    for (uint32_t i = 0; i < t1->len; i++) /* the extra bit: the first clear one */
+        if (!(c.mask[t1->word + i / 32] >> (i % 32) & 1u)) {
+            c.mask[t1->word + i / 32] |= 1u << (i % 32);
+            break;
+        }
+    c.tiles = scan_words(c.mask, 0, c.nwords, c.ctx);
+    c.ntr = 1;
+    c.tr[0] = random_floats(&r, c.n, 0);
+    uint64_t k_cap = c.l->p->k_total;
+    float *theta = random_floats(&r, c.n, 0), *m = random_floats(&r, c.n, 0);
+    float *e = random_floats(&r, c.n, 0), *buf = random_floats(&r, k_cap, 0);
+    float *v = random_floats(&r, c.n, 1), guard = buf[k_cap];
+    static const kseg_kernel ks[] = { KSEG_PACK, KSEG_UPDATE, KSEG_COMPACT, KSEG_WRITEBACK };
+    for (int q = 0; q < 4; q++) {
+        kseg_status st = status_new();
+        kseg_args a = wargs(&c, &st);
+        a.k_cap = k_cap;
+        a.e = e;
+        a.e_write = 1;
+        a.out = buf;
+        a.in = buf;
+        a.theta = theta;
+        a.m = m;
+        a.v = v;
+        a.adamw = q & 1;
+        a.b1 = 0.9f, a.b2 = 0.95f, a.eps = 1e-8f, a.lr = 1e-3f, a.div = 1.0f;
+        a.bc1 = a.bc2 = 1.0f;
+        run(ks[q], &a);
+        ck_assert_msg(st.err == KSEG_E_PACKED, "kernel %d: err %u", (int)ks[q], st.err);
+        ck_assert_msg(memcmp(&buf[k_cap], &guard, 4) == 0, "kernel %d wrote index k_cap",
+                      (int)ks[q]);
+    }
+    free(theta);
+    free(m);
+    free(v);
+    free(e);
+    free(buf);
+    wcase_free(&c);
+}
+END_TEST
+
+/* ---- the suite ---------------------------------------------------------- */
+
+static Suite *seg_suite(void)
+{
+    Suite *s = suite_create("seg");
+    TCase *tc = tcase_create("maskcode");
+    tcase_add_loop_test(tc, encode_matches_maskcode, 0, NRHOS);
+    tcase_add_loop_test(tc, decode_matches_maskcode, 0, 8);
+    tcase_set_timeout(tc, 120);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("topk");
+    tcase_add_loop_test(tc, topk_matches_reference, 0, 6);
+    tcase_set_timeout(tc, 120);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("word_range");
+    tcase_add_loop_test(tc, pack_matches_reference, 0, 48);
+    tcase_add_loop_test(tc, update_matches_reference, 0, 32);
+    tcase_add_loop_test(tc, compact_matches_reference, 0, 24);
+    tcase_add_loop_test(tc, writeback_matches_reference, 0, 32);
+    tcase_add_test(tc, packed_overflow_flagged);
+    tcase_set_timeout(tc, 120);
+    suite_add_tcase(s, tc);
+    return s;
+}
+
+int main(void)
+{
+    s_seed = pick_seed();
+    printf("test_seg: seed %" PRIu64 " (SCAPE_TEST_SEED=%" PRIu64 " replays this run; set it "
+           "to another value for other cases)\n", s_seed, s_seed);
+    fflush(stdout);
+    return check_run(seg_suite());
+}
