@@ -137,6 +137,8 @@ static void print_last(printer *p, const Scape__StepDone *d)
     print_optional(p, "residual_norm", "Residual norm", d->has_residual_norm, d->residual_norm);
     print_optional(p, "mask_churn", "Mask churn", d->has_mask_churn, d->mask_churn);
     print_optional(p, "mask_overlap", "Mask overlap", d->has_mask_overlap, d->mask_overlap);
+    if (d->has_launches)
+        pr_uint(p, "launches", "Kernel launches", d->launches, NULL);
     if (d->has_handover_copy_bytes)
         pr_uint(p, "handover_copy_bytes", "Handover copy", d->handover_copy_bytes,
                 fmt_bytes(b, sizeof b, d->handover_copy_bytes));

@@ -478,6 +478,8 @@ static void fill_step_done(server *s, const eng_step_stats *st, double wait, dou
     d->control_bytes = control_bytes;
     d->has_mask_bytes = 1;
     d->mask_bytes = st->mask_bytes;
+    d->has_launches = 1;
+    d->launches = st->launches;
     s->have_last = 1;
 }
 
@@ -539,6 +541,9 @@ static scape_rc select_after_reply(server *s, uint64_t t)
         return rc;
     }
     s->last_phases.after_reply = srv_now() - t0;
+    eng_step_stats st; /* the selection's kernels count to the step */
+    if (eng_last_stats(s->eng, &st) == SCAPE_OK)
+        s->last.launches = st.launches;
     return SCAPE_OK;
 }
 

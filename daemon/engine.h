@@ -108,6 +108,8 @@ typedef struct eng_step_stats {
                              comm counts that all-gather here too, not in the
                              step that started it */
     double phase_s[ENG_PH_COUNT];
+    uint64_t launches;    /* kernels the executor launched for this step (its
+                             deferred selection included); 0 on the host */
     comm_stats comm;      /* this step's collectives only */
 } eng_step_stats;
 

@@ -88,6 +88,7 @@ typedef struct dev_x {
     int churn_due, norm_due;
     mark marks[MAX_MARKS];
     int nmarks;
+    uint64_t launched;   /* kernels since the last times() */
     double norm;
     uint64_t dev_bytes, pin_bytes;
 } dev_x;
@@ -402,6 +403,7 @@ static void dev_destroy(exec_t *x)
 
 static scape_rc run(dev_x *h, kseg_kernel k, const void *args)
 {
+    h->launched++;
     return h->ops->launch(h->d, DEV_MAIN, k, args);
 }
 
@@ -868,6 +870,8 @@ static void dev_times(exec_t *x, double *phase_s)
         phase_s[m->ph] += s >= 0.0 ? s : m->h1 - m->h0;
     }
     h->nmarks = 0;
+    x->e->last.launches += h->launched;
+    h->launched = 0;
 }
 
 static double dev_residual_norm(exec_t *x)

@@ -763,6 +763,54 @@ START_TEST(sim_executor_is_the_host_executor)
 }
 END_TEST
 
+/* Kernels the sim executor launches for one sparse SCAPE step with a layout
+ * of nt tensors of len coordinates each (one rank, one trainer). */
+static uint64_t launches_per_step(size_t nt, size_t len)
+{
+    eng_tensor *ts = calloc(nt, sizeof *ts);
+    for (size_t i = 0; i < nt; i++)
+        ts[i] = (eng_tensor){ NULL, i * len, len };
+    size_t n = nt * len;
+    float *g = calloc(n, sizeof *g), *p = calloc(n, sizeof *p);
+    comm_t *c[1];
+    ck_assert_int_eq(comm_local_create(1, c), SCAPE_OK);
+    eng_config cfg;
+    eng_config_default(&cfg);
+    cfg.executor = ENG_EXEC_SIM;
+    cfg.residual_chunk = (uint32_t)n; /* one chunk: count the kernels, not the chunks */
+    eng_layout lay = { ts, nt, KERN_F32, KERN_F32 };
+    eng_t *e = NULL;
+    ck_assert_int_eq(eng_create(&e, &cfg, &lay, c[0], 1), SCAPE_OK);
+    ck_assert_int_eq(eng_init_params(e, (void *const *)&p), SCAPE_OK);
+    eng_step_stats st;
+    for (uint64_t t = 1; t <= 4; t++) {
+        for (size_t i = 0; i < n; i++)
+            g[i] = (float)((i * 7 + t * 13) % 101) - 50.0f;
+        ck_assert_int_eq(eng_step(e, t, 1e-3f, (const void *const *)&g, (void *const *)&p),
+                         SCAPE_OK);
+        ck_assert_int_eq(eng_step_finish(e), SCAPE_OK);
+    }
+    ck_assert_int_eq(eng_last_stats(e, &st), SCAPE_OK);
+    ck_assert_uint_gt(st.k, 0);
+    eng_destroy(&e);
+    comm_destroy(&c[0]);
+    free(ts);
+    free(g);
+    free(p);
+    return st.launches;
+}
+
+/* The device executor's launches per step do not grow with the number of
+ * tensors: a thousand tensors cost what ten do, a few dozen kernels. */
+START_TEST(launches_do_not_grow_with_tensors)
+{
+    uint64_t ten = launches_per_step(10, 1000), thousand = launches_per_step(1000, 10);
+    ck_assert_uint_eq(ten, thousand);
+    ck_assert_uint_le(thousand, 40);
+    ck_assert_uint_gt(thousand, 0);
+}
+END_TEST
+
 /* variant 0: selection inside the step; 1: deferred, eng_step_finish called
  * after each step; 2: deferred, left to the next eng_step */
 static void vary_defer(spec *sp, int k)
@@ -1148,6 +1196,7 @@ int main(void)
     tcase_add_test(inv, scape_rho_0_01);
     tcase_add_test(inv, threads_do_not_change_results);
     tcase_add_test(inv, sim_executor_is_the_host_executor);
+    tcase_add_test(inv, launches_do_not_grow_with_tensors);
     tcase_add_test(inv, deferred_selection_changes_nothing);
     tcase_add_test(inv, ties_keep_exact_k);
     tcase_add_test(inv, bf16_buffers);
