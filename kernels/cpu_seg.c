@@ -203,6 +203,7 @@ static void encode(const kseg_code_args *a)
         const kseg_code *c = &a->c[ci];
         const kseg_tensor *t = &a->t[c->tensor];
         uint64_t nw = kseg_words_of(t), q = 0;
+        int past = 0; /* a bit past the tensor's end: refused, as maskcode.c does */
         if (!c->by_index) {
             memcpy(a->code + c->at, a->words + t->word, nw * sizeof(uint32_t));
             continue;
@@ -210,10 +211,11 @@ static void encode(const kseg_code_args *a)
         for (uint64_t w = 0; w < nw; w++)
             for (uint32_t x = a->words[t->word + w]; x; x &= x - 1, q++) {
                 uint32_t i = (uint32_t)(32 * w) + (uint32_t)__builtin_ctz(x);
-                if (q < t->k)
+                past |= i >= t->len;
+                if (q < t->k && i < t->len)
                     put_bits(a->code, c->at + q * c->bits, i, c->bits);
             }
-        if (q != t->k)
+        if (q != t->k || past)
             bad(a, c->tensor, KSEG_BAD_K);
     }
 }

@@ -304,7 +304,9 @@ static __global__ void __launch_bounds__(KSEG_TILE) encode_kernel(const __grid_c
     uint64_t q = pre - c.kcum;
     for (uint32_t x = bits; x; x &= x - 1, q++) {
         uint32_t i = (uint32_t)(32 * q_word) + (uint32_t)(__ffs(x) - 1);
-        if (q < t->k)
+        if (i >= t->len)
+            bad_code(a, c.tensor, KSEG_BAD_K); /* a bit past the end, as maskcode.c */
+        else if (q < t->k)
             put_bits(a.code, c.at + q * c.bits, i, c.bits);
     }
     if (q_word + 1 == kseg_words_of(t) && q != t->k)

@@ -102,7 +102,8 @@ typedef enum kseg_kernel {
 typedef struct kseg_args {
     const kseg_tensor *t;   /* every tensor, comm order */
     uint32_t nt;
-    uint64_t w0, w1;        /* PACK in chunks: w0 a multiple of KSEG_TILE */
+    uint64_t w0, w1;        /* any words; SCAN counts from w0, the others
+                               address packed values from word 0 */
     const uint32_t *mask;   /* NULL: dense (every coordinate) */
     const uint32_t *prev;   /* CHURN */
     uint32_t *tiles;        /* SCAN writes, the others read (scan from word 0) */
@@ -260,12 +261,11 @@ SCAPE_HD void kseg_pack_elem(const kseg_args *a, const kseg_tensor *t, uint64_t 
         return;
     }
     float enew = av;
-    if (on) {
-        if (j < a->k_cap)
-            a->out[j] = av;
-        else
-            acc->err |= KSEG_E_PACKED;
+    if (on && j < a->k_cap) {
+        a->out[j] = av;
         enew = 0.0f;
+    } else if (on) {
+        acc->err |= KSEG_E_PACKED; /* not sent: it stays in the residual */
     }
     if (a->e_write) {
         a->e[pos - a->e_base] = enew;

@@ -196,7 +196,10 @@ static uint32_t rand_len(rng *r, uint32_t max)
     uint32_t x;
     switch (rng_below(r, 4)) {
     case 0: x = 1 + rng_below(r, 70); break;
-    case 1: x = 32 * (1 + rng_below(r, max / 32)) + rng_below(r, 3) - 1; break;
+    case 1:
+        x = 32 * (1 + rng_below(r, max / 32));
+        x += rng_below(r, 3) - 1;
+        break;
     default: x = 1 + rng_below(r, max); break;
     }
     return x > max ? max : x;
@@ -410,6 +413,31 @@ START_TEST(encode_matches_maskcode)
 }
 END_TEST
 
+/* An index-coded tensor whose k bits include one past its end: refused
+ * by the sender's encode, as mcode_encode refuses it ("more than k bits"),
+ * not sent on to a peer that would blame the sender's code. */
+START_TEST(encode_refuses_a_bit_past_the_end)
+{
+    const uint32_t len = 40;
+    layout *l = layout_new(&len, 1, 1, 0.01);
+    ck_assert(mcode_by_index(comm_at(l->p, 0)));
+    uint32_t mask[2] = { 0, 1u << 10 }; /* k = 1 bit, at position 42 */
+    uint32_t code[4] = { 0 };
+    ck_assert_int_ne(mcode_encode(l->p, 0, 1, mask, code), SCAPE_OK);
+    crange cr = range_new(l, 0, 1);
+    uint32_t *tiles = scan_words(mask, cr.w0, cr.w0 + cr.nwords, "past the end");
+    kseg_status st = status_new();
+    kseg_code_args a = code_args(l, &cr, mask, code, NULL, &st);
+    a.tiles = tiles;
+    run(KSEG_ENCODE, &a);
+    ck_assert_uint_eq(st.err, KSEG_E_CODE);
+    ck_assert_uint_eq(st.first, kseg_bad(0, 0, KSEG_BAD_K));
+    free(tiles);
+    free(cr.c);
+    layout_free(l);
+}
+END_TEST
+
 /* ---- 2. decode ---------------------------------------------------------- */
 
 /* Bit fields of the code, one bit at a time: apart from kseg_bits_get. */
@@ -574,7 +602,7 @@ static void decode_compare(rng *r, const layout *l, const crange *cr, uint32_t *
     uint32_t from = rng_below(r, 5), nw = (uint32_t)p->nwords + GUARD_W;
     uint32_t *want = xcalloc(nw, 4);
     fill_random(r, want, nw * 4); /* merged into, or replaced */
-    uint32_t *got = xdup(want, nw * 4);
+    uint32_t *got = xdup(want, nw * 4), *init = xdup(want, nw * 4);
     scape_rc rc = mcode_decode(p, cr->first, cr->n, code, 4 * cr->code_words, want + cr->w0,
                                merge, (int)from);
     char why[256] = "", kwhy[256] = "";
@@ -590,6 +618,10 @@ static void decode_compare(rng *r, const layout *l, const crange *cr, uint32_t *
     if (refused) {
         ck_assert_int_eq(rc, SCAPE_PROTO);
         ck_assert_msg(st.first >> 40 == from, "%s: first 0x%" PRIx64, ctx, st.first);
+        /* whatever a peer sends, no word outside its range changes */
+        uint64_t end = cr->w0 + cr->nwords;
+        expect_same(got, init, cr->w0, 4, "words before the range", ctx);
+        expect_same(got + end, init + end, nw - end, 4, "words after the range", ctx);
         if (nbad == 1) /* one thing broken: one reason, the same */
             ck_assert_msg(strcmp(why, kwhy) == 0, "%s: mcode_decode says '%s', the kernels "
                           "'%s'", ctx, why, kwhy);
@@ -599,6 +631,7 @@ static void decode_compare(rng *r, const layout *l, const crange *cr, uint32_t *
     }
     free(want);
     free(got);
+    free(init);
 }
 
 static void decode_case(rng *r, int it, int c)
@@ -762,7 +795,8 @@ static void topk_case(rng *r, int it, int c)
     uint32_t lens[MAX_T], nt = 1 + rng_below(r, 8), first, n;
     for (uint32_t i = 0; i < nt; i++)
         lens[i] = topk_len(r);
-    layout *l = layout_new(lens, nt, 1 + (int)rng_below(r, 3), s_rhos[rng_below(r, NRHOS)]);
+    int ranks = 1 + (int)rng_below(r, 3);
+    layout *l = layout_new(lens, nt, ranks, s_rhos[rng_below(r, NRHOS)]);
     for (uint32_t j = 0; j < nt; j++)
         l->t[j].k = topk_k(r, &l->t[j]); /* the table is the test's: any 1 <= k <= len */
     range_of_rank(l, (int)rng_below(r, (uint32_t)l->p->nranks + 1), &first, &n);
@@ -888,14 +922,15 @@ static void wcase_new(rng *r, wcase *c, int dense, const char *name, int it)
     uint32_t lens[MAX_T], nt = 1 + rng_below(r, 12);
     for (uint32_t i = 0; i < nt; i++)
         lens[i] = rng_below(r, 6) ? rand_len(r, 5000) : 8192 + rng_below(r, 20000);
-    c->l = layout_new(lens, nt, 1 + (int)rng_below(r, 4), s_rhos[rng_below(r, NRHOS)]);
+    double rho = s_rhos[rng_below(r, NRHOS)];
+    c->l = layout_new(lens, nt, 1 + (int)rng_below(r, 4), rho);
     c->nwords = c->l->p->nwords;
     c->n = c->l->p->n;
     random_range(r, c);
     random_trainers(r, c);
     snprintf(c->ctx, sizeof c->ctx, "%s seed %" PRIu64 " loop %d: %u tensors, %d ranks, "
-             "words [%" PRIu64 ", %" PRIu64 ") of %" PRIu64 ", %s, %u %s trainers", name,
-             s_seed, it, nt, c->l->p->nranks, c->w0, c->w1, c->nwords,
+             "rho %g, words [%" PRIu64 ", %" PRIu64 ") of %" PRIu64 ", %s, %u %s trainers",
+             name, s_seed, it, nt, c->l->p->nranks, rho, c->w0, c->w1, c->nwords,
              dense ? "dense" : "masked", c->ntr, c->bf16 ? "bf16" : "f32");
     if (dense)
         return;
@@ -1049,11 +1084,13 @@ static pack_opt random_pack_opt(rng *r, const wcase *c)
     return o;
 }
 
-/* kern_grad_accum, kern_*_stat and kern_pack_ef per segment; returns the
- * new residual's sum of squares. */
+/* kern_grad_accum, kern_*_stat and kern_pack_ef per segment, on the mask
+ * below k_cap (a value past it is not sent and stays in the residual);
+ * returns the new residual's sum of squares. */
 static double ref_pack(const wcase *c, const pack_opt *o, const float *m, float *e, float *out,
                        uint32_t *keys)
 {
+    uint32_t *below = c->mask ? mask_below(c, o->k_cap) : NULL;
     uint64_t most = 32 * kern_mask_words(c->n) + 32;
     float *g = xcalloc(most, 4), *es = xcalloc(most, 4), *stat = xcalloc(most, 4);
     double norm2 = 0.0;
@@ -1079,7 +1116,7 @@ static double ref_pack(const wcase *c, const pack_opt *o, const float *m, float 
         if (o->no_out)
             continue;
         size_t k;
-        ck_assert_int_eq(kern_pack_ef(g, es, seg_mask(c->mask, &s), s.n, out + s.j0, &k),
+        ck_assert_int_eq(kern_pack_ef(g, es, seg_mask(below, &s), s.n, out + s.j0, &k),
                          SCAPE_OK);
         if (c->mask && o->e_write) {
             memcpy(e + r0, es, s.n * 4);
@@ -1090,6 +1127,7 @@ static double ref_pack(const wcase *c, const pack_opt *o, const float *m, float 
     free(g);
     free(es);
     free(stat);
+    free(below);
     return norm2;
 }
 
@@ -1192,9 +1230,14 @@ static void ref_update(const wcase *c, const upd_opt *o, const float *in, float 
 
 static void update_one(rng *r, const wcase *c)
 {
-    upd_opt o = { (int)rng_below(r, 2), { 0.9f, 0.95f, 1e-8f, rng_below(r, 2) ? 0.0f : 0.1f },
-                  1e-3f * (float)(1 + rng_below(r, 10)), (float)(1 + rng_below(r, 8)),
-                  1 + rng_below(r, 1000), pick_k_cap(r, c) };
+    upd_opt o = { .h = { 0.9f, 0.95f, 1e-8f, 0.0f } };
+    /* one draw per statement: an initializer list's order is unspecified */
+    o.adamw = (int)rng_below(r, 2);
+    o.h.wd = rng_below(r, 2) ? 0.0f : 0.1f;
+    o.lr = 1e-3f * (float)(1 + rng_below(r, 10));
+    o.div = (float)(1 + rng_below(r, 8));
+    o.t = 1 + rng_below(r, 1000);
+    o.k_cap = pick_k_cap(r, c);
     uint64_t len = c->p1 - c->p0, bytes = (len + GUARD_W) * 4;
     float *in = random_floats(r, packed_len(c), 0);
     float *theta = random_floats(r, len, 0), *m = random_floats(r, len, 0);
@@ -1342,6 +1385,92 @@ START_TEST(writeback_matches_reference)
 }
 END_TEST
 
+/* ---- GSUM, LOAD_THETA, CHURN ---- */
+
+/* GSUM: the trainer-order sum of every coordinate, as kern_grad_accum. */
+static void gsum_one(rng *r, const wcase *c)
+{
+    float *got = random_floats(r, c->n, 0), *want = xdup(got, (c->n + GUARD_W) * 4);
+    for (uint32_t q = 0; q < c->ntr; q++)
+        ck_assert_int_eq(kern_grad_accum(want, c->tr[q], c->bf16 ? KERN_BF16 : KERN_F32, c->n,
+                                         q == 0), SCAPE_OK);
+    kseg_args a = wargs(c, NULL);
+    a.out = got;
+    a.n = c->n;
+    run(KSEG_GSUM, &a);
+    expect_same(got, want, c->n + GUARD_W, 4, "gsum", c->ctx);
+    free(got);
+    free(want);
+}
+
+/* LOAD_THETA: the range's coordinates of a trainer-form buffer, converted
+ * as kern_bf16_to_f32 does, into the first n of the state. */
+static void load_theta_one(rng *r, const wcase *c)
+{
+    uint64_t len = c->p1 - c->p0, n = len ? len - rng_below64(r, len) / 4 : 0;
+    float *got = random_floats(r, len, 0), *want = xdup(got, (len + GUARD_W) * 4);
+    float *f32 = xcalloc(c->n, 4);
+    size_t es = c->bf16 ? 2 : 4;
+    seg s;
+    for (uint32_t j = 0; j < c->l->nt; j++) {
+        if (!seg_get(c, j, &s))
+            continue;
+        const char *src = (const char *)c->tr[0] + (s.t->off + s.i0) * es;
+        if (c->bf16)
+            ck_assert_int_eq(kern_bf16_to_f32((const uint16_t *)src, f32, s.n), SCAPE_OK);
+        else
+            memcpy(f32, src, s.n * 4);
+        for (uint64_t i = 0; i < s.n && s.pos - c->p0 + i < n; i++)
+            want[s.pos - c->p0 + i] = f32[i];
+    }
+    kseg_args a = wargs(c, NULL);
+    a.mask = NULL; /* as dev_load_theta */
+    a.in = c->tr[0];
+    a.theta = got;
+    a.n = n;
+    run(KSEG_LOAD_THETA, &a);
+    expect_same(got, want, len + GUARD_W, 4, "theta", c->ctx);
+    free(got);
+    free(want);
+    free(f32);
+}
+
+/* CHURN: bits of cur not in prev, and bits of cur, over the range's words. */
+static void churn_one(rng *r, const wcase *c)
+{
+    uint32_t *prev = random_mask(r, c->l);
+    uint64_t fresh = 0, total = 0;
+    for (uint64_t w = c->w0; w < c->w1; w++) {
+        size_t x, y;
+        uint32_t only = c->mask[w] & ~prev[w];
+        ck_assert_int_eq(kern_mask_popcount(&only, 32, &x), SCAPE_OK);
+        ck_assert_int_eq(kern_mask_popcount(&c->mask[w], 32, &y), SCAPE_OK);
+        fresh += x;
+        total += y;
+    }
+    kseg_status st = status_new();
+    st.churn[0] = 7; /* added to, not replaced: the caller zeroes them */
+    kseg_args a = wargs(c, &st);
+    a.prev = prev;
+    run(KSEG_CHURN, &a);
+    ck_assert_msg(st.churn[0] == 7 + fresh && st.churn[1] == total, "%s: churn %" PRIu64 "/%"
+                  PRIu64 ", want %" PRIu64 "/%" PRIu64, c->ctx, st.churn[0], st.churn[1],
+                  7 + fresh, total);
+    free(prev);
+}
+
+START_TEST(gsum_load_churn_match_reference)
+{
+    rng r = rng_make("gsum", _i);
+    wcase c;
+    wcase_new(&r, &c, 0, "gsum/load/churn", _i);
+    gsum_one(&r, &c);
+    load_theta_one(&r, &c);
+    churn_one(&r, &c);
+    wcase_free(&c);
+}
+END_TEST
+
 /* ---- KSEG_E_PACKED: a mask with more bits than k_cap -------------------- */
 
 /* Two tensors at the plan's k, then one bit more in the second: every
@@ -1409,6 +1538,7 @@ static Suite *seg_suite(void)
     Suite *s = suite_create("seg");
     TCase *tc = tcase_create("maskcode");
     tcase_add_loop_test(tc, encode_matches_maskcode, 0, NRHOS);
+    tcase_add_test(tc, encode_refuses_a_bit_past_the_end);
     tcase_add_loop_test(tc, decode_matches_maskcode, 0, 8);
     tcase_set_timeout(tc, 120);
     suite_add_tcase(s, tc);
@@ -1421,6 +1551,7 @@ static Suite *seg_suite(void)
     tcase_add_loop_test(tc, update_matches_reference, 0, 32);
     tcase_add_loop_test(tc, compact_matches_reference, 0, 24);
     tcase_add_loop_test(tc, writeback_matches_reference, 0, 32);
+    tcase_add_loop_test(tc, gsum_load_churn_match_reference, 0, 12);
     tcase_add_test(tc, packed_overflow_flagged);
     tcase_set_timeout(tc, 120);
     suite_add_tcase(s, tc);
