@@ -58,8 +58,9 @@ typedef struct dev_ops {
      * or -1 when the dev does not time on the device. */
     double (*elapsed)(dev_t *d, int ev0, int ev1);
     /* The address kernels use for a trainer's buffer of `bytes` at p:
-     * device memory or pinned host memory; anything else is refused. */
-    scape_rc (*resolve)(dev_t *d, const void *p, size_t bytes, const void **out);
+     * device memory or pinned host memory (*on_host says which); anything
+     * else is refused. */
+    scape_rc (*resolve)(dev_t *d, const void *p, size_t bytes, const void **out, int *on_host);
 } dev_ops;
 
 extern const dev_ops dev_cuda_ops; /* UNSUPPORTED at create without CUDA */

@@ -223,7 +223,8 @@ static double cu_elapsed(dev_t *d, int ev0, int ev1)
 
 /* Device memory of this device, or pinned host memory: what the kernels
  * can address; anything else is refused with what to do instead. */
-static scape_rc cu_resolve(dev_t *d, const void *p, size_t bytes, const void **out)
+static scape_rc cu_resolve(dev_t *d, const void *p, size_t bytes, const void **out,
+                           int *on_host)
 {
     struct cudaPointerAttributes at;
     memset(&at, 0, sizeof at);
@@ -237,10 +238,12 @@ static scape_rc cu_resolve(dev_t *d, const void *p, size_t bytes, const void **o
                                    "daemon per GPU (cuda_device) with its trainers on it",
                                    bytes, at.device, d->device);
         *out = p;
+        *on_host = 0;
         return SCAPE_OK;
     }
     if (at.type == cudaMemoryTypeHost && at.devicePointer) {
         *out = at.devicePointer;
+        *on_host = 1;
         return SCAPE_OK;
     }
     return scape_set_error(SCAPE_INVALID, "executor cuda: a trainer's buffer of %zu bytes is "

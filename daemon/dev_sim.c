@@ -217,11 +217,13 @@ static double sim_elapsed(dev_t *d, int ev0, int ev1)
     return -1.0;
 }
 
-static scape_rc sim_resolve(dev_t *d, const void *p, size_t bytes, const void **out)
+static scape_rc sim_resolve(dev_t *d, const void *p, size_t bytes, const void **out,
+                           int *on_host)
 {
     (void)d;
     (void)bytes;
     *out = p;
+    *on_host = 0; /* the model's trainers are on the "device" */
     return SCAPE_OK;
 }
 

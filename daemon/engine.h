@@ -110,6 +110,15 @@ typedef struct eng_step_stats {
     double phase_s[ENG_PH_COUNT];
     uint64_t launches;    /* kernels the executor launched for this step (its
                              deferred selection included); 0 on the host */
+    /* Bytes each phase's work moved, by the executor's byte model of its own
+     * kernels (exec.h): through the memory the state lives in (the GPU's
+     * for the cuda executor, the host's for the host one), and between host
+     * and device (the streamed residual, trainers' buffers in host memory). */
+    uint64_t mem_bytes[ENG_PH_COUNT];
+    uint64_t link_bytes[ENG_PH_COUNT];
+    uint64_t bounce_bytes; /* host copies around collectives the comm cannot run
+                              on the executor's memory (cuda executor, host or
+                              local backend): there and back */
     comm_stats comm;      /* this step's collectives only */
 } eng_step_stats;
 

@@ -65,7 +65,15 @@ static scape_rc bounce_down(eng_t *e, const void *src, size_t bytes)
 {
     TRY(bounce_buf(&e->bounce, &e->bounce_cap, bytes ? bytes : 1));
     TRY(e->x->ops->copy(e->x, e->bounce, src, bytes));
+    e->last.bounce_bytes += bytes;
     return e->x->ops->sync(e->x);
+}
+
+/* The collective's result back from the bounce buffer. */
+static scape_rc bounce_up(eng_t *e, void *dst, const void *src, size_t bytes)
+{
+    e->last.bounce_bytes += bytes;
+    return e->x->ops->copy(e->x, dst, src, bytes);
 }
 
 static scape_rc x_allreduce(eng_t *e, float *buf, size_t n)
@@ -74,7 +82,7 @@ static scape_rc x_allreduce(eng_t *e, float *buf, size_t n)
         return comm_allreduce_sum(e->comm, buf, n);
     TRY(bounce_down(e, buf, n * sizeof *buf));
     TRY(comm_allreduce_sum(e->comm, e->bounce, n));
-    return e->x->ops->copy(e->x, buf, e->bounce, n * sizeof *buf);
+    return bounce_up(e, buf, e->bounce, n * sizeof *buf);
 }
 
 /* Reduce-scatter in place: recv is this rank's segment of send. */
@@ -88,7 +96,7 @@ static scape_rc x_reduce_scatter(eng_t *e, float *send, float *recv, const size_
     TRY(bounce_down(e, send, total * sizeof *send));
     float *hs = e->bounce, *hr = hs + (recv - send);
     TRY(comm_reduce_scatter_sum(e->comm, hs, hr, counts));
-    return e->x->ops->copy(e->x, recv, hr, counts[e->rank] * sizeof *recv);
+    return bounce_up(e, recv, hr, counts[e->rank] * sizeof *recv);
 }
 
 /* All-gather in place: send is this rank's place in recv. */
@@ -102,7 +110,7 @@ static scape_rc x_allgather(eng_t *e, const void *send, void *recv, const size_t
     TRY(bounce_down(e, recv, total));
     char *h = e->bounce;
     TRY(comm_allgather(e->comm, h + own, h, counts));
-    return e->x->ops->copy(e->x, recv, h, total);
+    return bounce_up(e, recv, h, total);
 }
 
 /* The lagged mask all-gather: started here, finished by x_iallgather_wait;
@@ -115,6 +123,7 @@ static scape_rc x_iallgather(eng_t *e, const void *send, void *recv, const size_
     size_t own = (size_t)((const char *)send - (const char *)recv);
     TRY(bounce_buf(&e->mbounce, &e->mbounce_cap, e->code_total ? e->code_total : 1));
     TRY(e->x->ops->copy(e->x, (char *)e->mbounce + own, send, counts[e->rank]));
+    e->last.bounce_bytes += counts[e->rank];
     TRY(e->x->ops->sync(e->x));
     char *h = e->mbounce;
     return comm_iallgather(e->comm, h + own, h, counts);
@@ -125,7 +134,7 @@ static scape_rc x_iallgather_wait(eng_t *e)
     TRY(comm_iallgather_wait(e->comm));
     if (comm_direct(e))
         return SCAPE_OK;
-    return e->x->ops->copy(e->x, e->code_all, e->mbounce, e->code_total);
+    return bounce_up(e, e->code_all, e->mbounce, e->code_total);
 }
 
 scape_rc eng_broadcast(eng_t *e, void *buf, size_t bytes, int root)
@@ -134,7 +143,7 @@ scape_rc eng_broadcast(eng_t *e, void *buf, size_t bytes, int root)
         return comm_broadcast(e->comm, buf, bytes, root);
     TRY(bounce_down(e, buf, bytes));
     TRY(comm_broadcast(e->comm, e->bounce, bytes, root));
-    return e->x->ops->copy(e->x, buf, e->bounce, bytes);
+    return bounce_up(e, buf, e->bounce, bytes);
 }
 
 scape_rc eng_gather_shards(eng_t *e, const float *own, float *whole)

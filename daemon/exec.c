@@ -17,6 +17,12 @@ scape_rc exec_create(eng_t *e)
     return rc;
 }
 
+void exec_count(exec_t *x, uint64_t mem, uint64_t link)
+{
+    x->e->last.mem_bytes[x->phase] += mem;
+    x->e->last.link_bytes[x->phase] += link;
+}
+
 void exec_destroy(eng_t *e)
 {
     exec_t *x = e->x;

@@ -99,11 +99,16 @@ typedef struct exec_ops {
 struct exec {
     const exec_ops *ops;
     eng_t *e;
+    eng_phase phase;    /* the phase being run (set by mark): traffic counts to it */
     int host_memory;    /* the vectors are ordinary host memory */
     int residual_host;  /* the residual is (pinned) host memory, readable
                            once sync() has returned */
     void *impl;
 };
+
+/* Bytes the work just enqueued moves: through the state's memory and
+ * between host and device (engine.h, eng_step_stats.mem_bytes). */
+void exec_count(exec_t *x, uint64_t mem, uint64_t link);
 
 /* The executor for cfg->executor (host, cuda or sim), created for e after
  * its plan exists; e->x is set. */

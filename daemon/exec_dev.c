@@ -34,6 +34,9 @@
 #include "dev.h"
 #include "engine_internal.h"
 
+/* The least a scattered access moves on the device: one 32-byte sector. */
+#define SECTOR 32
+
 /* Events: the streaming slots', then pairs for the phases' marks. */
 #define EV_IN(b) (b)
 #define EV_K(b) (2 + (b))
@@ -89,6 +92,7 @@ typedef struct dev_x {
     mark marks[MAX_MARKS];
     int nmarks;
     uint64_t launched;   /* kernels since the last times() */
+    int tr_host;         /* trainers' buffers resolved in host memory (last resolve) */
     double norm;
     uint64_t dev_bytes, pin_bytes;
 } dev_x;
@@ -426,7 +430,8 @@ static kseg_args args_for(const eng_t *e, const dev_x *h)
     return a;
 }
 
-/* The trainers' buffers as the kernels address them. */
+/* The trainers' buffers as the kernels address them; h->tr_host counts
+ * those in host memory (their traffic crosses the link). */
 static scape_rc resolve_all(exec_t *x, const void *const *bufs, size_t elem, kseg_args *a)
 {
     eng_t *e = x->e;
@@ -435,10 +440,21 @@ static scape_rc resolve_all(exec_t *x, const void *const *bufs, size_t elem, kse
         return scape_set_error(SCAPE_INVALID, "engine: the %s executor serves at most %d "
                                "trainers per daemon, %d are attached",
                                eng_executor_name(e->cfg.executor), KSEG_MAX_TRAINERS, e->tr);
-    for (int j = 0; j < e->tr; j++)
-        TRY(h->ops->resolve(h->d, bufs[j], e->p->n * elem, &a->tr[j]));
+    h->tr_host = 0;
+    for (int j = 0; j < e->tr; j++) {
+        int on_host = 0;
+        TRY(h->ops->resolve(h->d, bufs[j], e->p->n * elem, &a->tr[j], &on_host));
+        h->tr_host += on_host;
+    }
     a->ntr = (uint32_t)e->tr;
     return SCAPE_OK;
+}
+
+/* Trainer traffic of `bytes` per trainer: device memory or the link. */
+static void count_trainers(exec_t *x, int ntr, uint64_t bytes)
+{
+    int on_host = impl(x)->tr_host < ntr ? impl(x)->tr_host : ntr;
+    exec_count(x, (uint64_t)(ntr - on_host) * bytes, (uint64_t)on_host * bytes);
 }
 
 /* Words [w0, w1) of comm range [first, first + count). */
@@ -517,6 +533,8 @@ static scape_rc dev_intake(exec_t *x, const void *const *grads)
     a.bf16 = e->gdt == KERN_BF16;
     a.out = e->g;
     a.n = e->p->n;
+    count_trainers(x, e->tr, e->p->n * kern_dtype_size(e->gdt));
+    exec_count(x, 4 * e->p->n, 0);
     return run(h, KSEG_GSUM, &a);
 }
 
@@ -534,6 +552,30 @@ static scape_rc grad_source(exec_t *x, const void *const *grads, kseg_args *a)
     return resolve_all(x, grads, kern_dtype_size(e->gdt), a);
 }
 
+/* A pass over the residual: its bytes cross the link when it streams. */
+static void count_residual(exec_t *x, uint64_t bytes)
+{
+    if (impl(x)->resident)
+        exec_count(x, bytes, 0);
+    else
+        exec_count(x, 0, bytes);
+}
+
+/* What a PACK over every coordinate moves, besides the residual: G, the
+ * mask and its scan, the packed values, and the keys (m read, key written). */
+static void count_pack(exec_t *x, const kseg_args *a, uint64_t k)
+{
+    eng_t *e = x->e;
+    uint64_t n = e->p->n, w = e->p->nwords;
+    size_t gsz = a->bf16 ? 2 : 4;
+    if (e->cfg.optimizer == ENG_OPT_TOPK_ADAMW)
+        exec_count(x, 4 * n, 0);
+    else
+        count_trainers(x, (int)a->ntr, n * gsz);
+    uint64_t keys = a->keys ? a->key_hi - a->key_lo : 0;
+    exec_count(x, (a->mask ? 8 * w : 0) + (a->out ? 4 * (a->mask ? k : n) : 0) + 8 * keys, 0);
+}
+
 static scape_rc dev_pack(exec_t *x, const void *const *grads, int select_due)
 {
     eng_t *e = x->e;
@@ -542,6 +584,8 @@ static scape_rc dev_pack(exec_t *x, const void *const *grads, int select_due)
     TRY(grad_source(x, grads, &a));
     if (select_due)
         want_keys(e, h, &a);
+    count_pack(x, &a, e->toff[e->p->ntensors]);
+    count_residual(x, 4 * e->p->n * (uint64_t)(!e->e_stale + (e->mask_cur != NULL)));
     int stale = e->e_stale;
     a.e_zero = stale;
     if (e->mask_cur) {
@@ -572,6 +616,12 @@ static scape_rc topk(exec_t *x, const sel *s, uint32_t *mask)
                          .nitems = s->nitems, .item0 = s->item0, .keys = h->keys,
                          .key_lo = h->key_lo, .hist = s->hist, .st = s->st,
                          .item_eq = s->item_eq, .mask = mask };
+    /* the keys read five times (three digits, the ties counted, the mask
+     * written), the histograms cleared thrice, the mask words written */
+    uint64_t nkeys = 0;
+    for (uint32_t q = 0; q < s->n; q++)
+        nkeys += eng_tensor_at(x->e, s->first + q)->len;
+    exec_count(x, 20 * nkeys + 3 * (uint64_t)s->n * KSEG_BINS0 * 4 + nkeys / 8, 0);
     for (a.level = 0; a.level < 3; a.level++) {
         TRY(h->ops->zero(h->d, DEV_MAIN, s->hist, (size_t)s->n * KSEG_BINS0 * 4));
         TRY(run(h, KSEG_TOPK_HIST, &a));
@@ -604,6 +654,8 @@ static scape_rc dev_own_topk(exec_t *x)
     a.key_hi = e->p->n;
     a.key_abs = 1;
     a.e_zero = e->e_stale;
+    count_pack(x, &a, 0);
+    count_residual(x, e->e_stale ? 0 : 4 * e->p->n);
     TRY(stream_pack(x, &a, !e->e_stale, 0));
     return topk(x, &h->all, e->mask_buf[1]);
 }
@@ -649,6 +701,7 @@ static scape_rc dev_encode(exec_t *x, size_t first, size_t count, const uint32_t
     s.w0 = r->w0;
     s.w1 = r->w0 + r->nwords;
     s.tiles = r->tiles;
+    exec_count(x, 8 * r->nwords + 8 * r->code_words, 0);
     TRY(h->ops->zero(h->d, DEV_MAIN, code, r->code_words * 4));
     TRY(run(h, KSEG_SCAN, &s));
     return run(h, KSEG_ENCODE, &a);
@@ -668,6 +721,7 @@ static scape_rc dev_decode(exec_t *x, size_t first, size_t count, const uint32_t
     kseg_code_args a = code_args(x, r, words, code);
     a.merge = merge;
     a.rank = (uint32_t)from;
+    exec_count(x, 8 * r->nwords + 4 * r->code_words, 0);
     TRY(h->ops->zero(h->d, DEV_MAIN, r->count, r->n * sizeof(uint32_t)));
     TRY(run(h, KSEG_DECODE_ZERO, &a));
     TRY(run(h, KSEG_DECODE_MAP, &a));
@@ -686,6 +740,7 @@ static scape_rc dev_churn(exec_t *x, const uint32_t *cur, const uint32_t *prev)
     kseg_args a = args_for(x->e, h);
     a.mask = cur;
     a.prev = prev;
+    exec_count(x, 8 * x->e->p->nwords, 0);
     TRY(h->ops->zero(h->d, DEV_MAIN, h->status->churn, sizeof h->status->churn));
     TRY(run(h, KSEG_CHURN, &a));
     h->churn_due = 1;
@@ -722,10 +777,33 @@ static scape_rc dev_offsets(exec_t *x, size_t *k_out)
         return SCAPE_OK;
     kseg_args a = args_for(e, h);
     a.w0 = 0;
+    exec_count(x, 4 * p->nwords, 0);
     return run(h, KSEG_SCAN, &a);
 }
 
 /* ---- update, compaction, write-back ---------------------------------------- */
+
+/* Coordinates, packed values and mask words of comm range [first, +count). */
+static void range_sizes(const eng_t *e, size_t first, size_t count, uint64_t *n, uint64_t *k,
+                        uint64_t *w)
+{
+    uint64_t w0, w1;
+    range_words(e, first, count, &w0, &w1);
+    const plan_tensor *a = eng_tensor_at(e, first), *b = eng_tensor_at(e, first + count - 1);
+    *n = b->pos + b->len - a->pos;
+    *k = e->toff[first + count] - e->toff[first];
+    *w = w1 - w0;
+}
+
+/* vecs vectors read and written at a range's packed values (a sector each,
+ * scattered) or over all of it, plus reading the values and the mask. */
+static void count_masked(exec_t *x, uint64_t n, uint64_t k, uint64_t w, uint64_t vecs)
+{
+    if (x->e->mask_cur)
+        exec_count(x, k * vecs * SECTOR + 4 * k + 4 * w, 0);
+    else
+        exec_count(x, n * vecs * 4 + 4 * n, 0);
+}
 
 static scape_rc dev_update(exec_t *x, size_t first, size_t count, uint64_t t, float lr)
 {
@@ -746,6 +824,9 @@ static scape_rc dev_update(exec_t *x, size_t first, size_t count, uint64_t t, fl
     a.div = (float)e->t_total;
     a.bc1 = a.adamw ? scape_f_bias_correction(hy->beta1, t) : 1.0f;
     a.bc2 = a.adamw ? scape_f_bias_correction(hy->beta2, t) : 1.0f;
+    uint64_t n, k, w;
+    range_sizes(e, first, count, &n, &k, &w);
+    count_masked(x, n, k, w, 2 * (a.adamw ? 3 : 2)); /* theta, m (v), read and written */
     return run(h, KSEG_UPDATE, &a);
 }
 
@@ -758,6 +839,9 @@ static scape_rc dev_compact(exec_t *x, size_t first, size_t count, float *dst)
     kseg_args a = args_for(e, h);
     range_words(e, first, count, &a.w0, &a.w1);
     a.out = dst;
+    uint64_t n, k, w;
+    range_sizes(e, first, count, &n, &k, &w);
+    count_masked(x, n, k, w, 1);
     return run(h, KSEG_COMPACT, &a);
 }
 
@@ -769,6 +853,9 @@ static scape_rc dev_write_back(exec_t *x, const float *src, void *const *params)
     TRY(resolve_all(x, (const void *const *)params, kern_dtype_size(e->pdt), &a));
     a.bf16 = e->pdt == KERN_BF16;
     a.in = src;
+    uint64_t n = e->p->n, k = e->toff[e->p->ntensors], w = e->p->nwords;
+    count_masked(x, n, k, w, 0);
+    count_trainers(x, e->tr, e->mask_cur ? k * SECTOR : n * kern_dtype_size(e->pdt));
     return run(h, KSEG_WRITEBACK, &a);
 }
 
@@ -781,9 +868,13 @@ static scape_rc dev_load_theta(exec_t *x, const void *src)
     eng_update_range(e, &first, &count);
     range_words(e, first, count, &a.w0, &a.w1);
     a.mask = NULL;
-    TRY(h->ops->resolve(h->d, src, e->p->n * kern_dtype_size(e->pdt), (const void **)&a.in));
+    int on_host = 0;
+    TRY(h->ops->resolve(h->d, src, e->p->n * kern_dtype_size(e->pdt), (const void **)&a.in,
+                        &on_host));
     a.bf16 = e->pdt == KERN_BF16;
     a.n = e->state_len;
+    uint64_t pb = e->state_len * kern_dtype_size(e->pdt);
+    exec_count(x, 4 * e->state_len + (on_host ? 0 : pb), on_host ? pb : 0);
     return count ? run(h, KSEG_LOAD_THETA, &a) : SCAPE_OK;
 }
 
@@ -842,6 +933,7 @@ static void dev_mark(exec_t *x, eng_phase ph, int end)
 {
     dev_x *h = impl(x);
     if (!end) {
+        x->phase = ph;
         if (h->nmarks == MAX_MARKS)
             return; /* more phases than events: the rest go untimed */
         mark *m = &h->marks[h->nmarks++];

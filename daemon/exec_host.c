@@ -37,6 +37,34 @@ typedef struct host_x {
 
 static host_x *impl(const exec_t *x) { return x->impl; }
 
+/* The least a scattered access moves through host memory: a cache line. */
+#define LINE 64
+
+/* Bytes of host memory (the byte model of eng_step_stats.mem_bytes). */
+static void count(exec_t *x, uint64_t bytes) { exec_count(x, bytes, 0); }
+
+/* Coordinates, packed values and mask words of comm range [first, +count). */
+static void range_sizes(const eng_t *e, size_t first, size_t n_t, uint64_t *n, uint64_t *k,
+                        uint64_t *w)
+{
+    *n = *k = *w = 0;
+    for (size_t j = first; j < first + n_t; j++) {
+        *n += eng_tensor_at(e, j)->len;
+        *w += (eng_tensor_at(e, j)->len + 31) / 32;
+    }
+    *k = e->toff[first + n_t] - e->toff[first];
+}
+
+/* vecs vectors read and written at a range's packed values (a line each,
+ * scattered) or over all of it, plus reading the values and the mask. */
+static void count_masked(exec_t *x, uint64_t n, uint64_t k, uint64_t w, uint64_t vecs)
+{
+    if (x->e->mask_cur)
+        count(x, k * vecs * LINE + 4 * k + 4 * w);
+    else
+        count(x, n * vecs * 4 + 4 * n);
+}
+
 static double now_s(void)
 {
     struct timespec ts;
@@ -141,6 +169,7 @@ static scape_rc host_intake(exec_t *x, const void *const *grads)
     for (int j = 0; j < e->tr; j++)
         TRY(kern_grad_accum(e->g, grads[j], e->gdt, e->p->n, j == 0));
     h->g = e->g;
+    count(x, e->p->n * ((uint64_t)e->tr * kern_dtype_size(e->gdt) + 8 * (uint64_t)e->tr - 4));
     return SCAPE_OK;
 }
 
@@ -195,6 +224,12 @@ static scape_rc host_pack(exec_t *x, const void *const *grads, int select_due)
     if (g == NULL && e->tr == 1 && e->gdt == KERN_F32)
         g = grads[0];
     pack_ctx pc = { x, g, grads };
+    /* G (the trainers', summed in a chunk that stays in cache), e read and
+     * written, the mask, the packed values */
+    uint64_t n = e->p->n, k = e->toff[e->p->ntensors];
+    uint64_t gread = g ? 4 * n : n * (uint64_t)e->tr * kern_dtype_size(e->gdt);
+    count(x, gread + 4 * n * (uint64_t)(1 + !e->e_stale) +
+                 (e->mask_cur ? 4 * e->p->nwords + 4 * k : 0));
     TRY(pool_run(h->pool, h->nitems, pack_item, &pc));
     if (!e->mask_cur)
         e->e_stale = 1; /* e now holds a, and after the reduction the sums */
@@ -223,6 +258,8 @@ static scape_rc host_offsets(exec_t *x, size_t *k_out)
 {
     eng_t *e = x->e;
     host_x *h = impl(x);
+    if (e->mask_cur)
+        count(x, 4 * e->p->nwords);
     TRY(pool_run(h->pool, h->nitems, count_item, x));
     e->toff[0] = 0;
     size_t j = 0, before = 0; /* values of tensor j in the pieces so far */
@@ -267,10 +304,23 @@ static scape_rc select_tensor(void *ctx, size_t i, int w)
                             worker_scratch(h, w), h->topk_scratch_bytes);
 }
 
+/* Bytes of a selection over comm range [first, +count): the radix select
+ * reads m, e and the packed values twice for most inputs (its histogram
+ * pass and its finishing pass; more when ties crowd one bucket), and writes
+ * the mask words. */
+static void count_select(exec_t *x, size_t first, size_t n_t, int with_m)
+{
+    uint64_t n, k, w;
+    range_sizes(x->e, first, n_t, &n, &k, &w);
+    count(x, 2 * ((with_m ? 8 : 4) * n + 4 * k + 4 * w) + 4 * w);
+}
+
 static scape_rc host_select(exec_t *x)
 {
     eng_t *e = x->e;
-    return pool_run(impl(x)->pool, e->p->shard[e->rank].count, select_tensor, x);
+    const plan_shard *me = &e->p->shard[e->rank];
+    count_select(x, me->first, me->count, 1);
+    return pool_run(impl(x)->pool, me->count, select_tensor, x);
 }
 
 /* defer_select: the statistic at M_t's coordinates of one owned tensor,
@@ -290,7 +340,11 @@ static scape_rc keep_stat_tensor(void *ctx, size_t i, int w)
 static scape_rc host_keep_stats(exec_t *x)
 {
     eng_t *e = x->e;
-    return pool_run(impl(x)->pool, e->p->shard[e->rank].count, keep_stat_tensor, x);
+    const plan_shard *me = &e->p->shard[e->rank];
+    uint64_t n, k, w;
+    range_sizes(e, me->first, me->count, &n, &k, &w);
+    count(x, k * LINE + 8 * k + 4 * w); /* m at the mask, a read, the statistic kept */
+    return pool_run(impl(x)->pool, me->count, keep_stat_tensor, x);
 }
 
 /* topk-adamw: each rank's top-k of |a_r| per tensor into the spare buffer. */
@@ -311,19 +365,26 @@ static scape_rc host_own_topk(exec_t *x)
         memset(e->e, 0, e->p->n * sizeof *e->e);
         e->e_stale = 0;
     }
+    count_select(x, 0, e->p->ntensors, 0);
     return pool_run(impl(x)->pool, e->p->ntensors, own_topk_tensor, x);
 }
 
-static scape_rc host_encode(exec_t *x, size_t first, size_t count, const uint32_t *words,
+static scape_rc host_encode(exec_t *x, size_t first, size_t n_t, const uint32_t *words,
                             uint32_t *code)
 {
-    return mcode_encode(x->e->p, first, count, words, code);
+    uint64_t n, k, w;
+    range_sizes(x->e, first, n_t, &n, &k, &w);
+    count(x, 4 * w + mcode_bytes(x->e->p, first, n_t));
+    return mcode_encode(x->e->p, first, n_t, words, code);
 }
 
-static scape_rc host_decode(exec_t *x, size_t first, size_t count, const uint32_t *code,
+static scape_rc host_decode(exec_t *x, size_t first, size_t n_t, const uint32_t *code,
                             size_t nbytes, uint32_t *words, int merge, int from)
 {
-    return mcode_decode(x->e->p, first, count, code, nbytes, words, merge, from);
+    uint64_t n, k, w;
+    range_sizes(x->e, first, n_t, &n, &k, &w);
+    count(x, 4 * w + nbytes);
+    return mcode_decode(x->e->p, first, n_t, code, nbytes, words, merge, from);
 }
 
 static scape_rc host_mask_zero(exec_t *x, uint32_t *words)
@@ -341,6 +402,7 @@ static scape_rc host_churn(exec_t *x, const uint32_t *cur, const uint32_t *prev)
         total += (uint64_t)__builtin_popcount(cur[w]);
     }
     e->last.mask_churn = total ? (double)fresh / (double)total : 0.0;
+    count(x, 8 * e->p->nwords);
     return SCAPE_OK;
 }
 
@@ -376,10 +438,13 @@ static scape_rc update_tensor(void *ctx, size_t i, int w)
                 : kern_adams_dense(e->theta + s, e->m + s, sum, div, t->len, h, u->lr);
 }
 
-static scape_rc host_update(exec_t *x, size_t first, size_t count, uint64_t t, float lr)
+static scape_rc host_update(exec_t *x, size_t first, size_t n_t, uint64_t t, float lr)
 {
     update_ctx u = { .e = x->e, .first = first, .t = t, .lr = lr };
-    return pool_run(impl(x)->pool, count, update_tensor, &u);
+    uint64_t n, k, w;
+    range_sizes(x->e, first, n_t, &n, &k, &w);
+    count_masked(x, n, k, w, 2 * (eng_uses_v(x->e) ? 3 : 2)); /* theta, m (v) read, written */
+    return pool_run(impl(x)->pool, n_t, update_tensor, &u);
 }
 
 static scape_rc compact_tensor(void *ctx, size_t i, int w)
@@ -397,10 +462,13 @@ static scape_rc compact_tensor(void *ctx, size_t i, int w)
     return SCAPE_OK;
 }
 
-static scape_rc host_compact(exec_t *x, size_t first, size_t count, float *dst)
+static scape_rc host_compact(exec_t *x, size_t first, size_t n_t, float *dst)
 {
     update_ctx u = { .e = x->e, .first = first, .dst = dst };
-    return pool_run(impl(x)->pool, count, compact_tensor, &u);
+    uint64_t n, k, w;
+    range_sizes(x->e, first, n_t, &n, &k, &w);
+    count_masked(x, n, k, w, 1);
+    return pool_run(impl(x)->pool, n_t, compact_tensor, &u);
 }
 
 /* Item j * T_r + q: tensor j (comm order) into trainer q's buffer. */
@@ -427,12 +495,16 @@ static scape_rc host_write_back(exec_t *x, const float *src, void *const *params
 {
     eng_t *e = x->e;
     update_ctx b = { .e = e, .src = src, .params = params };
+    uint64_t n = e->p->n, k = e->toff[e->p->ntensors];
+    count_masked(x, n, k, e->p->nwords, 0);
+    count(x, (uint64_t)e->tr * (e->mask_cur ? k * LINE : n * kern_dtype_size(e->pdt)));
     return pool_run(impl(x)->pool, e->p->ntensors * (size_t)e->tr, write_back_item, &b);
 }
 
 static scape_rc host_load_theta(exec_t *x, const void *src)
 {
     eng_t *e = x->e;
+    count(x, e->state_len * (4 + kern_dtype_size(e->pdt)));
     for (size_t i = 0; i < e->p->ntensors; i++) {
         const plan_tensor *t = &e->p->t[i];
         if (t->pos < e->state_base || t->pos >= e->state_base + e->state_len)
@@ -473,10 +545,12 @@ static scape_rc host_sync(exec_t *x)
 static void host_mark(exec_t *x, eng_phase ph, int end)
 {
     host_x *h = impl(x);
-    if (end)
+    if (end) {
         h->spent[ph] += now_s() - h->begun[ph];
-    else
+    } else {
         h->begun[ph] = now_s();
+        x->phase = ph;
+    }
 }
 
 static void host_times(exec_t *x, double *phase_s)

@@ -12,13 +12,14 @@ BUILD=build-gpu
 PACK=build-gpu-pack
 cmake -S . -B "$BUILD" -DSCAPE_CUDA=ON -DCMAKE_BUILD_TYPE=Release >"$BUILD.configure.log" 2>&1 ||
   { tail -n 20 "$BUILD.configure.log"; exit 1; }
-targets=(gpu_check gpu_bench gpu_nccl gpu_exec scaped scapectl trainer_c reference gpu_trainer
-         scape)
+targets=(gpu_check gpu_bench gpu_nccl gpu_exec gpu_step scaped scapectl trainer_c reference
+         gpu_trainer scape)
 cmake --build "$BUILD" -j"$(nproc)" --target "${targets[@]}" >"$BUILD.build.log" 2>&1 ||
   { tail -n 20 "$BUILD.build.log"; exit 1; }
 rm -rf "$PACK"
 mkdir -p "$PACK/bin" "$PACK/lib"
-bins=("$BUILD"/tests/gpu/{gpu_check,gpu_bench,gpu_nccl,gpu_exec,gpu_trainer} "$BUILD"/daemon/scaped
+bins=("$BUILD"/tests/gpu/{gpu_check,gpu_bench,gpu_nccl,gpu_exec,gpu_step,gpu_trainer}
+      "$BUILD"/daemon/scaped
       "$BUILD"/client/scapectl "$BUILD"/tests/integration/{trainer_c,reference})
 cp "${bins[@]}" "$PACK/bin/"
 cp -P "$BUILD"/client/libscape.so* "$PACK/lib/"

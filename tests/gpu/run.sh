@@ -42,6 +42,7 @@ LOGS=$BUILD/logs
 CHECK_ARGS=()
 EXEC_ARGS=()
 BENCH_ARGS=(--sizes "1e6,1e7,1e8")
+STEP_ARGS=(--sizes "1e8,1e9")
 TORCH_SIZES=(1e6 1e7 1e8)
 SERVICE=0 PARTIAL_OK=0 STAMP_ONLY=0
 for arg in "$@"; do
@@ -49,6 +50,7 @@ for arg in "$@"; do
     --quick)
         CHECK_ARGS=(--max-n 1048583)
         EXEC_ARGS=(--quick)
+        STEP_ARGS=(--sizes 1e8)
         BENCH_ARGS=(--sizes "1e6,1e7")
         TORCH_SIZES=(1e6 1e7) ;;
     --service) SERVICE=1 ;;
@@ -180,7 +182,8 @@ build_cmake() {
         return 1
     fi
     # The rest is best-effort: each missing piece is reported by run_nccl.
-    cmake --build "$BUILD" -j "$(nproc)" --target gpu_nccl gpu_exec scaped trainer_c reference \
+    cmake --build "$BUILD" -j "$(nproc)" --target gpu_nccl gpu_exec gpu_step scaped trainer_c \
+        reference \
         gpu_trainer scape scapectl >>"$LOGS/cmake.txt" 2>&1 ||
         echo "run.sh: some nccl/daemon programs did not build"
     BIN=$BUILD/tests/gpu
@@ -233,9 +236,10 @@ build_direct() {
                daemon/dev_cuda.c daemon/comm.c daemon/comm_local.c daemon/comm_nccl.c; do
         eng+=("$(cc_one "$src" -Idaemon -I"$NCCL_INC")") || ok=0
     done
-    for prog in gpu_nccl gpu_exec; do
+    for prog in gpu_nccl gpu_exec gpu_step; do
         [ "$ok" = 1 ] && "$NVCC" -o "$OBJ/$prog" \
-            "$(cc_one "tests/gpu/$prog.c" -Idaemon -I"$NCCL_INC")" "${eng[@]}" "${lib[@]}" \
+            "$(cc_one "tests/gpu/$prog.c" -Idaemon -Itests/bench -I"$NCCL_INC")" "${eng[@]}" \
+            "${lib[@]}" \
             -L"$NCCL_LIB" -Xlinker -rpath -Xlinker "$NCCL_LIB" -l:libnccl.so.2 -lpthread -lm ||
             echo "run.sh: $prog did not build"
     done
@@ -269,6 +273,16 @@ run_bench() {
     BENCH_RC=${PIPESTATUS[0]}
     progress "bench: gpu_bench exit $BENCH_RC"
     [ "$BENCH_RC" -eq 77 ] && { not_run gpu_bench; BENCH_RC=0; }
+    t=$(tmo 150)
+    : >"$LOGS/gpu_step.txt"
+    if [ "$t" != 0 ] && [ -x "$BIN/gpu_step" ]; then
+        timeout "$t" "$BIN/gpu_step" "${STEP_ARGS[@]}" | tee "$LOGS/gpu_step.txt"
+        local src=${PIPESTATUS[0]}
+        progress "step bench: gpu_step exit $src"
+        case "$src" in 0) ;; 77) not_run "gpu_step" ;; *) OTHER_RC=1 ;; esac
+    else
+        not_run "gpu_step (not built, or out of time)"
+    fi
     t=$(tmo 120)
     if [ "$t" != 0 ] && command -v python3 >/dev/null 2>&1; then
         timeout "$t" python3 tests/gpu/torch_topk.py "${TORCH_SIZES[@]}" | tee "$LOGS/torch.txt"
@@ -484,6 +498,13 @@ print_summary() {
                     u == "" ? "-" : u, u == "" ? "-" : sprintf("%.2fx", u / $4),
                     s == "" ? "-" : s, s == "" ? "-" : sprintf("%.2fx", s / $4)
          }' "$LOGS/torch.txt" "$LOGS/gpu_bench.txt"
+    awk '$1 == "BENCH" && $2 == "step" {
+             if (!n++) printf "step      : the cuda executor, ms against the ideal at bandwidths measured here\n"
+             printf "    %-11s N = %-11d %9.3f ms, ideal %9.3f ms, %5.2fx (target <= 1.5x)\n",
+                    $3, $4, $5, $6, $7 }
+         $1 == "BENCH" && $2 == "topk_seg" {
+             printf "    segmented top-k, one tensor of %d, k = 1%%: %.3f ms\n", $3, $4 }' \
+        "$LOGS/gpu_step.txt" 2>/dev/null
     [ "$BENCH_RC" -eq 0 ] || echo "bench     : gpu_bench exited with status $BENCH_RC"
     local part
     for part in ${NOT_RUN[@]+"${NOT_RUN[@]}"}; do echo "NOT RUN   : $part"; done
