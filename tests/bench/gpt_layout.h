@@ -13,7 +13,7 @@
 
 static inline size_t gpt_layout(double scale, eng_tensor *ts, size_t *n)
 {
-    static char names[GPT_TENSORS][16];
+    static char names[GPT_TENSORS][24];
     const size_t d = 2048, layers = 34, vocab = 50304, ctx = 2048;
     const size_t per_layer[] = { d, d, 3 * d * d, 3 * d, d * d, d, d, d, 4 * d * d, 4 * d,
                                  4 * d * d, d };

@@ -69,7 +69,7 @@ static int s_sim;    /* the run under test is the sim executor, in host memory *
 
 static void build_layout(void)
 {
-    static char names[NT][8];
+    static char names[NT][24];
     size_t off = 0;
     for (size_t i = 0; i < NT; i++) {
         snprintf(names[i], sizeof names[i], "t%zu", i);

@@ -160,7 +160,7 @@ typedef struct layout {
     kseg_tensor t[MAX_T]; /* every tensor, comm order: exec_dev.c's build_tensors */
     uint32_t nt;
     eng_tensor ts[MAX_T];
-    char names[MAX_T][8];
+    char names[MAX_T][16];
 } layout;
 
 static const plan_tensor *comm_at(const plan *p, size_t j) { return &p->t[p->order[j]]; }
