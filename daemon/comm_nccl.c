@@ -173,8 +173,19 @@ static scape_rc settle(nccl_impl *x, lane *l, ncclResult_t r, const char *what)
                            last, x->aborted ? "; the communicators were aborted" : "");
 }
 
+/* A failure NCCL reports on lane l's communicator, else ncclSuccess. */
+static ncclResult_t lane_error(const lane *l)
+{
+    ncclResult_t r = ncclSuccess;
+    if (l->comm && ncclCommGetAsyncError(l->comm, &r) != ncclSuccess)
+        r = ncclInternalError;
+    return r == ncclInProgress ? ncclSuccess : r;
+}
+
 /* Wait for the event ev (NULL: all of the lane's stream), bounded and
- * watching the communicator for errors. */
+ * watching the communicator for errors; the main lane's stream also waits
+ * on the mask lane's work (the device path's mask all-gather), so its waits
+ * watch that communicator too. */
 static scape_rc wait_for(nccl_impl *x, lane *l, cudaEvent_t ev, const char *what)
 {
     double deadline = now_ms() + x->timeout_ms;
@@ -186,11 +197,11 @@ static scape_rc wait_for(nccl_impl *x, lane *l, cudaEvent_t ev, const char *what
         }
         if (e != cudaErrorNotReady)
             return cuda_fail(x, e, what);
-        ncclResult_t r = ncclSuccess;
-        if (ncclCommGetAsyncError(l->comm, &r) != ncclSuccess)
-            r = ncclInternalError;
-        if (r != ncclSuccess && r != ncclInProgress)
+        ncclResult_t r = lane_error(l);
+        if (r != ncclSuccess)
             return settle(x, l, r, what);
+        if (l == &x->main && (r = lane_error(&x->mask)) != ncclSuccess)
+            return settle(x, &x->mask, r, what);
         TRY(wait_more(x, deadline, what));
     }
 }

@@ -17,6 +17,7 @@
 #include <cuda_runtime.h>
 
 #include "dev.h"
+#include "exec.h"
 #include "scape_kernels.h"
 #include "try.h"
 
@@ -92,6 +93,12 @@ static scape_rc cu_create(dev_t **out, int device, void *main, comm_t *comm, int
     (void)seed;
     *out = NULL;
     const char *why = NULL;
+    cudaError_t e = cudaSetDevice(device); /* the checks below are of this device */
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return scape_set_error(SCAPE_UNSUPPORTED, "executor cuda: cudaSetDevice(%d): %s",
+                               device, cudaGetErrorString(e));
+    }
     if (!kern_cuda_available(&why))
         return scape_set_error(SCAPE_UNSUPPORTED, "executor cuda: %s", why);
     dev_t *d = calloc(1, sizeof *d);
@@ -143,10 +150,29 @@ static void cu_release(dev_t *d, void *p, int pinned)
         cudaFree(p);
 }
 
+static scape_rc cu_sync(dev_t *d);
+
+/* Host memory CUDA does not know (malloc'd): a copy to it returns only once
+ * it has run, behind everything queued, collectives included. */
+static int pageable(const void *p)
+{
+    struct cudaPointerAttributes at;
+    if (cudaPointerGetAttributes(&at, p) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 1;
+    }
+    return at.type == cudaMemoryTypeUnregistered;
+}
+
 static scape_rc cu_copy(dev_t *d, int s, void *dst, const void *src, size_t bytes)
 {
-    if (bytes)
-        CU(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, d->s[s]), "cudaMemcpyAsync");
+    if (bytes == 0)
+        return SCAPE_OK;
+    /* with pageable memory on either side the copy would wait without a
+     * bound: wait, bounded, for the queued work first */
+    if (pageable(dst) || pageable(src))
+        TRY(cu_sync(d));
+    CU(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, d->s[s]), "cudaMemcpyAsync");
     return SCAPE_OK;
 }
 
@@ -195,6 +221,9 @@ static scape_rc drain(dev_t *d, int s, double deadline)
 
 static scape_rc cu_sync(dev_t *d)
 {
+    if (d->stuck)
+        return scape_set_error(SCAPE_CUDA, "executor cuda: an earlier wait for the device "
+                               "failed; its work may never finish (restore from a checkpoint)");
     double deadline = now_ms() + d->timeout_ms;
     for (int s = 0; s < DEV_STREAMS; s++) {
         scape_rc rc = s == DEV_MAIN && d->borrowed ? comm_device_sync(d->comm)
@@ -250,6 +279,17 @@ static scape_rc cu_resolve(dev_t *d, const void *p, size_t bytes, const void **o
                            "neither device memory nor pinned host memory (the daemon reads "
                            "CUDA IPC buffers in place and registers shared memory with "
                            "cudaHostRegister)", bytes);
+}
+
+scape_rc exec_cuda_use_device(int device)
+{
+    cudaError_t e = cudaSetDevice(device);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return scape_set_error(SCAPE_CUDA, "executor cuda: cudaSetDevice(%d): %s", device,
+                               cudaGetErrorString(e));
+    }
+    return SCAPE_OK;
 }
 
 const dev_ops dev_cuda_ops = {

@@ -1,4 +1,4 @@
-/* engine.h - one rank's optimizer: the SCAPE step of algorithm.md and the
+/* engine.h - one rank's optimizer: the SCAPE step of docs/algorithm.md and the
  * dense/top-k baselines behind the same interface.
  *
  * An engine holds the first moment m, the fp32 master parameters (the whole
@@ -124,7 +124,7 @@ typedef struct eng_step_stats {
 
 typedef struct eng eng_t;
 
-/* Defaults of algorithm.md: scape, replicated, rho 0.01, W 1, 0.9/0.95/1e-8/0. */
+/* Defaults of docs/algorithm.md: scape, replicated, rho 0.01, W 1, 0.9/0.95/1e-8/0. */
 void eng_config_default(eng_config *cfg);
 /* Names as used in configuration files ("scape", "topk-adamw", "sharded"...). */
 const char *eng_optimizer_name(eng_optimizer opt);

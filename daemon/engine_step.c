@@ -1,4 +1,4 @@
-/* engine_step.c - the phases of one step (algorithm.md, "Step t"), written
+/* engine_step.c - the phases of one step (docs/algorithm.md, "Step t"), written
  * once for every executor (exec.h).
  *
  * the mask (all ones in warm-up and for the dense optimizers, else the lagged

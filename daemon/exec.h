@@ -122,5 +122,8 @@ extern const exec_ops exec_dev_ops;
 
 /* 1 when this build can run the cuda executor here; *why says why not. */
 int exec_cuda_available(const char **why);
+/* Make `device` the calling thread's CUDA device (the daemon does it once,
+ * before anything of CUDA runs, so that nothing lands on device 0). */
+scape_rc exec_cuda_use_device(int device);
 
 #endif /* SCAPE_EXEC_H */

@@ -649,6 +649,7 @@ static scape_rc dev_own_topk(exec_t *x)
     dev_x *h = impl(x);
     kseg_args a = args_for(e, h);
     TRY(grad_source(x, NULL, &a));
+    a.mask = NULL; /* keys only: no mask to read */
     a.keys = h->keys;
     a.key_lo = 0;
     a.key_hi = e->p->n;

@@ -23,6 +23,7 @@
 #include "log.h"
 #include "rendezvous.h"
 #include "scape_wire.h"
+#include "exec.h"
 #include "server_internal.h"
 #include "try.h"
 
@@ -230,6 +231,8 @@ static scape_rc choose_executor(server *s)
     const char *why = "";
     TRY(cfg_resolve_executor(&s->cfg, &s->cfg.engine.executor, &why));
     s->cfg.engine.device = s->cfg.cuda_device;
+    if (s->cfg.engine.executor == ENG_EXEC_CUDA)
+        TRY(exec_cuda_use_device(s->cfg.cuda_device)); /* trainers' buffers register there */
     if (s->cfg.executor == CFG_EXEC_AUTO)
         LOG_INFO(SUB_ENGINE, "executor %s (auto: %s)",
                  eng_executor_name(s->cfg.engine.executor), why);

@@ -200,7 +200,11 @@ static __global__ void __launch_bounds__(SCAN_THREADS) topk_pick_kernel(const __
     uint32_t above = block_excl_scan<SCAN_THREADS>(mine, NULL);
     for (uint32_t q = 1; q <= per; q++) {
         uint32_t d = hi - q, c = h[d];
-        if (above < need && above + c >= need)
+        /* as the CPU version: the crossing bucket, else bucket 0 (fewer
+         * keys than need) or the top one (need 0); neither happens with
+         * k >= 1, but the state is never left stale */
+        bool hit = above + c >= need ? (above < need || (need == 0 && d == nb - 1)) : d == 0;
+        if (hit)
             kseg_record_digit(st, a.level, d, need - above, c);
         above += c;
     }
@@ -285,6 +289,20 @@ static __device__ void put_bits(uint32_t *code, uint64_t at, uint32_t v, uint32_
         atomicOr(&code[(at >> 5) + 1], hi);
 }
 
+/* count[ci]: the range's set bits before entry ci's first word, so that a
+ * bit's rank in its tensor does not depend on the other tensors' counts
+ * (the CPU version counts per tensor). */
+static __global__ void __launch_bounds__(MAP_THREADS) encode_base_kernel(const __grid_constant__ kseg_code_args a)
+{
+    for (uint64_t ci = gtid(); ci < a.nc; ci += gthreads()) {
+        const uint64_t rel = a.t[a.c[ci].tensor].word - a.w0;
+        uint32_t n = a.tiles[rel / KSEG_TILE];
+        for (uint64_t q = rel / KSEG_TILE * KSEG_TILE; q < rel; q++)
+            n += (uint32_t)__popc(a.words[a.w0 + q]);
+        a.count[ci] = n;
+    }
+}
+
 static __global__ void __launch_bounds__(KSEG_TILE) encode_kernel(const __grid_constant__ kseg_code_args a)
 {
     const uint64_t rel = (uint64_t)blockIdx.x * KSEG_TILE + threadIdx.x, w = a.w0 + rel;
@@ -301,7 +319,7 @@ static __global__ void __launch_bounds__(KSEG_TILE) encode_kernel(const __grid_c
         a.code[c.at + q_word] = bits;
         return;
     }
-    uint64_t q = pre - c.kcum;
+    uint64_t q = pre - a.count[ci];
     for (uint32_t x = bits; x; x &= x - 1, q++) {
         uint32_t i = (uint32_t)(32 * q_word) + (uint32_t)(__ffs(x) - 1);
         if (i >= t->len)
@@ -473,8 +491,11 @@ extern "C" scape_rc kseg_run_cuda(kseg_kernel k, const void *args, void *stream)
             topk_write_kernel<<<tk.nitems, KSEG_TILE, 0, s>>>(tk);
         break;
     case KSEG_ENCODE:
-        if (ca.nwords)
-            encode_kernel<<<(unsigned)kseg_tiles(ca.nwords), KSEG_TILE, 0, s>>>(ca);
+        if (ca.nwords == 0)
+            break;
+        encode_base_kernel<<<grid_for(ca.nc, MAP_THREADS), MAP_THREADS, 0, s>>>(ca);
+        TRY(launched(k));
+        encode_kernel<<<(unsigned)kseg_tiles(ca.nwords), KSEG_TILE, 0, s>>>(ca);
         break;
     case KSEG_DECODE_ZERO:
         if (ca.nwords && !ca.merge)

@@ -9,7 +9,7 @@
  * --use_fast_math): a*b + c is then two roundings everywhere, and the twins
  * agree to the last bit.
  *
- * Order of operations is part of the contract (algorithm.md):
+ * Order of operations is part of the contract (docs/algorithm.md):
  *  - the local gradient G is trainer 0's value, then each further trainer's
  *    added in trainer order (scape_f_grad_add);
  *  - a = G + e (scape_f_ef);
@@ -116,7 +116,7 @@ static inline float scape_f_bias_correction(float beta, uint64_t t)
 /* g_hat: the reduced sum over T trainers, as their mean. */
 SCAPE_HD float scape_f_mean(float sum, float div) { return sum / div; }
 
-/* AdamS with the single-buffer reconstruction (algorithm.md step 7). */
+/* AdamS with the single-buffer reconstruction (docs/algorithm.md step 7). */
 SCAPE_HD void scape_f_adams(float *theta, float *m, float g, float b1, float b2, float eps,
                             float wd, float lr)
 {

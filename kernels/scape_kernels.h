@@ -11,7 +11,7 @@
  * calling thread's last-error buffer (scape_last_error()).  Nothing aborts.
  * n == 0 is a valid, empty segment; null pointers never are.
  *
- * Arithmetic is spelled out in the order of algorithm.md and compiled without
+ * Arithmetic is spelled out in the order of docs/algorithm.md and compiled without
  * FMA contraction on both CPU and GPU, so the twins agree to the last bit on
  * the update kernels and on the masks.
  */

@@ -188,7 +188,9 @@ typedef struct kseg_code_args {
     uint32_t *words;        /* the mask words (comm space) */
     uint32_t *code;         /* the range's code */
     const uint32_t *tiles;  /* ENCODE: scan of the range's words from w0 */
-    uint32_t *count;        /* DECODE: bits per bitmap-coded tensor (nc, zeroed) */
+    uint32_t *count;        /* nc entries of scratch: DECODE counts each bitmap-coded
+                               tensor's bits there (zeroed first); the CUDA ENCODE
+                               each entry's bits before it */
     int merge;              /* DECODE: OR into the words */
     uint32_t rank;          /* DECODE: the sender, for status.first */
     kseg_status *status;

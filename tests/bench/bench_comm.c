@@ -1,6 +1,6 @@
 /* bench_comm.c - bytes on the wire per step and step time of the engine on
  * the host comm backend (ranks as threads over 127.0.0.1), next to the wire
- * cost formulas of algorithm.md.  Figures are ratios to dense AdamS of the
+ * cost formulas of docs/algorithm.md.  Figures are ratios to dense AdamS of the
  * same run; nothing fails on timing.  Exit 0, 1 on an engine, comm or
  * validation failure (ranks' final parameters not bitwise identical), 2 on
  * bad arguments.
@@ -298,9 +298,9 @@ static int run_case(const spec *s, result *res)
     return bad;
 }
 
-/* algorithm.md's bytes received per rank and step: ring all-reduce of the
+/* docs/algorithm.md's bytes received per rank and step: ring all-reduce of the
  * values plus the mask all-gather, whose payload is the mask code
- * (maskcode.h) instead of algorithm.md's N-bit bitmap: a rank receives every
+ * (maskcode.h) instead of the design's N-bit bitmap: a rank receives every
  * other rank's code, (R-1)/R of the total on average (SCAPE: the owners'
  * bits, sum_l k_l in all; topk-adamw: every rank's bits of every tensor). */
 static double formula(const result *r)

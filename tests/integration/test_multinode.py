@@ -80,7 +80,7 @@ def collectives(d):
 
 
 def owners(lens, ranks):
-    """algorithm.md: largest tensor first (ties: lower index) to the
+    """docs/algorithm.md: largest tensor first (ties: lower index) to the
     least-loaded rank (ties: lower rank)."""
     load, own = [0] * ranks, [0] * len(lens)
     for i in sorted(range(len(lens)), key=lambda i: (-lens[i], i)):
@@ -129,7 +129,7 @@ def test_daemons_match_local_backend(daemon_factory, tmp_path, trainers):
         lens = [t[2] for t in synth_layout(n)]
         own = owners(lens, len(trainers))
         k, total, mask = want
-        # algorithm.md invariant 7: one reduction of K values per step (sharded:
+        # docs/algorithm.md invariant 7: one reduction of K values per step (sharded:
         # and the all-gather of the updated values), one mask all-gather
         calls = ({"allreduce": (1, 4 * k)} if mode == "replicated" else
                  {"reduce_scatter": (1, 4 * k), "allgather": (1, 4 * k)})

@@ -1,4 +1,4 @@
-/* test_engine.c - the invariants of algorithm.md, checked step by step
+/* test_engine.c - the invariants of docs/algorithm.md, checked step by step
  * against a float64 reference written here.
  *
  * R ranks run as threads on the local comm backend.  After every step all
