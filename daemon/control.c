@@ -179,11 +179,67 @@ static scape_rc agree_layout(server *s, const eng_tensor *ts, size_t nt, kern_dt
     return SCAPE_OK;
 }
 
+/* The handle's size and its range [offset, offset + bytes). */
+static scape_rc ipc_range(const trainer *t, const Scape__MemHandle *h, const char *what,
+                          size_t *off, size_t *bytes)
+{
+    if (!h->has_ipc_handle || h->ipc_handle.len != SHM_IPC_HANDLE_BYTES)
+        return scape_set_error(SCAPE_INVALID, "register: trainer %d's %s: a CUDA IPC handle "
+                               "has %d bytes, not %zu", t->index, what, SHM_IPC_HANDLE_BYTES,
+                               h->has_ipc_handle ? h->ipc_handle.len : 0);
+    *off = h->has_offset ? (size_t)h->offset : 0;
+    *bytes = (size_t)h->bytes;
+    if (*off + *bytes < *off)
+        return scape_set_error(SCAPE_INVALID, "register: trainer %d's %s: offset %zu and %zu "
+                               "bytes overflow", t->index, what, *off, *bytes);
+    return SCAPE_OK;
+}
+
+/* A trainer's two CUDA IPC buffers in one allocation must not overlap. */
+static scape_rc check_own_ranges(const trainer *t, const Scape__Register *g)
+{
+    if (g->params->kind != SCAPE__MEM_KIND__CUDA_IPC ||
+        g->grads->kind != SCAPE__MEM_KIND__CUDA_IPC)
+        return SCAPE_OK;
+    size_t po, pb, go, gb;
+    TRY(ipc_range(t, g->params, "params", &po, &pb));
+    TRY(ipc_range(t, g->grads, "grads", &go, &gb));
+    if (memcmp(g->params->ipc_handle.data, g->grads->ipc_handle.data,
+               SHM_IPC_HANDLE_BYTES) == 0 && po < go + gb && go < po + pb)
+        return scape_set_error(SCAPE_INVALID, "register: trainer %d's grads [%zu, +%zu) "
+                               "overlap its params [%zu, +%zu) in the same CUDA allocation",
+                               t->index, go, gb, po, pb);
+    return SCAPE_OK;
+}
+
+/* A CUDA IPC buffer must not share bytes with another trainer's: a handle
+ * names the whole allocation, so two buffers in one allocation are told
+ * apart only by their offsets.  Checked before anything is opened. */
+static scape_rc check_ipc_range(const server *s, const trainer *t, const Scape__MemHandle *h,
+                                const char *what)
+{
+    size_t off, bytes;
+    TRY(ipc_range(t, h, what, &off, &bytes));
+    for (int i = 0; i < SRV_MAX_SLOTS; i++) {
+        const trainer *o = &s->slots[i];
+        if (o == t || !o->used)
+            continue;
+        const shm_map *theirs[2] = { &o->params, &o->grads };
+        for (int b = 0; b < 2; b++)
+            if (shm_map_ipc_overlap(h->ipc_handle.data, off, bytes, theirs[b]))
+                return scape_set_error(SCAPE_INVALID, "register: trainer %d's %s [%zu, +%zu) "
+                                       "overlaps trainer %d's %s in the same CUDA allocation",
+                                       t->index, what, off, bytes, o->index,
+                                       b ? "grads" : "params");
+    }
+    return SCAPE_OK;
+}
+
 /* One buffer: host shared memory by name, or a CUDA IPC handle.  The cuda
  * executor works on a CUDA IPC buffer in place and needs shared memory
  * registered; the others work on host memory (a pinned copy of the former). */
-static scape_rc map_one(const server *s, const Scape__MemHandle *h, size_t need,
-                        const char *what, shm_map *m)
+static scape_rc map_one(const server *s, const trainer *t, const Scape__MemHandle *h,
+                        size_t need, const char *what, shm_map *m)
 {
     int cuda = s->cfg.engine.executor == ENG_EXEC_CUDA;
     if (h->kind == SCAPE__MEM_KIND__SHM) {
@@ -196,18 +252,19 @@ static scape_rc map_one(const server *s, const Scape__MemHandle *h, size_t need,
     if (h->kind != SCAPE__MEM_KIND__CUDA_IPC)
         return scape_set_error(SCAPE_INVALID, "register: %s: unknown memory kind %d", what,
                                (int)h->kind);
-    if (!h->has_ipc_handle)
-        return scape_set_error(SCAPE_INVALID, "register: %s: CUDA_IPC without a handle", what);
-    return shm_map_open_cuda(m, h->ipc_handle.data, h->ipc_handle.len, (size_t)h->bytes, need,
+    TRY(check_ipc_range(s, t, h, what));
+    return shm_map_open_cuda(m, h->ipc_handle.data, h->ipc_handle.len,
+                             h->has_offset ? (size_t)h->offset : 0, (size_t)h->bytes, need,
                              s->cfg.cuda_device, !cuda, what);
 }
 
 static scape_rc map_buffers(server *s, const Scape__Register *g, size_t numel,
                             kern_dtype pdt, kern_dtype gdt, trainer *t)
 {
-    scape_rc rc = map_one(s, g->params, numel * kern_dtype_size(pdt), "params", &t->params);
+    TRY(check_own_ranges(t, g));
+    scape_rc rc = map_one(s, t, g->params, numel * kern_dtype_size(pdt), "params", &t->params);
     if (rc == SCAPE_OK)
-        rc = map_one(s, g->grads, numel * kern_dtype_size(gdt), "grads", &t->grads);
+        rc = map_one(s, t, g->grads, numel * kern_dtype_size(gdt), "grads", &t->grads);
     if (rc != SCAPE_OK)
         srv_close_map(s, &t->params, 0);
     return rc;

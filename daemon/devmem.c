@@ -38,8 +38,9 @@ static get_range_fn address_range(void)
     return fn;
 }
 
-scape_rc shm_map_open_cuda(shm_map *m, const void *handle, size_t handle_len, size_t declared,
-                           size_t need, int device, int mirror, const char *what)
+scape_rc shm_map_open_cuda(shm_map *m, const void *handle, size_t handle_len, size_t offset,
+                           size_t declared, size_t need, int device, int mirror,
+                           const char *what)
 {
     memset(m, 0, sizeof *m);
     if (handle == NULL || handle_len != SHM_IPC_HANDLE_BYTES)
@@ -67,11 +68,13 @@ scape_rc shm_map_open_cuda(shm_map *m, const void *handle, size_t handle_len, si
     if (range == NULL || range(&base, &size, (unsigned long long)(uintptr_t)dev) != 0)
         rc = scape_set_error(SCAPE_CUDA, "%s: cannot measure the CUDA IPC buffer "
                              "(cuMemGetAddressRange)", what);
-    else if (size - ((unsigned long long)(uintptr_t)dev - base) < declared)
-        rc = scape_set_error(SCAPE_INVALID, "%s: the CUDA buffer holds %zu bytes, the trainer "
-                             "declared %zu", what,
-                             (size_t)(size - ((unsigned long long)(uintptr_t)dev - base)),
-                             declared);
+    else {
+        size_t held = (size_t)(size - ((unsigned long long)(uintptr_t)dev - base));
+        if (offset > held || held - offset < declared)
+            rc = scape_set_error(SCAPE_INVALID, "%s: %zu bytes at offset %zu pass the end of "
+                                 "the CUDA allocation the handle names (%zu bytes)", what,
+                                 declared, offset, held);
+    }
     void *host = NULL;
     if (rc == SCAPE_OK && mirror &&
         (e = cudaMallocHost(&host, declared ? declared : 1)) != cudaSuccess)
@@ -81,7 +84,9 @@ scape_rc shm_map_open_cuda(shm_map *m, const void *handle, size_t handle_len, si
         cudaIpcCloseMemHandle(dev);
         return rc;
     }
-    *m = (shm_map){ .addr = host, .bytes = declared, .dev = dev };
+    *m = (shm_map){ .addr = host, .bytes = declared, .dev = (char *)dev + offset,
+                    .mapped = dev, .offset = offset };
+    memcpy(m->ipc, handle, sizeof m->ipc);
     snprintf(m->name, sizeof m->name, "cuda-ipc:%d", device);
     return SCAPE_OK;
 }
@@ -175,8 +180,8 @@ scape_rc shm_map_write(shm_map *m, const void *src, size_t bytes)
 
 void shm_map_close_cuda(shm_map *m)
 {
-    if (m->dev)
-        cudaIpcCloseMemHandle(m->dev);
+    if (m->mapped)
+        cudaIpcCloseMemHandle(m->mapped);
     if (m->addr)
         cudaFreeHost(m->addr);
     memset(m, 0, sizeof *m);

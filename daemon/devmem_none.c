@@ -3,10 +3,12 @@
 
 #include "shm.h"
 
-scape_rc shm_map_open_cuda(shm_map *m, const void *handle, size_t handle_len, size_t declared,
-                           size_t need, int device, int mirror, const char *what)
+scape_rc shm_map_open_cuda(shm_map *m, const void *handle, size_t handle_len, size_t offset,
+                           size_t declared, size_t need, int device, int mirror,
+                           const char *what)
 {
     (void)mirror;
+    (void)offset;
     (void)handle;
     (void)handle_len;
     (void)declared;

@@ -78,3 +78,10 @@ void shm_map_close(shm_map *m, int unlink_it)
         shm_unlink(m->name);
     memset(m, 0, sizeof *m);
 }
+
+int shm_map_ipc_overlap(const void *handle, size_t offset, size_t bytes, const shm_map *other)
+{
+    if (other->dev == NULL || memcmp(handle, other->ipc, SHM_IPC_HANDLE_BYTES) != 0)
+        return 0;
+    return offset < other->offset + other->bytes && other->offset < offset + bytes;
+}

@@ -13,6 +13,7 @@
 #include "scape_rc.h"
 
 #define SHM_NAME_MAX 128
+#define SHM_IPC_HANDLE_BYTES 64  /* sizeof(cudaIpcMemHandle_t) */
 
 typedef struct shm_map {
     void *addr;              /* host memory: the mapping, or a CUDA IPC
@@ -20,7 +21,12 @@ typedef struct shm_map {
     size_t bytes;
     char name[SHM_NAME_MAX];
     void *dev;               /* CUDA IPC: the trainer's device buffer */
+    void *mapped;            /* CUDA IPC: what cudaIpcOpenMemHandle returned (the
+                                allocation's start, dev - offset), for closing */
     int pinned;              /* shm registered with cudaHostRegister */
+    unsigned char ipc[SHM_IPC_HANDLE_BYTES]; /* CUDA IPC: the handle, which names the
+                                                whole allocation */
+    size_t offset;           /* CUDA IPC: the buffer's place in that allocation */
 } shm_map;
 
 /* What the engine reads and writes: the pinned copy or the mapping, else
@@ -37,13 +43,16 @@ void shm_map_close(shm_map *m, int unlink_it);
 
 /* ---- devmem.c: CUDA IPC buffers -------------------------------------------- */
 
-#define SHM_IPC_HANDLE_BYTES 64  /* sizeof(cudaIpcMemHandle_t) */
-
-/* Open the trainer's cudaIpcMemHandle on `device`; the allocation must hold
- * exactly `declared` bytes and at least `need`; with `mirror`, also
- * allocate the pinned host copy.  UNSUPPORTED in a build without CUDA. */
-scape_rc shm_map_open_cuda(shm_map *m, const void *handle, size_t handle_len, size_t declared,
-                           size_t need, int device, int mirror, const char *what);
+/* Open the trainer's cudaIpcMemHandle on `device`: the buffer is `declared`
+ * bytes (at least `need`) at `offset` in the allocation the handle names,
+ * which must hold them; with `mirror`, also allocate the pinned host copy.
+ * UNSUPPORTED in a build without CUDA. */
+scape_rc shm_map_open_cuda(shm_map *m, const void *handle, size_t handle_len, size_t offset,
+                           size_t declared, size_t need, int device, int mirror,
+                           const char *what);
+/* 1 when two CUDA IPC buffers share bytes: the same allocation, ranges
+ * [offset, offset + bytes) that overlap. */
+int shm_map_ipc_overlap(const void *handle, size_t offset, size_t bytes, const shm_map *other);
 /* Register a shm mapping with CUDA (cudaHostRegister), so that kernels read
  * and write it; shm_map_close unregisters it before unmapping. */
 scape_rc shm_map_pin(shm_map *m, const char *what);

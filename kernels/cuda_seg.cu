@@ -86,7 +86,8 @@ static __global__ void __launch_bounds__(SCAN_THREADS) scan_tiles_kernel(uint32_
 /* ---- word-range kernels ----------------------------------------------------------- */
 
 template <kseg_kernel OP>
-static __global__ void __launch_bounds__(KSEG_TILE) word_kernel(const __grid_constant__ kseg_args a)
+static __global__ void __launch_bounds__(KSEG_TILE)
+    word_kernel(const __grid_constant__ kseg_args a)
 {
     __shared__ uint32_t s_bits[KSEG_TILE], s_off[KSEG_TILE];
     const uint64_t tile = a.w0 / KSEG_TILE + blockIdx.x;
@@ -124,13 +125,15 @@ static __global__ void __launch_bounds__(KSEG_TILE) word_kernel(const __grid_con
     }
 }
 
-static __global__ void __launch_bounds__(MAP_THREADS) gsum_kernel(const __grid_constant__ kseg_args a)
+static __global__ void __launch_bounds__(MAP_THREADS)
+    gsum_kernel(const __grid_constant__ kseg_args a)
 {
     for (uint64_t i = gtid(); i < a.n; i += gthreads())
         a.out[i] = kseg_grad(&a, i);
 }
 
-static __global__ void __launch_bounds__(MAP_THREADS) churn_kernel(const __grid_constant__ kseg_args a)
+static __global__ void __launch_bounds__(MAP_THREADS)
+    churn_kernel(const __grid_constant__ kseg_args a)
 {
     unsigned long long fresh = 0, total = 0;
     for (uint64_t w = a.w0 + gtid(); w < a.w1; w += gthreads()) {
@@ -159,7 +162,8 @@ static __device__ const kseg_tensor *item_span(const kseg_topk_args &a, const ks
 }
 
 template <int LEVEL>
-static __global__ void __launch_bounds__(KSEG_TILE) topk_hist_kernel(const __grid_constant__ kseg_topk_args a)
+static __global__ void __launch_bounds__(KSEG_TILE)
+    topk_hist_kernel(const __grid_constant__ kseg_topk_args a)
 {
     __shared__ uint32_t h[KSEG_BINS0];
     const unsigned bins = LEVEL == 0 ? KSEG_BINS0 : KSEG_BINS;
@@ -186,7 +190,8 @@ static __global__ void __launch_bounds__(KSEG_TILE) topk_hist_kernel(const __gri
 
 /* Thread q owns bins [hi - per, hi) counted from the top; a scan of their
  * sums gives the keys above each bin, and one bin crosses `need`. */
-static __global__ void __launch_bounds__(SCAN_THREADS) topk_pick_kernel(const __grid_constant__ kseg_topk_args a)
+static __global__ void __launch_bounds__(SCAN_THREADS)
+    topk_pick_kernel(const __grid_constant__ kseg_topk_args a)
 {
     const uint32_t sel = blockIdx.x;
     const uint32_t nb = a.level == 0 ? KSEG_BINS0 : KSEG_BINS, per = nb / SCAN_THREADS;
@@ -210,7 +215,8 @@ static __global__ void __launch_bounds__(SCAN_THREADS) topk_pick_kernel(const __
     }
 }
 
-static __global__ void __launch_bounds__(KSEG_TILE) topk_count_kernel(const __grid_constant__ kseg_topk_args a)
+static __global__ void __launch_bounds__(KSEG_TILE)
+    topk_count_kernel(const __grid_constant__ kseg_topk_args a)
 {
     const kseg_item it = a.items[blockIdx.x];
     const kseg_tstate s = a.st[it.sel];
@@ -230,13 +236,15 @@ static __global__ void __launch_bounds__(KSEG_TILE) topk_count_kernel(const __gr
         a.item_eq[blockIdx.x] = total;
 }
 
-static __global__ void __launch_bounds__(SCAN_THREADS) topk_scan_kernel(const __grid_constant__ kseg_topk_args a)
+static __global__ void __launch_bounds__(SCAN_THREADS)
+    topk_scan_kernel(const __grid_constant__ kseg_topk_args a)
 {
     uint32_t i0 = a.item0[blockIdx.x], i1 = a.item0[blockIdx.x + 1];
     block_scan_run(a.item_eq + i0, i1 - i0);
 }
 
-static __global__ void __launch_bounds__(KSEG_TILE) topk_write_kernel(const __grid_constant__ kseg_topk_args a)
+static __global__ void __launch_bounds__(KSEG_TILE)
+    topk_write_kernel(const __grid_constant__ kseg_topk_args a)
 {
     __shared__ uint32_t s_gt[KSEG_TILE], s_eq[KSEG_TILE];
     const kseg_item it = a.items[blockIdx.x];
@@ -292,7 +300,8 @@ static __device__ void put_bits(uint32_t *code, uint64_t at, uint32_t v, uint32_
 /* count[ci]: the range's set bits before entry ci's first word, so that a
  * bit's rank in its tensor does not depend on the other tensors' counts
  * (the CPU version counts per tensor). */
-static __global__ void __launch_bounds__(MAP_THREADS) encode_base_kernel(const __grid_constant__ kseg_code_args a)
+static __global__ void __launch_bounds__(MAP_THREADS)
+    encode_base_kernel(const __grid_constant__ kseg_code_args a)
 {
     for (uint64_t ci = gtid(); ci < a.nc; ci += gthreads()) {
         const uint64_t rel = a.t[a.c[ci].tensor].word - a.w0;
@@ -303,7 +312,8 @@ static __global__ void __launch_bounds__(MAP_THREADS) encode_base_kernel(const _
     }
 }
 
-static __global__ void __launch_bounds__(KSEG_TILE) encode_kernel(const __grid_constant__ kseg_code_args a)
+static __global__ void __launch_bounds__(KSEG_TILE)
+    encode_kernel(const __grid_constant__ kseg_code_args a)
 {
     const uint64_t rel = (uint64_t)blockIdx.x * KSEG_TILE + threadIdx.x, w = a.w0 + rel;
     const bool live = rel < a.nwords;
@@ -331,7 +341,8 @@ static __global__ void __launch_bounds__(KSEG_TILE) encode_kernel(const __grid_c
         bad_code(a, c.tensor, KSEG_BAD_K);
 }
 
-static __global__ void __launch_bounds__(MAP_THREADS) decode_zero_kernel(const __grid_constant__ kseg_code_args a)
+static __global__ void __launch_bounds__(MAP_THREADS)
+    decode_zero_kernel(const __grid_constant__ kseg_code_args a)
 {
     for (uint64_t rel = gtid(); rel < a.nwords; rel += gthreads()) {
         uint64_t w = a.w0 + rel;
@@ -340,7 +351,8 @@ static __global__ void __launch_bounds__(MAP_THREADS) decode_zero_kernel(const _
     }
 }
 
-static __global__ void __launch_bounds__(MAP_THREADS) decode_map_kernel(const __grid_constant__ kseg_code_args a)
+static __global__ void __launch_bounds__(MAP_THREADS)
+    decode_map_kernel(const __grid_constant__ kseg_code_args a)
 {
     for (uint64_t rel = gtid(); rel < a.nwords; rel += gthreads()) {
         uint64_t w = a.w0 + rel;
@@ -372,7 +384,8 @@ static __device__ uint32_t code_of_pos(const kseg_code_args &a, uint64_t f)
     return lo;
 }
 
-static __global__ void __launch_bounds__(MAP_THREADS) decode_pos_kernel(const __grid_constant__ kseg_code_args a)
+static __global__ void __launch_bounds__(MAP_THREADS)
+    decode_pos_kernel(const __grid_constant__ kseg_code_args a)
 {
     for (uint64_t f = gtid(); f < a.npos; f += gthreads()) {
         const kseg_code c = a.c[code_of_pos(a, f)];
@@ -388,7 +401,8 @@ static __global__ void __launch_bounds__(MAP_THREADS) decode_pos_kernel(const __
     }
 }
 
-static __global__ void __launch_bounds__(MAP_THREADS) decode_check_kernel(const __grid_constant__ kseg_code_args a)
+static __global__ void __launch_bounds__(MAP_THREADS)
+    decode_check_kernel(const __grid_constant__ kseg_code_args a)
 {
     for (uint32_t ci = threadIdx.x; ci < a.nc; ci += blockDim.x)
         if (!a.c[ci].by_index && a.count[ci] != a.t[a.c[ci].tensor].k)

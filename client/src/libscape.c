@@ -320,6 +320,8 @@ static scape_rc register_layout(scape_session *s, const scape_tensor *layout, si
             m[i]->has_device = 1;
             m[i]->device = b[i]->device;
             m[i]->bytes = b[i]->bytes;
+            m[i]->has_offset = 1;
+            m[i]->offset = b[i]->offset;
         }
     } else {
         mp.shm_name = s->params.name;

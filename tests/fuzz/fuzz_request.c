@@ -273,6 +273,43 @@ static void reg(fuzz_buf *b, uint8_t who, int slot)
     put_req(b, who, &q);
 }
 
+/* A registration of two CUDA IPC buffers in one (forged) allocation, at
+ * the offsets given: the range checks' input (no handle here can open). */
+static void reg_ipc(fuzz_buf *b, uint8_t who, uint64_t poff, uint64_t goff)
+{
+    static uint8_t handle[64];
+    for (int i = 0; i < 64; i++)
+        handle[i] = (uint8_t)(i * 7 + 1);
+    Scape__Tensor w = SCAPE__TENSOR__INIT;
+    w.name = "w";
+    w.offset = 0;
+    w.length = NUMEL;
+    Scape__Tensor *ts[] = { &w };
+    Scape__MemHandle ph = SCAPE__MEM_HANDLE__INIT, gh = SCAPE__MEM_HANDLE__INIT;
+    Scape__MemHandle *hs[2] = { &ph, &gh };
+    uint64_t off[2] = { poff, goff };
+    for (int i = 0; i < 2; i++) {
+        hs[i]->kind = SCAPE__MEM_KIND__CUDA_IPC;
+        hs[i]->has_ipc_handle = 1;
+        hs[i]->ipc_handle.data = handle;
+        hs[i]->ipc_handle.len = sizeof handle;
+        hs[i]->bytes = NUMEL * sizeof(float);
+        hs[i]->has_offset = 1;
+        hs[i]->offset = off[i];
+        hs[i]->has_device = 1;
+    }
+    Scape__Register g = SCAPE__REGISTER__INIT;
+    g.n_tensors = 1;
+    g.tensors = ts;
+    g.param_dtype = g.grad_dtype = SCAPE__DTYPE__F32;
+    g.params = &ph;
+    g.grads = &gh;
+    Scape__Request q = SCAPE__REQUEST__INIT;
+    q.body_case = SCAPE__REQUEST__BODY_REGISTER;
+    q.register_ = &g;
+    put_req(b, who, &q);
+}
+
 static void step(fuzz_buf *b, uint8_t who, uint64_t t)
 {
     Scape__Step st = SCAPE__STEP__INIT;
@@ -344,6 +381,16 @@ void fuzz_seeds(fuzz_emit emit, void *ctx)
     bare(b, 0 | 4, SCAPE__REQUEST__BODY_DETACH);
     bare(b, 3 | 4, SCAPE__REQUEST__BODY_STATUS);
     emit(ctx, "refusals", b->data, b->len);
+
+    /* CUDA IPC registrations: overlapping in one allocation, apart in it,
+     * and one whose offset overflows; none can open here. */
+    b->len = 0;
+    hello(b, 0, -1);
+    reg_ipc(b, 0, 0, NUMEL * sizeof(float) - 4);
+    reg_ipc(b, 0, 0, NUMEL * sizeof(float));
+    reg_ipc(b, 0, UINT64_MAX - 8, 0);
+    bare(b, 3, SCAPE__REQUEST__BODY_STATUS);
+    emit(ctx, "cuda-ipc-ranges", b->data, b->len);
 
     /* A third trainer joins a running job, then scapectl shuts it down. */
     b->len = 0;

@@ -49,6 +49,15 @@ def mem_shm(name, nbytes):
     return field(1, VARINT, 0) + field(2, LEN, name) + field(4, VARINT, nbytes)
 
 
+def mem_ipc(handle, nbytes, offset=None, device=0):
+    """A CUDA IPC MemHandle: the handle's bytes as given (forged in tests)."""
+    body = field(1, VARINT, 1) + field(3, LEN, handle) + field(4, VARINT, nbytes)
+    body += field(5, VARINT, device)
+    if offset is not None:
+        body += field(6, VARINT, offset)
+    return body
+
+
 def register(tensors, params, grads, pdt=0, gdt=0):
     body = b"".join(field(1, LEN, tensor(*t)) for t in tensors)
     body += field(2, VARINT, pdt) + field(3, VARINT, gdt)

@@ -15,7 +15,7 @@ import zmq
 import pbwire
 from conftest import binary, run_reference, run_trainer, synth_layout
 
-PROTO, INVALID, REMOTE = 7, 1, 8
+PROTO, INVALID, REMOTE, CUDA, UNSUPPORTED = 7, 1, 8, 4, 10
 ENGINE = ["--rho", "0.01", "--warmup", "3"]
 
 
@@ -146,6 +146,45 @@ def bad_inputs(ctx, endpoint, layout, n):
     finally:
         bufs.close()
         p.close()
+
+
+def test_cuda_ipc_ranges_checked_before_opening(daemon_factory, tmp_path):
+    """A CUDA IPC handle names a whole allocation: forged registrations whose
+    buffers overlap in one allocation, with a handle of the wrong size or an
+    offset that overflows are refused with the trainer and the buffer named,
+    before the daemon opens anything (so also in a build without CUDA, or
+    without a GPU); a well-formed one gets as far as opening the handle,
+    which fails here; and the daemon goes on serving a real trainer."""
+    n = 1000
+    d = daemon_factory(*ENGINE)
+    layout = synth_layout(n)
+    total = sum(t[2] for t in layout)
+    ctx = zmq.Context()
+    p = Probe(ctx, d.endpoint)
+    try:
+        status, _, _ = p.ask(pbwire.hello(os.getpid(), name="forger"))
+        assert status == 0
+        h = bytes(range(64))
+        p.refused(INVALID, "grads [%d, +%d) overlap its params [0, +%d)" % (
+            4 * total - 4, 4 * total, 4 * total), pbwire.register(
+            layout, pbwire.mem_ipc(h, 4 * total, 0), pbwire.mem_ipc(h, 4 * total, 4 * total - 4)))
+        p.refused(INVALID, "overlap its params", pbwire.register(  # the same block twice
+            layout, pbwire.mem_ipc(h, 4 * total), pbwire.mem_ipc(h, 4 * total)))
+        p.refused(INVALID, "params: a CUDA IPC handle has 64 bytes, not 63", pbwire.register(
+            layout, pbwire.mem_ipc(h[:63], 4 * total), pbwire.mem_ipc(h, 4 * total, 4 * total)))
+        p.refused(INVALID, "bytes overflow", pbwire.register(
+            layout, pbwire.mem_ipc(h, 4 * total, 2 ** 64 - 8), pbwire.mem_ipc(h, 4 * total, 0)))
+        # apart in one allocation: past the checks, refused where the handle is opened
+        status, msg, _ = p.ask(pbwire.register(
+            layout, pbwire.mem_ipc(h, 4 * total, 0), pbwire.mem_ipc(h, 4 * total, 4 * total)))
+        assert status in (UNSUPPORTED, CUDA, INVALID) and "overlap" not in msg, (status, msg)
+        status, msg, _ = p.ask(pbwire.detach())  # the slot is the real trainer's then
+        assert status == 0, msg
+    finally:
+        p.close()
+        ctx.term()
+    run_trainer(d.endpoint, 0, n, 20, out=str(tmp_path / "t0"))
+    assert d.stop() == 0
 
 
 def test_bad_input_refused_while_another_trainer_completes(daemon_factory, tmp_path):
