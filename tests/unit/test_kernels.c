@@ -22,45 +22,17 @@
 
 #include "scape_kernels.h"
 #include "check_run.h"
+#include "test_rng.h"
 
 /* ---- random inputs ------------------------------------------------------ */
 
 static uint64_t s_seed;
 
-static uint64_t splitmix(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-typedef struct rng { uint64_t s; } rng;
-
-/* A generator of its own for each test and loop index, so that any one test
- * replays alone from the printed seed. */
-static rng rng_make(const char *name, int i)
-{
-    uint64_t h = 1469598103934665603ull;
-    for (; *name; name++)
-        h = (h ^ (unsigned char)*name) * 1099511628211ull;
-    rng r = { s_seed ^ h ^ ((uint64_t)(unsigned)i << 48) };
-    return r;
-}
-
-static uint64_t rng_next(rng *r) { return splitmix(&r->s); }
+/* A generator of its own for each test and loop index (test_rng.h). */
+static rng rng_make(const char *name, int i) { return rng_for(s_seed, name, i); }
 static uint32_t rng_u32(rng *r) { return (uint32_t)(rng_next(r) >> 32); }
 static double rng_unit(rng *r) { return (double)(rng_next(r) >> 11) * 0x1p-53; }
 
-/* Signed values over 16 binades, with an occasional +0 or -0. */
-static float rng_float(rng *r)
-{
-    uint64_t x = rng_next(r);
-    if ((x & 63) == 0)
-        return (x & 64) ? -0.0f : 0.0f;
-    double mag = ldexp(1.0 + (double)(x >> 40) * 0x1p-24, (int)((x >> 8) & 15) - 10);
-    return (float)((x & 128) ? -mag : mag);
-}
 
 static uint64_t pick_seed(void)
 {
@@ -71,7 +43,7 @@ static uint64_t pick_seed(void)
     clock_gettime(CLOCK_REALTIME, &ts);
     uint64_t s = (uint64_t)ts.tv_sec ^ ((uint64_t)ts.tv_nsec << 20) ^
                  ((uint64_t)getpid() << 40);
-    return splitmix(&s);
+    return rng_splitmix(&s);
 }
 
 /* ---- buffers: exact-size inputs, guarded and poisoned outputs ----------- */
