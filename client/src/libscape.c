@@ -18,6 +18,8 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 #include <zmq.h>
@@ -229,8 +231,9 @@ static scape_rc check_attach(const scape_tensor *layout, size_t nt, const scape_
         return scape_set_error(SCAPE_INVALID, "scape_attach: CUDA device %d", o->device);
     if ((unsigned)o->param_dtype > SCAPE_DTYPE_BF16 || (unsigned)o->grad_dtype > SCAPE_DTYPE_BF16)
         return scape_set_error(SCAPE_INVALID, "scape_attach: unknown dtype");
-    if (o->timeout_ms < 1)
-        return scape_set_error(SCAPE_INVALID, "scape_attach: timeout_ms must be >= 1");
+    if (o->timeout_ms < 1 || o->start_wait_ms < 0)
+        return scape_set_error(SCAPE_INVALID, "scape_attach: timeout_ms must be >= 1 and "
+                               "start_wait_ms >= 0");
     size_t end = 0;
     for (size_t i = 0; i < nt; i++) {
         if (layout[i].name == NULL || layout[i].length == 0)
@@ -241,6 +244,66 @@ static scape_rc check_attach(const scape_tensor *layout, size_t nt, const scape_
     }
     *numel = end;
     return SCAPE_OK;
+}
+
+/* Whether something listens on the Unix socket at path: 0 yes, else the
+ * errno of the attempt (ENOENT: no socket; ECONNREFUSED: a socket nobody
+ * serves, left by a daemon that died). */
+static int probe_socket(const char *path)
+{
+    struct sockaddr_un a;
+    if (strlen(path) >= sizeof a.sun_path)
+        return ENAMETOOLONG;
+    memset(&a, 0, sizeof a);
+    a.sun_family = AF_UNIX;
+    memcpy(a.sun_path, path, strlen(path));
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return errno;
+    int rc = connect(fd, (struct sockaddr *)&a, sizeof a) == 0 ? 0 : errno;
+    close(fd);
+    return rc;
+}
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* An ipc:// endpoint must have a daemon behind it: fail at once, saying
+ * where we looked, rather than wait for a reply that cannot come; with
+ * start_wait_ms, wait that long for it to appear, saying so once. */
+static scape_rc find_daemon(const scape_session *s)
+{
+    if (strncmp(s->endpoint, "ipc://", 6) != 0)
+        return SCAPE_OK; /* another transport: its connect tells */
+    const char *path = s->endpoint + 6;
+    double until = now_s() + 1e-3 * s->opts.start_wait_ms;
+    int said = 0, err;
+    while ((err = probe_socket(path)) != 0 && now_s() < until) {
+        if (!said++)
+            fprintf(stderr, "libscape: waiting up to %.0f s for scaped at %s to start\n",
+                    1e-3 * s->opts.start_wait_ms, s->endpoint);
+        nanosleep(&(struct timespec){ 0, 50000000 }, NULL);
+    }
+    if (err == 0)
+        return SCAPE_OK;
+    char dir[256];
+    snprintf(dir, sizeof dir, "%s", path);
+    char *slash = strrchr(dir, '/');
+    if (slash)
+        *slash = '\0';
+    return scape_set_error(SCAPE_REMOTE, "no scaped at %s: %s (runtime directory %s); is "
+                           "scaped running? Start it first, or point the trainer at its "
+                           "runtime directory (SCAPE_RUNTIME_DIR) or endpoint "
+                           "(SCAPE_ENDPOINT)", s->endpoint,
+                           err == ENOENT ? "its control socket does not exist"
+                           : err == ECONNREFUSED ? "its control socket is there but no "
+                                                   "daemon serves it (one that stopped?)"
+                                                 : strerror(err),
+                           slash ? dir : ".");
 }
 
 static scape_rc connect_socket(scape_session *s, const char *endpoint)
@@ -254,7 +317,7 @@ static scape_rc connect_socket(scape_session *s, const char *endpoint)
         snprintf(s->endpoint, sizeof s->endpoint, "%s", env);
     else if ((rc = wire_runtime_dir(dir, sizeof dir)) == SCAPE_OK)
         rc = wire_endpoint(s->endpoint, sizeof s->endpoint, dir, "control");
-    if (rc != SCAPE_OK)
+    if (rc != SCAPE_OK || (rc = find_daemon(s)) != SCAPE_OK)
         return rc;
     s->zctx = zmq_ctx_new();
     s->sock = s->zctx ? zmq_socket(s->zctx, ZMQ_DEALER) : NULL;

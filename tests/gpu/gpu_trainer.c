@@ -31,8 +31,16 @@ int main(int argc, char **argv)
     size_t n = 1000;
     uint64_t steps = 10, seed = 1;
     float lr = 1e-2f;
-    for (int i = 1; i + 1 < argc; i += 2) {
+    for (int i = 1; i < argc; i += 2) {
         const char *k = argv[i], *v = argv[i + 1];
+        if (!strcmp(k, "--help") || !strcmp(k, "-h")) {
+            puts("usage: gpu_trainer [--endpoint EP] [--index I] [--device D] [--n N] "
+                 "[--steps S] [--seed X] [--lr LR] [--out FILE]\n"
+                 "trainer_c with its buffers on CUDA device D (CUDA IPC)");
+            return 0;
+        }
+        if (v == NULL)
+            return fail("usage: a value is missing after", k);
         if (!strcmp(k, "--endpoint")) endpoint = v;
         else if (!strcmp(k, "--out")) out = v;
         else if (!strcmp(k, "--index")) index = atoi(v);

@@ -42,13 +42,29 @@ static scape_rc parse_trainers(const char *v, args *a)
     return a->ranks ? SCAPE_OK : scape_set_error(SCAPE_INVALID, "bad --trainers '%s'", v);
 }
 
+static const char s_usage[] =
+    "usage: reference [--trainers T0,T1,...] [--n N] [--steps S] [--seed X] [--lr LR]\n"
+    "                 [--rho RHO] [--warmup W] [--optimizer OPT] [--mode MODE]\n"
+    "                 [--out FILE] [--timing FILE]\n"
+    "The in-process engine (ranks as threads, the host executor) on the synthetic\n"
+    "problem the test trainers train, for comparison with a daemon's results.\n";
+
+/* 0 to run, 1 after --help, 2 on a bad flag. */
 static int parse(int argc, char **argv, args *a)
 {
     *a = (args){ .ranks = 1, .tr = { 1 }, .n = 1000, .steps = 10, .seed = 1, .lr = 1e-2f };
     eng_config_default(&a->cfg);
-    for (int i = 1; i + 1 < argc; i += 2) {
+    for (int i = 1; i < argc; i += 2) {
         const char *k = argv[i], *v = argv[i + 1];
         scape_rc rc = SCAPE_OK;
+        if (!strcmp(k, "--help") || !strcmp(k, "-h")) {
+            fputs(s_usage, stdout);
+            return 1;
+        }
+        if (v == NULL) {
+            fprintf(stderr, "reference: %s needs a value\n%s", k, s_usage);
+            return 2;
+        }
         if (!strcmp(k, "--trainers")) rc = parse_trainers(v, a);
         else if (!strcmp(k, "--n")) a->n = strtoull(v, NULL, 0);
         else if (!strcmp(k, "--steps")) a->steps = strtoull(v, NULL, 0);
@@ -139,8 +155,9 @@ static void *rank_main(void *arg)
 int main(int argc, char **argv)
 {
     args a;
-    if (parse(argc, argv, &a))
-        return 2;
+    int how = parse(argc, argv, &a);
+    if (how)
+        return how == 1 ? 0 : 2;
     size_t off[SYNTH_MAX_TENSORS], len[SYNTH_MAX_TENSORS];
     char names[SYNTH_MAX_TENSORS][16];
     size_t nt = synth_layout(a.n, off, len, names);

@@ -172,11 +172,15 @@ def test_bfloat16_buffers_are_uint16(daemon_factory):
 
 
 def test_errors(daemon_factory, tmp_path):
+    # no daemon: refused at once, not after timeout_ms, saying where it looked
     missing = "ipc://%s/control" % tmp_path
+    t0 = time.monotonic()
     with pytest.raises(scape.ScapeError) as e:
-        scape.attach(missing, [("w", 10)], timeout_ms=200)
-    assert e.value.code == scape.Rc.TIMEOUT and e.value.code.name == "TIMEOUT"
-    assert missing in e.value.message
+        scape.attach(missing, [("w", 10)])
+    assert time.monotonic() - t0 < 1.0
+    assert e.value.code == scape.Rc.REMOTE and e.value.code.name == "REMOTE"
+    assert missing in e.value.message and "is scaped running?" in e.value.message
+    assert "runtime directory %s" % tmp_path in e.value.message
 
     d = daemon_factory(*ENGINE)
     with scape.attach(d.endpoint, [("w", 10), ("b", 1)]) as s:
@@ -211,6 +215,51 @@ def cuda_usable():
         return False
     n = ctypes.c_int(0)
     return cudart.cudaGetDeviceCount(ctypes.byref(n)) == 0 and n.value > 0
+
+
+def test_attach_waits_for_a_starting_daemon_when_asked(tmp_path, capfd):
+    """start_wait_ms: a trainer started before its daemon says once that it
+    waits, and attaches when the daemon comes up."""
+    import tempfile
+    import threading
+    rt = os.path.join(tempfile.mkdtemp(prefix="scape-sw-"), "rt")
+    endpoint = "ipc://%s/control" % rt
+    got = {}
+
+    def attach():
+        try:
+            got["s"] = scape.attach(endpoint, [("w", 10)], start_wait_ms=20000)
+        except scape.ScapeError as e:
+            got["e"] = e
+
+    t = threading.Thread(target=attach)
+    t.start()
+    time.sleep(0.5)  # the trainer is waiting before the daemon starts
+    d = subprocess.Popen([binary("daemon", "scaped"), "--runtime-dir", rt],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        t.join(30)
+        assert not t.is_alive() and "s" in got, got
+        got["s"].detach()
+    finally:
+        d.send_signal(signal.SIGTERM)
+        d.wait(timeout=20)
+    err = capfd.readouterr().err
+    assert err.count("waiting up to 20 s for scaped at %s" % endpoint) == 1, err
+
+
+def test_c_trainer_without_daemon_says_so_at_once(tmp_path):
+    t0 = time.monotonic()
+    p = subprocess.run([binary("tests", "integration", "trainer_c"), "--endpoint",
+                        "ipc://%s/control" % tmp_path, "--steps", "1"],
+                       capture_output=True, text=True, timeout=30)
+    assert time.monotonic() - t0 < 1.0
+    assert p.returncode != 0 and "is scaped running?" in p.stderr, p.stderr
+    assert "its control socket does not exist" in p.stderr, p.stderr
+    # --help answers without attaching
+    h = subprocess.run([binary("tests", "integration", "trainer_c"), "--help"],
+                       capture_output=True, text=True, timeout=10)
+    assert h.returncode == 0 and h.stdout.startswith("usage: trainer_c"), (h.stdout, h.stderr)
 
 
 def test_rc_names_match_libscape():

@@ -30,11 +30,27 @@ typedef struct args {
     uint64_t stop_before;
 } args;
 
+static const char s_usage[] =
+    "usage: trainer_c [--endpoint EP] [--index I] [--n N] [--steps S] [--seed X] [--lr LR]\n"
+    "                 [--sleep-ms MS] [--stop-before STEP] [--out FILE] [--timing FILE]\n"
+    "A test trainer: attaches to scaped (EP, else $SCAPE_ENDPOINT, else the runtime\n"
+    "directory's control socket), trains the synthetic problem of synth.h for S\n"
+    "steps and writes its final parameters to FILE.\n";
+
+/* 0 to run, 1 after --help, 2 on a bad flag. */
 static int parse(int argc, char **argv, args *a)
 {
     *a = (args){ .index = -1, .n = 1000, .steps = 10, .seed = 1, .lr = 1e-2f };
-    for (int i = 1; i + 1 < argc; i += 2) {
+    for (int i = 1; i < argc; i += 2) {
         const char *k = argv[i], *v = argv[i + 1];
+        if (!strcmp(k, "--help") || !strcmp(k, "-h")) {
+            fputs(s_usage, stdout);
+            return 1;
+        }
+        if (v == NULL) {
+            fprintf(stderr, "trainer_c: %s needs a value\n%s", k, s_usage);
+            return 2;
+        }
         if (!strcmp(k, "--endpoint")) a->endpoint = v;
         else if (!strcmp(k, "--out")) a->out = v;
         else if (!strcmp(k, "--timing")) a->timing = v;
@@ -95,8 +111,9 @@ static int write_out(const char *path, const float *p, size_t n)
 int main(int argc, char **argv)
 {
     args a;
-    if (parse(argc, argv, &a))
-        return 2;
+    int how = parse(argc, argv, &a);
+    if (how)
+        return how == 1 ? 0 : 2;
     size_t off[SYNTH_MAX_TENSORS], len[SYNTH_MAX_TENSORS];
     char names[SYNTH_MAX_TENSORS][16];
     size_t nt = synth_layout(a.n, off, len, names);

@@ -47,6 +47,9 @@ typedef struct scape_options {
     int device;              /* CUDA device ordinal for SCAPE_MEMORY_CUDA */
     int index;               /* wanted trainer slot, -1 (default): lowest free */
     int timeout_ms;          /* longest wait for any reply, default 600000 */
+    int start_wait_ms;       /* how long to wait for scaped's control socket to appear
+                                (a daemon still starting; said once on stderr),
+                                default 0: no daemon there fails scape_attach at once */
 } scape_options;
 
 /* Per-step figures the daemon returns. */

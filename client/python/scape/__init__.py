@@ -199,9 +199,11 @@ class Session:
 
 
 def attach(endpoint=None, layout=(), dtype="float32", grad_dtype=None, index=-1,
-           timeout_ms=600000, device="cpu"):
+           timeout_ms=600000, device="cpu", start_wait_ms=0):
     """Attach to scaped at endpoint (None: $SCAPE_ENDPOINT, else the default
-    runtime directory) with layout, and return a Session."""
+    runtime directory) with layout, and return a Session.  With no daemon
+    there it fails at once (ScapeError, saying where it looked), unless
+    start_wait_ms gives a daemon that is still starting that long."""
     tensors = _tensors(layout)
     try:
         (pd, pc), (gd, gc) = _DTYPES[dtype], _DTYPES[grad_dtype or dtype]
@@ -211,7 +213,7 @@ def attach(endpoint=None, layout=(), dtype="float32", grad_dtype=None, index=-1,
     lib.scape_options_default(ctypes.byref(opts))
     opts.param_dtype, opts.grad_dtype = pd, gd
     opts.memory, opts.device = _memory(device)
-    opts.index, opts.timeout_ms = index, timeout_ms
+    opts.index, opts.timeout_ms, opts.start_wait_ms = index, timeout_ms, start_wait_ms
     names = [str(name).encode() for name, _, _ in tensors]
     c_layout = (Tensor * len(tensors))(*[Tensor(nm, off, n)
                                          for nm, (_, off, n) in zip(names, tensors)])

@@ -24,7 +24,8 @@ class Options(ctypes.Structure):
                 ("memory", ctypes.c_int),
                 ("device", ctypes.c_int),
                 ("index", ctypes.c_int),
-                ("timeout_ms", ctypes.c_int)]
+                ("timeout_ms", ctypes.c_int),
+                ("start_wait_ms", ctypes.c_int)]
 
 
 class StepInfo(ctypes.Structure):

@@ -19,7 +19,8 @@ class ScapeOptimizer(torch.optim.Optimizer):
     flat buffers are libscape's cudaMalloc'd IPC buffers, which scape.attach
     hands over as CUDA tensors (unverified on a GPU so far)."""
 
-    def __init__(self, params, endpoint=None, lr=1e-3, index=-1, timeout_ms=600000):
+    def __init__(self, params, endpoint=None, lr=1e-3, index=-1, timeout_ms=600000,
+                 start_wait_ms=0):
         named = [p if isinstance(p, tuple) else ("p%d" % i, p) for i, p in enumerate(params)]
         super().__init__([p for _, p in named], dict(lr=lr))
         devices = {p.device for _, p in named}
@@ -28,7 +29,8 @@ class ScapeOptimizer(torch.optim.Optimizer):
                              sorted({"%s %s" % (p.dtype, p.device) for _, p in named}))
         device = devices.pop()
         self.session = scape.attach(endpoint, [(n, p.numel()) for n, p in named],
-                                    index=index, timeout_ms=timeout_ms, device=str(device))
+                                    index=index, timeout_ms=timeout_ms, device=str(device),
+                                    start_wait_ms=start_wait_ms)
         if self.session.device_ptrs is None:
             flat_p = torch.from_numpy(self.session.params)
             flat_g = torch.from_numpy(self.session.grads)
