@@ -158,6 +158,13 @@ static void last_step(const prom *m, const Scape__StepDone *d)
         gauge(m, "scape_mask_overlap",
               "Fraction of the lagged mask all-gather hidden behind other work.",
               d->mask_overlap);
+    if (d->has_grad_norm)
+        gauge(m, "scape_grad_norm",
+              "Global L2 norm of the last step's mean gradient, before clipping.",
+              d->grad_norm);
+    if (d->has_clip)
+        gauge(m, "scape_clip_factor",
+              "Factor the last step's mean gradient was scaled by (1: not clipped).", d->clip);
     if (d->has_handover_copy_bytes)
         gauge(m, "scape_handover_copy_bytes", "Gradient bytes copied in the last handover.",
               (double)d->handover_copy_bytes);

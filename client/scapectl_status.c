@@ -139,6 +139,8 @@ static void print_last(printer *p, const Scape__StepDone *d)
     print_optional(p, "mask_overlap", "Mask overlap", d->has_mask_overlap, d->mask_overlap);
     if (d->has_launches)
         pr_uint(p, "launches", "Kernel launches", d->launches, NULL);
+    print_optional(p, "grad_norm", "Gradient norm", d->has_grad_norm, d->grad_norm);
+    print_optional(p, "clip", "Clip factor", d->has_clip, d->clip);
     if (d->has_handover_copy_bytes)
         pr_uint(p, "handover_copy_bytes", "Handover copy", d->handover_copy_bytes,
                 fmt_bytes(b, sizeof b, d->handover_copy_bytes));
@@ -168,6 +170,9 @@ static void print_identity(printer *p, const Scape__StatusReply *st)
     pr_real(p, "rho", "Rho", st->rho, NULL);
     if (st->executor)
         pr_str(p, "executor", "Executor", st->executor);
+    if (st->has_max_grad_norm)
+        pr_real(p, "max_grad_norm", "Max grad norm", st->max_grad_norm,
+                st->max_grad_norm > 0.0f ? NULL : "0 (no clipping)");
 }
 
 static void print_status(printer *p, const Scape__StatusReply *st)

@@ -170,6 +170,10 @@ static const cfg_key s_keys[] = {
       .doc = "denominator guard" },
     { .name = "weight_decay", .type = KT_FLOAT, .offset = OFF(engine.hyper.wd), .min = 0,
       .max = HUGE_VAL, .max_open = 1, .def = "0", .doc = "decoupled weight decay lambda" },
+    { .name = "max_grad_norm", .type = KT_FLOAT, .offset = OFF(engine.max_grad_norm),
+      .min = 0, .max = HUGE_VAL, .max_open = 1, .def = "0",
+      .doc = "clip the mean gradient to this global L2 norm before the update (torch's "
+             "clip_grad_norm_; 0: no clipping)" },
     { .name = "engine_threads", .type = KT_INT, .offset = OFF(engine.threads), .min = 1,
       .max = 256, .def = "1",
       .doc = "threads for the step's data-parallel phases (results do not depend on it)" },

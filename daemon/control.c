@@ -343,6 +343,13 @@ static scape_rc on_register(server *s, trainer *t, const Scape__Register *g)
     if (g->n_tensors == 0 || g->n_tensors > MAX_TENSORS)
         return scape_set_error(SCAPE_INVALID, "register: %zu tensors (1..%u allowed)",
                                g->n_tensors, MAX_TENSORS);
+    if (g->has_max_grad_norm && g->max_grad_norm != s->cfg.engine.max_grad_norm)
+        return scape_set_error(SCAPE_INVALID, "register: trainer %d expects max_grad_norm "
+                               "%g, but this daemon clips at %g (0: not at all): configure "
+                               "the daemon with max_grad_norm: %g, or give the trainer %g",
+                               t->index, (double)g->max_grad_norm,
+                               (double)s->cfg.engine.max_grad_norm, (double)g->max_grad_norm,
+                               (double)s->cfg.engine.max_grad_norm);
     kern_dtype pdt = KERN_F32, gdt = KERN_F32;
     scape_rc rc = parse_dtype(g->param_dtype, &pdt);
     if (rc == SCAPE_OK)
@@ -537,6 +544,9 @@ static void fill_step_done(server *s, const eng_step_stats *st, double wait, dou
     d->mask_bytes = st->mask_bytes;
     d->has_launches = 1;
     d->launches = st->launches;
+    d->has_grad_norm = d->has_clip = s->cfg.engine.max_grad_norm > 0.0f;
+    d->grad_norm = st->grad_norm;
+    d->clip = st->clip;
     s->have_last = 1;
 }
 

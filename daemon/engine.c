@@ -118,17 +118,23 @@ static scape_rc check_config(const eng_config *c)
     if (!(h->eps > 0.0f) || !(h->wd >= 0.0f) || !isfinite(h->wd))
         return scape_set_error(SCAPE_INVALID, "config: eps=%g must be > 0, wd=%g >= 0",
                                (double)h->eps, (double)h->wd);
+    if (!(c->max_grad_norm >= 0.0f) || !isfinite(c->max_grad_norm))
+        return scape_set_error(SCAPE_INVALID, "config: max_grad_norm=%g must be >= 0 "
+                               "(0: no clipping)", (double)c->max_grad_norm);
     return SCAPE_OK;
 }
 
 uint64_t eng_config_hash(const eng_config *c)
 {
+    /* max_grad_norm only when set, so that a configuration without it
+     * hashes as it did before the key existed */
     double f[] = { (double)c->optimizer, (double)c->mode, c->rho, (double)c->warmup,
                    (double)c->hyper.beta1, (double)c->hyper.beta2,
-                   (double)c->hyper.eps, (double)c->hyper.wd };
+                   (double)c->hyper.eps, (double)c->hyper.wd, (double)c->max_grad_norm };
+    size_t nf = sizeof f / sizeof f[0] - (c->max_grad_norm > 0.0f ? 0 : 1);
     uint64_t h = 0xcbf29ce484222325ull;
     const unsigned char *b = (const unsigned char *)f;
-    for (size_t i = 0; i < sizeof f; i++) {
+    for (size_t i = 0; i < nf * sizeof f[0]; i++) {
         h ^= b[i];
         h *= 0x100000001b3ull;
     }
@@ -152,7 +158,8 @@ static scape_rc alloc_state(eng_t *e)
     e->toff = calloc(p->ntensors + 1, sizeof(size_t));
     e->counts = calloc(R, sizeof(size_t));
     e->code_bytes = calloc(R, sizeof(size_t));
-    if (e->toff == NULL || e->counts == NULL || e->code_bytes == NULL)
+    e->sq = calloc(R, sizeof(double));
+    if (e->toff == NULL || e->counts == NULL || e->code_bytes == NULL || e->sq == NULL)
         return scape_set_error(SCAPE_NOMEM, "engine: cannot allocate state for N=%zu", n);
     /* SCAPE: each rank sends its shard's bits; topk-adamw: every rank all of its own. */
     for (size_t r = 0; r < R; r++) {
@@ -250,7 +257,7 @@ void eng_destroy(eng_t **ep)
     eng_ckpt_unstage(e);
     plan_destroy(&e->p);
     void *bufs[] = { e->code_bytes, e->toff, e->counts, e->ghat, e->ghave, e->bounce,
-                     e->mbounce };
+                     e->mbounce, e->sq };
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         free(bufs[i]);
     free(e);

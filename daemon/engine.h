@@ -65,6 +65,9 @@ typedef struct eng_config {
     uint32_t residual_chunk; /* cuda/sim: about this many coordinates of the
                                 residual stream through the GPU at a time
                                 (whole mask words; default 4 Mi, >= 32) */
+    float max_grad_norm;     /* > 0: scale g_hat so that its global L2 norm is
+                                at most this (torch's clip_grad_norm_ rule,
+                                docs/design.md); 0: no clipping (default) */
 } eng_config;
 
 typedef struct eng_tensor {
@@ -108,6 +111,9 @@ typedef struct eng_step_stats {
                              comm counts that all-gather here too, not in the
                              step that started it */
     double phase_s[ENG_PH_COUNT];
+    double grad_norm;     /* max_grad_norm: the global L2 norm of g_hat before
+                             clipping (0 without max_grad_norm) */
+    double clip;          /* the factor g_hat was scaled by (1: not clipped) */
     uint64_t launches;    /* kernels the executor launched for this step (its
                              deferred selection included); 0 on the host */
     /* Bytes each phase's work moved, by the executor's byte model of its own

@@ -92,6 +92,11 @@ struct eng {
     } staged[ENG_CKPT_MAX_SECS];
     int nstaged;
 
+    /* max_grad_norm: this step's clipping coefficient for the update (0:
+     * none), and each rank's sum of squares of g_hat (host, comm size). */
+    float clip;
+    double *sq;
+
     float *ghat;         /* inspection only: the last g_hat, comm order */
     unsigned char *ghave;
 

@@ -322,6 +322,48 @@ static scape_rc keep_ghat(eng_t *e, size_t k)
     return rc;
 }
 
+/* max_grad_norm: the clipping coefficient of this step from the global norm
+ * of g_hat.  Each rank's sum of squares covers the tensors it owns (the
+ * chunks of scape_formula.h's rule start at each owner's first value); the
+ * owners' sums then add in rank order, so that both modes and every
+ * executor get the same bits.  Replicated ranks hold every sum and compute
+ * all R; sharded ones compute their own and all-gather the R doubles (the
+ * one scalar collective). */
+static scape_rc clip_coef(eng_t *e, uint64_t t)
+{
+    int R = e->comm->size;
+    e->clip = 0.0f;
+    e->last.grad_norm = 0.0;
+    e->last.clip = 1.0;
+    if (!(e->cfg.max_grad_norm > 0.0f))
+        return SCAPE_OK;
+    const plan_shard *sh = e->p->shard;
+    if (e->cfg.mode == ENG_MODE_REPLICATED) {
+        for (int r = 0; r < R; r++)
+            TRY(e->x->ops->sqsum(e->x, sh[r].first, sh[r].count, &e->sq[r]));
+        TRY(e->x->ops->sync(e->x));
+    } else {
+        TRY(e->x->ops->sqsum(e->x, sh[e->rank].first, sh[e->rank].count, &e->sq[e->rank]));
+        TRY(e->x->ops->sync(e->x));
+        for (int r = 0; r < R; r++)
+            e->counts[r] = sizeof(double);
+        TRY(comm_allgather(e->comm, &e->sq[e->rank], e->sq, e->counts));
+    }
+    double total = 0.0;
+    for (int r = 0; r < R; r++)
+        total += e->sq[r];
+    if (!isfinite(total))
+        return scape_set_error(SCAPE_INVALID, "engine: step %llu: the mean gradient's norm "
+                               "is not finite (%g); the update is not applied",
+                               (unsigned long long)t, total);
+    double norm = sqrt(total);
+    float c = scape_f_clip_coef(norm, e->cfg.max_grad_norm);
+    e->last.grad_norm = norm;
+    e->last.clip = c < 1.0f ? (double)c : 1.0;
+    e->clip = c < 1.0f ? c : 0.0f;
+    return SCAPE_OK;
+}
+
 /* The new parameters, comm order, into `dst`: packed at the mask (sparse) or
  * whole (dense); sharded ranks then all-gather their parts in place. */
 static scape_rc gather_updates(eng_t *e, float *dst)
@@ -393,6 +435,7 @@ static scape_rc step_phases(eng_t *e, uint64_t t, float lr, const void *const *g
     PHASE(ENG_PH_REDUCE, reduce(e, e->mask_cur ? e->send : e->dense, k));
     if (e->ghat)
         TRY(keep_ghat(e, k));
+    PHASE(ENG_PH_UPDATE, clip_coef(e, t));
     size_t first, count;
     eng_update_range(e, &first, &count);
     PHASE(ENG_PH_UPDATE, e->x->ops->update(e->x, first, count, t, lr));

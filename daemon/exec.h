@@ -70,6 +70,11 @@ typedef struct exec_ops {
     /* The optimizer update of comm-order tensors [first, first + count) from
      * the reduced sums at e->sum (packed, or dense). */
     scape_rc (*update)(exec_t *x, size_t first, size_t count, uint64_t t, float lr);
+    /* max_grad_norm: the sum of the squares of g_hat = S / T over the reduced
+     * values of comm-order tensors [first, first + count) at e->sum, by the
+     * rule of scape_formula.h (scape_f_sqsum_chunk), into *out (host memory)
+     * once sync() has returned.  At most comm size sums between syncs. */
+    scape_rc (*sqsum)(exec_t *x, size_t first, size_t count, double *out);
     /* Their new parameters into dst (packed at the mask, or dense), comm order. */
     scape_rc (*compact)(exec_t *x, size_t first, size_t count, float *dst);
     /* The values at src (packed, or dense; comm order) into every trainer's

@@ -94,6 +94,10 @@ typedef struct dev_x {
     uint64_t launched;   /* kernels since the last times() */
     int tr_host;         /* trainers' buffers resolved in host memory (last resolve) */
     double norm;
+    double *sq, *sq_out, *sq_h; /* max_grad_norm: device chunk totals, the sums
+                                   (device) and their pinned copy */
+    double **sq_to;             /* where each pending sum goes at sync */
+    int sq_n;                   /* pending sums */
     uint64_t dev_bytes, pin_bytes;
 } dev_x;
 
@@ -361,6 +365,14 @@ static scape_rc dev_create(exec_t *x)
     }
     if (h->key_hi > h->key_lo)
         TRY(dalloc(h, (h->key_hi - h->key_lo) * sizeof(uint32_t), 0, &h->keys));
+    if (e->cfg.max_grad_norm > 0.0f) {
+        size_t R = (size_t)e->comm->size;
+        TRY(dalloc(h, kseg_sq_chunks(p->n) * sizeof(double), 0, &h->sq));
+        TRY(dalloc(h, R * sizeof(double), 0, &h->sq_out));
+        TRY(dalloc(h, R * sizeof(double), 1, &h->sq_h));
+        if ((h->sq_to = calloc(R, sizeof *h->sq_to)) == NULL)
+            return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
+    }
     return h->ops->sync(h->d);
 }
 
@@ -383,11 +395,12 @@ static void dev_destroy(exec_t *x)
         h->ops->sync(h->d); /* nothing may still write what is freed */
         void *dv[] = { e->m, e->v, e->theta, h->wide, e->g, e->send, e->upd, e->mask_buf[0],
                        e->mask_buf[1], e->code_all, h->tiles, h->status, h->tt, h->slot[0],
-                       h->slot[1], h->keys };
+                       h->slot[1], h->keys, h->sq, h->sq_out };
         for (size_t i = 0; i < sizeof dv / sizeof dv[0]; i++)
             dfree(h, dv[i], 0);
         dfree(h, e->e, !h->resident);
         dfree(h, h->status_h, 1);
+        dfree(h, h->sq_h, 1);
         free_sel(h, &h->own);
         free_sel(h, &h->all);
         for (int r = 0; h->ranges && r < h->nranges; r++) {
@@ -399,6 +412,7 @@ static void dev_destroy(exec_t *x)
     }
     free(h->ranges);
     free(h->chunks);
+    free(h->sq_to);
     free(h);
     x->impl = NULL;
 }
@@ -825,10 +839,30 @@ static scape_rc dev_update(exec_t *x, size_t first, size_t count, uint64_t t, fl
     a.div = (float)e->t_total;
     a.bc1 = a.adamw ? scape_f_bias_correction(hy->beta1, t) : 1.0f;
     a.bc2 = a.adamw ? scape_f_bias_correction(hy->beta2, t) : 1.0f;
+    a.clip = e->clip;
     uint64_t n, k, w;
     range_sizes(e, first, count, &n, &k, &w);
     count_masked(x, n, k, w, 2 * (a.adamw ? 3 : 2)); /* theta, m (v), read and written */
     return run(h, KSEG_UPDATE, &a);
+}
+
+static scape_rc dev_sqsum(exec_t *x, size_t first, size_t count, double *out)
+{
+    eng_t *e = x->e;
+    dev_x *h = impl(x);
+    if (h->sq_to == NULL || h->sq_n == e->comm->size)
+        return scape_set_error(SCAPE_INVALID, "engine: sum of squares %s",
+                               h->sq_to ? "requested too often before a sync"
+                                        : "without max_grad_norm");
+    kseg_args a = args_for(e, h);
+    a.in = e->sum + e->toff[first];
+    a.n = e->toff[first + count] - e->toff[first];
+    a.div = (float)e->t_total;
+    a.sq = h->sq;
+    a.sq_total = h->sq_out + h->sq_n;
+    h->sq_to[h->sq_n++] = out;
+    exec_count(x, 4 * a.n + 8 * kseg_sq_chunks(a.n) * 2, 0);
+    return run(h, KSEG_SQSUM, &a);
 }
 
 static scape_rc dev_compact(exec_t *x, size_t first, size_t count, float *dst)
@@ -917,7 +951,13 @@ static scape_rc dev_sync(exec_t *x)
     eng_t *e = x->e;
     dev_x *h = impl(x);
     TRY(h->ops->copy(h->d, DEV_MAIN, h->status_h, h->status, sizeof *h->status));
+    int nsq = h->sq_n;
+    h->sq_n = 0;
+    if (nsq)
+        TRY(h->ops->copy(h->d, DEV_MAIN, h->sq_h, h->sq_out, (size_t)nsq * sizeof(double)));
     TRY(h->ops->sync(h->d));
+    for (int i = 0; i < nsq; i++)
+        *h->sq_to[i] = h->sq_h[i];
     const kseg_status *st = h->status_h;
     if (h->churn_due) {
         e->last.mask_churn = st->churn[1] ? (double)st->churn[0] / (double)st->churn[1] : 0.0;
@@ -990,6 +1030,7 @@ const exec_ops exec_dev_ops = {
     .churn = dev_churn,
     .offsets = dev_offsets,
     .update = dev_update,
+    .sqsum = dev_sqsum,
     .compact = dev_compact,
     .write_back = dev_write_back,
     .load_theta = dev_load_theta,

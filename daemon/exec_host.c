@@ -15,6 +15,7 @@
 #include <time.h>
 
 #include "engine_internal.h"
+#include "scape_formula.h"
 
 /* One piece of the pack: coordinates [c, c + len) of tensor j (comm order). */
 typedef struct item {
@@ -33,6 +34,8 @@ typedef struct host_x {
     float *sstat;        /* defer_select: the statistic at M_t's coordinates of
                             the owned tensors, packed like `send` (K_cap) */
     double begun[ENG_PH_COUNT], spent[ENG_PH_COUNT];
+    double *sq;          /* max_grad_norm: the chunks' sums of squares */
+    size_t sq_cap;
 } host_x;
 
 static host_x *impl(const exec_t *x) { return x->impl; }
@@ -147,6 +150,7 @@ static void host_destroy(exec_t *x)
         free(h->gchunk);
         free(h->topk_scratch);
         free(h->sstat);
+        free(h->sq);
         free(h);
     }
     x->impl = NULL;
@@ -427,7 +431,9 @@ static scape_rc update_tensor(void *ctx, size_t i, int w)
     const float *sum = e->sum + e->toff[u->first + i];
     const uint32_t *mask = e->mask_cur ? e->mask_cur + t->word : NULL;
     float div = (float)e->t_total;
-    const kern_hyper *h = &e->cfg.hyper;
+    kern_hyper hc = e->cfg.hyper;
+    const kern_hyper *h = &hc;
+    hc.clip = e->clip;
     (void)w;
     if (eng_uses_v(e))
         return mask ? kern_adamw_masked(e->theta + s, e->m + s, e->v + s, sum, div, mask,
@@ -445,6 +451,48 @@ static scape_rc host_update(exec_t *x, size_t first, size_t n_t, uint64_t t, flo
     range_sizes(x->e, first, n_t, &n, &k, &w);
     count_masked(x, n, k, w, 2 * (eng_uses_v(x->e) ? 3 : 2)); /* theta, m (v) read, written */
     return pool_run(impl(x)->pool, n_t, update_tensor, &u);
+}
+
+typedef struct sq_ctx {
+    const float *in;
+    size_t n;
+    float div;
+    double *part;
+} sq_ctx;
+
+static scape_rc sq_chunk(void *ctx, size_t c, int w)
+{
+    const sq_ctx *q = ctx;
+    size_t left = q->n - c * SCAPE_SQ_CHUNK;
+    (void)w;
+    q->part[c] = scape_f_sqsum_chunk(q->in + c * SCAPE_SQ_CHUNK,
+                                     left < SCAPE_SQ_CHUNK ? left : SCAPE_SQ_CHUNK, q->div);
+    return SCAPE_OK;
+}
+
+/* The chunks on the pool, their totals added in order. */
+static scape_rc host_sqsum(exec_t *x, size_t first, size_t n_t, double *out)
+{
+    eng_t *e = x->e;
+    host_x *h = impl(x);
+    sq_ctx q = { .in = e->sum + e->toff[first], .n = e->toff[first + n_t] - e->toff[first],
+                 .div = (float)e->t_total };
+    size_t nc = (q.n + SCAPE_SQ_CHUNK - 1) / SCAPE_SQ_CHUNK;
+    if (nc > h->sq_cap) {
+        double *p = realloc(h->sq, nc * sizeof *p);
+        if (p == NULL)
+            return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
+        h->sq = p;
+        h->sq_cap = nc;
+    }
+    q.part = h->sq;
+    count(x, 4 * q.n);
+    TRY(pool_run(h->pool, nc, sq_chunk, &q));
+    double total = 0.0;
+    for (size_t c = 0; c < nc; c++)
+        total += h->sq[c];
+    *out = total;
+    return SCAPE_OK;
 }
 
 static scape_rc compact_tensor(void *ctx, size_t i, int w)
@@ -592,6 +640,7 @@ const exec_ops exec_host_ops = {
     .churn = host_churn,
     .offsets = host_offsets,
     .update = host_update,
+    .sqsum = host_sqsum,
     .compact = host_compact,
     .write_back = host_write_back,
     .load_theta = host_load_theta,

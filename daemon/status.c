@@ -70,6 +70,8 @@ static void fill_status(server *s, status_buf *b)
     st->device_bytes = comm_device_bytes(s->comm) + eng_device_bytes(s->eng);
     st->has_pinned_bytes = 1;
     st->pinned_bytes = eng_pinned_bytes(s->eng);
+    st->has_max_grad_norm = 1;
+    st->max_grad_norm = s->cfg.engine.max_grad_norm;
     st->has_device_bytes_per_param = 1;
     st->device_bytes_per_param = s->numel ? (double)st->device_bytes / (double)s->numel : 0.0;
     uint64_t sent, recvd;

@@ -64,7 +64,7 @@ scape_rc kern_adams_masked(float *theta, float *m, const float *sum, float div,
         size_t base = w * 32;
         while (bits) {
             unsigned i = (unsigned)__builtin_ctz(bits);
-            scape_f_adams(theta + base + i, m + base + i, scape_f_mean(sum[j++], div), b1,
+            scape_f_adams(theta + base + i, m + base + i, scape_f_clip(scape_f_mean(sum[j++], div), h->clip), b1,
                           b2, eps, wd, lr);
             bits &= bits - 1;
         }
@@ -81,7 +81,7 @@ scape_rc kern_adams_dense(float *theta, float *m, const float *sum, float div,
         return rc;
     const float b1 = h->beta1, b2 = h->beta2, eps = h->eps, wd = h->wd;
     for (size_t i = 0; i < n; i++)
-        scape_f_adams(theta + i, m + i, scape_f_mean(sum[i], div), b1, b2, eps, wd, lr);
+        scape_f_adams(theta + i, m + i, scape_f_clip(scape_f_mean(sum[i], div), h->clip), b1, b2, eps, wd, lr);
     return SCAPE_OK;
 }
 
@@ -98,7 +98,7 @@ scape_rc kern_adamw_dense(float *theta, float *m, float *v, const float *sum,
     const float b1 = h->beta1, b2 = h->beta2, eps = h->eps, wd = h->wd;
     const float bc1 = kern_bias_correction(b1, t), bc2 = kern_bias_correction(b2, t);
     for (size_t i = 0; i < n; i++)
-        scape_f_adamw(theta + i, m + i, v + i, scape_f_mean(sum[i], div), b1, b2, eps, wd,
+        scape_f_adamw(theta + i, m + i, v + i, scape_f_clip(scape_f_mean(sum[i], div), h->clip), b1, b2, eps, wd,
                       lr, bc1, bc2);
     return SCAPE_OK;
 }
@@ -126,7 +126,7 @@ scape_rc kern_adamw_masked(float *theta, float *m, float *v, const float *sum,
         while (bits) {
             unsigned i = (unsigned)__builtin_ctz(bits);
             scape_f_adamw(theta + base + i, m + base + i, v + base + i,
-                          scape_f_mean(sum[j++], div), b1, b2, eps, wd, lr, bc1, bc2);
+                          scape_f_clip(scape_f_mean(sum[j++], div), h->clip), b1, b2, eps, wd, lr, bc1, bc2);
             bits &= bits - 1;
         }
     }

@@ -84,6 +84,22 @@ static void churn(const kseg_args *a)
     a->status->churn[1] += total;
 }
 
+/* The chunks' totals, then their sum in order (the CUDA version's two
+ * kernels). */
+static void sqsum(const kseg_args *a)
+{
+    uint64_t nc = kseg_sq_chunks(a->n);
+    for (uint64_t c = 0; c < nc; c++) {
+        uint64_t left = a->n - c * SCAPE_SQ_CHUNK;
+        a->sq[c] = scape_f_sqsum_chunk(a->in + c * SCAPE_SQ_CHUNK,
+                                       left < SCAPE_SQ_CHUNK ? left : SCAPE_SQ_CHUNK, a->div);
+    }
+    double total = 0.0;
+    for (uint64_t c = 0; c < nc; c++)
+        total += a->sq[c];
+    *a->sq_total = total;
+}
+
 /* ---- top-k ------------------------------------------------------------------ */
 
 /* Call fn(key, bit, word index within the item) for every element of item it. */
@@ -306,6 +322,7 @@ scape_rc kseg_run_cpu(kseg_kernel k, const void *args)
     case KSEG_LOAD_THETA: word_range(k, a); break;
     case KSEG_GSUM: gsum(a); break;
     case KSEG_CHURN: churn(a); break;
+    case KSEG_SQSUM: sqsum(a); break;
     case KSEG_TOPK_HIST: topk_hist(tk); break;
     case KSEG_TOPK_PICK: topk_pick(tk); break;
     case KSEG_TOPK_COUNT: topk_count(tk); break;

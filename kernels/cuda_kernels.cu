@@ -426,7 +426,7 @@ extern "C" scape_rc kern_cuda_mask_or(uint32_t *dst, const uint32_t *src, size_t
 /* ---- Adam family: the updates of scape_formula.h ------------------------- */
 
 struct adam_par {
-    float div, b1, b2, eps, wd, lr, bc1, bc2;
+    float div, b1, b2, eps, wd, lr, bc1, bc2, clip;
 };
 
 __device__ __forceinline__ void adams_one(float &theta, float &m, float g, const adam_par &p)
@@ -442,7 +442,7 @@ __device__ __forceinline__ void adamw_one(float &theta, float &m, float &v, floa
 
 static adam_par make_par(const kern_hyper *h, float div, float lr, uint64_t t)
 {
-    adam_par p = {div, h->beta1, h->beta2, h->eps, h->wd, lr, 1.0f, 1.0f};
+    adam_par p = {div, h->beta1, h->beta2, h->eps, h->wd, lr, 1.0f, 1.0f, h->clip};
     if (t) {
         p.bc1 = kern_bias_correction(h->beta1, t);
         p.bc2 = kern_bias_correction(h->beta2, t);
@@ -459,7 +459,7 @@ struct adams_dense_op {
         vec<float, V> th = ld<V>(theta, v), mv = ld<V>(m, v), s = ld<V>(sum, v);
 #pragma unroll
         for (int i = 0; i < V; i++)
-            adams_one(th.x[i], mv.x[i], scape_f_mean(s.x[i], p.div), p);
+            adams_one(th.x[i], mv.x[i], scape_f_clip(scape_f_mean(s.x[i], p.div), p.clip), p);
         st<V>(m, v, mv);
         st<V>(theta, v, th);
     }
@@ -475,7 +475,7 @@ struct adamw_dense_op {
         vec<float, V> s = ld<V>(sum, v);
 #pragma unroll
         for (int i = 0; i < V; i++)
-            adamw_one(th.x[i], mv.x[i], w.x[i], scape_f_mean(s.x[i], p.div), p);
+            adamw_one(th.x[i], mv.x[i], w.x[i], scape_f_clip(scape_f_mean(s.x[i], p.div), p.clip), p);
         st<V>(m, v, mv);
         st<V>(vv, v, w);
         st<V>(theta, v, th);
@@ -819,7 +819,7 @@ struct adams_masked_op {
     {
         if (!on)
             return;
-        adams_one(x.th, x.m, scape_f_mean(x.s, p.div), p);
+        adams_one(x.th, x.m, scape_f_clip(scape_f_mean(x.s, p.div), p.clip), p);
         m[i] = x.m;
         theta[i] = x.th;
     }
@@ -840,7 +840,7 @@ struct adamw_masked_op {
     {
         if (!on)
             return;
-        adamw_one(x.th, x.m, x.v, scape_f_mean(x.s, p.div), p);
+        adamw_one(x.th, x.m, x.v, scape_f_clip(scape_f_mean(x.s, p.div), p.clip), p);
         m[i] = x.m;
         v[i] = x.v;
         theta[i] = x.th;

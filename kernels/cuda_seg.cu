@@ -132,6 +132,32 @@ static __global__ void __launch_bounds__(MAP_THREADS)
         a.out[i] = kseg_grad(&a, i);
 }
 
+/* SQSUM: one warp per chunk, its lanes as scape_f_sq_lane, combined by
+ * warp_sum's halving tree (scape_f_sqsum_chunk's order); then one thread adds
+ * the chunks in order. */
+static __global__ void __launch_bounds__(MAP_THREADS)
+    sqsum_chunk_kernel(const __grid_constant__ kseg_args a)
+{
+    const uint64_t c = (uint64_t)blockIdx.x * (MAP_THREADS / 32) + (threadIdx.x >> 5);
+    const unsigned lane = threadIdx.x & 31;
+    if (c >= kseg_sq_chunks(a.n))
+        return; /* a whole warp leaves together: c is the warp's */
+    const uint64_t left = a.n - c * SCAPE_SQ_CHUNK;
+    double x = scape_f_sq_lane(a.in + c * SCAPE_SQ_CHUNK,
+                               left < SCAPE_SQ_CHUNK ? (size_t)left : SCAPE_SQ_CHUNK, a.div, lane);
+    x = warp_sum(x);
+    if (lane == 0)
+        a.sq[c] = x;
+}
+
+static __global__ void sqsum_total_kernel(const __grid_constant__ kseg_args a)
+{
+    double total = 0.0;
+    for (uint64_t c = 0, nc = kseg_sq_chunks(a.n); c < nc; c++)
+        total += a.sq[c];
+    *a.sq_total = total;
+}
+
 static __global__ void __launch_bounds__(MAP_THREADS)
     churn_kernel(const __grid_constant__ kseg_args a)
 {
@@ -484,6 +510,15 @@ extern "C" scape_rc kseg_run_cuda(kseg_kernel k, const void *args, void *stream)
         if (a.w1 > a.w0)
             churn_kernel<<<grid_for(a.w1 - a.w0, MAP_THREADS), MAP_THREADS, 0, s>>>(a);
         break;
+    case KSEG_SQSUM: {
+        uint64_t nc = kseg_sq_chunks(a.n);
+        if (nc)
+            sqsum_chunk_kernel<<<(unsigned)((nc + MAP_THREADS / 32 - 1) / (MAP_THREADS / 32)),
+                                 MAP_THREADS, 0, s>>>(a);
+        TRY(launched(k));
+        sqsum_total_kernel<<<1, 1, 0, s>>>(a);
+        break;
+    }
     case KSEG_TOPK_HIST:
         if (tk.nitems)
             launch_topk_hist(tk, s);

@@ -72,12 +72,12 @@ static inline scape_rc kern_check_hyper(const char *fn, const kern_hyper *h)
         return scape_set_error(SCAPE_INVALID, "%s: h is NULL", fn);
     if (!(h->beta1 >= 0.0f && h->beta1 < 1.0f) ||
         !(h->beta2 >= 0.0f && h->beta2 < 1.0f) || !(h->eps > 0.0f) ||
-        !(h->wd >= 0.0f) || !isfinite(h->wd))
+        !(h->wd >= 0.0f) || !isfinite(h->wd) || !(h->clip >= 0.0f && h->clip <= 1.0f))
         return scape_set_error(SCAPE_INVALID,
                                "%s: hyper-parameters out of range (beta1=%g "
-                               "beta2=%g eps=%g wd=%g)",
+                               "beta2=%g eps=%g wd=%g clip=%g)",
                                fn, (double)h->beta1, (double)h->beta2,
-                               (double)h->eps, (double)h->wd);
+                               (double)h->eps, (double)h->wd, (double)h->clip);
     return SCAPE_OK;
 }
 

@@ -13,8 +13,8 @@
  *  - the local gradient G is trainer 0's value, then each further trainer's
  *    added in trainer order (scape_f_grad_add);
  *  - a = G + e (scape_f_ef);
- *  - g_hat = S / T (scape_f_mean), then the update of scape_f_adams or
- *    scape_f_adamw.
+ *  - g_hat = S / T (scape_f_mean), clipped (scape_f_clip), then the update
+ *    of scape_f_adams or scape_f_adamw.
  */
 #ifndef SCAPE_FORMULA_H
 #define SCAPE_FORMULA_H
@@ -115,6 +115,57 @@ static inline float scape_f_bias_correction(float beta, uint64_t t)
 
 /* g_hat: the reduced sum over T trainers, as their mean. */
 SCAPE_HD float scape_f_mean(float sum, float div) { return sum / div; }
+
+/* Gradient clipping: g_hat times the coefficient c of scape_f_clip_coef
+ * when it is below 1; 0 (no clipping configured) and 1 leave g as it is. */
+SCAPE_HD float scape_f_clip(float g, float c) { return c > 0.0f && c < 1.0f ? g * c : g; }
+
+/* The clipping coefficient from the global norm of g_hat (torch's
+ * clip_grad_norm_: max / (norm + 1e-6), capped at 1), in double, rounded
+ * once (host side). */
+static inline float scape_f_clip_coef(double norm, float max_norm)
+{
+    double c = (double)max_norm / (norm + 1e-6);
+    return c < 1.0 ? (float)c : 1.0f;
+}
+
+/* The squares of g_hat summed in a fixed order, so that every executor
+ * and mode gets the same bits: the values in chunks of SCAPE_SQ_CHUNK;
+ * inside a chunk, lane l (of 32) sums the squares (in double) of the
+ * values l, l + 32, l + 64, ... in order; the lanes then combine by halving,
+ * lane l adding lane l + d for d = 16, 8, 4, 2, 1 (a warp's shuffle tree);
+ * lane 0's total is the chunk's; the chunks add in order. */
+#define SCAPE_SQ_CHUNK 4096
+#define SCAPE_SQ_LANES 32
+
+SCAPE_HD double scape_f_sq(float sum, float div)
+{
+    double g = (double)scape_f_mean(sum, div);
+    return g * g;
+}
+
+/* Lane l's part of one chunk (n <= SCAPE_SQ_CHUNK values at sum): the
+ * squares of the values l, l + 32, l + 64, ... added in that order. */
+SCAPE_HD double scape_f_sq_lane(const float *sum, size_t n, float div, unsigned l)
+{
+    double acc = 0.0;
+    for (size_t q = l; q < n; q += SCAPE_SQ_LANES)
+        acc += scape_f_sq(sum[q], div);
+    return acc;
+}
+
+/* One chunk of the rule above, on the host (the GPU combines the lanes
+ * with warp shuffles in the same order). */
+static inline double scape_f_sqsum_chunk(const float *sum, size_t n, float div)
+{
+    double lane[SCAPE_SQ_LANES];
+    for (unsigned l = 0; l < SCAPE_SQ_LANES; l++)
+        lane[l] = scape_f_sq_lane(sum, n, div, l);
+    for (unsigned d = SCAPE_SQ_LANES / 2; d > 0; d /= 2)
+        for (unsigned l = 0; l < d; l++)
+            lane[l] += lane[l + d];
+    return lane[0];
+}
 
 /* AdamS with the single-buffer reconstruction (docs/algorithm.md step 7). */
 SCAPE_HD void scape_f_adams(float *theta, float *m, float g, float b1, float b2, float eps,

@@ -37,6 +37,8 @@ typedef struct kern_hyper {
     float beta2;  /* normaliser decay (0.95) */
     float eps;    /* denominator guard (1e-8) */
     float wd;     /* decoupled weight decay lambda (0.0) */
+    float clip;   /* gradient clipping: the mean gradient times clip when
+                     0 < clip < 1; 0 or 1: as it is (scape_f_clip) */
 } kern_hyper;
 
 /* Number of uint32_t words that hold n mask bits. */
@@ -128,7 +130,7 @@ scape_rc kern_mask_expand(const float *packed, const uint32_t *mask, size_t n,
 scape_rc kern_mask_or(uint32_t *dst, const uint32_t *src, size_t nwords);
 
 /* Masked AdamS with the single-buffer reconstruction.  For the j-th set bit i,
- * with g = sum[j] / div:
+ * with g = sum[j] / div (times h->clip, when it clips):
  *   b = beta1*m + (1-beta1)*g;   v = beta2*(m*m) + (1-beta2)*(g*g);   m = b;
  *   theta -= lr * (b / (sqrt(v) + eps) + wd*theta).
  * Clear bits leave theta and m untouched. */

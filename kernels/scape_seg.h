@@ -82,6 +82,8 @@ typedef enum kseg_kernel {
     KSEG_WRITEBACK,   /* packed (or dense) -> every trainer's buffer */
     KSEG_LOAD_THETA,  /* a trainer-form buffer -> theta (dense) */
     KSEG_CHURN,       /* status.churn over words [w0, w1) */
+    KSEG_SQSUM,       /* *sq_total = the squares of in[0 .. n) / div, summed by
+                         scape_formula.h's rule (chunk totals in sq) */
     KSEG_TOPK_HIST,   /* histogram of one digit per selected tensor */
     KSEG_TOPK_PICK,   /* the bucket of the k-th largest key per tensor */
     KSEG_TOPK_COUNT,  /* keys equal to tau per item */
@@ -128,6 +130,11 @@ typedef struct kseg_args {
     float beta1, c1, t_r;   /* the statistic */
     int adamw;              /* UPDATE: AdamW (v) instead of AdamS */
     float b1, b2, eps, wd, lr, bc1, bc2, div;
+    float clip;             /* UPDATE: the clipping coefficient (scape_f_clip);
+                               SQSUM: none */
+    double *sq;             /* SQSUM: scratch of kseg_sq_chunks(n) chunk totals */
+    double *sq_total;       /* SQSUM: the sum of the squares of in[j] / div, j < n,
+                               by the rule of scape_formula.h */
     kseg_status *status;
 } kseg_args;
 
@@ -204,6 +211,9 @@ scape_rc kseg_run_cpu(kseg_kernel k, const void *args);
 scape_rc kseg_run_cuda(kseg_kernel k, const void *args, void *stream);
 /* Tiles of a scan over nw words, and the entries KSEG_SCAN writes. */
 static inline uint64_t kseg_tiles(uint64_t nw) { return (nw + KSEG_TILE - 1) / KSEG_TILE; }
+
+/* Chunks of SCAPE_SQ_CHUNK values that hold n (SQSUM's scratch entries). */
+SCAPE_HD uint64_t kseg_sq_chunks(uint64_t n) { return (n + SCAPE_SQ_CHUNK - 1) / SCAPE_SQ_CHUNK; }
 
 /* ---- index math, both compilers ------------------------------------------- */
 
@@ -283,7 +293,7 @@ SCAPE_HD void kseg_update_elem(const kseg_args *a, uint64_t pos, uint64_t j, kse
         return;
     }
     uint64_t s = pos - a->s_base;
-    float g = scape_f_mean(a->in[j], a->div);
+    float g = scape_f_clip(scape_f_mean(a->in[j], a->div), a->clip);
     if (a->adamw)
         scape_f_adamw(&a->theta[s], &a->m[s], &a->v[s], g, a->b1, a->b2, a->eps, a->wd, a->lr,
                       a->bc1, a->bc2);

@@ -62,6 +62,7 @@ void scape_options_default(scape_options *o)
     o->memory = SCAPE_MEMORY_HOST;
     o->index = -1;
     o->timeout_ms = 600000;
+    o->max_grad_norm = -1.0f;
 }
 
 const char *scape_version(void) { return LIBSCAPE_VERSION; }
@@ -231,6 +232,9 @@ static scape_rc check_attach(const scape_tensor *layout, size_t nt, const scape_
         return scape_set_error(SCAPE_INVALID, "scape_attach: CUDA device %d", o->device);
     if ((unsigned)o->param_dtype > SCAPE_DTYPE_BF16 || (unsigned)o->grad_dtype > SCAPE_DTYPE_BF16)
         return scape_set_error(SCAPE_INVALID, "scape_attach: unknown dtype");
+    if (!(o->max_grad_norm >= 0.0f || o->max_grad_norm == -1.0f) || isinf(o->max_grad_norm))
+        return scape_set_error(SCAPE_INVALID, "scape_attach: max_grad_norm %g: >= 0, or -1 "
+                               "for the daemon's", (double)o->max_grad_norm);
     if (o->timeout_ms < 1 || o->start_wait_ms < 0)
         return scape_set_error(SCAPE_INVALID, "scape_attach: timeout_ms must be >= 1 and "
                                "start_wait_ms >= 0");
@@ -399,6 +403,8 @@ static scape_rc register_layout(scape_session *s, const scape_tensor *layout, si
     g.grad_dtype = (Scape__DType)s->opts.grad_dtype;
     g.params = &mp;
     g.grads = &mg;
+    g.has_max_grad_norm = s->opts.max_grad_norm >= 0.0f;
+    g.max_grad_norm = s->opts.max_grad_norm;
     Scape__Request q = SCAPE__REQUEST__INIT;
     q.body_case = SCAPE__REQUEST__BODY_REGISTER;
     q.register_ = &g;
@@ -430,6 +436,22 @@ static void session_free(scape_session *s)
         lsc_cuda_free(&s->dgrads);
     }
     free(s);
+}
+
+/* The daemon refused the registration but holds the slot it welcomed us
+ * to: give it back (bounded, best effort), keeping the refusal's message. */
+static void leave_after_refusal(scape_session *s, scape_rc rc)
+{
+    char why[1024];
+    snprintf(why, sizeof why, "%s", scape_last_error());
+    if (!s->dead) {
+        Scape__Detach d = SCAPE__DETACH__INIT;
+        Scape__Request q = SCAPE__REQUEST__INIT;
+        q.body_case = SCAPE__REQUEST__BODY_DETACH;
+        q.detach = &d;
+        (void)call(s, &q, 0, NULL);
+    }
+    scape_set_error(rc, "%s", why);
 }
 
 scape_rc scape_attach(const char *endpoint, const scape_tensor *layout, size_t ntensors,
@@ -464,8 +486,11 @@ scape_rc scape_attach(const char *endpoint, const scape_tensor *layout, size_t n
         rc = connect_socket(s, endpoint);
     if (rc == SCAPE_OK)
         rc = hello(s);
-    if (rc == SCAPE_OK)
+    if (rc == SCAPE_OK) {
         rc = register_layout(s, layout, ntensors);
+        if (rc == SCAPE_REMOTE || rc == SCAPE_INVALID)
+            leave_after_refusal(s, rc);
+    }
     if (rc == SCAPE_OK && !on_device(s)) {
         shm_unlink_name(&s->params);
         shm_unlink_name(&s->grads);
@@ -544,6 +569,8 @@ static void fill_info(const Scape__StepDone *d, scape_step_info *info)
     info->mask_churn = d->mask_churn;
     info->step_seconds = d->phases ? d->phases->total : 0.0;
     info->wait_seconds = d->phases ? d->phases->wait : 0.0;
+    info->grad_norm = d->has_grad_norm ? d->grad_norm : 0.0;
+    info->clip = d->has_clip ? d->clip : 1.0;
 }
 
 scape_rc scape_step_wait(scape_session *s, scape_step_info *info)

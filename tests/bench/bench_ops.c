@@ -17,7 +17,7 @@
 
 #include "bench.h"
 
-static const kern_hyper HYPER = { BENCH_BETA1, 0.95f, 1e-8f, 0.01f };
+static const kern_hyper HYPER = { BENCH_BETA1, 0.95f, 1e-8f, 0.01f, 0.0f };
 #define LR 1e-3f
 #define DIV 4.0f /* trainers summed into the gradient */
 #define STEP 10  /* AdamW step, for the bias corrections */

@@ -137,7 +137,7 @@ static void bad_hyper(gc_tally *t, const bufs *B, const kern_hyper *h0)
 
 static void bad_adam(gc_tally *t, const bufs *B)
 {
-    const kern_hyper h = {0.9f, 0.95f, 1e-8f, 0.0f};
+    const kern_hyper h = {0.9f, 0.95f, 1e-8f, 0.0f, 0.0f};
     float *th = B->a, *m = B->b, *v = B->c, *s = B->d;
     const uint32_t *mk = B->mk;
     void *sc = B->sc;

@@ -43,7 +43,7 @@ typedef struct op_desc {
     double packed_bytes; /* per set mask bit */
 } op_desc;
 
-static const kern_hyper s_hyper = {0.9f, 0.95f, 1e-8f, 0.0f};
+static const kern_hyper s_hyper = {0.9f, 0.95f, 1e-8f, 0.0f, 0.0f};
 
 /* ---- the operations, each on the first n elements ---------------------- */
 

@@ -417,7 +417,7 @@ static void check_topk_fused(ctx *c, size_t n, int scape_stat, double p)
 
 /* ---- Adam family --------------------------------------------------------- */
 
-static const kern_hyper s_hyper = {0.9f, 0.95f, 1e-8f, 0.01f};
+static const kern_hyper s_hyper = {0.9f, 0.95f, 1e-8f, 0.01f, 0.0f};
 #define DIV 3.0f
 #define LR 1e-3f
 #define STEP 5

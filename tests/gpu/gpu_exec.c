@@ -7,7 +7,9 @@
  * device memory), and every trainer's parameters, m, v, theta, the residual
  * and the last mask must be equal bit for bit.  Variants put the trainers'
  * buffers in pinned host memory instead of device memory, keep the residual
- * in device memory, stream it in small chunks, and defer the selection.
+ * in device memory, stream it in small chunks, defer the selection, and
+ * clip the mean gradient by its global norm (max_grad_norm; the norm and
+ * factor must agree bit for bit too).
  * Then checkpoints cross executors: a job saved halfway on one executor and
  * resumed on the other must end where the uninterrupted host run ends.
  * The gradients depend on the parameters, so any difference grows instead of
@@ -51,6 +53,7 @@ typedef struct kase {
     int resident;    /* residual_on_device */
     int defer;
     uint32_t chunk;  /* residual_chunk */
+    float clip_at;   /* max_grad_norm (0: none) */
 } kase;
 
 /* One job's buffers and engine. */
@@ -119,6 +122,7 @@ static eng_config config_of(const kase *k, int under_test)
     c.executor = !under_test ? ENG_EXEC_HOST : s_sim ? ENG_EXEC_SIM : ENG_EXEC_CUDA;
     c.residual_on_device = k->resident;
     c.residual_chunk = k->chunk;
+    c.max_grad_norm = k->clip_at;
     return c;
 }
 
@@ -330,6 +334,14 @@ static int compare(const job *h, const job *c, const kase *k, char *why, size_t 
     ok = ok && same_vector(h, c, ENG_VEC_M, "m", why, len);
     ok = ok && (!uses_v || same_vector(h, c, ENG_VEC_V, "v", why, len));
     ok = ok && same_vector(h, c, ENG_VEC_THETA, "theta", why, len);
+    eng_step_stats sh, sc;
+    if (ok && (eng_last_stats(h->e, &sh) != SCAPE_OK || eng_last_stats(c->e, &sc) != SCAPE_OK ||
+               memcmp(&sh.grad_norm, &sc.grad_norm, sizeof sh.grad_norm) != 0 ||
+               memcmp(&sh.clip, &sc.clip, sizeof sh.clip) != 0)) {
+        snprintf(why, len, "gradient norm %.17g vs %.17g, clip %.9g vs %.9g", sh.grad_norm,
+                 sc.grad_norm, sh.clip, sc.clip);
+        ok = 0;
+    }
     return ok && same_residual_and_mask(h, c, why, len);
 }
 
@@ -337,11 +349,11 @@ static const char *dt_name(kern_dtype d) { return d == KERN_F32 ? "f32" : "bf16"
 
 static void describe(const kase *k, char *buf, size_t len)
 {
-    snprintf(buf, len, "%-10s %-10s rho %-5g grads %-4s params %-4s T_r %d%s%s%s%s",
+    snprintf(buf, len, "%-10s %-10s rho %-5g grads %-4s params %-4s T_r %d%s%s%s%s%s",
              eng_optimizer_name(k->opt), eng_mode_name(k->mode), k->rho, dt_name(k->gdt),
              dt_name(k->pdt), k->tr, k->pinned ? " pinned-buffers" : "",
              k->resident ? " residual-on-device" : "", k->defer ? " deferred" : "",
-             k->chunk < 100000 ? " small-chunks" : "");
+             k->chunk < 100000 ? " small-chunks" : "", k->clip_at > 0 ? " clipped" : "");
 }
 
 static void report(const kase *k, const char *what, int ok, const char *why, double secs)
@@ -515,7 +527,8 @@ int main(int argc, char **argv)
                                bf ? KERN_BF16 : KERN_F32, KERN_F32, tr,
                                .pinned = variant % 5 == 1, .resident = variant % 3 == 2,
                                .defer = variant % 2,
-                               .chunk = variant % 4 == 3 ? 5000u : 4u << 20 };
+                               .chunk = variant % 4 == 3 ? 5000u : 4u << 20,
+                               .clip_at = variant % 3 == 1 ? 0.01f : 0.0f };
                     if (bf && tr == 3)
                         k.pdt = KERN_BF16; /* bf16 parameters too, on some */
                     if (quick && variant % 4)
@@ -523,10 +536,11 @@ int main(int argc, char **argv)
                     same_bits(&k, local, dev_comm, steps);
                 }
     const kase rs[] = {
-        { ENG_OPT_SCAPE, ENG_MODE_REPLICATED, 0.01, KERN_F32, KERN_F32, 3, 0, 0, 1, 5000 },
-        { ENG_OPT_SCAPE, ENG_MODE_SHARDED, 0.01, KERN_BF16, KERN_F32, 1, 0, 1, 0, 4u << 20 },
+        { ENG_OPT_SCAPE, ENG_MODE_REPLICATED, 0.01, KERN_F32, KERN_F32, 3, 0, 0, 1, 5000, 0.0f },
+        { ENG_OPT_SCAPE, ENG_MODE_SHARDED, 0.01, KERN_BF16, KERN_F32, 1, 0, 1, 0, 4u << 20,
+          0.01f },
         { ENG_OPT_TOPK_ADAMW, ENG_MODE_REPLICATED, 0.05, KERN_F32, KERN_F32, 1, 0, 0, 0,
-          4u << 20 },
+          4u << 20, 0.0f },
     };
     for (size_t i = 0; i < sizeof rs / sizeof rs[0]; i++) {
         resume_across(&rs[i], ref_comm, local, dev_comm, steps, 1);

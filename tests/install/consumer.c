@@ -15,5 +15,9 @@ int main(void)
     scape_rc rc = scape_attach("ipc:///nonexistent-scape-dir/control", &t, 1, &o, &s);
     printf("libscape %s: attach -> %s (%s)\n", scape_version(), scape_rc_name(rc),
            scape_last_error());
-    return rc == SCAPE_TIMEOUT && strstr(scape_last_error(), "nonexistent") ? 0 : 1;
+    /* no daemon there: refused at once, saying where it looked */
+    return rc == SCAPE_REMOTE && strstr(scape_last_error(), "nonexistent") &&
+                   strstr(scape_last_error(), "is scaped running?")
+               ? 0
+               : 1;
 }

@@ -3,7 +3,8 @@
  * same synthetic gradients as trainer_c, in trainer-index order.
  *
  * usage: reference --trainers T --n N --steps S [--seed X] [--lr LR]
- *                  [--optimizer O] [--mode M] [--rho R] [--warmup W] --out FILE
+ *                  [--optimizer O] [--mode M] [--rho R] [--warmup W]
+ *                  [--max-grad-norm MAX] --out FILE
  *                  [--timing FILE]   (rank 0's engine step per step, seconds)
  */
 #define _POSIX_C_SOURCE 200809L
@@ -45,6 +46,7 @@ static scape_rc parse_trainers(const char *v, args *a)
 static const char s_usage[] =
     "usage: reference [--trainers T0,T1,...] [--n N] [--steps S] [--seed X] [--lr LR]\n"
     "                 [--rho RHO] [--warmup W] [--optimizer OPT] [--mode MODE]\n"
+    "                 [--max-grad-norm MAX]\n"
     "                 [--out FILE] [--timing FILE]\n"
     "The in-process engine (ranks as threads, the host executor) on the synthetic\n"
     "problem the test trainers train, for comparison with a daemon's results.\n";
@@ -74,6 +76,7 @@ static int parse(int argc, char **argv, args *a)
         else if (!strcmp(k, "--timing")) a->timing = v;
         else if (!strcmp(k, "--rho")) a->cfg.rho = strtod(v, NULL);
         else if (!strcmp(k, "--warmup")) a->cfg.warmup = (uint32_t)atoi(v);
+        else if (!strcmp(k, "--max-grad-norm")) a->cfg.max_grad_norm = strtof(v, NULL);
         else if (!strcmp(k, "--optimizer")) rc = eng_optimizer_parse(v, &a->cfg.optimizer);
         else if (!strcmp(k, "--mode")) rc = eng_mode_parse(v, &a->cfg.mode);
         else rc = scape_set_error(SCAPE_INVALID, "unknown flag %s", k);

@@ -2,6 +2,7 @@
 job matching the in-process engine bit for bit, numpy views that alias the
 shared memory, errors, and the torch optimizer."""
 import ctypes
+import json
 import os
 import re
 import signal
@@ -368,4 +369,58 @@ def test_a_step_posted_to_a_busy_daemon_says_how_long_it_waited(daemon_factory):
                              capture_output=True, text=True, check=True).stdout
         assert re.search(r"^\s+queued\s*: [\d.]+ ms$", out, re.M), out
         assert re.search(r"^Queued\s*: %.3f s " % total, out, re.M), out
+    assert d.stop() == 0
+
+
+def test_daemon_clips_by_the_global_norm(daemon_factory, tmp_path):
+    """max_grad_norm in the daemon: a trainer that expects another bound is
+    refused with the reason; one that expects this bound gets the in-process
+    engine's clipped run bit for bit, the norm and factor in its step info,
+    and scapectl shows both (status and metrics)."""
+    n, steps, bound = 4000, 20, "10"
+    engine = ENGINE + ["--max-grad-norm", bound]
+    d = daemon_factory(*engine)
+    layout = synth_layout(n)
+    for wrong in (1.0, 0.0):
+        with pytest.raises(scape.ScapeError) as e:
+            scape.attach(d.endpoint, layout, max_grad_norm=wrong)
+        assert e.value.code == scape.Rc.INVALID, e.value
+        assert "max_grad_norm" in e.value.message and "clips at 10 " in e.value.message, \
+            e.value.message
+    synth = py_trainer.Synth(1, 0, layout)
+    infos = []
+    with scape.attach(d.endpoint, layout, index=0, max_grad_norm=float(bound)) as s:
+        s.params[:] = synth.init()
+        s.sync()
+        for t in range(1, steps + 1):
+            s.grads[:] = synth.grads(t, s.params)
+            infos.append(s.step(1e-2, step=t))
+        got = s.params.tobytes()
+        rt = os.path.dirname(d.endpoint[len("ipc://"):])
+        ctl = binary("client", "scapectl")
+        st = subprocess.run([ctl, "--runtime-dir", rt, "status", "--json"], capture_output=True,
+                            text=True, timeout=30)
+        assert st.returncode == 0, st.stderr
+        metrics = subprocess.run([ctl, "--runtime-dir", rt, "metrics"], capture_output=True,
+                                 text=True, timeout=30)
+        assert metrics.returncode == 0, metrics.stderr
+    assert all(i.grad_norm > 0 for i in infos), [i.grad_norm for i in infos]
+    clipped = [i for i in infos if i.clip < 1]
+    assert clipped and len(clipped) < steps, [round(i.grad_norm, 3) for i in infos]
+    for i in infos:
+        want = min(1.0, float(bound) / (i.grad_norm + 1e-6))
+        assert abs(i.clip - want) <= 1e-7 * want, (i.grad_norm, i.clip, want)
+    run_reference(str(tmp_path / "ref"), 1, n, steps, *engine)
+    with open(tmp_path / "ref", "rb") as f:
+        assert f.read() == got, "the daemon's clipped run differs from the engine's"
+    plain = tmp_path / "plain"
+    run_reference(str(plain), 1, n, steps, *ENGINE)
+    assert plain.read_bytes() != got, "clipping changed nothing: the bound is too loose"
+    status = json.loads(st.stdout)
+    assert status["max_grad_norm"] == pytest.approx(float(bound))
+    assert status["last"]["grad_norm"] == pytest.approx(infos[-1].grad_norm)
+    assert status["last"]["clip"] == pytest.approx(infos[-1].clip)
+    for name in ("scape_grad_norm", "scape_clip_factor"):
+        assert re.search(r'^%s{rank="0"} [0-9.e+-]+$' % name, metrics.stdout, re.M), \
+            metrics.stdout
     assert d.stop() == 0

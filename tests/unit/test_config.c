@@ -14,7 +14,7 @@
 #include "exec.h"
 #include "check_run.h"
 
-#define NKEYS 31
+#define NKEYS 32
 
 /* Every key with a valid value other than its default. */
 static const struct {
@@ -30,6 +30,7 @@ static const struct {
     { "beta2", "0.999" },
     { "eps", "1e-06" },
     { "weight_decay", "0.1" },
+    { "max_grad_norm", "1.5" },
     { "engine_threads", "6" },
     { "executor", "sim" },
     { "residual_on_device", "true" },
@@ -66,6 +67,7 @@ static void check_full(const scaped_config *c)
     ck_assert_int_eq(c->engine.defer_select, 0);
     ck_assert_float_eq(c->engine.hyper.eps, 1e-6f);
     ck_assert_float_eq(c->engine.hyper.wd, 0.1f);
+    ck_assert_float_eq(c->engine.max_grad_norm, 1.5f);
     ck_assert_int_eq(c->engine.threads, 6);
     ck_assert_int_eq(c->executor, CFG_EXEC_SIM);
     ck_assert_int_eq(c->engine.residual_on_device, 1);
@@ -514,7 +516,8 @@ START_TEST(print_format)
         "runtime_dir: \"\"",  "log_level: info",       "optimizer: scape",
         "mode: replicated",   "rho: 0.01",             "warmup: 1",
         "beta1: 0.9",         "beta2: 0.95",           "eps: 1e-08",
-        "weight_decay: 0",    "engine_threads: 1",     "executor: auto",
+        "weight_decay: 0",    "max_grad_norm: 0",      "engine_threads: 1",
+        "executor: auto",
         "residual_on_device: false",                   "residual_chunk: 4194304",
         "defer_select: true",
         "max_trainers: 64",

@@ -48,6 +48,7 @@ typedef struct spec {
     int check;      /* run the per-step reference checks */
     int ties;       /* gradients from a tiny set of values */
     int finish;     /* call eng_step_finish after each step (else eng_step does) */
+    int loud;       /* every third step's gradients 8 times larger */
     float lr;
 } spec;
 
@@ -72,6 +73,7 @@ typedef struct ctx {
     int have_stat_prev;
     float *final_params;     /* rank 0 trainer 0 after the run */
     size_t *k_hist;          /* K per step */
+    int clipped, unclipped;  /* max_grad_norm: steps that did and did not clip */
     char fail[1024];
     int failed;
 } ctx;
@@ -135,7 +137,7 @@ static float grad_val(const ctx *c, int r, int j, uint64_t t, size_t i)
     uint64_t h = mix(base ^ mix(((uint64_t)r << 40) ^ ((uint64_t)j << 32) ^ t));
     if (c->sp->ties)
         return (float)((int)(h % 3) - 1);
-    double scale = 0.01 + 0.1 * (double)(tensor_of(c, i) % 4);
+    double scale = (0.01 + 0.1 * (double)(tensor_of(c, i) % 4)) * (c->sp->loud && t % 3 == 0 ? 8.0 : 1.0);
     return (float)(scale * (0.6 * unit(base) + unit(h)));
 }
 
@@ -228,7 +230,9 @@ static void check_update(ctx *c, uint64_t t, size_t i, int on_mask, int holder)
             note_fail(c, "step %llu coord %zu: off-mask state changed", (unsigned long long)t, i);
         return;
     }
-    double g = h->ghat[i], b1 = hp->beta1, b2 = hp->beta2, m1, th1, v1 = 0.0;
+    /* the update takes g_hat times the step's clipping factor */
+    double g = (double)h->ghat[i] * h->st.clip, b1 = hp->beta1, b2 = hp->beta2, m1, th1,
+           v1 = 0.0;
     if (uses_v(c->sp)) {
         double bc1 = 1.0 - pow(b1, (double)t), bc2 = 1.0 - pow(b2, (double)t);
         m1 = b1 * m0 + (1 - b1) * g;
@@ -353,9 +357,12 @@ static void check_collectives(ctx *c, uint64_t t, size_t K, const eng_t *e0)
             note_fail(c, "step %llu rank %d: %llu reductions of %llu bytes, want 1 of %zu",
                  (unsigned long long)t, r, (unsigned long long)reductions,
                  (unsigned long long)s->bytes[red], 4 * K);
-        uint64_t want_ag = (uint64_t)sharded + (uint64_t)topk_sparse;
+        /* clipping, sharded: the owners' sums of squares, one double each */
+        int clip_ag = sharded && sp->cfg.max_grad_norm > 0.0f;
+        uint64_t want_ag = (uint64_t)sharded + (uint64_t)topk_sparse + (uint64_t)clip_ag;
         uint64_t want_ag_bytes = (sharded ? 4 * K : 0) +
-                                 (topk_sparse ? expected_mask_bytes(c, e0, 1) : 0);
+                                 (topk_sparse ? expected_mask_bytes(c, e0, 1) : 0) +
+                                 (clip_ag ? 8 * (uint64_t)sp->R : 0);
         if (s->calls[COMM_ALLGATHER] != want_ag || s->bytes[COMM_ALLGATHER] != want_ag_bytes)
             note_fail(c, "step %llu rank %d: %llu all-gathers of %llu bytes, want %llu of %llu",
                  (unsigned long long)t, r, (unsigned long long)s->calls[COMM_ALLGATHER],
@@ -375,6 +382,46 @@ static void check_collectives(ctx *c, uint64_t t, size_t K, const eng_t *e0)
                  (unsigned long long)t, r, (unsigned long long)c->pub[r].st.mask_bytes,
                  (unsigned long long)want_mask);
     }
+}
+
+/* max_grad_norm: the norm of g_hat over the coordinates reduced, in
+ * float64 from the holders' g_hat; the factor torch's clip_grad_norm_ takes
+ * from it; every rank reports the same bits. */
+static void check_clipping(ctx *c, uint64_t t, eng_t *e0)
+{
+    const spec *sp = c->sp;
+    const eng_step_stats *st = &c->pub[0].st;
+    for (int r = 1; r < sp->R; r++)
+        if (memcmp(&c->pub[r].st.grad_norm, &st->grad_norm, sizeof st->grad_norm) != 0 ||
+            memcmp(&c->pub[r].st.clip, &st->clip, sizeof st->clip) != 0)
+            note_fail(c, "step %llu: rank %d reports norm %.17g clip %.9g, rank 0 %.17g %.9g",
+                      (unsigned long long)t, r, c->pub[r].st.grad_norm, c->pub[r].st.clip,
+                      st->grad_norm, st->clip);
+    if (!(sp->cfg.max_grad_norm > 0.0f)) {
+        if (st->grad_norm != 0.0 || st->clip != 1.0)
+            note_fail(c, "step %llu: no max_grad_norm, yet norm %g clip %g",
+                      (unsigned long long)t, st->grad_norm, st->clip);
+        return;
+    }
+    double sq = 0.0;
+    for (size_t i = 0; i < c->n; i++)
+        if (c->pub[0].mask[i]) {
+            int holder = holder_of(c, i, eng_tensor_owner(e0, tensor_of(c, i)));
+            double g = c->pub[holder].ghat[i];
+            sq += g * g;
+        }
+    double norm = sqrt(sq), coef = sp->cfg.max_grad_norm / (norm + 1e-6);
+    double want = coef < 1.0 ? coef : 1.0;
+    if (fabs(st->grad_norm - norm) > 1e-12 * norm + 1e-300)
+        note_fail(c, "step %llu: norm of g_hat %.17g, want %.17g", (unsigned long long)t,
+                  st->grad_norm, norm);
+    if (fabs(st->clip - want) > 6e-8 * want)
+        note_fail(c, "step %llu: clipping factor %.9g, want %.9g (norm %g, max %g)",
+                  (unsigned long long)t, st->clip, want, norm, (double)sp->cfg.max_grad_norm);
+    if (want < 1.0)
+        c->clipped++;
+    else
+        c->unclipped++;
 }
 
 static void check_step(ctx *c, uint64_t t, eng_t *e0)
@@ -405,6 +452,7 @@ static void check_step(ctx *c, uint64_t t, eng_t *e0)
         note_fail(c, "step %llu: union mask K=%zu outside [%zu, %zu]", (unsigned long long)t, K,
              k_sum, (size_t)sp->R * k_sum);
     check_collectives(c, t, K, e0);
+    check_clipping(c, t, e0);
     for (size_t i = 0; i < c->n && !c->failed; i++) {
         int owner = eng_tensor_owner(e0, tensor_of(c, i));
         int holder = holder_of(c, i, owner);
@@ -589,6 +637,9 @@ static void ctx_free(ctx *c)
 }
 
 /* Run sp; on success the caller owns *final (N floats) and *k_hist. */
+/* max_grad_norm: steps of the runs so far that clipped, and that did not. */
+static int s_clip_seen[2];
+
 static void run_spec(const spec *sp, float **final, size_t **k_hist, size_t *n)
 {
     ctx *c = malloc(sizeof *c);
@@ -602,6 +653,8 @@ static void run_spec(const spec *sp, float **final, size_t **k_hist, size_t *n)
     ck_assert_msg(!c->failed, "%s %s R=%d rho=%g W=%u: %s",
                   eng_optimizer_name(sp->cfg.optimizer), eng_mode_name(sp->cfg.mode), sp->R,
                   sp->cfg.rho, sp->cfg.warmup, c->fail);
+    s_clip_seen[0] += c->clipped;
+    s_clip_seen[1] += c->unclipped;
     *final = c->final_params;
     *k_hist = c->k_hist;
     *n = c->n;
@@ -760,6 +813,53 @@ START_TEST(sim_executor_is_the_host_executor)
                              bf16 ? " bf16" : "", sp.cfg.defer_select ? " deferred" : "");
                     expect_variants_agree(&sp, 3, vary_executor, what);
                 }
+}
+END_TEST
+
+/* Gradient clipping by the global norm of g_hat: every per-step check on,
+ * the norm and factor against float64 (check_clipping), the update against
+ * the reference with the factor, the owners' sums of squares all-gathered
+ * once per sharded step; replicated and sharded agree bitwise, and so do
+ * the host and the sim executors.  The bound sits inside the range of the
+ * runs' norms (every third step's gradients are 8 times larger), so that
+ * some steps clip and some do not. */
+START_TEST(clipping_by_global_norm)
+{
+    static const struct {
+        eng_optimizer opt;
+        double rho;
+        float max;
+    } opts[] = { { ENG_OPT_SCAPE, 0.1, 8.0f }, { ENG_OPT_SCAPE, 1.0, 8.0f },
+                 { ENG_OPT_ADAMW, 1.0, 8.0f }, { ENG_OPT_TOPK_ADAMW, 0.1, 8.0f } };
+    for (size_t o = 0; o < sizeof opts / sizeof opts[0]; o++)
+        for (int R = 1; R <= 3; R += 2) {
+            memset(s_clip_seen, 0, sizeof s_clip_seen);
+            float *fin[2];
+            size_t *kh[2], n = 0;
+            for (int mode = 0; mode < 2; mode++) {
+                spec sp = make_spec(opts[o].opt, (eng_mode)mode, R, opts[o].rho, 40);
+                sp.cfg.max_grad_norm = opts[o].max;
+                sp.loud = 1;
+                run_spec(&sp, &fin[mode], &kh[mode], &n);
+            }
+            char what[128];
+            snprintf(what, sizeof what, "%s rho=%g R=%d clipped at %g: replicated vs sharded",
+                     eng_optimizer_name(opts[o].opt), opts[o].rho, R, (double)opts[o].max);
+            expect_same(fin[0], fin[1], n, what);
+            ck_assert_msg(s_clip_seen[0] > 0 && s_clip_seen[1] > 0,
+                          "%s: %d steps clipped, %d did not: move the bound", what,
+                          s_clip_seen[0], s_clip_seen[1]);
+            for (int mode = 0; mode < 2; mode++) {
+                free(fin[mode]);
+                free(kh[mode]);
+            }
+            spec sp = make_spec(opts[o].opt, (eng_mode)(R > 1), R, opts[o].rho, 40);
+            sp.cfg.max_grad_norm = opts[o].max;
+            sp.loud = 1;
+            snprintf(what, sizeof what, "%s rho=%g R=%d clipped: host / sim / sim resident",
+                     eng_optimizer_name(opts[o].opt), opts[o].rho, R);
+            expect_variants_agree(&sp, 3, vary_executor, what);
+        }
 }
 END_TEST
 
@@ -1197,6 +1297,7 @@ int main(void)
     tcase_add_test(inv, threads_do_not_change_results);
     tcase_add_test(inv, sim_executor_is_the_host_executor);
     tcase_add_test(inv, launches_do_not_grow_with_tensors);
+    tcase_add_test(inv, clipping_by_global_norm);
     tcase_add_test(inv, deferred_selection_changes_nothing);
     tcase_add_test(inv, ties_keep_exact_k);
     tcase_add_test(inv, bf16_buffers);

@@ -915,7 +915,9 @@ static void adam_init(adam_case *c, rng *r, size_t n, int kind)
     c->m0 = dup_bytes(c->m, n * 4);
     c->v0 = dup_bytes(c->v, n * 4);
     c->sum = rand_f32(r, c->k);
-    c->h = (kern_hyper){ 0.9f, 0.95f, 1e-8f, (rng_u32(r) & 1u) ? 0.01f : 0.0f };
+    static const float clips[] = { 0.0f, 1.0f, 0.37f, 1e-3f };
+    c->h = (kern_hyper){ 0.9f, 0.95f, 1e-8f, (rng_u32(r) & 1u) ? 0.01f : 0.0f,
+                         clips[rng_u32(r) & 3u] };
     c->div = (rng_u32(r) & 1u) ? 3.0f : 1.0f;
     c->lr = (float)(1e-3 * (1.0 + rng_unit(r)));
 }
@@ -934,10 +936,17 @@ static void check_untouched(const adam_case *c, size_t i)
         ck_abort_msg("off-mask element %zu of %zu was changed", i, c->n);
 }
 
+/* g_hat, scaled by the clipping factor when it is in (0, 1). */
+static double clipped(const adam_case *c, float sum)
+{
+    double g = (double)sum / c->div;
+    return c->h.clip > 0.0f && c->h.clip < 1.0f ? g * c->h.clip : g;
+}
+
 static void check_adams_at(const adam_case *c, size_t i, float sum)
 {
     double b1 = c->h.beta1, b2 = c->h.beta2, m = c->m0[i], th = c->theta0[i];
-    double g = (double)sum / c->div, mt = b1 * m, gt = (1.0 - b1) * g;
+    double g = clipped(c, sum), mt = b1 * m, gt = (1.0 - b1) * g;
     double b = mt + gt, v = b2 * m * m + (1.0 - b2) * g * g;
     double den = sqrt(v) + c->h.eps;
     double step = c->lr * (b / den + c->h.wd * th);
@@ -952,7 +961,7 @@ static void check_adamw_at(const adam_case *c, size_t i, float sum, uint64_t t)
 {
     double b1 = c->h.beta1, b2 = c->h.beta2, th = c->theta0[i];
     double bc1 = 1.0 - pow(b1, (double)t), bc2 = 1.0 - pow(b2, (double)t);
-    double g = (double)sum / c->div, mt = b1 * c->m0[i], gt = (1.0 - b1) * g;
+    double g = clipped(c, sum), mt = b1 * c->m0[i], gt = (1.0 - b1) * g;
     double m = mt + gt, v = b2 * c->v0[i] + (1.0 - b2) * g * g;
     double den = sqrt(v / bc2) + c->h.eps;
     double step = c->lr * ((m / bc1) / den + c->h.wd * th);
@@ -1080,7 +1089,7 @@ typedef struct fx {
     size_t count;
 } fx;
 
-static const kern_hyper s_h = { 0.9f, 0.95f, 1e-8f, 0.0f };
+static const kern_hyper s_h = { 0.9f, 0.95f, 1e-8f, 0.0f, 0.0f };
 
 static void fx_init(fx *f, const char *name, int i)
 {
@@ -1327,12 +1336,14 @@ static scape_rc call_adamw_masked(fx *f, const kern_hyper *h, float div, float l
 }
 
 static const kern_hyper s_bad_hyper[] = {
-    { 1.0f, 0.95f, 1e-8f, 0.0f },  { -0.1f, 0.95f, 1e-8f, 0.0f },
-    { NAN, 0.95f, 1e-8f, 0.0f },   { 0.9f, 1.0f, 1e-8f, 0.0f },
-    { 0.9f, 1.5f, 1e-8f, 0.0f },   { 0.9f, NAN, 1e-8f, 0.0f },
-    { 0.9f, 0.95f, 0.0f, 0.0f },   { 0.9f, 0.95f, -1e-8f, 0.0f },
-    { 0.9f, 0.95f, NAN, 0.0f },    { 0.9f, 0.95f, 1e-8f, -0.01f },
-    { 0.9f, 0.95f, 1e-8f, NAN },   { 0.9f, 0.95f, 1e-8f, INFINITY },
+    { 1.0f, 0.95f, 1e-8f, 0.0f, 0.0f },  { -0.1f, 0.95f, 1e-8f, 0.0f, 0.0f },
+    { NAN, 0.95f, 1e-8f, 0.0f, 0.0f },   { 0.9f, 1.0f, 1e-8f, 0.0f, 0.0f },
+    { 0.9f, 1.5f, 1e-8f, 0.0f, 0.0f },   { 0.9f, NAN, 1e-8f, 0.0f, 0.0f },
+    { 0.9f, 0.95f, 0.0f, 0.0f, 0.0f },   { 0.9f, 0.95f, -1e-8f, 0.0f, 0.0f },
+    { 0.9f, 0.95f, NAN, 0.0f, 0.0f },    { 0.9f, 0.95f, 1e-8f, -0.01f, 0.0f },
+    { 0.9f, 0.95f, 1e-8f, NAN, 0.0f },   { 0.9f, 0.95f, 1e-8f, INFINITY, 0.0f },
+    { 0.9f, 0.95f, 1e-8f, 0.0f, -0.5f }, { 0.9f, 0.95f, 1e-8f, 0.0f, 1.5f },
+    { 0.9f, 0.95f, 1e-8f, 0.0f, NAN },
 };
 static const float s_bad_div[] = { 0.0f, -0.0f, -1.0f, NAN };
 static const float s_bad_lr[] = { -1e-3f, NAN, -INFINITY };

@@ -50,6 +50,10 @@ typedef struct scape_options {
     int start_wait_ms;       /* how long to wait for scaped's control socket to appear
                                 (a daemon still starting; said once on stderr),
                                 default 0: no daemon there fails scape_attach at once */
+    float max_grad_norm;     /* the gradient clipping bound this trainer expects of
+                                the daemon (its max_grad_norm key; 0: no clipping),
+                                refused at attach when the daemon's differs;
+                                default -1: whatever the daemon is configured with */
 } scape_options;
 
 /* Per-step figures the daemon returns. */
@@ -63,6 +67,9 @@ typedef struct scape_step_info {
     double mask_churn;
     double step_seconds;     /* the daemon's engine step */
     double wait_seconds;     /* first trainer's post to the last's */
+    double grad_norm;        /* with max_grad_norm: the global L2 norm of the mean
+                                gradient before clipping (0 without) */
+    double clip;             /* the factor the mean gradient was scaled by (1: none) */
 } scape_step_info;
 
 typedef struct scape_session scape_session;

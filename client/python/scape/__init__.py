@@ -60,6 +60,8 @@ class StepInfo:
     mask_churn: float
     step_seconds: float
     wait_seconds: float
+    grad_norm: float = 0.0   # with max_grad_norm: the mean gradient's norm before clipping
+    clip: float = 1.0        # the factor it was scaled by (1: not clipped)
 
 
 def _check(rc):
@@ -199,11 +201,13 @@ class Session:
 
 
 def attach(endpoint=None, layout=(), dtype="float32", grad_dtype=None, index=-1,
-           timeout_ms=600000, device="cpu", start_wait_ms=0):
+           timeout_ms=600000, device="cpu", start_wait_ms=0, max_grad_norm=None):
     """Attach to scaped at endpoint (None: $SCAPE_ENDPOINT, else the default
     runtime directory) with layout, and return a Session.  With no daemon
     there it fails at once (ScapeError, saying where it looked), unless
-    start_wait_ms gives a daemon that is still starting that long."""
+    start_wait_ms gives a daemon that is still starting that long.
+    max_grad_norm (None: the daemon's) is the clipping bound this trainer
+    expects; a daemon configured with another one refuses the attach."""
     tensors = _tensors(layout)
     try:
         (pd, pc), (gd, gc) = _DTYPES[dtype], _DTYPES[grad_dtype or dtype]
@@ -214,6 +218,10 @@ def attach(endpoint=None, layout=(), dtype="float32", grad_dtype=None, index=-1,
     opts.param_dtype, opts.grad_dtype = pd, gd
     opts.memory, opts.device = _memory(device)
     opts.index, opts.timeout_ms, opts.start_wait_ms = index, timeout_ms, start_wait_ms
+    if max_grad_norm is not None:
+        if not max_grad_norm >= 0:
+            raise ValueError("max_grad_norm: >= 0 (0: no clipping), or None for the daemon's")
+        opts.max_grad_norm = max_grad_norm
     names = [str(name).encode() for name, _, _ in tensors]
     c_layout = (Tensor * len(tensors))(*[Tensor(nm, off, n)
                                          for nm, (_, off, n) in zip(names, tensors)])

@@ -25,7 +25,8 @@ class Options(ctypes.Structure):
                 ("device", ctypes.c_int),
                 ("index", ctypes.c_int),
                 ("timeout_ms", ctypes.c_int),
-                ("start_wait_ms", ctypes.c_int)]
+                ("start_wait_ms", ctypes.c_int),
+                ("max_grad_norm", ctypes.c_float)]
 
 
 class StepInfo(ctypes.Structure):
@@ -37,7 +38,9 @@ class StepInfo(ctypes.Structure):
                 ("residual_norm", ctypes.c_double),
                 ("mask_churn", ctypes.c_double),
                 ("step_seconds", ctypes.c_double),
-                ("wait_seconds", ctypes.c_double)]
+                ("wait_seconds", ctypes.c_double),
+                ("grad_norm", ctypes.c_double),
+                ("clip", ctypes.c_double)]
 
 
 def _candidates():

@@ -17,10 +17,17 @@ class ScapeOptimizer(torch.optim.Optimizer):
     One parameter group; lr is param_groups[0]["lr"] at each step.  Parameters
     must be float32, all on the CPU or all on one CUDA device; on CUDA the
     flat buffers are libscape's cudaMalloc'd IPC buffers, which scape.attach
-    hands over as CUDA tensors (unverified on a GPU so far)."""
+    hands over as CUDA tensors (unverified on a GPU so far).
+
+    Gradient clipping happens in the daemon, on the reduced mean gradient
+    (torch.nn.utils.clip_grad_norm_ on the local .grad would clip something
+    else): max_grad_norm=1.0 states that the daemon must be configured with
+    max_grad_norm: 1.0, and attaching fails with the reason when it is not;
+    None takes the daemon's.  last_info.grad_norm is the norm before
+    clipping, last_info.clip the factor applied."""
 
     def __init__(self, params, endpoint=None, lr=1e-3, index=-1, timeout_ms=600000,
-                 start_wait_ms=0):
+                 start_wait_ms=0, max_grad_norm=None):
         named = [p if isinstance(p, tuple) else ("p%d" % i, p) for i, p in enumerate(params)]
         super().__init__([p for _, p in named], dict(lr=lr))
         devices = {p.device for _, p in named}
@@ -30,7 +37,7 @@ class ScapeOptimizer(torch.optim.Optimizer):
         device = devices.pop()
         self.session = scape.attach(endpoint, [(n, p.numel()) for n, p in named],
                                     index=index, timeout_ms=timeout_ms, device=str(device),
-                                    start_wait_ms=start_wait_ms)
+                                    start_wait_ms=start_wait_ms, max_grad_norm=max_grad_norm)
         if self.session.device_ptrs is None:
             flat_p = torch.from_numpy(self.session.params)
             flat_g = torch.from_numpy(self.session.grads)
