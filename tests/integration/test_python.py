@@ -302,6 +302,56 @@ def test_torch_optimizer_trains_in_shared_memory(daemon_factory):
     assert float(torch.nn.functional.mse_loss(model(x), y)) < losses[0]
 
 
+def test_torch_optimizer_keeps_bfloat16_parameters(daemon_factory):
+    """bfloat16 parameters through ScapeOptimizer: the model stays bfloat16,
+    its parameters and .grad alias the shared bf16 buffers, the first step is
+    AdamS's from m = 0 on the float32 master (theta - lr*(1-beta1)/sqrt(1-beta2)
+    * sign(g), rounded once to bfloat16), training lowers the loss; a model
+    that mixes dtypes is refused, naming the parameters."""
+    torch = pytest.importorskip("torch")
+    import scape.torch
+
+    torch.manual_seed(0)
+    d = daemon_factory("--rho", "0.5", "--warmup", "20")
+    mixed = torch.nn.Linear(4, 1)
+    mixed.bias.data = mixed.bias.data.to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"bfloat16 \(bias\); float32 \(weight\)"):
+        scape.torch.ScapeOptimizer(mixed.named_parameters(), endpoint=d.endpoint)
+    model = torch.nn.Linear(8, 1).to(torch.bfloat16)
+    x = torch.randn(256, 8).to(torch.bfloat16)
+    y = (x.float() @ torch.randn(8, 1) + 0.5).to(torch.bfloat16)
+    lr = 0.05
+    opt = scape.torch.ScapeOptimizer(model.named_parameters(), endpoint=d.endpoint, lr=lr)
+    s = opt.session
+    try:
+        assert s.params.dtype == np.uint16
+        for p, (_, off, _) in zip(model.parameters(), s.layout):
+            assert p.dtype == torch.bfloat16 and p.grad.dtype == torch.bfloat16
+            assert p.data_ptr() == s.params.ctypes.data + 2 * off
+            assert p.grad.data_ptr() == s.grads.ctypes.data + 2 * off
+
+        def closure():
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
+            loss.backward()
+            return loss
+
+        before = [p.detach().float().clone() for p in model.parameters()]
+        first = float(opt.step(closure).detach())
+        step = lr * (1 - 0.9) / (1 - 0.95) ** 0.5
+        for p, b in zip(model.parameters(), before):
+            g = p.grad.float()
+            want = (b - step * torch.sign(g)).to(torch.bfloat16).float()
+            got = p.detach().float()
+            ulp = (want.abs() * 2.0 ** -7).clamp(min=1e-30)
+            assert torch.all((got - want).abs() <= ulp), (got, want)
+        losses = [first] + [float(opt.step(closure).detach()) for _ in range(60)]
+        assert losses[-1] < 0.5 * losses[0], losses
+    finally:
+        opt.detach()
+    assert model.weight.dtype == torch.bfloat16 and model.weight.grad is None
+
+
 def cuda_torch():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():

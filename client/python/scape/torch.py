@@ -9,13 +9,42 @@ import torch
 import scape
 
 
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _one_dtype(named):
+    """The parameters' one dtype (float32 or bfloat16); ValueError naming the
+    parameters of each dtype when they mix, or of a dtype scaped cannot keep."""
+    by = {}
+    for n, p in named:
+        by.setdefault(p.dtype, []).append(n)
+    def names(ns):
+        return ", ".join(ns[:3]) + (", ..." if len(ns) > 3 else "")
+    if len(by) != 1 or next(iter(by)) not in _DTYPES:
+        raise ValueError("ScapeOptimizer: every parameter float32, or every one bfloat16 "
+                         "(the daemon keeps float32 master weights either way); got %s" %
+                         "; ".join("%s (%s)" % (str(d).replace("torch.", ""), names(ns))
+                                   for d, ns in sorted(by.items(), key=lambda x: str(x[0]))))
+    return next(iter(by))
+
+
+def _host_tensor(array, dtype):
+    """A torch tensor over a session's host buffer (numpy float32, or uint16
+    holding bfloat16 bits), sharing its memory."""
+    if dtype == torch.float32:
+        return torch.from_numpy(array)
+    return torch.from_numpy(array.view("int16")).view(torch.bfloat16)
+
+
 class ScapeOptimizer(torch.optim.Optimizer):
     """ScapeOptimizer(model.parameters()) or ScapeOptimizer(model.named_parameters()).
 
     Construction attaches and syncs: it returns once the parameters are the
     job's (trainer 0's at the start, after every expected trainer is there).
     One parameter group; lr is param_groups[0]["lr"] at each step.  Parameters
-    must be float32, all on the CPU or all on one CUDA device; on CUDA the
+    must be all float32 or all bfloat16 (the daemon keeps float32 master
+    weights and hands back their bfloat16 rounding), all on the CPU or all
+    on one CUDA device; on CUDA the
     flat buffers are libscape's cudaMalloc'd IPC buffers, which scape.attach
     hands over as CUDA tensors (unverified on a GPU so far).
 
@@ -30,17 +59,20 @@ class ScapeOptimizer(torch.optim.Optimizer):
                  start_wait_ms=0, max_grad_norm=None):
         named = [p if isinstance(p, tuple) else ("p%d" % i, p) for i, p in enumerate(params)]
         super().__init__([p for _, p in named], dict(lr=lr))
+        dtype = _one_dtype(named)
         devices = {p.device for _, p in named}
-        if len(devices) != 1 or any(p.dtype != torch.float32 for _, p in named):
-            raise ValueError("ScapeOptimizer: float32 parameters on one device, got %s" %
-                             sorted({"%s %s" % (p.dtype, p.device) for _, p in named}))
+        if len(devices) != 1:
+            raise ValueError("ScapeOptimizer: parameters on one device, got %s" %
+                             ", ".join(sorted(str(d) for d in devices)))
         device = devices.pop()
+        name = "bfloat16" if dtype == torch.bfloat16 else "float32"
         self.session = scape.attach(endpoint, [(n, p.numel()) for n, p in named],
-                                    index=index, timeout_ms=timeout_ms, device=str(device),
-                                    start_wait_ms=start_wait_ms, max_grad_norm=max_grad_norm)
+                                    dtype=name, index=index, timeout_ms=timeout_ms,
+                                    device=str(device), start_wait_ms=start_wait_ms,
+                                    max_grad_norm=max_grad_norm)
         if self.session.device_ptrs is None:
-            flat_p = torch.from_numpy(self.session.params)
-            flat_g = torch.from_numpy(self.session.grads)
+            flat_p = _host_tensor(self.session.params, dtype)
+            flat_g = _host_tensor(self.session.grads, dtype)
         else:
             flat_p, flat_g = self.session.params, self.session.grads
         spans = [(p, off, n) for (_, p), (_, off, n) in zip(named, self.session.layout)]
