@@ -9,7 +9,7 @@ PKGS=(
   build-essential cmake pkg-config
   libzmq3-dev libprotobuf-c-dev protobuf-c-compiler
   libyaml-dev check libsubunit-dev
-  python3 python3-pytest python3-numpy python3-zmq
+  python3 python3-pytest python3-numpy python3-zmq python3-venv python3-pip python3-wheel python3-setuptools
   munge slurmctld slurmd slurm-client lmod
   fortunes python3-torch iproute2
 )

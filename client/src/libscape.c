@@ -462,6 +462,15 @@ scape_rc scape_attach(const char *endpoint, const scape_tensor *layout, size_t n
         o = *opts;
     else
         scape_options_default(&o);
+    const char *ix = getenv("SCAPE_INDEX");
+    if (o.index == -1 && ix && *ix) {
+        char *end = NULL;
+        long v = strtol(ix, &end, 10);
+        if (*end != '\0' || v < 0 || v > 1023)
+            return scape_set_error(SCAPE_INVALID, "scape_attach: SCAPE_INDEX='%s' is not a "
+                                   "trainer slot (0, 1, ...)", ix);
+        o.index = (int)v;
+    }
     size_t numel = 0;
     scape_rc rc = check_attach(layout, ntensors, &o, out, &numel);
     if (rc != SCAPE_OK)

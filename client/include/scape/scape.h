@@ -45,7 +45,9 @@ typedef struct scape_options {
     scape_dtype grad_dtype;  /* default F32 */
     scape_memory memory;     /* default HOST */
     int device;              /* CUDA device ordinal for SCAPE_MEMORY_CUDA */
-    int index;               /* wanted trainer slot, -1 (default): lowest free */
+    int index;               /* wanted trainer slot; -1 (default): $SCAPE_INDEX when
+                                set (scape-run sets it to the local rank), else the
+                                lowest free one */
     int timeout_ms;          /* longest wait for any reply, default 600000 */
     int start_wait_ms;       /* how long to wait for scaped's control socket to appear
                                 (a daemon still starting; said once on stderr),
