@@ -65,8 +65,12 @@ scape_rc comm_reduce_scatter_sum(comm_t *c, const float *send, float *recv,
     if ((send == NULL && total > 0) || (recv == NULL && counts[c->rank] > 0))
         return scape_set_error(SCAPE_INVALID, "comm_reduce_scatter_sum: NULL buffer");
     rc = c->ops->reduce_scatter_sum(c, send, recv, counts);
+    /* In a ring reduce-scatter that leaves segment r on rank r, a rank
+     * receives a partial sum of every segment but its predecessor's, where
+     * that segment's chain starts. */
     if (rc == SCAPE_OK)
-        count(c, COMM_REDUCE_SCATTER, total * 4, (total - counts[c->rank]) * 4);
+        count(c, COMM_REDUCE_SCATTER, total * 4,
+              (total - counts[(c->rank + c->size - 1) % c->size]) * 4);
     return rc;
 }
 

@@ -117,7 +117,7 @@ static void describe(eng_t *e, uint32_t flags, eng_ckpt_sec *secs, int *nsecs)
 /* SCAPE knows the mask of the step after `step` once its warm-up is over. */
 static int next_mask_due(const eng_t *e, uint64_t step)
 {
-    return e->cfg.optimizer == ENG_OPT_SCAPE && step + 1 > e->cfg.warmup;
+    return eng_scape_masks(e) && step + 1 > e->cfg.warmup;
 }
 
 static void fill_meta(const eng_t *e, eng_ckpt_meta *m)

@@ -103,6 +103,14 @@ struct eng {
     eng_step_stats last;
 };
 
+/* SCAPE with masks to select: some tensor has k_l < len.  At rho = 1 every
+ * mask would be all ones, so every step runs dense, with no selection and
+ * no mask all-gather. */
+static inline int eng_scape_masks(const eng_t *e)
+{
+    return e->cfg.optimizer == ENG_OPT_SCAPE && e->p->k_total < e->p->n;
+}
+
 /* The optimizer keeps a second moment (the AdamW variants). */
 static inline int eng_uses_v(const eng_t *e)
 {

@@ -197,7 +197,7 @@ static scape_rc scape_mask(eng_t *e, uint64_t t)
         e->last.mask_overlap = life > 0.0 ? 1.0 - waited / life : 1.0;
     }
     const uint32_t *prev = e->mask_cur;
-    if (t <= e->cfg.warmup) {
+    if (t <= e->cfg.warmup || !eng_scape_masks(e)) {
         e->mask_cur = NULL;
     } else {
         e->mask_cur = e->mask_next;
@@ -422,7 +422,7 @@ static scape_rc step_phases(eng_t *e, uint64_t t, float lr, const void *const *g
     if (e->mask_cur && k > e->k_cap)
         return scape_set_error(SCAPE_INVALID, "engine: mask of %zu values exceeds the "
                                "capacity of %zu", k, e->k_cap);
-    e->select_due = e->cfg.optimizer == ENG_OPT_SCAPE && t + 1 > e->cfg.warmup;
+    e->select_due = eng_scape_masks(e) && t + 1 > e->cfg.warmup;
     PHASE(ENG_PH_PACK, e->x->ops->pack(e->x, grads, e->select_due));
     if (e->select_due) {
         /* deferred only from a sparse step: a dense one's a is overwritten

@@ -421,3 +421,22 @@ def test_data_plane_bytes_are_measured_and_shown(daemon_factory, tmp_path):
         assert re.search(r'^scape_peers_connected\{rank="%d"\} 1$' % r, metrics, re.M), metrics
         got = re.search(r'^scape_data_received_bytes_total\{rank="%d"\} (\S+)$' % r, metrics, re.M)
         assert got and float(got.group(1)) >= recvd, metrics
+
+
+def test_ring_model_of_a_sharded_dense_step_is_the_same_on_both_ranks(daemon_factory, tmp_path):
+    """Sharded dense steps at R = 2 with uneven shards: in a ring, each rank
+    receives in the reduce-scatter a partial sum of every segment but its
+    predecessor's (at R = 2: its own), and in the all-gather every segment but
+    its own, N floats in all: wire_bytes is 4 N on both ranks (it used to
+    leave the rank's own segment out of the reduce-scatter: 8 times the
+    other's shard, uneven)."""
+    n, steps = 3000, 4
+    daemons = start_group(daemon_factory, [1, 1], ["--mode", "sharded", "--warmup", "100"])
+    train_group(daemons, [1, 1], tmp_path, n, steps, "dense")
+    lens = [t[2] for t in synth_layout(n)]
+    own = owners(lens, 2)
+    shards = [sum(x for x, o in zip(lens, own) if o == r) for r in range(2)]
+    assert shards[0] != shards[1], "the test wants uneven shards"
+    for d in daemons:
+        _, _, _, done = pbwire.query_status(d.status_endpoint)
+        assert done[6][0] == 4 * sum(lens), (done[6][0], 4 * sum(lens), shards)

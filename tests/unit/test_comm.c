@@ -98,7 +98,7 @@ static scape_rc do_reduce_scatter(rank_arg *a)
         rc = scape_set_error(SCAPE_INVALID, "rank %d: wrote past its segment", a->rank);
     if (rc == SCAPE_OK && (a->comm->stats.bytes[COMM_REDUCE_SCATTER] != total * 4 ||
                            a->comm->stats.wire_bytes[COMM_REDUCE_SCATTER] !=
-                               (total - counts[a->rank]) * 4))
+                               (total - counts[(a->rank + a->nranks - 1) % a->nranks]) * 4))
         rc = scape_set_error(SCAPE_INVALID, "rank %d: counters wrong", a->rank);
     free(send);
     free(recv);
