@@ -41,17 +41,19 @@ def main():
     for spec in a.runs:
         name, _, path = spec.rpartition("=")
         runs.append((name, scape_plot.read_log(path)))
-    dense_bytes = median(runs[-1][1]["bytes"])
+    # what one daemon moves per step: the ring model's bytes it receives, about
+    # what it sends (the collectives' payload counts every rank's part)
+    dense_bytes = median(runs[-1][1]["wire_bytes"])
 
     rows = []
     for name, log in runs:
         steps = len(log["step"])
         tail = log["loss"][-max(1, steps // 10):]
-        per_step = median(log["bytes"])
+        per_step = median(log["wire_bytes"])
         wall = log["wall_s"][-1]
         rows.append((name, int(log["step"][-1]), sum(tail) / len(tail),
                      last_finite(log["val_loss"]), human(per_step),
-                     100.0 * per_step / dense_bytes, human(sum(log["bytes"])), wall,
+                     100.0 * per_step / dense_bytes, human(sum(log["wire_bytes"])), wall,
                      steps / wall if wall > 0 else float("nan")))
     head = ("run", "steps", "train loss", "val loss", "sent/step", "of dense", "total sent",
             "wall s", "step/s")
@@ -61,21 +63,23 @@ def main():
         print(fmt % (r[0], r[1], "%.4f" % r[2], "%.4f" % r[3], r[4], "%.2f%%" % r[5], r[6],
                      "%.1f" % r[7], "%.1f" % r[8]))
     print("train loss: mean of the last 10% of steps (reporting trainer); val loss: the "
-          "validation split at the end;\nsent/step: median collective payload per step "
-          "(per daemon, mask all-gather included); total sent: all steps, dense warm-up "
-          "included.")
+          "validation split at the end;\nsent/step: median bytes one daemon moves per "
+          "step over its links (the ring model of its collectives, mask all-gather "
+          "included;\nnot the collectives' payload, which counts every daemon's part); "
+          "total sent: all steps, dense warm-up included.")
 
     loss, sent = [], []
     for i, (name, log) in enumerate(runs):
         dashed = i == len(runs) - 1
         sm = scape_plot.smooth(log["loss"], 10)
         loss.append((name + " train", scape_plot.finite(log["step"], sm), dashed))
-        sent.append((name, scape_plot.finite(log["step"], log["bytes"]), dashed))
+        sent.append((name, scape_plot.finite(log["step"], log["wire_bytes"]), dashed))
     for name, log in runs:
         loss.append((name + " val", scape_plot.finite(log["step"], log["val_loss"]), True))
     scape_plot.write_svg(a.svg, [
         scape_plot.panel("Loss", "step", "cross-entropy (nats)", loss),
-        scape_plot.panel("Bytes sent per step", "step", "collective payload", sent, log=True),
+        scape_plot.panel("Bytes per step, one daemon", "step", "ring model of its links",
+                         sent, log=True),
     ])
     print("plot: %s" % a.svg)
 

@@ -94,15 +94,17 @@ static const char *human_bytes(double b, char *buf, size_t len)
     return buf;
 }
 
-/* One line, redrawn in place on a terminal, every 10% otherwise.  Step 1 is
- * always dense (the warm-up has at least one step): what it sent is the
- * dense reference for the later steps. */
+/* One line, redrawn in place on a terminal, every 10% otherwise.  "sent" is
+ * what this daemon moves over its links per step (wire_bytes, the ring model
+ * of its collectives), not their payload, which counts every daemon's part.
+ * Step 1 is always dense (the warm-up has at least one step): what it sent
+ * is the dense reference for the later steps. */
 static void progress(const args *a, uint64_t t, uint64_t first, double loss, double val,
                      const scape_step_info *info, double started)
 {
     static double dense;
     if (t == 1)
-        dense = (double)info->bytes;
+        dense = (double)info->wire_bytes;
     int tty = isatty(STDERR_FILENO);
     uint64_t total = a->run.steps;
     if (!tty && t != total && t % (total / 10 ? total / 10 : 1) != 0)
@@ -114,12 +116,13 @@ static void progress(const args *a, uint64_t t, uint64_t first, double loss, dou
         bar[i] = i < fill ? '#' : '.';
     bar[width] = '\0';
     if (dense > 0.0)
-        snprintf(share, sizeof share, " (%.2f%% of dense)", 100.0 * (double)info->bytes / dense);
+        snprintf(share, sizeof share, " (%.2f%% of dense)",
+                 100.0 * (double)info->wire_bytes / dense);
     double rate = (double)(t - first + 1) / (now_s() - started);
     snprintf(vbuf, sizeof vbuf, isnan(val) ? "  -  " : "%.3f", val);
     fprintf(stderr, "%s[%s] step %llu/%llu  loss %.3f  val %s  sent %s/step%s  %.1f step/s%s",
             tty ? "\r" : "", bar, (unsigned long long)t, (unsigned long long)total, loss,
-            vbuf, human_bytes((double)info->bytes, b1, sizeof b1), share, rate,
+            vbuf, human_bytes((double)info->wire_bytes, b1, sizeof b1), share, rate,
             tty ? "\033[K" : "\n");
     if (tty && t == total)
         fputc('\n', stderr);

@@ -170,9 +170,11 @@ def main():
                 vx, vy = batch(val, a.batch, a.ctx, g, a.device)
                 vloss = float(model(vx, vy))
             info = opt.last_info
-            print("step %d  loss %.4f  val %.4f  sent %d B/step  %.1f step/s" % (
-                t, float(loss), vloss, info.bytes, (t - first + 1) / (time.time() - t0)),
-                flush=True)
+            # wire_bytes: what this daemon moves over its links per step (the
+            # ring model); bytes: the collectives' payload, every daemon's part
+            print("step %d  loss %.4f  val %.4f  wire %d B/step (payload %d B)  %.1f step/s"
+                  % (t, float(loss), vloss, info.wire_bytes, info.bytes,
+                     (t - first + 1) / (time.time() - t0)), flush=True)
     if a.out:
         with torch.no_grad():
             flat = torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
