@@ -29,14 +29,17 @@ def binary(*parts):
 
 
 class Daemon:
-    def __init__(self, args=()):
+    def __init__(self, args=(), netns=None):
         # ipc:// paths must stay short (108 bytes), so not under tmp_path.
         self.dir = tempfile.mkdtemp(prefix="scape-it-")
         self.rt = os.path.join(self.dir, "rt")
         self.log_path = os.path.join(self.dir, "scaped.log")
         self.log = open(self.log_path, "w")
+        # on a test host (network namespace): `ip netns exec` execs in place,
+        # so the process is scaped itself
+        prefix = ["ip", "netns", "exec", netns] if netns else []
         self.proc = subprocess.Popen(
-            [binary("daemon", "scaped"), "--runtime-dir", self.rt, *args],
+            prefix + [binary("daemon", "scaped"), "--runtime-dir", self.rt, *args],
             stdout=self.log, stderr=subprocess.STDOUT)
         self.endpoint = "ipc://%s/control" % self.rt
         self.status_endpoint = "ipc://%s/status" % self.rt
@@ -97,8 +100,8 @@ class Daemon:
 def daemon_factory():
     started = []
 
-    def make(*args):
-        d = Daemon(args)
+    def make(*args, netns=None):
+        d = Daemon(args, netns)
         started.append(d)
         return d
 
@@ -170,3 +173,73 @@ def free_endpoints(count):
                 continue
         ports.add(port)
     return ["tcp://127.0.0.1:%d" % p for p in sorted(ports)]
+
+
+HOSTS_SH = os.path.join(SOURCE, "deploy", "hosts.sh")
+
+
+class Hosts:
+    """Test hosts made by deploy/hosts.sh: network namespaces NAME-h0.., at
+    10.231.0.(i+1), joined by a switch; links can be cut and rate-limited."""
+
+    def __init__(self, name, count):
+        self.name, self.count = name, count
+        self.addr = ["10.231.0.%d" % (i + 1) for i in range(count)]
+        self.ns = ["%s-h%d" % (name, i) for i in range(count)]
+
+    def sh(self, *args):
+        r = subprocess.run(["bash", HOSTS_SH, *args, "--name", self.name],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return r.stdout
+
+    def cut(self, i):
+        self.sh("cut", str(i))
+
+    def restore(self, i):
+        self.sh("restore", str(i))
+
+    def rate(self, i, rate):
+        self.sh("rate", str(i), rate)
+
+    def counters(self, i):
+        """(tx bytes, tx packets, rx bytes, rx packets) of host i's eth0."""
+        import json
+        r = subprocess.run(["ip", "-n", self.ns[i], "-s", "-j", "link", "show", "eth0"],
+                           capture_output=True, text=True, check=True, timeout=30)
+        st = json.loads(r.stdout)[0]["stats64"]
+        return st["tx"]["bytes"], st["tx"]["packets"], st["rx"]["bytes"], st["rx"]["packets"]
+
+
+def hosts_unavailable():
+    """Why test hosts cannot be made here, or None."""
+    if os.geteuid() != 0:
+        return "test hosts need root (network namespaces)"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "test hosts need iproute2 (ip, tc)"
+    probe = "scape-probe-%d" % os.getpid()
+    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if r.returncode != 0:
+        return "no network namespaces here: " + r.stderr.strip()
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+@pytest.fixture
+def hosts_factory():
+    """make(count, rate="none"): a fresh group of test hosts, removed after
+    the test; skips the test, saying why, where they cannot be made."""
+    why = hosts_unavailable()
+    if why:
+        pytest.skip(why)
+    made = []
+
+    def make(count, rate="none"):
+        h = Hosts("scit%d-%d" % (os.getpid() % 100000, len(made)), count)
+        made.append(h)
+        h.sh("up", str(count), "--rate", rate)
+        return h
+
+    yield make
+    for h in made:
+        h.sh("down")
