@@ -820,14 +820,28 @@ static void count_masked(exec_t *x, uint64_t n, uint64_t k, uint64_t w, uint64_t
         exec_count(x, n * vecs * 4 + 4 * n, 0);
 }
 
+/* A word-range kernel's arguments for comm-order tensors [first, first +
+ * count), its traffic counted (vecs state vectors per value); 0 when the
+ * range is empty. */
+static int range_args(exec_t *x, size_t first, size_t count, uint64_t vecs, kseg_args *a)
+{
+    if (count == 0)
+        return 0;
+    *a = args_for(x->e, impl(x));
+    range_words(x->e, first, count, &a->w0, &a->w1);
+    uint64_t n, k, w;
+    range_sizes(x->e, first, count, &n, &k, &w);
+    count_masked(x, n, k, w, vecs);
+    return 1;
+}
+
 static scape_rc dev_update(exec_t *x, size_t first, size_t count, uint64_t t, float lr)
 {
     eng_t *e = x->e;
-    dev_x *h = impl(x);
-    if (count == 0)
+    kseg_args a;
+    /* theta, m (v), read and written */
+    if (!range_args(x, first, count, 2 * (eng_uses_v(e) ? 3 : 2), &a))
         return SCAPE_OK;
-    kseg_args a = args_for(e, h);
-    range_words(e, first, count, &a.w0, &a.w1);
     const kern_hyper *hy = &e->cfg.hyper;
     a.in = e->sum;
     a.adamw = eng_uses_v(e);
@@ -840,10 +854,7 @@ static scape_rc dev_update(exec_t *x, size_t first, size_t count, uint64_t t, fl
     a.bc1 = a.adamw ? scape_f_bias_correction(hy->beta1, t) : 1.0f;
     a.bc2 = a.adamw ? scape_f_bias_correction(hy->beta2, t) : 1.0f;
     a.clip = e->clip;
-    uint64_t n, k, w;
-    range_sizes(e, first, count, &n, &k, &w);
-    count_masked(x, n, k, w, 2 * (a.adamw ? 3 : 2)); /* theta, m (v), read and written */
-    return run(h, KSEG_UPDATE, &a);
+    return run(impl(x), KSEG_UPDATE, &a);
 }
 
 static scape_rc dev_sqsum(exec_t *x, size_t first, size_t count, double *out)
@@ -867,17 +878,11 @@ static scape_rc dev_sqsum(exec_t *x, size_t first, size_t count, double *out)
 
 static scape_rc dev_compact(exec_t *x, size_t first, size_t count, float *dst)
 {
-    eng_t *e = x->e;
-    dev_x *h = impl(x);
-    if (count == 0)
+    kseg_args a;
+    if (!range_args(x, first, count, 1, &a))
         return SCAPE_OK;
-    kseg_args a = args_for(e, h);
-    range_words(e, first, count, &a.w0, &a.w1);
     a.out = dst;
-    uint64_t n, k, w;
-    range_sizes(e, first, count, &n, &k, &w);
-    count_masked(x, n, k, w, 1);
-    return run(h, KSEG_COMPACT, &a);
+    return run(impl(x), KSEG_COMPACT, &a);
 }
 
 static scape_rc dev_write_back(exec_t *x, const float *src, void *const *params)

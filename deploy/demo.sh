@@ -5,7 +5,13 @@
 # rho 0.01, then dense AdamS with the same model, data and seeds.  Shows a
 # progress bar, prints a closing table and writes a plot (SVG).
 #
-# Usage: deploy/demo.sh [--steps N] [--rho X]      (STEPS, RHO in the environment too)
+# Run as root (as deploy/setup.sh needs), the two daemons sit on two test
+# hosts (network namespaces, deploy/hosts.sh) joined by a link of --link RATE
+# (default 100mbit, tc's units); --link none, or no root, keeps them on
+# loopback.
+#
+# Usage: deploy/demo.sh [--steps N] [--rho X] [--link RATE|none]
+#        (STEPS, RHO, LINK in the environment too)
 # While it runs, `build-demo/client/scapectl --runtime-dir DIR watch` (the
 # directory is printed) follows a daemon from another terminal.
 set -euo pipefail
@@ -13,11 +19,13 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 STEPS=${STEPS:-300}
 RHO=${RHO:-0.01}
+LINK=${LINK:-100mbit}
 while [ $# -gt 0 ]; do
   case "$1" in
   --steps) STEPS=$2; shift 2 ;;
   --rho) RHO=$2; shift 2 ;;
-  *) echo "usage: deploy/demo.sh [--steps N] [--rho X]" >&2; exit 64 ;;
+  --link) LINK=$2; shift 2 ;;
+  *) echo "usage: deploy/demo.sh [--steps N] [--rho X] [--link RATE|none]" >&2; exit 64 ;;
   esac
 done
 
@@ -35,12 +43,14 @@ bash client/examples/fortunes-corpus.sh "$corpus"
 # Runtime directories hold ipc:// sockets, whose paths must stay short.
 rt=$(mktemp -d /tmp/scape-demo.XXXXXX)
 pids=()
+hosts=""
 cleanup() {
   local rc=$?
   trap - EXIT INT TERM
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
   rm -rf "$rt"
+  [ -z "$hosts" ] || bash deploy/hosts.sh down --name "$hosts" >/dev/null 2>&1 || true
   [ "$rc" -eq 0 ] || echo "demo: failed; logs are in $out" >&2
   exit "$rc"
 }
@@ -52,15 +62,40 @@ free_port() {
 
 ctl() { build-demo/client/scapectl --runtime-dir "$1" "${@:2}"; }
 
+# Two test hosts with a LINK-rate link, when root can make them.
+if [ "$LINK" != none ]; then
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "==> not root: the daemons talk over loopback (--link needs network namespaces)"
+    LINK=none
+  elif bash deploy/hosts.sh up 2 --rate "$LINK" --name "scdemo$$" >"$out/hosts.log" 2>&1; then
+    hosts="scdemo$$"
+    echo "==> two test hosts joined by a $LINK link: $(cat "$out/hosts.log")"
+  else
+    echo "==> no test hosts here ($(tail -n 1 "$out/hosts.log")): the daemons talk over loopback"
+    LINK=none
+  fi
+fi
+
 # run_group NAME SCAPED-FLAGS...: 2 daemons x 2 trainers; trainer 0 of rank 0
 # reports (validation loss, CSV log, progress bar).
 run_group() {
   local name=$1; shift
-  local coord; coord="tcp://127.0.0.1:$(free_port)"
+  local coord listen on=()
   pids=()
+  if [ -n "$hosts" ]; then
+    coord="tcp://10.231.0.1:29517"
+  else
+    coord="tcp://127.0.0.1:$(free_port)"
+  fi
   for r in 0 1; do
-    build-demo/daemon/scaped --runtime-dir "$rt/$name-$r" --world 2 --rank "$r" \
-      --coordinator "$coord" --listen "tcp://127.0.0.1:$(free_port)" --job $$ \
+    if [ -n "$hosts" ]; then
+      on=(ip netns exec "$hosts-h$r")
+      listen="tcp://10.231.0.$((r + 1)):*"
+    else
+      listen="tcp://127.0.0.1:$(free_port)"
+    fi
+    "${on[@]}" build-demo/daemon/scaped --runtime-dir "$rt/$name-$r" --world 2 --rank "$r" \
+      --coordinator "$coord" --listen "$listen" --job $$ \
       --trainers 2 --mode sharded --log-level warn "$@" >"$out/$name-scaped-$r.log" 2>&1 &
     pids+=($!)
   done
@@ -96,11 +131,13 @@ run_group() {
   pids=()
 }
 
-echo "==> SCAPE, rho $RHO: 2 daemons x 2 trainers, $STEPS steps (GPT d=64, 2 layers, fortunes)"
+where="loopback"
+[ -z "$hosts" ] || where="a $LINK link"
+echo "==> SCAPE, rho $RHO: 2 daemons x 2 trainers over $where, $STEPS steps (GPT d=64, 2 layers, fortunes)"
 run_group scape --optimizer scape --rho "$RHO" --warmup 10
 echo "==> dense AdamS, the same model, data and seeds (the baseline)"
 run_group adams --optimizer adams
 echo "==> results"
-python3 client/examples/demo_report.py --svg "$out/demo.svg" \
+python3 client/examples/demo_report.py --svg "$out/demo.svg" --link "$where" \
   "scape rho=$RHO=$out/scape.csv" "dense adams=$out/adams.csv"
 echo "logs: $out"

@@ -751,11 +751,11 @@ static void vary_threads(spec *sp, int k)
     sp->cfg.threads = threads[k];
 }
 
-/* The data-parallel phases on several worker threads compute the same bits
- * as on one: every optimizer, both modes, one and three ranks, f32 and bf16
- * buffers, every per-step check on in the threaded runs too (variants: 1, 3
- * and 8 threads). */
-START_TEST(threads_do_not_change_results)
+/* Every optimizer, both modes, one and three ranks, f32 and bf16 buffers:
+ * each case's nv variants (vary) must agree bitwise, every per-step check
+ * on.  alternate_defer: the selection is deferred in every other case. */
+static void variants_over_matrix(int nv, void (*vary)(spec *, int), const char *variants,
+                                 int alternate_defer)
 {
     static const struct {
         eng_optimizer opt;
@@ -769,12 +769,22 @@ START_TEST(threads_do_not_change_results)
                     spec sp = make_spec(opts[o].opt, (eng_mode)mode, R, opts[o].rho, 40);
                     if (bf16)
                         sp.pdt = sp.gdt = KERN_BF16;
-                    char what[128];
-                    snprintf(what, sizeof what, "%s %s R=%d%s, threads 1/3/8",
+                    if (alternate_defer)
+                        sp.cfg.defer_select = (int)(o + (size_t)mode + (size_t)bf16) % 2;
+                    char what[160];
+                    snprintf(what, sizeof what, "%s %s R=%d%s%s, %s",
                              eng_optimizer_name(opts[o].opt), eng_mode_name((eng_mode)mode), R,
-                             bf16 ? " bf16" : "");
-                    expect_variants_agree(&sp, 3, vary_threads, what);
+                             bf16 ? " bf16" : "", sp.cfg.defer_select ? " deferred" : "",
+                             variants);
+                    expect_variants_agree(&sp, nv, vary, what);
                 }
+}
+
+/* The data-parallel phases on several worker threads compute the same bits
+ * as on one (variants: 1, 3 and 8 threads). */
+START_TEST(threads_do_not_change_results)
+{
+    variants_over_matrix(3, vary_threads, "threads 1/3/8", 0);
 }
 END_TEST
 
@@ -790,30 +800,11 @@ static void vary_executor(spec *sp, int k)
 
 /* The device executor's orchestration and kernels (the CPU versions of the
  * CUDA kernels, their streams replayed in a random order that keeps only
- * the declared dependencies) give the host executor's bits, with every
- * per-step check on: every optimizer, both modes, one and three ranks, f32
- * and bf16 buffers, the selection deferred or not. */
+ * the declared dependencies) give the host executor's bits, the selection
+ * deferred or not. */
 START_TEST(sim_executor_is_the_host_executor)
 {
-    static const struct {
-        eng_optimizer opt;
-        double rho;
-    } opts[] = { { ENG_OPT_SCAPE, 0.1 }, { ENG_OPT_SCAPE, 0.01 }, { ENG_OPT_ADAMS, 1.0 },
-                 { ENG_OPT_ADAMW, 1.0 }, { ENG_OPT_TOPK_ADAMW, 0.1 } };
-    for (size_t o = 0; o < sizeof opts / sizeof opts[0]; o++)
-        for (int mode = 0; mode < 2; mode++)
-            for (int R = 1; R <= 3; R += 2)
-                for (int bf16 = 0; bf16 < 2; bf16++) {
-                    spec sp = make_spec(opts[o].opt, (eng_mode)mode, R, opts[o].rho, 40);
-                    if (bf16)
-                        sp.pdt = sp.gdt = KERN_BF16;
-                    sp.cfg.defer_select = (int)(o + (size_t)mode + (size_t)bf16) % 2;
-                    char what[160];
-                    snprintf(what, sizeof what, "%s %s R=%d%s%s, host / sim / sim resident",
-                             eng_optimizer_name(opts[o].opt), eng_mode_name((eng_mode)mode), R,
-                             bf16 ? " bf16" : "", sp.cfg.defer_select ? " deferred" : "");
-                    expect_variants_agree(&sp, 3, vary_executor, what);
-                }
+    variants_over_matrix(3, vary_executor, "host / sim / sim resident", 1);
 }
 END_TEST
 
