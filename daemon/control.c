@@ -124,9 +124,22 @@ static scape_rc parse_dtype(Scape__DType d, kern_dtype *out)
     return SCAPE_OK;
 }
 
-/* Validate the registered tensors by planning them; fills ts (names borrowed). */
-static scape_rc parse_layout(const Scape__Register *g, eng_tensor *ts, size_t *numel)
+/* Validate the registered tensors by planning them; fills ts (names borrowed)
+ * and the parameter groups. */
+static scape_rc parse_layout(const Scape__Register *g, eng_tensor *ts, size_t *numel,
+                             eng_group *groups, size_t *ngroups)
 {
+    if (g->n_group_weight_decay > ENG_MAX_GROUPS)
+        return scape_set_error(SCAPE_INVALID, "register: %zu parameter groups (at most %d)",
+                               g->n_group_weight_decay, ENG_MAX_GROUPS);
+    *ngroups = g->n_group_weight_decay;
+    for (size_t q = 0; q < *ngroups; q++) {
+        float wd = g->group_weight_decay[q];
+        if (!isnan(wd) && (!(wd >= 0.0f) || !isfinite(wd)))
+            return scape_set_error(SCAPE_INVALID, "register: parameter group %zu: "
+                                   "weight_decay %g must be finite and >= 0", q, (double)wd);
+        groups[q].weight_decay = wd;
+    }
     for (size_t i = 0; i < g->n_tensors; i++) {
         const Scape__Tensor *x = g->tensors[i];
         if (x->name == NULL || x->name[0] == '\0')
@@ -135,7 +148,12 @@ static scape_rc parse_layout(const Scape__Register *g, eng_tensor *ts, size_t *n
             return scape_set_error(SCAPE_INVALID, "register: tensor %zu's name \"%.64s\" is "
                                    "not printable UTF-8 of at most %d bytes", i, x->name,
                                    REGISTER_NAME_MAX);
-        ts[i] = (eng_tensor){ x->name, (size_t)x->offset, (size_t)x->length };
+        ts[i] = (eng_tensor){ x->name, (size_t)x->offset, (size_t)x->length,
+                              x->has_group ? x->group : 0 };
+        if (ts[i].group >= (*ngroups ? *ngroups : 1))
+            return scape_set_error(SCAPE_INVALID, "register: tensor %s is in parameter group "
+                                   "%u, but %zu group(s) are registered", x->name,
+                                   (unsigned)ts[i].group, *ngroups ? *ngroups : 1);
     }
     plan *p = NULL;
     scape_rc rc = plan_build(&p, ts, g->n_tensors, 1, 1.0);
@@ -147,9 +165,11 @@ static scape_rc parse_layout(const Scape__Register *g, eng_tensor *ts, size_t *n
 
 /* The first registration fixes the layout; later ones must match it. */
 static scape_rc agree_layout(server *s, const eng_tensor *ts, size_t nt, kern_dtype pdt,
-                             kern_dtype gdt)
+                             kern_dtype gdt, const eng_group *groups, size_t ngroups)
 {
     if (s->layout == NULL) {
+        memcpy(s->groups, groups, ngroups * sizeof *groups);
+        s->ngroups = ngroups;
         s->layout = calloc(nt, sizeof *s->layout);
         if (s->layout == NULL)
             return scape_set_error(SCAPE_NOMEM, "register: out of memory");
@@ -176,6 +196,20 @@ static scape_rc agree_layout(server *s, const eng_tensor *ts, size_t nt, kern_dt
                                    s->layout[i].name, s->layout[i].offset, s->layout[i].length);
     if (pdt != s->pdt || gdt != s->gdt)
         return scape_set_error(SCAPE_INVALID, "register: dtypes differ from the node's layout");
+    if (ngroups != s->ngroups)
+        return scape_set_error(SCAPE_INVALID, "register: %zu parameter group(s), but the "
+                               "node's layout has %zu", ngroups, s->ngroups);
+    for (size_t q = 0; q < ngroups; q++)
+        if (memcmp(&groups[q].weight_decay, &s->groups[q].weight_decay, sizeof(float)) != 0)
+            return scape_set_error(SCAPE_INVALID, "register: parameter group %zu has "
+                                   "weight_decay %g, but the node's layout has %g", q,
+                                   (double)groups[q].weight_decay,
+                                   (double)s->groups[q].weight_decay);
+    for (size_t i = 0; i < nt; i++)
+        if (ts[i].group != s->layout[i].group)
+            return scape_set_error(SCAPE_INVALID, "register: tensor %s is in parameter group "
+                                   "%u, but in the node's layout in group %u", ts[i].name,
+                                   (unsigned)ts[i].group, (unsigned)s->layout[i].group);
     return SCAPE_OK;
 }
 
@@ -350,6 +384,8 @@ static scape_rc on_register(server *s, trainer *t, const Scape__Register *g)
                                t->index, (double)g->max_grad_norm,
                                (double)s->cfg.engine.max_grad_norm, (double)g->max_grad_norm,
                                (double)s->cfg.engine.max_grad_norm);
+    eng_group groups[ENG_MAX_GROUPS];
+    size_t ngroups = 0;
     kern_dtype pdt = KERN_F32, gdt = KERN_F32;
     scape_rc rc = parse_dtype(g->param_dtype, &pdt);
     if (rc == SCAPE_OK)
@@ -357,10 +393,11 @@ static scape_rc on_register(server *s, trainer *t, const Scape__Register *g)
     eng_tensor *ts = calloc(g->n_tensors, sizeof *ts);
     size_t numel = 0;
     if (rc == SCAPE_OK)
-        rc = ts ? parse_layout(g, ts, &numel) : scape_set_error(SCAPE_NOMEM, "out of memory");
+        rc = ts ? parse_layout(g, ts, &numel, groups, &ngroups)
+                : scape_set_error(SCAPE_NOMEM, "out of memory");
     int had_layout = s->layout != NULL;
     if (rc == SCAPE_OK)
-        rc = agree_layout(s, ts, g->n_tensors, pdt, gdt);
+        rc = agree_layout(s, ts, g->n_tensors, pdt, gdt, groups, ngroups);
     free(ts);
     if (rc == SCAPE_OK) {
         s->numel = numel;
@@ -410,8 +447,16 @@ static scape_rc on_step(server *s, trainer *t, const Scape__Step *st)
     if (!isfinite(st->lr) || st->lr < 0.0f)
         return scape_set_error(SCAPE_INVALID, "step: lr=%g must be finite and >= 0",
                                (double)st->lr);
+    if (st->n_group_lr != s->ngroups && !(st->n_group_lr == 0 && s->ngroups <= 1))
+        return scape_set_error(SCAPE_INVALID, "step: %zu group learning rates for %zu "
+                               "parameter group(s)", st->n_group_lr, s->ngroups);
+    for (size_t q = 0; q < st->n_group_lr; q++)
+        if (!isfinite(st->group_lr[q]) || st->group_lr[q] < 0.0f)
+            return scape_set_error(SCAPE_INVALID, "step: parameter group %zu: lr=%g must be "
+                                   "finite and >= 0", q, (double)st->group_lr[q]);
     t->posted = 1;
-    t->lr = st->lr;
+    for (size_t q = 0; q < ENG_MAX_GROUPS; q++)
+        t->lr[q] = q < st->n_group_lr ? st->group_lr[q] : st->lr;
     t->has_loss = st->has_loss;
     t->loss = st->loss;
     t->last_step = st->step;
@@ -446,7 +491,7 @@ static int collect(server *s, trainer **ts, int synced)
 /* Start the job: the engine, with trainer 0's parameters in every buffer. */
 static scape_rc start_job(server *s, trainer **ts, int n)
 {
-    eng_layout lay = { s->layout, s->ntensors, s->pdt, s->gdt };
+    eng_layout lay = { s->layout, s->ntensors, s->pdt, s->gdt, s->groups, s->ngroups };
     void *params[SRV_MAX_SLOTS];
     for (int i = 0; i < n; i++)
         params[i] = shm_map_engine(&ts[i]->params);
@@ -628,10 +673,15 @@ static void run_step(server *s, trainer **ts, int n)
             loss += ts[i]->loss;
             nloss++;
         }
-        if (ts[i]->lr != ts[0]->lr)
-            LOG_WARN(SUB_CTRL, "step %llu: trainer %d posted lr=%g, trainer %d lr=%g; using %g",
-                     (unsigned long long)t, ts[i]->index, (double)ts[i]->lr, ts[0]->index,
-                     (double)ts[0]->lr, (double)ts[0]->lr);
+        for (size_t q = 0; q < eng_groups(s->eng); q++)
+            if (ts[i]->lr[q] != ts[0]->lr[q]) {
+                LOG_WARN(SUB_CTRL, "step %llu: trainer %d posted lr=%g, trainer %d lr=%g%s; "
+                         "using %g", (unsigned long long)t, ts[i]->index,
+                         (double)ts[i]->lr[q], ts[0]->index, (double)ts[0]->lr[q],
+                         eng_groups(s->eng) > 1 ? " (a parameter group's)" : "",
+                         (double)ts[0]->lr[q]);
+                break;
+            }
     }
     double t0 = srv_now();
     const void *grads[SRV_MAX_SLOTS];
@@ -646,7 +696,7 @@ static void run_step(server *s, trainer **ts, int n)
     if (rc == SCAPE_OK)
         rc = pull(ts, n, 1, gb, &copied);
     if (rc == SCAPE_OK) {
-        rc = eng_step(s->eng, t, ts[0]->lr, grads, params);
+        rc = eng_step_groups(s->eng, t, ts[0]->lr, grads, params);
         if (rc == SCAPE_OK)
             rc = push_params(ts, n, pb, &copied);
         if (rc != SCAPE_OK) {

@@ -176,6 +176,39 @@ static scape_rc alloc_state(eng_t *e)
     return SCAPE_OK;
 }
 
+/* The layout's parameter groups: each one's weight decay (NaN: the
+ * configured one), every tensor in one of them; groups and their weight
+ * decay join the layout hash, which ranks and checkpoints compare. */
+static scape_rc set_groups(eng_t *e, const eng_layout *l)
+{
+    if (l->ngroups > ENG_MAX_GROUPS || (l->ngroups && l->groups == NULL))
+        return scape_set_error(SCAPE_INVALID, "layout: %zu parameter groups (at most %d)",
+                               l->ngroups, ENG_MAX_GROUPS);
+    e->ngroups = l->ngroups ? l->ngroups : 1;
+    for (size_t g = 0; g < e->ngroups; g++) {
+        float wd = l->ngroups ? l->groups[g].weight_decay : NAN;
+        e->gwd[g] = isnan(wd) ? e->cfg.hyper.wd : wd;
+        if (!(e->gwd[g] >= 0.0f) || !isfinite(e->gwd[g]))
+            return scape_set_error(SCAPE_INVALID, "layout: parameter group %zu: weight_decay "
+                                   "%g must be finite and >= 0", g, (double)e->gwd[g]);
+    }
+    for (size_t i = 0; i < e->p->ntensors; i++)
+        if (e->p->t[i].group >= e->ngroups)
+            return scape_set_error(SCAPE_INVALID, "layout: tensor %s is in parameter group %u "
+                                   "of %zu", e->p->t[i].name ? e->p->t[i].name : "-",
+                                   (unsigned)e->p->t[i].group, e->ngroups);
+    if (l->ngroups) {
+        uint64_t h = e->p->hash ^ 0x9e3779b97f4a7c15ull * (uint64_t)l->ngroups;
+        for (size_t g = 0; g < e->ngroups; g++) {
+            uint32_t bits;
+            memcpy(&bits, &e->gwd[g], sizeof bits);
+            h = (h ^ bits) * 0x100000001b3ull;
+        }
+        e->p->hash = h;
+    }
+    return SCAPE_OK;
+}
+
 /* Exchange T_r and the hashes of config and layout; all ranks must agree. */
 static scape_rc handshake(eng_t *e)
 {
@@ -194,7 +227,8 @@ static scape_rc handshake(eng_t *e)
     for (int r = 0; rc == SCAPE_OK && r < R; r++) {
         if (all[4 * r + 1] != mine[1])
             rc = scape_set_error(SCAPE_INVALID,
-                                 "engine: rank %d registered a different layout than rank %d",
+                                 "engine: rank %d registered a different layout than rank %d "
+                                 "(tensors, or their parameter groups and weight decay)",
                                  r, e->rank);
         else if (all[4 * r + 2] != mine[2])
             rc = scape_set_error(SCAPE_INVALID,
@@ -234,6 +268,8 @@ scape_rc eng_create(eng_t **out, const eng_config *cfg, const eng_layout *layout
     e->pdt = layout->param_dtype;
     e->gdt = layout->grad_dtype;
     scape_rc rc = plan_build(&e->p, layout->tensors, layout->ntensors, comm->size, cfg->rho);
+    if (rc == SCAPE_OK)
+        rc = set_groups(e, layout);
     if (rc == SCAPE_OK)
         rc = alloc_state(e);
     if (rc == SCAPE_OK)
@@ -315,8 +351,8 @@ scape_rc eng_init_params(eng_t *e, void *const *params)
     return SCAPE_OK;
 }
 
-static scape_rc check_step(const eng_t *e, uint64_t t, float lr, const void *const *grads,
-                           void *const *params)
+static scape_rc check_step(const eng_t *e, uint64_t t, const float *lrs,
+                           const void *const *grads, void *const *params)
 {
     if (e->broken)
         return scape_set_error(SCAPE_INVALID,
@@ -327,9 +363,12 @@ static scape_rc check_step(const eng_t *e, uint64_t t, float lr, const void *con
     if (t != e->last_step + 1)
         return scape_set_error(SCAPE_INVALID, "engine: step %llu out of order (expected %llu)",
                                (unsigned long long)t, (unsigned long long)e->last_step + 1);
-    if (!isfinite(lr) || lr < 0.0f)
-        return scape_set_error(SCAPE_INVALID, "engine: lr=%g must be finite and >= 0",
-                               (double)lr);
+    if (lrs == NULL)
+        return scape_set_error(SCAPE_INVALID, "engine: no learning rates");
+    for (size_t g = 0; g < e->ngroups; g++)
+        if (!isfinite(lrs[g]) || lrs[g] < 0.0f)
+            return scape_set_error(SCAPE_INVALID, "engine: lr=%g%s must be finite and >= 0",
+                                   (double)lrs[g], e->ngroups > 1 ? " of a group" : "");
     TRY(check_buffers(e, grads, "grads"));
     TRY(check_buffers(e, (const void *const *)params, "params"));
     size_t pb = e->p->n * kern_dtype_size(e->pdt), gb = e->p->n * kern_dtype_size(e->gdt);
@@ -347,18 +386,30 @@ static scape_rc check_step(const eng_t *e, uint64_t t, float lr, const void *con
     return SCAPE_OK;
 }
 
+size_t eng_groups(const eng_t *e) { return e ? e->ngroups : 0; }
+
 scape_rc eng_step(eng_t *e, uint64_t t, float lr, const void *const *grads,
                   void *const *params)
 {
+    float lrs[ENG_MAX_GROUPS];
+    for (size_t g = 0; g < ENG_MAX_GROUPS; g++)
+        lrs[g] = lr;
+    return eng_step_groups(e, t, lrs, grads, params);
+}
+
+scape_rc eng_step_groups(eng_t *e, uint64_t t, const float *lrs, const void *const *grads,
+                         void *const *params)
+{
     if (e == NULL)
         return scape_set_error(SCAPE_INVALID, "eng_step: engine is NULL");
-    TRY(check_step(e, t, lr, grads, params));
+    TRY(check_step(e, t, lrs, grads, params));
+    memcpy(e->glr, lrs, e->ngroups * sizeof *lrs);
     TRY(eng_step_finish(e)); /* the caller left the last step's selection */
     eng_ckpt_unstage(e);     /* a checkpoint's host copies are written by now */
     comm_stats before = e->comm->stats;
     memset(&e->last, 0, sizeof e->last);
     memset(e->used_iag, 0, sizeof e->used_iag);
-    scape_rc rc = eng_step_body(e, t, lr, grads, params);
+    scape_rc rc = eng_step_body(e, t, grads, params);
     if (rc != SCAPE_OK) {
         e->broken = 1;
         return rc;

@@ -74,13 +74,24 @@ typedef struct eng_tensor {
     const char *name; /* may be NULL; used in messages */
     size_t offset;    /* first coordinate in the flat vector */
     size_t length;    /* >= 1 */
+    uint32_t group;   /* its parameter group, < eng_layout.ngroups (0 without) */
 } eng_tensor;
+
+/* Parameter groups (torch's param_groups): per-group hyper-parameters of the
+ * update.  Each step gives every group its learning rate (eng_step_groups). */
+#define ENG_MAX_GROUPS 16
+typedef struct eng_group {
+    float weight_decay; /* >= 0; NaN: the configured hyper.wd */
+} eng_group;
 
 typedef struct eng_layout {
     const eng_tensor *tensors; /* must tile [0, N) exactly, any order */
     size_t ntensors;
     kern_dtype param_dtype;    /* trainers' parameter buffers */
     kern_dtype grad_dtype;     /* trainers' gradient buffers */
+    const eng_group *groups;   /* ngroups of them; NULL and 0: one group, the
+                                  configured weight decay */
+    size_t ngroups;            /* 0 .. ENG_MAX_GROUPS */
 } eng_layout;
 
 /* Seconds spent in each phase of the last step. */
@@ -154,6 +165,12 @@ scape_rc eng_init_params(eng_t *e, void *const *params);
  * they are there (collective). */
 scape_rc eng_step(eng_t *e, uint64_t t, float lr, const void *const *grads,
                   void *const *params);
+/* The same with a learning rate per parameter group: lrs[g] for the tensors
+ * of group g, max(1, ngroups) of them. */
+scape_rc eng_step_groups(eng_t *e, uint64_t t, const float *lrs, const void *const *grads,
+                         void *const *params);
+/* Parameter groups of the layout, 1 without (eng_layout.ngroups or 1). */
+size_t eng_groups(const eng_t *e);
 /* With cfg.defer_select: select the next mask and start its all-gather,
  * which the last eng_step left pending (collective; nothing to do when none
  * is).  The caller runs it once the parameters are out, so that the

@@ -180,7 +180,8 @@ scape_rc eng_ckpt_load_begin(eng_t *e, const eng_ckpt_meta *meta, eng_ckpt_sec *
     if (meta->n != mine.n || meta->layout_hash != mine.layout_hash)
         return scape_set_error(SCAPE_INVALID,
                                "restore: the checkpoint's tensor layout (N=%llu, hash "
-                               "%016llx) differs from the trainers' (N=%llu, hash %016llx)",
+                               "%016llx) differs from the trainers' (N=%llu, hash %016llx): "
+                               "other tensors, or other parameter groups or weight decay",
                                (unsigned long long)meta->n,
                                (unsigned long long)meta->layout_hash,
                                (unsigned long long)mine.n,
@@ -280,7 +281,8 @@ scape_rc eng_get_layout(const eng_t *e, eng_tensor *out, size_t ntensors)
     if (e == NULL || out == NULL || ntensors != e->p->ntensors)
         return scape_set_error(SCAPE_INVALID, "eng_get_layout: bad arguments");
     for (size_t i = 0; i < ntensors; i++)
-        out[i] = (eng_tensor){ e->p->t[i].name, e->p->t[i].off, e->p->t[i].len };
+        out[i] = (eng_tensor){ e->p->t[i].name, e->p->t[i].off, e->p->t[i].len,
+                               e->p->t[i].group };
     return SCAPE_OK;
 }
 

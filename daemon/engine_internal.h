@@ -92,6 +92,12 @@ struct eng {
     } staged[ENG_CKPT_MAX_SECS];
     int nstaged;
 
+    /* Parameter groups: their weight decay, and this step's learning rates
+     * (one group, of the configured weight decay, without). */
+    size_t ngroups;
+    float gwd[ENG_MAX_GROUPS];
+    float glr[ENG_MAX_GROUPS];
+
     /* max_grad_norm: this step's clipping coefficient for the update (0:
      * none), and each rank's sum of squares of g_hat (host, comm size). */
     float clip;
@@ -158,7 +164,7 @@ scape_rc eng_gather_shards(eng_t *e, const float *own, float *whole);
 void eng_ckpt_unstage(eng_t *e);
 
 /* Run step t's phases (engine_step.c); the caller validated the arguments. */
-scape_rc eng_step_body(eng_t *e, uint64_t t, float lr, const void *const *grads,
+scape_rc eng_step_body(eng_t *e, uint64_t t, const void *const *grads,
                        void *const *params);
 
 #endif /* SCAPE_ENGINE_INTERNAL_H */

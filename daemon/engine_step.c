@@ -410,7 +410,7 @@ static scape_rc choose_mask(eng_t *e, uint64_t t)
     return SCAPE_OK;
 }
 
-static scape_rc step_phases(eng_t *e, uint64_t t, float lr, const void *const *grads,
+static scape_rc step_phases(eng_t *e, uint64_t t, const void *const *grads,
                             void *const *params)
 {
     size_t k = 0;
@@ -438,7 +438,7 @@ static scape_rc step_phases(eng_t *e, uint64_t t, float lr, const void *const *g
     PHASE(ENG_PH_UPDATE, clip_coef(e, t));
     size_t first, count;
     eng_update_range(e, &first, &count);
-    PHASE(ENG_PH_UPDATE, e->x->ops->update(e->x, first, count, t, lr));
+    PHASE(ENG_PH_UPDATE, e->x->ops->update(e->x, first, count, t));
     pub = publish_buffer(e);
     if (pub != e->theta)
         PHASE(ENG_PH_GATHER, gather_updates(e, pub));
@@ -447,10 +447,10 @@ static scape_rc step_phases(eng_t *e, uint64_t t, float lr, const void *const *g
     return SCAPE_OK;
 }
 
-scape_rc eng_step_body(eng_t *e, uint64_t t, float lr, const void *const *grads,
+scape_rc eng_step_body(eng_t *e, uint64_t t, const void *const *grads,
                        void *const *params)
 {
-    scape_rc rc = step_phases(e, t, lr, grads, params);
+    scape_rc rc = step_phases(e, t, grads, params);
     /* the parameters are in every trainer's buffer once the work is done */
     if (rc == SCAPE_OK)
         rc = e->x->ops->sync(e->x);

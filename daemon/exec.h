@@ -68,8 +68,9 @@ typedef struct exec_ops {
     /* e->toff from e->mask_cur (the packed offset of each tensor) and K. */
     scape_rc (*offsets)(exec_t *x, size_t *k_out);
     /* The optimizer update of comm-order tensors [first, first + count) from
-     * the reduced sums at e->sum (packed, or dense). */
-    scape_rc (*update)(exec_t *x, size_t first, size_t count, uint64_t t, float lr);
+     * the reduced sums at e->sum (packed, or dense), each tensor with its
+     * parameter group's learning rate and weight decay (e->glr, e->gwd). */
+    scape_rc (*update)(exec_t *x, size_t first, size_t count, uint64_t t);
     /* max_grad_norm: the sum of the squares of g_hat = S / T over the reduced
      * values of comm-order tensors [first, first + count) at e->sum, by the
      * rule of scape_formula.h (scape_f_sqsum_chunk), into *out (host memory)

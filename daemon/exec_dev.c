@@ -34,6 +34,8 @@
 #include "dev.h"
 #include "engine_internal.h"
 
+_Static_assert(KSEG_GROUPS == ENG_MAX_GROUPS, "one limit on parameter groups");
+
 /* The least a scattered access moves on the device: one 32-byte sector. */
 #define SECTOR 32
 
@@ -149,7 +151,8 @@ static scape_rc build_tensors(eng_t *e, dev_x *h)
         return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
     for (size_t j = 0; j < p->ntensors; j++) {
         const plan_tensor *pt = eng_tensor_at(e, j);
-        t[j] = (kseg_tensor){ pt->pos, pt->off, pt->word, (uint32_t)pt->len, (uint32_t)pt->k };
+        t[j] = (kseg_tensor){ pt->pos, pt->off, pt->word, (uint32_t)pt->len, (uint32_t)pt->k,
+                              pt->group, 0 };
     }
     scape_rc rc = upload_new(h, t, p->ntensors * sizeof *t, &h->tt);
     if (rc == SCAPE_OK)
@@ -835,7 +838,7 @@ static int range_args(exec_t *x, size_t first, size_t count, uint64_t vecs, kseg
     return 1;
 }
 
-static scape_rc dev_update(exec_t *x, size_t first, size_t count, uint64_t t, float lr)
+static scape_rc dev_update(exec_t *x, size_t first, size_t count, uint64_t t)
 {
     eng_t *e = x->e;
     kseg_args a;
@@ -848,8 +851,8 @@ static scape_rc dev_update(exec_t *x, size_t first, size_t count, uint64_t t, fl
     a.b1 = hy->beta1;
     a.b2 = hy->beta2;
     a.eps = hy->eps;
-    a.wd = hy->wd;
-    a.lr = lr;
+    memcpy(a.glr, e->glr, e->ngroups * sizeof *a.glr);
+    memcpy(a.gwd, e->gwd, e->ngroups * sizeof *a.gwd);
     a.div = (float)e->t_total;
     a.bc1 = a.adamw ? scape_f_bias_correction(hy->beta1, t) : 1.0f;
     a.bc2 = a.adamw ? scape_f_bias_correction(hy->beta2, t) : 1.0f;

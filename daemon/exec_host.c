@@ -416,7 +416,6 @@ typedef struct update_ctx {
     eng_t *e;
     size_t first;
     uint64_t t;
-    float lr;
     float *dst;  /* compact */
     const float *src;       /* write_back */
     void *const *params;
@@ -434,19 +433,21 @@ static scape_rc update_tensor(void *ctx, size_t i, int w)
     kern_hyper hc = e->cfg.hyper;
     const kern_hyper *h = &hc;
     hc.clip = e->clip;
+    hc.wd = e->gwd[t->group];
+    float lr = e->glr[t->group];
     (void)w;
     if (eng_uses_v(e))
         return mask ? kern_adamw_masked(e->theta + s, e->m + s, e->v + s, sum, div, mask,
-                                        t->len, h, u->lr, u->t)
+                                        t->len, h, lr, u->t)
                     : kern_adamw_dense(e->theta + s, e->m + s, e->v + s, sum, div, t->len, h,
-                                       u->lr, u->t);
-    return mask ? kern_adams_masked(e->theta + s, e->m + s, sum, div, mask, t->len, h, u->lr)
-                : kern_adams_dense(e->theta + s, e->m + s, sum, div, t->len, h, u->lr);
+                                       lr, u->t);
+    return mask ? kern_adams_masked(e->theta + s, e->m + s, sum, div, mask, t->len, h, lr)
+                : kern_adams_dense(e->theta + s, e->m + s, sum, div, t->len, h, lr);
 }
 
-static scape_rc host_update(exec_t *x, size_t first, size_t n_t, uint64_t t, float lr)
+static scape_rc host_update(exec_t *x, size_t first, size_t n_t, uint64_t t)
 {
-    update_ctx u = { .e = x->e, .first = first, .t = t, .lr = lr };
+    update_ctx u = { .e = x->e, .first = first, .t = t };
     uint64_t n, k, w;
     range_sizes(x->e, first, n_t, &n, &k, &w);
     count_masked(x, n, k, w, 2 * (eng_uses_v(x->e) ? 3 : 2)); /* theta, m (v) read, written */

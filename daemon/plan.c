@@ -137,6 +137,8 @@ static uint64_t layout_hash(const plan *p)
     for (size_t i = 0; i < p->ntensors; i++) {
         uint64_t ol[2] = { p->t[i].off, p->t[i].len };
         h = fnv1a(h, ol, sizeof ol);
+        if (p->t[i].group) /* a layout without groups hashes as before */
+            h = fnv1a(h, &p->t[i].group, sizeof p->t[i].group);
         if (p->t[i].name)
             h = fnv1a(h, p->t[i].name, strlen(p->t[i].name) + 1);
     }
@@ -190,6 +192,7 @@ scape_rc plan_build(plan **out, const eng_tensor *ts, size_t nt, int nranks, dou
         t->name = ts[i].name;
         t->off = ts[i].offset;
         t->len = ts[i].length;
+        t->group = ts[i].group;
         t->k = plan_k(rho, t->len);
         p->k_total += t->k;
         if (t->len > p->max_len)

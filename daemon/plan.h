@@ -23,6 +23,7 @@ typedef struct plan_tensor {
     int owner;
     size_t word; /* first mask word, comm space */
     size_t pos;  /* first element in comm-order state vectors */
+    uint32_t group; /* parameter group (eng_tensor.group) */
 } plan_tensor;
 
 typedef struct plan_shard {
@@ -37,7 +38,7 @@ typedef struct plan {
     plan_tensor *t;      /* layout order */
     size_t *order;       /* comm order: indices into t */
     plan_shard *shard;   /* per rank */
-    uint64_t hash;       /* of offsets, lengths and names */
+    uint64_t hash;       /* of offsets, lengths, names and (non-zero) groups */
 } plan;
 
 /* k_l for a tensor of len coordinates at density rho. */

@@ -38,7 +38,7 @@ typedef struct trainer {
     int index;
     shm_map params, grads;
     int posted;                     /* has posted the pending step */
-    float lr;
+    float lr[ENG_MAX_GROUPS];       /* its learning rate per parameter group */
     int has_loss;
     float loss;
     uint64_t last_step;             /* last step it posted */
@@ -61,6 +61,8 @@ struct server {
     /* The layout every trainer must register (set by the first). */
     eng_tensor *layout;
     size_t ntensors;
+    eng_group groups[ENG_MAX_GROUPS]; /* and its parameter groups (ngroups 0: none) */
+    size_t ngroups;
     size_t numel;
     kern_dtype pdt, gdt;
 

@@ -41,6 +41,7 @@ extern "C" {
 #define KSEG_MAX_TRAINERS 64  /* trainer buffers one launch reads or writes */
 #define KSEG_BINS0 2048       /* top-k: the top digit (key bits 30..20) */
 #define KSEG_BINS 1024        /* the lower digits (19..10, 9..0) */
+#define KSEG_GROUPS 16        /* parameter groups (daemon/engine.h ENG_MAX_GROUPS) */
 
 typedef struct kseg_tensor {
     uint64_t pos;    /* first element in comm-order vectors */
@@ -48,6 +49,8 @@ typedef struct kseg_tensor {
     uint64_t word;   /* first mask word */
     uint32_t len;    /* coordinates, >= 1 */
     uint32_t k;      /* k_l */
+    uint32_t group;  /* parameter group: UPDATE's glr[group], gwd[group] */
+    uint32_t pad;
 } kseg_tensor;
 
 /* What the kernels found in their data; zeroed by the caller. */
@@ -129,7 +132,9 @@ typedef struct kseg_args {
     int key_abs;            /* the key of |a| (topk-adamw) instead of SCAPE's statistic */
     float beta1, c1, t_r;   /* the statistic */
     int adamw;              /* UPDATE: AdamW (v) instead of AdamS */
-    float b1, b2, eps, wd, lr, bc1, bc2, div;
+    float b1, b2, eps, bc1, bc2, div;
+    float glr[KSEG_GROUPS], gwd[KSEG_GROUPS]; /* UPDATE: per parameter group
+                                                 (kseg_tensor.group) */
     float clip;             /* UPDATE: the clipping coefficient (scape_f_clip);
                                SQSUM: none */
     double *sq;             /* SQSUM: scratch of kseg_sq_chunks(n) chunk totals */
@@ -286,7 +291,8 @@ SCAPE_HD void kseg_pack_elem(const kseg_args *a, const kseg_tensor *t, uint64_t 
 }
 
 /* UPDATE of element pos: the optimizer step from its reduced sum. */
-SCAPE_HD void kseg_update_elem(const kseg_args *a, uint64_t pos, uint64_t j, kseg_acc *acc)
+SCAPE_HD void kseg_update_elem(const kseg_args *a, const kseg_tensor *t, uint64_t pos,
+                               uint64_t j, kseg_acc *acc)
 {
     if (j >= a->k_cap) {
         acc->err |= KSEG_E_PACKED;
@@ -295,10 +301,11 @@ SCAPE_HD void kseg_update_elem(const kseg_args *a, uint64_t pos, uint64_t j, kse
     uint64_t s = pos - a->s_base;
     float g = scape_f_clip(scape_f_mean(a->in[j], a->div), a->clip);
     if (a->adamw)
-        scape_f_adamw(&a->theta[s], &a->m[s], &a->v[s], g, a->b1, a->b2, a->eps, a->wd, a->lr,
-                      a->bc1, a->bc2);
+        scape_f_adamw(&a->theta[s], &a->m[s], &a->v[s], g, a->b1, a->b2, a->eps,
+                      a->gwd[t->group], a->glr[t->group], a->bc1, a->bc2);
     else
-        scape_f_adams(&a->theta[s], &a->m[s], g, a->b1, a->b2, a->eps, a->wd, a->lr);
+        scape_f_adams(&a->theta[s], &a->m[s], g, a->b1, a->b2, a->eps, a->gwd[t->group],
+                      a->glr[t->group]);
 }
 
 SCAPE_HD void kseg_compact_elem(const kseg_args *a, uint64_t pos, uint64_t j, kseg_acc *acc)
@@ -336,7 +343,7 @@ SCAPE_HD void kseg_elem(kseg_kernel op, const kseg_args *a, const kseg_tensor *t
     uint64_t pos = t->pos + i;
     switch (op) {
     case KSEG_PACK: kseg_pack_elem(a, t, i, pos, on, j, acc); break;
-    case KSEG_UPDATE: if (on) kseg_update_elem(a, pos, j, acc); break;
+    case KSEG_UPDATE: if (on) kseg_update_elem(a, t, pos, j, acc); break;
     case KSEG_COMPACT: if (on) kseg_compact_elem(a, pos, j, acc); break;
     case KSEG_WRITEBACK: if (on) kseg_writeback_elem(a, t, i, j, acc); break;
     case KSEG_LOAD_THETA: kseg_load_theta_elem(a, t, i, pos); break;

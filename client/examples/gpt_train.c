@@ -191,7 +191,7 @@ static int setup(trainer *tr)
     gpt_layout(&r->model, tr->tensors, tr->ntensors);
     for (int i = 0; i < tr->ntensors; i++)
         tr->layout[i] = (scape_tensor){ tr->tensors[i].name, tr->tensors[i].offset,
-                                        tr->tensors[i].length };
+                                        tr->tensors[i].length, 0 };
     if (tr->a.log && (tr->log = fopen(tr->a.log, "w")) == NULL) {
         perror(tr->a.log);
         return 1;

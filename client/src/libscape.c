@@ -238,11 +238,19 @@ static scape_rc check_attach(const scape_tensor *layout, size_t nt, const scape_
     if (o->timeout_ms < 1 || o->start_wait_ms < 0)
         return scape_set_error(SCAPE_INVALID, "scape_attach: timeout_ms must be >= 1 and "
                                "start_wait_ms >= 0");
+    if (o->ngroups < 0 || o->ngroups > SCAPE_MAX_GROUPS ||
+        (o->ngroups > 0 && o->group_weight_decay == NULL))
+        return scape_set_error(SCAPE_INVALID, "scape_attach: ngroups %d: 0..%d, with "
+                               "group_weight_decay", o->ngroups, SCAPE_MAX_GROUPS);
     size_t end = 0;
     for (size_t i = 0; i < nt; i++) {
         if (layout[i].name == NULL || layout[i].length == 0)
             return scape_set_error(SCAPE_INVALID, "scape_attach: tensor %zu needs a name and "
                                    "a length", i);
+        if (layout[i].group >= (unsigned)(o->ngroups ? o->ngroups : 1))
+            return scape_set_error(SCAPE_INVALID, "scape_attach: tensor %s is in parameter "
+                                   "group %u of %d", layout[i].name, layout[i].group,
+                                   o->ngroups ? o->ngroups : 1);
         size_t e = layout[i].offset + layout[i].length;
         end = e > end ? e : end;
     }
@@ -373,6 +381,8 @@ static scape_rc register_layout(scape_session *s, const scape_tensor *layout, si
         ts[i].name = (char *)layout[i].name;
         ts[i].offset = layout[i].offset;
         ts[i].length = layout[i].length;
+        ts[i].has_group = layout[i].group != 0;
+        ts[i].group = layout[i].group;
         tp[i] = &ts[i];
     }
     Scape__MemHandle mp = SCAPE__MEM_HANDLE__INIT, mg = SCAPE__MEM_HANDLE__INIT;
@@ -403,6 +413,8 @@ static scape_rc register_layout(scape_session *s, const scape_tensor *layout, si
     g.grad_dtype = (Scape__DType)s->opts.grad_dtype;
     g.params = &mp;
     g.grads = &mg;
+    g.n_group_weight_decay = (size_t)s->opts.ngroups;
+    g.group_weight_decay = (float *)s->opts.group_weight_decay;
     g.has_max_grad_norm = s->opts.max_grad_norm >= 0.0f;
     g.max_grad_norm = s->opts.max_grad_norm;
     Scape__Request q = SCAPE__REQUEST__INIT;
@@ -537,8 +549,21 @@ scape_rc scape_sync(scape_session *s)
 
 scape_rc scape_step_begin(scape_session *s, uint64_t step, float lr, const float *loss)
 {
+    return scape_step_begin_groups(s, step, &lr, -1, loss);
+}
+
+/* nlrs -1: one lr for every group (scape_step_begin). */
+scape_rc scape_step_begin_groups(scape_session *s, uint64_t step, const float *lrs,
+                                 int nlrs, const float *loss)
+{
     if (s == NULL)
         return scape_set_error(SCAPE_INVALID, "scape_step_begin: session is NULL");
+    if (lrs == NULL || (nlrs >= 0 && nlrs != s->opts.ngroups))
+        return scape_set_error(SCAPE_INVALID, "scape_step_begin_groups: %d learning rates "
+                               "for %d parameter group(s)", nlrs, s->opts.ngroups);
+    float per[SCAPE_MAX_GROUPS];
+    for (int g = 0; g < s->opts.ngroups; g++)
+        per[g] = lrs[nlrs < 0 ? 0 : g];
     if (s->in_flight)
         return scape_set_error(SCAPE_INVALID, "scape_step_begin: a step is already in flight");
     if (s->dead)
@@ -548,7 +573,9 @@ scape_rc scape_step_begin(scape_session *s, uint64_t step, float lr, const float
         return SCAPE_CUDA;
     Scape__Step st = SCAPE__STEP__INIT;
     st.step = step;
-    st.lr = lr;
+    st.lr = lrs[0];
+    st.n_group_lr = (size_t)s->opts.ngroups;
+    st.group_lr = per;
     st.has_loss = loss != NULL;
     st.loss = loss ? *loss : 0.0f;
     /* the daemon tells from it how long the step waited for it (Phases.queued) */

@@ -142,7 +142,7 @@ static scape_rc rank_run(const job *j, float *p, float *g)
     cfg.mode = ENG_MODE_REPLICATED;
     cfg.rho = j->s->rho;
     cfg.warmup = 1;
-    eng_layout lay = { j->ts, j->nt, KERN_F32, KERN_F32 };
+    eng_layout lay = { j->ts, j->nt, KERN_F32, KERN_F32, NULL, 0 };
     eng_t *e = NULL;
     scape_rc rc = eng_create(&e, &cfg, &lay, j->comm, 1);
     if (rc == SCAPE_OK)
@@ -203,7 +203,7 @@ static size_t make_layout(size_t n_req, eng_tensor *ts, char names[][16], size_t
     size_t off[SYNTH_MAX_TENSORS], len[SYNTH_MAX_TENSORS];
     *nt = synth_layout(n_req, off, len, names);
     for (size_t l = 0; l < *nt; l++)
-        ts[l] = (eng_tensor){ names[l], off[l], len[l] };
+        ts[l] = (eng_tensor){ names[l], off[l], len[l], 0 };
     return off[*nt - 1] + len[*nt - 1];
 }
 

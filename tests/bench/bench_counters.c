@@ -48,7 +48,7 @@ static void *rank_main(void *p)
     rank_arg *a = p;
     run *r = a->r;
     float *params = calloc(r->n, sizeof *params);
-    eng_layout lay = { r->ts, r->nt, KERN_F32, KERN_F32 };
+    eng_layout lay = { r->ts, r->nt, KERN_F32, KERN_F32, NULL, 0 };
     eng_t *e = NULL;
     scape_rc rc = params ? eng_create(&e, &r->cfg, &lay, r->comms[a->rank], 1)
                          : scape_set_error(SCAPE_NOMEM, "out of memory");

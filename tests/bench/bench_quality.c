@@ -80,7 +80,7 @@ static scape_rc rank_train(rank_arg *a)
     cfg.rho = sh->v->rho;
     cfg.mode = ENG_MODE_SHARDED;
     cfg.warmup = sh->warmup;
-    eng_layout lay = { sh->layout, (size_t)sh->ntensors, KERN_F32, KERN_F32 };
+    eng_layout lay = { sh->layout, (size_t)sh->ntensors, KERN_F32, KERN_F32, NULL, 0 };
     if (rc == SCAPE_OK) {
         gpt_init(&r->model, p, r->model_seed);
         rc = eng_create(&e, &cfg, &lay, a->comm, 1);
@@ -200,7 +200,7 @@ int main(int argc, char **argv)
     }
     gpt_layout(&run.model, gt, nt);
     for (int i = 0; i < nt; i++)
-        lay[i] = (eng_tensor){ gt[i].name, gt[i].offset, gt[i].length };
+        lay[i] = (eng_tensor){ gt[i].name, gt[i].offset, gt[i].length, 0 };
     size_t n = gpt_num_params(&run.model);
     printf("bench_quality: GPT d=%d layers=%d heads=%d ctx=%d vocab=%d, N=%zu; %d ranks x "
            "batch %d x seq %d; %llu steps, lr %g (warm-up %llu, cosine), sharded, W=%ld; "

@@ -62,7 +62,7 @@ static scape_rc run_once(const opts *o, const layout *L, eng_optimizer opt, int 
     cfg.optimizer = opt;
     cfg.rho = opt == ENG_OPT_SCAPE ? 0.01 : 1.0;
     cfg.threads = threads;
-    eng_layout lay = { L->ts, L->nt, KERN_F32, KERN_F32 };
+    eng_layout lay = { L->ts, L->nt, KERN_F32, KERN_F32, NULL, 0 };
     scape_rc rc = comm_local_create(1, &c);
     if (rc == SCAPE_OK)
         rc = eng_create(&e, &cfg, &lay, c, o->trainers);
@@ -140,7 +140,7 @@ int main(int argc, char **argv)
     size_t off[SYNTH_MAX_TENSORS], len[SYNTH_MAX_TENSORS];
     L.nt = synth_layout(o.n, off, len, L.names);
     for (size_t l = 0; l < L.nt; l++)
-        L.ts[l] = (eng_tensor){ L.names[l], off[l], len[l] };
+        L.ts[l] = (eng_tensor){ L.names[l], off[l], len[l], 0 };
     L.n = off[L.nt - 1] + len[L.nt - 1];
     float *p[MAX_TR], *g[MAX_TR], *ref = malloc(L.n * sizeof *ref),
                                  *out = malloc(L.n * sizeof *out);

@@ -30,7 +30,7 @@ static inline size_t gpt_layout(double scale, eng_tensor *ts, size_t *n)
         size_t len = (size_t)((double)lens[i] * scale);
         len = len ? len : 1;
         snprintf(names[i], sizeof names[i], "t%zu", i);
-        ts[i] = (eng_tensor){ names[i], *n, len };
+        ts[i] = (eng_tensor){ names[i], *n, len, 0 };
         *n += len;
     }
     return nt;

@@ -29,7 +29,7 @@
 #include "fuzz.h"
 
 #define N 96
-static const eng_tensor s_layout[] = { { "w", 0, 64 }, { "b", 64, 32 } };
+static const eng_tensor s_layout[] = { { "w", 0, 64, 0 }, { "b", 64, 32, 0 } };
 static char s_root[64], s_step[128];
 /* A step directory's files, by record selector. */
 static const char *s_files[] = { "MANIFEST", "rank-00000.ckpt" };
@@ -48,7 +48,7 @@ static void make_engine(eng_t **e, comm_t **comm)
     eng_config cfg;
     eng_config_default(&cfg);
     cfg.rho = 0.125;
-    eng_layout lay = { s_layout, 2, KERN_F32, KERN_F32 };
+    eng_layout lay = { s_layout, 2, KERN_F32, KERN_F32, NULL, 0 };
     FUZZ_CHECK(eng_create(e, &cfg, &lay, *comm, 1) == SCAPE_OK, "engine: %s",
                scape_last_error());
 }

@@ -197,7 +197,7 @@ void fuzz_seeds(fuzz_emit emit, void *ctx)
                     .shard = cases[c].shard, .merge = cases[c].merge, .fit = 0 };
         size_t off = 0;
         for (size_t i = 0; i < s.nt; i++) {
-            s.ts[i] = (eng_tensor){ s_names[i], off, cases[c].lens[i] };
+            s.ts[i] = (eng_tensor){ s_names[i], off, cases[c].lens[i], 0 };
             off += cases[c].lens[i];
         }
         seed_one(emit, ctx, cases[c].name, &s);

@@ -246,7 +246,9 @@ static void hello(fuzz_buf *b, uint8_t who, int index)
     put_req(b, who, &q);
 }
 
-static void reg(fuzz_buf *b, uint8_t who, int slot)
+/* groups: 0 none; else two parameter groups, "b" in group 1 (groups == 2:
+ * "b" in a group that is not there, and a negative weight decay too). */
+static void reg_groups(fuzz_buf *b, uint8_t who, int slot, int groups)
 {
     Scape__Tensor w = SCAPE__TENSOR__INIT, bias = SCAPE__TENSOR__INIT;
     w.name = "w";
@@ -267,11 +269,20 @@ static void reg(fuzz_buf *b, uint8_t who, int slot)
     g.param_dtype = g.grad_dtype = SCAPE__DTYPE__F32;
     g.params = &ph;
     g.grads = &gh;
+    float wds[2] = { 0.1f, groups == 2 ? -1.0f : NAN };
+    if (groups) {
+        bias.has_group = 1;
+        bias.group = groups == 2 ? 5 : 1;
+        g.n_group_weight_decay = 2;
+        g.group_weight_decay = wds;
+    }
     Scape__Request q = SCAPE__REQUEST__INIT;
     q.body_case = SCAPE__REQUEST__BODY_REGISTER;
     q.register_ = &g;
     put_req(b, who, &q);
 }
+
+static void reg(fuzz_buf *b, uint8_t who, int slot) { reg_groups(b, who, slot, 0); }
 
 /* A registration of two CUDA IPC buffers in one (forged) allocation, at
  * the offsets given: the range checks' input (no handle here can open). */
@@ -310,9 +321,16 @@ static void reg_ipc(fuzz_buf *b, uint8_t who, uint64_t poff, uint64_t goff)
     put_req(b, who, &q);
 }
 
-static void step(fuzz_buf *b, uint8_t who, uint64_t t)
+/* nlr > 0: that many group learning rates (the last one negative when
+ * bad). */
+static void step_groups(fuzz_buf *b, uint8_t who, uint64_t t, size_t nlr, int bad)
 {
     Scape__Step st = SCAPE__STEP__INIT;
+    float lrs[3] = { 1e-3f, 2e-3f, 3e-3f };
+    if (bad)
+        lrs[nlr - 1] = -1.0f;
+    st.n_group_lr = nlr;
+    st.group_lr = lrs;
     st.step = t;
     st.lr = 1e-3f;
     st.has_loss = 1;
@@ -322,6 +340,8 @@ static void step(fuzz_buf *b, uint8_t who, uint64_t t)
     q.step = &st;
     put_req(b, who, &q);
 }
+
+static void step(fuzz_buf *b, uint8_t who, uint64_t t) { step_groups(b, who, t, 0, 0); }
 
 /* The requests without fields. */
 static void bare(fuzz_buf *b, uint8_t who, Scape__Request__BodyCase body)
@@ -391,6 +411,25 @@ void fuzz_seeds(fuzz_emit emit, void *ctx)
     reg_ipc(b, 0, UINT64_MAX - 8, 0);
     bare(b, 3, SCAPE__REQUEST__BODY_STATUS);
     emit(ctx, "cuda-ipc-ranges", b->data, b->len);
+
+    /* Parameter groups: a registration with a group that is not there, then
+     * two trainers with two groups; steps with the right number of group
+     * learning rates, too few, too many and a negative one. */
+    b->len = 0;
+    hello(b, 0, -1);
+    hello(b, 1, -1);
+    reg_groups(b, 0, 0, 2);
+    reg_groups(b, 0, 0, 1);
+    reg_groups(b, 1, 1, 1);
+    bare(b, 0, SCAPE__REQUEST__BODY_SYNC);
+    bare(b, 1, SCAPE__REQUEST__BODY_SYNC);
+    step_groups(b, 0, 1, 2, 0);
+    step_groups(b, 1, 1, 1, 0);
+    step_groups(b, 1, 1, 3, 0);
+    step_groups(b, 1, 1, 2, 1);
+    step_groups(b, 1, 1, 2, 0);
+    bare(b, 3, SCAPE__REQUEST__BODY_STATUS);
+    emit(ctx, "parameter-groups", b->data, b->len);
 
     /* A third trainer joins a running job, then scapectl shuts it down. */
     b->len = 0;

@@ -76,7 +76,7 @@ static void build_layout(void)
     size_t off = 0;
     for (size_t i = 0; i < NT; i++) {
         snprintf(names[i], sizeof names[i], "t%zu", i);
-        s_layout[i] = (eng_tensor){ names[i], off, s_lens[i] };
+        s_layout[i] = (eng_tensor){ names[i], off, s_lens[i], 0 };
         off += s_lens[i];
     }
     s_n = off;
@@ -212,7 +212,7 @@ static void job_open(job *j, const kase *k, int under_test, comm_t *comm)
     j->gh = malloc(gb);
     free(init);
     eng_config cfg = config_of(k, under_test);
-    eng_layout lay = { s_layout, NT, k->pdt, k->gdt };
+    eng_layout lay = { s_layout, NT, k->pdt, k->gdt, NULL, 0 };
     if (eng_create(&j->e, &cfg, &lay, comm, k->tr) != SCAPE_OK) {
         printf("FAIL: eng_create (%s): %s\n", eng_executor_name(cfg.executor),
                scape_last_error());

@@ -89,8 +89,8 @@ static void check_collectives(void)
     printf("gpu_nccl: collectives of one rank: %s\n", s_fail ? "FAIL" : "ok");
 }
 
-static const eng_tensor s_tensors[] = { { "a", 0, 70000 }, { "b", 70000, 33 },
-                                        { "c", 70033, 1 }, { "d", 70034, 29966 } };
+static const eng_tensor s_tensors[] = { { "a", 0, 70000, 0 }, { "b", 70000, 33, 0 },
+                                        { "c", 70033, 1, 0 }, { "d", 70034, 29966, 0 } };
 #define NUMEL 100000
 
 static void run_engine(comm_t *c, eng_optimizer opt, eng_mode mode, float *out)
@@ -101,7 +101,7 @@ static void run_engine(comm_t *c, eng_optimizer opt, eng_mode mode, float *out)
     cfg.mode = mode;
     cfg.rho = 0.02;
     cfg.warmup = 3;
-    eng_layout lay = { s_tensors, 4, KERN_F32, KERN_F32 };
+    eng_layout lay = { s_tensors, 4, KERN_F32, KERN_F32, NULL, 0 };
     float *p = malloc(NUMEL * sizeof *p), *g = malloc(NUMEL * sizeof *g);
     for (size_t i = 0; i < NUMEL; i++)
         p[i] = 0.01f * (float)(i % 97);

@@ -101,7 +101,7 @@ static eng_step_stats run(comm_t *c, const eng_tensor *ts, size_t nt, size_t n,
     cfg.rho = rho;
     cfg.executor = ENG_EXEC_CUDA;
     cfg.defer_select = 1;
-    eng_layout lay = { ts, nt, KERN_F32, KERN_F32 };
+    eng_layout lay = { ts, nt, KERN_F32, KERN_F32, NULL, 0 };
     float *g, *p, *host = malloc(n * sizeof *host);
     if (host == NULL)
         die("out of memory");
@@ -189,7 +189,7 @@ int main(int argc, char **argv)
         if (*s == ',')
             s++;
     }
-    eng_tensor one = { "w", 0, 100000000 };
+    eng_tensor one = { "w", 0, 100000000, 0 };
     eng_step_stats tk = run(c, &one, 1, one.length, ENG_OPT_SCAPE, 0.01, 3);
     printf("BENCH topk_seg %zu %.4f\n", one.length, 1e3 * tk.phase_s[ENG_PH_SELECT]);
     printf("gpu_step: selection of k = 1%% of one tensor of %zu: %.3f ms\n", one.length,

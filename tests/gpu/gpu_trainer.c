@@ -56,7 +56,7 @@ int main(int argc, char **argv)
     size_t nt = synth_layout(n, off, len, names);
     scape_tensor ts[SYNTH_MAX_TENSORS];
     for (size_t l = 0; l < nt; l++)
-        ts[l] = (scape_tensor){ names[l], off[l], len[l] };
+        ts[l] = (scape_tensor){ names[l], off[l], len[l], 0 };
     scape_options o;
     scape_options_default(&o);
     o.index = index;

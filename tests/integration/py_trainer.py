@@ -90,12 +90,20 @@ def parse(argv):
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--sleep-ms", type=int, default=0)
     ap.add_argument("--out")
+    ap.add_argument("--groups", help="parameter groups' weight decays, e.g. 0.1,nan "
+                                     "(reference.c's rule: tensor l in group l %% G, group "
+                                     "g's lr (1 + g) * lr)")
     return ap.parse_args(argv)
 
 
 def train(a):
     layout = synth_layout(a.n)
-    s = scape.attach(a.endpoint, layout, index=a.index)
+    groups = [None if w == "nan" else float(w) for w in a.groups.split(",")] if a.groups \
+        else None
+    s = scape.attach(a.endpoint, layout, index=a.index, groups=groups,
+                     tensor_groups=[l % len(groups) for l in range(len(layout))]
+                     if groups else None)
+    lr = [(1 + g) * a.lr for g in range(len(groups))] if groups else a.lr
     a.index = s.index
     synth = Synth(a.seed, s.index, layout)
     s.params[:] = synth.init()
@@ -103,7 +111,7 @@ def train(a):
     first = s.next_step
     for t in range(first, a.steps + 1):
         s.grads[:] = synth.grads(t, s.params)
-        step_retrying(s, t, a.lr)
+        step_retrying(s, t, lr)
         if a.sleep_ms:
             time.sleep(a.sleep_ms / 1000)
     if a.out:

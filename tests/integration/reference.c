@@ -4,7 +4,7 @@
  *
  * usage: reference --trainers T --n N --steps S [--seed X] [--lr LR]
  *                  [--optimizer O] [--mode M] [--rho R] [--warmup W]
- *                  [--max-grad-norm MAX] --out FILE
+ *                  [--max-grad-norm MAX] [--groups WD0,WD1,...] --out FILE
  *                  [--timing FILE]   (rank 0's engine step per step, seconds)
  */
 #define _POSIX_C_SOURCE 200809L
@@ -27,7 +27,23 @@ typedef struct args {
     float lr;
     const char *out, *timing;
     eng_config cfg;
+    eng_group groups[ENG_MAX_GROUPS]; /* --groups: tensor l in group l % ngroups,
+                                         group g's lr (1 + g) * lr */
+    size_t ngroups;
 } args;
+
+static scape_rc parse_groups(const char *v, args *a)
+{
+    a->ngroups = 0;
+    for (const char *p = v; *p && a->ngroups < ENG_MAX_GROUPS;) {
+        char *end;
+        a->groups[a->ngroups++].weight_decay = strtof(p, &end);
+        if (end == p)
+            return scape_set_error(SCAPE_INVALID, "bad --groups '%s'", v);
+        p = *end == ',' ? end + 1 : end;
+    }
+    return a->ngroups ? SCAPE_OK : scape_set_error(SCAPE_INVALID, "bad --groups '%s'", v);
+}
 
 static scape_rc parse_trainers(const char *v, args *a)
 {
@@ -46,7 +62,7 @@ static scape_rc parse_trainers(const char *v, args *a)
 static const char s_usage[] =
     "usage: reference [--trainers T0,T1,...] [--n N] [--steps S] [--seed X] [--lr LR]\n"
     "                 [--rho RHO] [--warmup W] [--optimizer OPT] [--mode MODE]\n"
-    "                 [--max-grad-norm MAX]\n"
+    "                 [--max-grad-norm MAX] [--groups WD0,WD1,...] [--weight-decay WD]\n"
     "                 [--out FILE] [--timing FILE]\n"
     "The in-process engine (ranks as threads, the host executor) on the synthetic\n"
     "problem the test trainers train, for comparison with a daemon's results.\n";
@@ -77,6 +93,8 @@ static int parse(int argc, char **argv, args *a)
         else if (!strcmp(k, "--rho")) a->cfg.rho = strtod(v, NULL);
         else if (!strcmp(k, "--warmup")) a->cfg.warmup = (uint32_t)atoi(v);
         else if (!strcmp(k, "--max-grad-norm")) a->cfg.max_grad_norm = strtof(v, NULL);
+        else if (!strcmp(k, "--groups")) rc = parse_groups(v, a);
+        else if (!strcmp(k, "--weight-decay")) a->cfg.hyper.wd = strtof(v, NULL);
         else if (!strcmp(k, "--optimizer")) rc = eng_optimizer_parse(v, &a->cfg.optimizer);
         else if (!strcmp(k, "--mode")) rc = eng_mode_parse(v, &a->cfg.mode);
         else rc = scape_set_error(SCAPE_INVALID, "unknown flag %s", k);
@@ -112,7 +130,10 @@ static scape_rc train(rank_job *j, eng_t *e, float **p, float **g)
                     g[q][i] = synth_grad(seed, q, t, i, p[q][i], synth_scale(l));
         struct timespec t0, t1;
         clock_gettime(CLOCK_MONOTONIC, &t0);
-        scape_rc rc = eng_step(e, t, a->lr, (const void *const *)g, (void *const *)p);
+        float lrs[ENG_MAX_GROUPS];
+        for (size_t q = 0; q < ENG_MAX_GROUPS; q++)
+            lrs[q] = a->ngroups ? (float)(1 + q) * a->lr : a->lr;
+        scape_rc rc = eng_step_groups(e, t, lrs, (const void *const *)g, (void *const *)p);
         if (rc != SCAPE_OK)
             return rc;
         clock_gettime(CLOCK_MONOTONIC, &t1);
@@ -138,7 +159,7 @@ static void *rank_main(void *arg)
         for (size_t i = 0; i < j->n; i++)
             p[q][i] = synth_init(seed, q, i);
     }
-    eng_layout lay = { j->ts, j->nt, KERN_F32, KERN_F32 };
+    eng_layout lay = { j->ts, j->nt, KERN_F32, KERN_F32, j->a->groups, j->a->ngroups };
     eng_t *e = NULL;
     j->rc = eng_create(&e, &j->a->cfg, &lay, j->comm, tr);
     if (j->rc == SCAPE_OK)
@@ -166,7 +187,8 @@ int main(int argc, char **argv)
     size_t nt = synth_layout(a.n, off, len, names);
     eng_tensor ts[SYNTH_MAX_TENSORS];
     for (size_t l = 0; l < nt; l++)
-        ts[l] = (eng_tensor){ names[l], off[l], len[l] };
+        ts[l] = (eng_tensor){ names[l], off[l], len[l],
+                              a.ngroups ? (uint32_t)(l % a.ngroups) : 0 };
     size_t n = off[nt - 1] + len[nt - 1];
     comm_t *comms[MAX_RANKS];
     rank_job jobs[MAX_RANKS];

@@ -24,9 +24,9 @@ ENGINE = ["--rho", "0.01", "--warmup", "3"]
 PY_TRAINER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "py_trainer.py")
 
 
-def run_py_trainer(endpoint, index, n, steps, out):
+def run_py_trainer(endpoint, index, n, steps, out, extra=()):
     cmd = [sys.executable, PY_TRAINER, "--endpoint", endpoint, "--index", str(index),
-           "--n", str(n), "--steps", str(steps), "--out", out]
+           "--n", str(n), "--steps", str(steps), "--out", out, *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -352,6 +352,48 @@ def test_torch_optimizer_keeps_bfloat16_parameters(daemon_factory):
     assert model.weight.dtype == torch.bfloat16 and model.weight.grad is None
 
 
+def test_torch_parameter_groups_decay_and_learn_per_group(daemon_factory):
+    """nanoGPT's groups through ScapeOptimizer: decay on the matrix, none on
+    the bias, a group lr each.  With zero gradients AdamS moves a parameter
+    only by its weight decay, theta - lr * (wd * theta) in float32: the
+    matrix by its group's lr and weight decay, the bias not at all; a group
+    lr changed between steps applies from the next step; a group without a
+    weight_decay takes the daemon's."""
+    torch = pytest.importorskip("torch")
+    import scape.torch
+
+    torch.manual_seed(0)
+    d = daemon_factory("--optimizer", "adams", "--weight-decay", "0.3")
+    model = torch.nn.Linear(16, 4)
+    extra = torch.nn.Parameter(torch.randn(8))
+    opt = scape.torch.ScapeOptimizer([
+        {"params": [("weight", model.weight)], "weight_decay": 0.1, "lr": 0.01},
+        {"params": [("bias", model.bias)], "weight_decay": 0.0, "lr": 0.02},
+        {"params": [("extra", extra)], "lr": 0.05}], endpoint=d.endpoint)
+    try:
+        assert [n for n, _, _ in opt.session.layout] == ["weight", "bias", "extra"]
+
+        def decayed(p, lr, wd):
+            f = torch.float32
+            lr, wd = torch.tensor(lr, dtype=f), torch.tensor(wd, dtype=f)
+            return p - lr * (torch.zeros((), dtype=f) + wd * p)
+
+        for lr0 in (0.01, 0.04):
+            opt.param_groups[0]["lr"] = lr0
+            want = [decayed(model.weight.detach().clone(), lr0, 0.1),
+                    model.bias.detach().clone(),
+                    decayed(extra.detach().clone(), 0.05, 0.3)]
+            opt.zero_grad()
+            opt.step()
+            for got, w in zip((model.weight, model.bias, extra), want):
+                assert torch.equal(got.detach(), w), (got, w)
+    finally:
+        opt.detach()
+    with pytest.raises(ValueError, match="weight_decay"):
+        scape.torch.ScapeOptimizer([{"params": [extra], "weight_decay": -1.0}],
+                                   endpoint=d.endpoint)
+
+
 def cuda_torch():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
@@ -473,4 +515,39 @@ def test_daemon_clips_by_the_global_norm(daemon_factory, tmp_path):
     for name in ("scape_grad_norm", "scape_clip_factor"):
         assert re.search(r'^%s{rank="0"} [0-9.e+-]+$' % name, metrics.stdout, re.M), \
             metrics.stdout
+    assert d.stop() == 0
+
+
+def test_parameter_groups_through_the_daemon(daemon_factory, tmp_path):
+    """Two Python trainers with two parameter groups (weight decay 0.1, and
+    NaN: the daemon's 0.02; every tensor alternately in each; group g's lr
+    (1 + g) * lr): bitwise the in-process engine's run with the same groups,
+    and not the run without groups.  Afterwards a trainer whose tensors sit
+    in other groups, or whose group has another weight decay, is refused,
+    naming the tensor or the group."""
+    n, steps = 4000, 30
+    engine = ENGINE + ["--weight-decay", "0.02"]
+    d = daemon_factory(*engine, "--trainers", "2")
+    outs = [str(tmp_path / ("t%d" % i)) for i in range(2)]
+    procs = [run_py_trainer(d.endpoint, i, n, steps, outs[i], ["--groups", "0.1,nan"])
+             for i in range(2)]
+    for i, p in enumerate(procs):
+        o, e = p.communicate(timeout=300)
+        assert p.returncode == 0, "trainer %d: %s %s" % (i, o, e)
+    run_reference(str(tmp_path / "ref"), 2, n, steps, *engine, "--groups", "0.1,nan")
+    run_reference(str(tmp_path / "plain"), 2, n, steps, *engine)
+    got = [open(o, "rb").read() for o in outs]
+    assert got[0] == got[1] == (tmp_path / "ref").read_bytes(), "differs from the engine"
+    assert got[0] != (tmp_path / "plain").read_bytes(), "the groups changed nothing"
+    layout = synth_layout(n)
+    swapped = [(l + 1) % 2 for l in range(len(layout))]
+    with pytest.raises(scape.ScapeError) as e:
+        scape.attach(d.endpoint, layout, groups=[0.1, None], tensor_groups=swapped)
+    assert e.value.code == scape.Rc.INVALID and \
+        "tensor %s is in parameter group 1, but in the node's layout in group 0" \
+        % layout[0][0] in e.value.message, e.value.message
+    with pytest.raises(scape.ScapeError) as e:
+        scape.attach(d.endpoint, layout, groups=[0.2, None],
+                     tensor_groups=[l % 2 for l in range(len(layout))])
+    assert "parameter group 0 has weight_decay 0.2" in e.value.message, e.value.message
     assert d.stop() == 0

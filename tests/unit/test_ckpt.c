@@ -24,7 +24,7 @@
 #define MAX_TR 3
 
 static const eng_tensor s_tensors[] = {
-    { "a", 0, 700 }, { "b", 700, 33 }, { "c", 733, 1 }, { "d", 734, 290 },
+    { "a", 0, 700, 0 }, { "b", 700, 33, 0 }, { "c", 733, 1, 0 }, { "d", 734, 290, 0 },
 };
 #define NT (sizeof s_tensors / sizeof s_tensors[0])
 #define NUMEL 1024
@@ -36,6 +36,8 @@ typedef struct job {
     char root[256];
     float out[R][NUMEL];    /* trainer 0's parameters at the end, per rank */
     int expect_refusal;
+    const char *refusal;    /* and what its message says, besides "refused" */
+    int groups, restore_groups; /* parameter groups of make_engine: 0 none */
 } job;
 
 static uint64_t mix(uint64_t x)
@@ -52,9 +54,17 @@ static float grad(int r, int j, uint64_t t, size_t i, float p)
     return (float)((double)(h >> 11) / 9007199254740992.0 - 0.5) + 0.1f * p;
 }
 
-static scape_rc make_engine(rank_arg *a, const eng_config *cfg, eng_t **e)
+/* Parameter groups: 0 none; 1: "a" and "c" in group 0 (weight decay 0.1),
+ * "b" and "d" in group 1 (0); 2: the same tensors, group 1's decay 0.05;
+ * 3: "b" in group 0 too.  Group g's lr is (1 + g) * 1e-2. */
+static scape_rc make_engine(rank_arg *a, const eng_config *cfg, int groups, eng_t **e)
 {
-    eng_layout lay = { s_tensors, NT, KERN_F32, KERN_F32 };
+    eng_tensor ts[NT];
+    memcpy(ts, s_tensors, sizeof ts);
+    eng_group g[2] = { { 0.1f }, { groups == 2 ? 0.05f : 0.0f } };
+    for (size_t l = 0; groups && l < NT; l++)
+        ts[l].group = groups == 3 && l == 1 ? 0 : (uint32_t)(l % 2);
+    eng_layout lay = { ts, NT, KERN_F32, KERN_F32, groups ? g : NULL, groups ? 2 : 0 };
     return eng_create(e, cfg, &lay, a->comm, a->rank + 1);
 }
 
@@ -64,7 +74,8 @@ static scape_rc steps(eng_t *e, rank_arg *a, uint64_t from, uint64_t to, float *
         for (int j = 0; j <= a->rank; j++)
             for (size_t i = 0; i < NUMEL; i++)
                 g[j][i] = grad(a->rank, j, t, i, p[j][i]);
-        scape_rc rc = eng_step(e, t, 1e-2f, (const void *const *)g, (void *const *)p);
+        const float lrs[2] = { 1e-2f, 2e-2f };
+        scape_rc rc = eng_step_groups(e, t, lrs, (const void *const *)g, (void *const *)p);
         if (rc != SCAPE_OK)
             return rc;
     }
@@ -82,7 +93,7 @@ static scape_rc rank_job(rank_arg *a)
             p[j][i] = (float)(j + 1) * 0.01f * (float)(i % 17); /* trainer 0's win */
     }
     eng_t *e = NULL;
-    scape_rc rc = make_engine(a, &jb->cfg, &e);
+    scape_rc rc = make_engine(a, &jb->cfg, jb->groups, &e);
     if (rc == SCAPE_OK)
         rc = eng_init_params(e, (void *const *)p);
     uint64_t upto = jb->save_at ? (uint64_t)jb->save_at : STEPS;
@@ -101,7 +112,7 @@ static scape_rc rank_job(rank_arg *a)
         if (rc == SCAPE_OK && ref.step != (uint64_t)jb->save_at)
             rc = scape_set_error(SCAPE_INVALID, "LATEST is step %llu", (unsigned long long)ref.step);
         if (rc == SCAPE_OK)
-            rc = make_engine(a, &jb->restore_cfg, &e);
+            rc = make_engine(a, &jb->restore_cfg, jb->restore_groups, &e);
         if (rc == SCAPE_OK)
             rc = ckpt_restore(&ref, e, a->comm, (void *const *)p);
         if (rc == SCAPE_OK)
@@ -126,6 +137,8 @@ static void run_job(job *jb)
             ck_assert_msg(args[r].rc == SCAPE_INVALID, "rank %d: rc %d (%s)", r,
                           (int)args[r].rc, args[r].err);
             ck_assert_msg(strstr(args[r].err, "refused"), "rank %d: %s", r, args[r].err);
+            if (jb->refusal)
+                ck_assert_msg(strstr(args[r].err, jb->refusal), "rank %d: %s", r, args[r].err);
         } else {
             ck_assert_msg(args[r].rc == SCAPE_OK, "rank %d: %s", r, args[r].err);
         }
@@ -236,6 +249,44 @@ START_TEST(other_settings_are_refused_on_every_rank)
 }
 END_TEST
 
+/* A checkpoint of parameter groups resumes bitwise under the same groups,
+ * and is refused, saying why, under other groups, another group weight
+ * decay, or none. */
+START_TEST(parameter_groups_are_part_of_the_checkpoint)
+{
+    static job full, jb;
+    memset(&full, 0, sizeof full);
+    eng_config_default(&full.cfg);
+    full.cfg.rho = 0.05;
+    full.cfg.warmup = 3;
+    full.groups = 1;
+    run_job(&full);
+    memset(&jb, 0, sizeof jb);
+    jb.cfg = jb.restore_cfg = full.cfg;
+    jb.groups = jb.restore_groups = 1;
+    jb.save_at = 5;
+    temp_root(&jb);
+    run_job(&jb);
+    for (int r = 0; r < R; r++)
+        ck_assert_int_eq(memcmp(full.out[r], jb.out[r], sizeof full.out[r]), 0);
+    remove_root(jb.root);
+    for (int other = 0; other <= 3; other++) {
+        if (other == 1)
+            continue;
+        memset(&jb, 0, sizeof jb);
+        jb.cfg = jb.restore_cfg = full.cfg;
+        jb.groups = 1;
+        jb.restore_groups = other;
+        jb.save_at = 5;
+        jb.expect_refusal = 1;
+        jb.refusal = "parameter groups";
+        temp_root(&jb);
+        run_job(&jb);
+        remove_root(jb.root);
+    }
+}
+END_TEST
+
 START_TEST(checksum_sees_every_word)
 {
     unsigned char buf[4096];
@@ -337,7 +388,7 @@ static scape_rc rank_reshard(rank_arg *a)
         for (size_t i = 0; i < NUMEL; i++)
             p[j][i] = 0.01f * (float)(i % 13);
     }
-    eng_layout lay = { s_tensors, NT, KERN_F32, KERN_F32 };
+    eng_layout lay = { s_tensors, NT, KERN_F32, KERN_F32, NULL, 0 };
     eng_t *e = NULL;
     scape_rc rc = eng_create(&e, &jb->cfg, &lay, a->comm, tr);
     uint64_t t = 1;
@@ -436,6 +487,7 @@ int main(void)
     tcase_add_test(tc, roundtrip_every_optimizer_and_mode);
     tcase_add_test(tc, checkpoints_cross_executors);
     tcase_add_test(tc, other_settings_are_refused_on_every_rank);
+    tcase_add_test(tc, parameter_groups_are_part_of_the_checkpoint);
     tcase_add_test(tc, missing_checkpoints_are_named);
     tcase_add_test(tc, reshard_keeps_state_and_residual_sum);
     suite_add_tcase(s, tc);

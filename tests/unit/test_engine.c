@@ -49,6 +49,9 @@ typedef struct spec {
     int ties;       /* gradients from a tiny set of values */
     int finish;     /* call eng_step_finish after each step (else eng_step does) */
     int loud;       /* every third step's gradients 8 times larger */
+    size_t ngroups; /* parameter groups: tensor l in group l % ngroups, weight
+                       decay gwd[g] (NaN: cfg's), lr at step t of lr_at() */
+    float gwd[4];
     float lr;
 } spec;
 
@@ -103,8 +106,22 @@ static void build_layout(ctx *c)
         off += s_lens[i];
     }
     for (size_t j = 0; j < NT; j++)
-        c->ts[j] = (eng_tensor){ names[perm[j]], offs[perm[j]], s_lens[perm[j]] };
+        c->ts[j] = (eng_tensor){ names[perm[j]], offs[perm[j]], s_lens[perm[j]],
+                                 c->sp->ngroups ? (uint32_t)(j % c->sp->ngroups) : 0 };
     c->n = off;
+}
+
+/* Group g's learning rate at step t: with groups, g's own and changing
+ * from step to step (a schedule per group); without, the spec's lr. */
+static float lr_at(const spec *sp, size_t g, uint64_t t)
+{
+    return sp->ngroups ? sp->lr * (float)(1 + g) * (float)(1 + t % 3) : sp->lr;
+}
+
+/* The weight decay of group g, as the engine resolves it. */
+static float wd_of(const spec *sp, size_t g)
+{
+    return sp->ngroups && !isnan(sp->gwd[g]) ? sp->gwd[g] : sp->cfg.hyper.wd;
 }
 
 static size_t tensor_of(const ctx *c, size_t i)
@@ -225,7 +242,9 @@ static void check_update(ctx *c, uint64_t t, size_t i, int on_mask, int holder)
 {
     const published *h = &c->pub[holder];
     const kern_hyper *hp = &c->sp->cfg.hyper;
-    double th0 = h->th_before[i], m0 = h->m_before[i], lr = c->sp->lr;
+    size_t grp = c->ts[tensor_of(c, i)].group;
+    double th0 = h->th_before[i], m0 = h->m_before[i], lr = lr_at(c->sp, grp, t);
+    double wd = wd_of(c->sp, grp);
     if (!on_mask) {
         if (h->th_after[i] != h->th_before[i] || h->m_after[i] != h->m_before[i])
             note_fail(c, "step %llu coord %zu: off-mask state changed", (unsigned long long)t, i);
@@ -238,14 +257,14 @@ static void check_update(ctx *c, uint64_t t, size_t i, int on_mask, int holder)
         double bc1 = 1.0 - pow(b1, (double)t), bc2 = 1.0 - pow(b2, (double)t);
         m1 = b1 * m0 + (1 - b1) * g;
         v1 = b2 * h->v_before[i] + (1 - b2) * g * g;
-        th1 = th0 - lr * ((m1 / bc1) / (sqrt(v1 / bc2) + hp->eps) + hp->wd * th0);
+        th1 = th0 - lr * ((m1 / bc1) / (sqrt(v1 / bc2) + hp->eps) + wd * th0);
         if (fabs(h->v_after[i] - v1) > 2e-6 * v1 + 1e-30)
             note_fail(c, "step %llu coord %zu: v %.9g, want %.9g", (unsigned long long)t, i,
                  (double)h->v_after[i], v1);
     } else {
         m1 = b1 * m0 + (1 - b1) * g;
         double v = b2 * m0 * m0 + (1 - b2) * g * g;
-        th1 = th0 - lr * (m1 / (sqrt(v) + hp->eps) + hp->wd * th0);
+        th1 = th0 - lr * (m1 / (sqrt(v) + hp->eps) + wd * th0);
     }
     if (fabs(h->m_after[i] - m1) > 1e-6 * (fabs(m0) + fabs(g)) + 1e-30)
         note_fail(c, "step %llu coord %zu: m %.9g, want %.9g", (unsigned long long)t, i,
@@ -531,7 +550,14 @@ static scape_rc train(rank_arg *a, eng_t *e, void **grads, void **params)
         fill_grads(c, a->rank, (uint64_t)t, grads);
         if (c->sp->check)
             publish(e, p, 1, params, c, tr);
-        scape_rc rc = eng_step(e, (uint64_t)t, c->sp->lr, (const void *const *)grads, params);
+        float lrs[ENG_MAX_GROUPS];
+        for (size_t g = 0; g < ENG_MAX_GROUPS; g++)
+            lrs[g] = lr_at(c->sp, g, (uint64_t)t);
+        scape_rc rc = c->sp->ngroups
+                          ? eng_step_groups(e, (uint64_t)t, lrs, (const void *const *)grads,
+                                            params)
+                          : eng_step(e, (uint64_t)t, c->sp->lr, (const void *const *)grads,
+                                     params);
         if (rc == SCAPE_OK && c->sp->finish)
             rc = eng_step_finish(e);
         if (rc != SCAPE_OK)
@@ -564,7 +590,10 @@ static scape_rc rank_run(rank_arg *a)
         params[j] = malloc(pb);
     }
     fill_params(c, a->rank, params);
-    eng_layout lay = { c->ts, NT, c->sp->pdt, c->sp->gdt };
+    eng_group groups[4];
+    for (size_t g = 0; g < c->sp->ngroups; g++)
+        groups[g].weight_decay = c->sp->gwd[g];
+    eng_layout lay = { c->ts, NT, c->sp->pdt, c->sp->gdt, groups, c->sp->ngroups };
     eng_t *e = NULL;
     scape_rc rc = eng_create(&e, &c->sp->cfg, &lay, a->comm, tr);
     if (rc == SCAPE_OK && c->sp->check)
@@ -855,13 +884,51 @@ START_TEST(clipping_by_global_norm)
 }
 END_TEST
 
+/* Parameter groups: three groups (weight decay 0, 0.05, and NaN: the
+ * configured 0.01), each with its own learning rate that changes every
+ * step; every per-step check on, the update of each tensor against the
+ * float64 reference with its group's lr and weight decay; replicated and
+ * sharded agree bitwise, and the host and the sim executors. */
+START_TEST(parameter_groups)
+{
+    static const struct {
+        eng_optimizer opt;
+        double rho;
+    } opts[] = { { ENG_OPT_SCAPE, 0.1 }, { ENG_OPT_SCAPE, 1.0 }, { ENG_OPT_ADAMW, 1.0 },
+                 { ENG_OPT_TOPK_ADAMW, 0.1 } };
+    for (size_t o = 0; o < sizeof opts / sizeof opts[0]; o++)
+        for (int R = 1; R <= 3; R += 2) {
+            float *fin[2];
+            size_t *kh[2], n = 0;
+            spec sp;
+            for (int mode = 0; mode < 2; mode++) {
+                sp = make_spec(opts[o].opt, (eng_mode)mode, R, opts[o].rho, 40);
+                sp.ngroups = 3;
+                sp.gwd[0] = 0.0f, sp.gwd[1] = 0.05f, sp.gwd[2] = NAN;
+                run_spec(&sp, &fin[mode], &kh[mode], &n);
+            }
+            char what[128];
+            snprintf(what, sizeof what, "%s rho=%g R=%d, 3 groups: replicated vs sharded",
+                     eng_optimizer_name(opts[o].opt), opts[o].rho, R);
+            expect_same(fin[0], fin[1], n, what);
+            for (int mode = 0; mode < 2; mode++) {
+                free(fin[mode]);
+                free(kh[mode]);
+            }
+            snprintf(what, sizeof what, "%s rho=%g R=%d, 3 groups: host / sim / sim resident",
+                     eng_optimizer_name(opts[o].opt), opts[o].rho, R);
+            expect_variants_agree(&sp, 3, vary_executor, what);
+        }
+}
+END_TEST
+
 /* Kernels the sim executor launches for one sparse SCAPE step with a layout
  * of nt tensors of len coordinates each (one rank, one trainer). */
 static uint64_t launches_per_step(size_t nt, size_t len)
 {
     eng_tensor *ts = calloc(nt, sizeof *ts);
     for (size_t i = 0; i < nt; i++)
-        ts[i] = (eng_tensor){ NULL, i * len, len };
+        ts[i] = (eng_tensor){ NULL, i * len, len, 0 };
     size_t n = nt * len;
     float *g = calloc(n, sizeof *g), *p = calloc(n, sizeof *p);
     comm_t *c[1];
@@ -870,7 +937,7 @@ static uint64_t launches_per_step(size_t nt, size_t len)
     eng_config_default(&cfg);
     cfg.executor = ENG_EXEC_SIM;
     cfg.residual_chunk = (uint32_t)n; /* one chunk: count the kernels, not the chunks */
-    eng_layout lay = { ts, nt, KERN_F32, KERN_F32 };
+    eng_layout lay = { ts, nt, KERN_F32, KERN_F32, NULL, 0 };
     eng_t *e = NULL;
     ck_assert_int_eq(eng_create(&e, &cfg, &lay, c[0], 1), SCAPE_OK);
     ck_assert_int_eq(eng_init_params(e, (void *const *)&p), SCAPE_OK);
@@ -1085,18 +1152,22 @@ typedef struct bad_ctx {
     int variant;
 } bad_ctx;
 
-/* Rank 1 registers a layout with different tensor boundaries. */
+/* Rank 1 registers a layout with different tensor boundaries (variant 0),
+ * another rho (1), "b" in another parameter group (2), or group 1 with
+ * another weight decay (3). */
 static scape_rc rank_mismatch(rank_arg *a)
 {
-    eng_tensor t0[] = { { "a", 0, 10 }, { "b", 10, 10 } };
-    eng_tensor t1[] = { { "a", 0, 12 }, { "b", 12, 8 } };
-    eng_layout lay = { a->rank == 1 ? t1 : t0, 2, KERN_F32, KERN_F32 };
+    eng_tensor t0[] = { { "a", 0, 10, 0 }, { "b", 10, 10, 1 } };
+    eng_tensor t1[] = { { "a", 0, 12, 0 }, { "b", 12, 8, 1 } };
+    eng_tensor t2[] = { { "a", 0, 10, 0 }, { "b", 10, 10, 0 } };
+    eng_group g0[] = { { 0.1f }, { 0.0f } }, g3[] = { { 0.1f }, { 0.01f } };
+    int v = ((bad_ctx *)a->ctx)->variant, odd = a->rank == 1;
+    eng_layout lay = { odd && v == 0 ? t1 : odd && v == 2 ? t2 : t0, 2, KERN_F32, KERN_F32,
+                       odd && v == 3 ? g3 : g0, 2 };
     eng_config cfg;
     eng_config_default(&cfg);
-    if (((bad_ctx *)a->ctx)->variant == 1 && a->rank == 1) {
-        lay.tensors = t0;
+    if (v == 1 && odd)
         cfg.rho = 0.5;
-    }
     eng_t *e = NULL;
     scape_rc rc = eng_create(&e, &cfg, &lay, a->comm, 1);
     eng_destroy(&e);
@@ -1105,14 +1176,17 @@ static scape_rc rank_mismatch(rank_arg *a)
 
 START_TEST(ranks_disagree)
 {
-    for (int variant = 0; variant < 2; variant++) {
+    for (int variant = 0; variant < 4; variant++) {
         bad_ctx bc = { variant };
         rank_arg args[3];
         ck_assert_int_eq(run_ranks(3, rank_mismatch, &bc, args), 0);
         for (int r = 0; r < 3; r++) {
             ck_assert_int_eq(args[r].rc, SCAPE_INVALID);
-            ck_assert_msg(strstr(args[r].err, variant ? "config" : "layout") != NULL, "%s",
-                          args[r].err);
+            ck_assert_msg(strstr(args[r].err, variant == 1 ? "config" : "layout") != NULL,
+                          "%s", args[r].err);
+            if (variant >= 2)
+                ck_assert_msg(strstr(args[r].err, "parameter groups") != NULL, "%s",
+                              args[r].err);
         }
     }
 }
@@ -1131,8 +1205,8 @@ static scape_rc rank_lagging(rank_arg *a)
 {
     lag_ctx *lc = a->ctx;
     enum { N = 4000, STEPS = 8 };
-    eng_tensor ts[] = { { "a", 0, 3000 }, { "b", 3000, 1000 } };
-    eng_layout lay = { ts, 2, KERN_F32, KERN_F32 };
+    eng_tensor ts[] = { { "a", 0, 3000, 0 }, { "b", 3000, 1000, 0 } };
+    eng_layout lay = { ts, 2, KERN_F32, KERN_F32, NULL, 0 };
     eng_config cfg;
     eng_config_default(&cfg);
     cfg.rho = 0.01;
@@ -1190,9 +1264,9 @@ START_TEST(bad_create_arguments)
 {
     comm_t *c[1];
     ck_assert_int_eq(comm_local_create(1, c), SCAPE_OK);
-    eng_tensor ts[] = { { "a", 0, 40 }, { "b", 40, 1 } };
-    eng_tensor gap[] = { { "a", 0, 40 }, { "b", 41, 1 } };
-    eng_layout lay = { ts, 2, KERN_F32, KERN_F32 }, bad_lay = lay;
+    eng_tensor ts[] = { { "a", 0, 40, 0 }, { "b", 40, 1, 0 } };
+    eng_tensor gap[] = { { "a", 0, 40, 0 }, { "b", 41, 1, 0 } };
+    eng_layout lay = { ts, 2, KERN_F32, KERN_F32, NULL, 0 }, bad_lay = lay;
     eng_config cfg, bad;
     eng_config_default(&cfg);
     eng_t *e = NULL;
@@ -1225,6 +1299,15 @@ START_TEST(bad_create_arguments)
     expect_invalid(eng_create(&e, &cfg, &bad_lay, c[0], 1), "NULL");
     bad_lay = lay; bad_lay.grad_dtype = (kern_dtype)7;
     expect_invalid(eng_create(&e, &cfg, &bad_lay, c[0], 1), "dtype");
+    eng_group groups[ENG_MAX_GROUPS + 1] = { { 0.1f }, { -1.0f } };
+    eng_tensor grouped[] = { { "a", 0, 40, 0 }, { "b", 40, 1, 2 } };
+    bad_lay = lay; bad_lay.groups = groups; bad_lay.ngroups = 2;
+    expect_invalid(eng_create(&e, &cfg, &bad_lay, c[0], 1), "group 1: weight_decay -1");
+    groups[1].weight_decay = 0.0f;
+    bad_lay.tensors = grouped;
+    expect_invalid(eng_create(&e, &cfg, &bad_lay, c[0], 1), "tensor b is in parameter group 2");
+    bad_lay = lay; bad_lay.groups = groups; bad_lay.ngroups = ENG_MAX_GROUPS + 1;
+    expect_invalid(eng_create(&e, &cfg, &bad_lay, c[0], 1), "parameter groups");
     ck_assert_ptr_null(e);
     eng_optimizer o;
     eng_mode m;
@@ -1240,8 +1323,8 @@ START_TEST(bad_step_arguments)
 {
     comm_t *c[1];
     ck_assert_int_eq(comm_local_create(1, c), SCAPE_OK);
-    eng_tensor ts[] = { { "a", 0, 40 }, { "b", 40, 1 } };
-    eng_layout lay = { ts, 2, KERN_F32, KERN_F32 };
+    eng_tensor ts[] = { { "a", 0, 40, 0 }, { "b", 40, 1, 0 } };
+    eng_layout lay = { ts, 2, KERN_F32, KERN_F32, NULL, 0 };
     eng_config cfg;
     eng_config_default(&cfg);
     eng_t *e = NULL;
@@ -1290,6 +1373,7 @@ int main(void)
     tcase_add_test(inv, sim_executor_is_the_host_executor);
     tcase_add_test(inv, launches_do_not_grow_with_tensors);
     tcase_add_test(inv, clipping_by_global_norm);
+    tcase_add_test(inv, parameter_groups);
     tcase_add_test(inv, deferred_selection_changes_nothing);
     tcase_add_test(inv, ties_keep_exact_k);
     tcase_add_test(inv, bf16_buffers);

@@ -34,7 +34,7 @@ static plan *build(const size_t *lens, size_t nt, int ranks, double rho)
     size_t off = 0;
     for (size_t i = 0; i < nt; i++) {
         snprintf(names[i], sizeof names[i], "t%zu", i);
-        ts[i] = (eng_tensor){ names[i], off, lens[i] };
+        ts[i] = (eng_tensor){ names[i], off, lens[i], 0 };
         off += lens[i];
     }
     plan *p = NULL;
@@ -133,7 +133,7 @@ static void refused(const plan *p, const uint32_t *code, size_t nb, const char *
 
 START_TEST(malformed_codes_refused)
 {
-    eng_tensor ts[] = { { "t0", 0, 1000 }, { "t1", 1000, 40 } };
+    eng_tensor ts[] = { { "t0", 0, 1000, 0 }, { "t1", 1000, 40, 0 } };
     plan *p = NULL;
     ck_assert_int_eq(plan_build(&p, ts, 2, 1, 0.01), SCAPE_OK);
     /* t0: 10 x 10 bits; t1: k = 1 x 6 bits: a 106-bit stream, 4 words */

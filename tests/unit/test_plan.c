@@ -26,8 +26,8 @@ START_TEST(greedy_owners)
 {
     /* lengths 10, 7, 7, 5, 1 over 2 ranks: 10->r0, 7(idx1)->r1, 7(idx2)->r1
      * (load 7 < 10), 5->r0 (10 < 14), 1->r0 (15 vs 14 -> r1).  Worked by hand. */
-    eng_tensor ts[] = { { "a", 0, 10 }, { "b", 10, 7 }, { "c", 17, 7 },
-                        { "d", 24, 5 }, { "e", 29, 1 } };
+    eng_tensor ts[] = { { "a", 0, 10, 0 }, { "b", 10, 7, 0 }, { "c", 17, 7, 0 },
+                        { "d", 24, 5, 0 }, { "e", 29, 1, 0 } };
     plan *p = NULL;
     ck_assert_int_eq(plan_build(&p, ts, 5, 2, 0.5), SCAPE_OK);
     int want[] = { 0, 1, 1, 0, 1 };
@@ -50,7 +50,7 @@ END_TEST
 
 START_TEST(ties_lower_rank)
 {
-    eng_tensor ts[] = { { NULL, 0, 4 }, { NULL, 4, 4 }, { NULL, 8, 4 } };
+    eng_tensor ts[] = { { NULL, 0, 4, 0 }, { NULL, 4, 4, 0 }, { NULL, 8, 4, 0 } };
     plan *p = NULL;
     ck_assert_int_eq(plan_build(&p, ts, 3, 8, 1.0), SCAPE_OK);
     for (int i = 0; i < 3; i++)
@@ -63,7 +63,7 @@ END_TEST
 
 START_TEST(unordered_layout_tiles)
 {
-    eng_tensor ts[] = { { "x", 40, 33 }, { "y", 0, 40 }, { "z", 73, 1 } };
+    eng_tensor ts[] = { { "x", 40, 33, 0 }, { "y", 0, 40, 0 }, { "z", 73, 1, 0 } };
     plan *p = NULL;
     ck_assert_int_eq(plan_build(&p, ts, 3, 3, 0.1), SCAPE_OK);
     ck_assert_uint_eq(p->n, 74);
@@ -84,10 +84,10 @@ static void expect_bad(const eng_tensor *ts, size_t nt, int R, double rho, const
 
 START_TEST(bad_layouts)
 {
-    eng_tensor gap[] = { { "a", 0, 10 }, { "b", 11, 5 } };
-    eng_tensor overlap[] = { { "a", 0, 10 }, { "b", 9, 5 } };
-    eng_tensor late[] = { { "a", 3, 10 } };
-    eng_tensor empty[] = { { "a", 0, 10 }, { "z", 10, 0 } };
+    eng_tensor gap[] = { { "a", 0, 10, 0 }, { "b", 11, 5, 0 } };
+    eng_tensor overlap[] = { { "a", 0, 10, 0 }, { "b", 9, 5, 0 } };
+    eng_tensor late[] = { { "a", 3, 10, 0 } };
+    eng_tensor empty[] = { { "a", 0, 10, 0 }, { "z", 10, 0, 0 } };
     expect_bad(gap, 2, 1, 0.1, "gap");
     expect_bad(overlap, 2, 1, 0.1, "overlap");
     expect_bad(late, 1, 1, 0.1, "tile");

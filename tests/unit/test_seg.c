@@ -145,14 +145,15 @@ static layout *layout_new(const uint32_t *lens, uint32_t nt, int ranks, double r
     size_t off = 0;
     for (uint32_t i = 0; i < nt; i++) {
         snprintf(l->names[i], sizeof l->names[i], "t%u", i);
-        l->ts[i] = (eng_tensor){ l->names[i], off, lens[i] };
+        l->ts[i] = (eng_tensor){ l->names[i], off, lens[i], 0 };
         off += lens[i];
     }
     ck_assert_int_eq(plan_build(&l->p, l->ts, nt, ranks, rho), SCAPE_OK);
     l->nt = nt;
     for (uint32_t j = 0; j < nt; j++) {
         const plan_tensor *pt = comm_at(l->p, j);
-        l->t[j] = (kseg_tensor){ pt->pos, pt->off, pt->word, (uint32_t)pt->len, (uint32_t)pt->k };
+        l->t[j] = (kseg_tensor){ pt->pos, pt->off, pt->word, (uint32_t)pt->len, (uint32_t)pt->k,
+                                 pt->group, 0 };
     }
     return l;
 }
@@ -1229,8 +1230,8 @@ static void update_one(rng *r, const wcase *c)
     a.b1 = o.h.beta1;
     a.b2 = o.h.beta2;
     a.eps = o.h.eps;
-    a.wd = o.h.wd;
-    a.lr = o.lr;
+    a.gwd[0] = o.h.wd;
+    a.glr[0] = o.lr;
     a.div = o.div;
     a.bc1 = o.adamw ? scape_f_bias_correction(o.h.beta1, o.t) : 1.0f; /* as dev_update */
     a.bc2 = o.adamw ? scape_f_bias_correction(o.h.beta2, o.t) : 1.0f;
@@ -1488,7 +1489,7 @@ START_TEST(packed_overflow_flagged)
         a.m = m;
         a.v = v;
         a.adamw = q & 1;
-        a.b1 = 0.9f, a.b2 = 0.95f, a.eps = 1e-8f, a.lr = 1e-3f, a.div = 1.0f;
+        a.b1 = 0.9f, a.b2 = 0.95f, a.eps = 1e-8f, a.glr[0] = 1e-3f, a.div = 1.0f;
         a.bc1 = a.bc2 = 1.0f;
         run(ks[q], &a);
         ck_assert_msg(st.err == KSEG_E_PACKED, "kernel %d: err %u", (int)ks[q], st.err);

@@ -38,7 +38,10 @@ typedef struct scape_tensor {
     const char *name;
     size_t offset; /* first element in the flat buffers */
     size_t length; /* elements, >= 1 */
+    unsigned group; /* its parameter group, < scape_options.ngroups (0 without) */
 } scape_tensor;
+
+#define SCAPE_MAX_GROUPS 16
 
 typedef struct scape_options {
     scape_dtype param_dtype; /* default F32 */
@@ -52,6 +55,11 @@ typedef struct scape_options {
     int start_wait_ms;       /* how long to wait for scaped's control socket to appear
                                 (a daemon still starting; said once on stderr),
                                 default 0: no daemon there fails scape_attach at once */
+    int ngroups;             /* parameter groups (torch's param_groups), 0 (default):
+                                one, with the daemon's weight_decay; at most
+                                SCAPE_MAX_GROUPS */
+    const float *group_weight_decay; /* ngroups of them, read at attach: each
+                                group's weight decay, NaN for the daemon's */
     float max_grad_norm;     /* the gradient clipping bound this trainer expects of
                                 the daemon (its max_grad_norm key; 0: no clipping),
                                 refused at attach when the daemon's differs;
@@ -112,6 +120,10 @@ scape_rc scape_step(scape_session *s, uint64_t step, float lr, const float *loss
 /* The same, split: begin posts the step and returns at once; wait blocks until
  * the parameters are updated.  One step may be outstanding. */
 scape_rc scape_step_begin(scape_session *s, uint64_t step, float lr, const float *loss);
+/* With parameter groups: lrs[g] is group g's learning rate for this step
+ * (ngroups of them, as attached). */
+scape_rc scape_step_begin_groups(scape_session *s, uint64_t step, const float *lrs,
+                                 int nlrs, const float *loss);
 scape_rc scape_step_wait(scape_session *s, scape_step_info *info);
 
 /* Tell the daemon goodbye, free the buffers, and set *s to NULL.  CUDA

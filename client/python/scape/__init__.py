@@ -16,8 +16,8 @@ import enum
 
 import numpy as np
 
-from ._lib import (DTYPE_BF16, DTYPE_F32, MEMORY_CUDA, MEMORY_HOST, Options, StepInfo as
-                   _StepInfo, Tensor, lib)
+from ._lib import (DTYPE_BF16, DTYPE_F32, MAX_GROUPS, MEMORY_CUDA, MEMORY_HOST, Options,
+                   StepInfo as _StepInfo, Tensor, lib)
 
 __all__ = ["Rc", "ScapeError", "StepInfo", "Session", "attach", "version"]
 
@@ -131,9 +131,10 @@ class Session:
     torch CUDA tensors in device memory (float32 or bfloat16), whose raw
     addresses are also device_ptrs (params, grads); None after detach()."""
 
-    def __init__(self, handle, layout, param_ctype, grad_ctype, host, ordinal=0):
+    def __init__(self, handle, layout, param_ctype, grad_ctype, host, ordinal=0, ngroups=0):
         self._handle = handle
         self.layout = layout
+        self.ngroups = ngroups  # parameter groups (0: none)
         self.numel = lib.scape_numel(handle)
         self.index = lib.scape_index(handle)
         self.next_step = lib.scape_next_step(handle)  # the step step() posts next
@@ -166,7 +167,8 @@ class Session:
 
     def step(self, lr, step=None, loss=None):
         """Post step `step` (default: next_step) with the gradients in place and
-        wait for the new parameters; returns the daemon's StepInfo."""
+        wait for the new parameters; returns the daemon's StepInfo.  lr: one
+        learning rate, or with parameter groups a list of one per group."""
         self.step_begin(lr, step, loss)
         return self.step_wait()
 
@@ -174,7 +176,11 @@ class Session:
         """Post a step and return at once; step_wait() completes it."""
         step = self.next_step if step is None else step
         c_loss = None if loss is None else ctypes.byref(ctypes.c_float(loss))
-        _check(lib.scape_step_begin(self._live(), step, lr, c_loss))
+        if isinstance(lr, (list, tuple)):
+            lrs = (ctypes.c_float * max(1, len(lr)))(*lr)
+            _check(lib.scape_step_begin_groups(self._live(), step, lrs, len(lr), c_loss))
+        else:
+            _check(lib.scape_step_begin(self._live(), step, lr, c_loss))
         self._pending = step
 
     def step_wait(self):
@@ -201,13 +207,17 @@ class Session:
 
 
 def attach(endpoint=None, layout=(), dtype="float32", grad_dtype=None, index=-1,
-           timeout_ms=600000, device="cpu", start_wait_ms=0, max_grad_norm=None):
+           timeout_ms=600000, device="cpu", start_wait_ms=0, max_grad_norm=None,
+           groups=None, tensor_groups=None):
     """Attach to scaped at endpoint (None: $SCAPE_ENDPOINT, else the default
     runtime directory) with layout, and return a Session.  With no daemon
     there it fails at once (ScapeError, saying where it looked), unless
     start_wait_ms gives a daemon that is still starting that long.
     max_grad_norm (None: the daemon's) is the clipping bound this trainer
-    expects; a daemon configured with another one refuses the attach."""
+    expects; a daemon configured with another one refuses the attach.
+    Parameter groups: groups lists each group's weight decay (None: the
+    daemon's weight_decay), tensor_groups each tensor's group; step() then
+    takes one learning rate per group."""
     tensors = _tensors(layout)
     try:
         (pd, pc), (gd, gc) = _DTYPES[dtype], _DTYPES[grad_dtype or dtype]
@@ -222,10 +232,19 @@ def attach(endpoint=None, layout=(), dtype="float32", grad_dtype=None, index=-1,
         if not max_grad_norm >= 0:
             raise ValueError("max_grad_norm: >= 0 (0: no clipping), or None for the daemon's")
         opts.max_grad_norm = max_grad_norm
+    ngroups = 0 if groups is None else len(groups)
+    tg = list(tensor_groups) if tensor_groups is not None else [0] * len(tensors)
+    if len(tg) != len(tensors) or not 0 <= ngroups <= MAX_GROUPS or \
+            any(not 0 <= g < max(1, ngroups) for g in tg):
+        raise ValueError("parameter groups: at most %d, and one group index per tensor, each "
+                         "below the number of groups" % MAX_GROUPS)
+    if ngroups:
+        wds = (ctypes.c_float * ngroups)(*[float("nan") if w is None else w for w in groups])
+        opts.ngroups, opts.group_weight_decay = ngroups, wds
     names = [str(name).encode() for name, _, _ in tensors]
-    c_layout = (Tensor * len(tensors))(*[Tensor(nm, off, n)
-                                         for nm, (_, off, n) in zip(names, tensors)])
+    c_layout = (Tensor * len(tensors))(*[Tensor(nm, off, n, g)
+                                         for nm, (_, off, n), g in zip(names, tensors, tg)])
     handle = ctypes.c_void_p()
     _check(lib.scape_attach(None if endpoint is None else endpoint.encode(), c_layout,
                             len(tensors), ctypes.byref(opts), ctypes.byref(handle)))
-    return Session(handle, tensors, pc, gc, opts.memory == MEMORY_HOST, opts.device)
+    return Session(handle, tensors, pc, gc, opts.memory == MEMORY_HOST, opts.device, ngroups)

@@ -15,7 +15,10 @@ MEMORY_HOST, MEMORY_CUDA = 0, 1
 class Tensor(ctypes.Structure):
     _fields_ = [("name", ctypes.c_char_p),
                 ("offset", ctypes.c_size_t),
-                ("length", ctypes.c_size_t)]
+                ("length", ctypes.c_size_t),
+                ("group", ctypes.c_uint)]
+
+MAX_GROUPS = 16
 
 
 class Options(ctypes.Structure):
@@ -26,6 +29,8 @@ class Options(ctypes.Structure):
                 ("index", ctypes.c_int),
                 ("timeout_ms", ctypes.c_int),
                 ("start_wait_ms", ctypes.c_int),
+                ("ngroups", ctypes.c_int),
+                ("group_weight_decay", ctypes.POINTER(ctypes.c_float)),
                 ("max_grad_norm", ctypes.c_float)]
 
 
@@ -125,6 +130,8 @@ def _declare(lib):
         "scape_step": (rc, [sess, ctypes.c_uint64, ctypes.c_float, P(ctypes.c_float),
                             P(StepInfo)]),
         "scape_step_begin": (rc, [sess, ctypes.c_uint64, ctypes.c_float, P(ctypes.c_float)]),
+        "scape_step_begin_groups": (rc, [sess, ctypes.c_uint64, P(ctypes.c_float), ctypes.c_int,
+                                         P(ctypes.c_float)]),
         "scape_step_wait": (rc, [sess, P(StepInfo)]),
         "scape_detach": (rc, [P(sess)]),
         "scape_version": (ctypes.c_char_p, []),

@@ -28,6 +28,30 @@ def _one_dtype(named):
     return next(iter(by))
 
 
+def _groups(params):
+    """torch's params argument (tensors, (name, tensor) pairs, or a list of
+    group dicts whose "params" are either) -> the named parameters in order,
+    each one's group index, and the groups for torch.optim.Optimizer."""
+    params = list(params)
+    groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+    named, tgroup, torch_groups = [], [], []
+    for gi, g in enumerate(groups):
+        if not isinstance(g, dict) or "params" not in g:
+            raise ValueError("ScapeOptimizer: parameter groups are dicts with 'params'")
+        ps = g["params"]
+        ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+        mine = []
+        for p in ps:
+            n, t = p if isinstance(p, tuple) else ("p%d" % len(named), p)
+            named.append((n, t))
+            tgroup.append(gi)
+            mine.append(t)
+        d = dict(g)
+        d["params"] = mine
+        torch_groups.append(d)
+    return named, tgroup, torch_groups
+
+
 def _host_tensor(array, dtype):
     """A torch tensor over a session's host buffer (numpy float32, or uint16
     holding bfloat16 bits), sharing its memory."""
@@ -41,7 +65,11 @@ class ScapeOptimizer(torch.optim.Optimizer):
 
     Construction attaches and syncs: it returns once the parameters are the
     job's (trainer 0's at the start, after every expected trainer is there).
-    One parameter group; lr is param_groups[0]["lr"] at each step.  Parameters
+    Parameter groups as torch has them (a list of dicts with "params" and
+    any of "lr" and "weight_decay"): every group's lr at each step and its
+    weight decay (None: the daemon's weight_decay) go to the daemon, which
+    applies them per tensor; a change of a group's lr between steps takes
+    effect at the next step.  Parameters
     must be all float32 or all bfloat16 (the daemon keeps float32 master
     weights and hands back their bfloat16 rounding), all on the CPU or all
     on one CUDA device; on CUDA the
@@ -55,10 +83,18 @@ class ScapeOptimizer(torch.optim.Optimizer):
     None takes the daemon's.  last_info.grad_norm is the norm before
     clipping, last_info.clip the factor applied."""
 
-    def __init__(self, params, endpoint=None, lr=1e-3, index=-1, timeout_ms=600000,
-                 start_wait_ms=0, max_grad_norm=None):
-        named = [p if isinstance(p, tuple) else ("p%d" % i, p) for i, p in enumerate(params)]
-        super().__init__([p for _, p in named], dict(lr=lr))
+    def __init__(self, params, endpoint=None, lr=1e-3, weight_decay=None, index=-1,
+                 timeout_ms=600000, start_wait_ms=0, max_grad_norm=None):
+        named, tgroup, torch_groups = _groups(params)
+        super().__init__(torch_groups, dict(lr=lr, weight_decay=weight_decay))
+        # parameter groups go to the daemon when there are several, or any sets
+        # a weight decay; otherwise one group with the daemon's weight_decay
+        self._grouped = len(self.param_groups) > 1 or any(
+            g["weight_decay"] is not None for g in self.param_groups)
+        for g in self.param_groups:
+            if g["weight_decay"] is not None and not g["weight_decay"] >= 0:
+                raise ValueError("ScapeOptimizer: weight_decay %r: >= 0, or None for the "
+                                 "daemon's" % (g["weight_decay"],))
         dtype = _one_dtype(named)
         devices = {p.device for _, p in named}
         if len(devices) != 1:
@@ -69,7 +105,10 @@ class ScapeOptimizer(torch.optim.Optimizer):
         self.session = scape.attach(endpoint, [(n, p.numel()) for n, p in named],
                                     dtype=name, index=index, timeout_ms=timeout_ms,
                                     device=str(device), start_wait_ms=start_wait_ms,
-                                    max_grad_norm=max_grad_norm)
+                                    max_grad_norm=max_grad_norm,
+                                    groups=[g["weight_decay"] for g in self.param_groups]
+                                    if self._grouped else None,
+                                    tensor_groups=tgroup if self._grouped else None)
         if self.session.device_ptrs is None:
             flat_p = _host_tensor(self.session.params, dtype)
             flat_g = _host_tensor(self.session.grads, dtype)
@@ -102,7 +141,9 @@ class ScapeOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.last_info = self.session.step(self.param_groups[0]["lr"],
+        lr = ([g["lr"] for g in self.param_groups] if self._grouped
+              else self.param_groups[0]["lr"])
+        self.last_info = self.session.step(lr,
                                            loss=None if loss is None else
                                            float(loss.detach() if torch.is_tensor(loss)
                                                  else loss))
