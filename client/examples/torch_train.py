@@ -4,15 +4,21 @@ scape.torch.ScapeOptimizer: the same character-level model and fortunes
 corpus (with the same train/validation split) as gpt_train.c, for machines
 with PyTorch, and for GPUs once libscape's CUDA buffers exist.
 
-    python3 client/examples/torch_train.py --corpus fortunes.txt \
-        [--endpoint ipc:///tmp/scape-job42-n1/control] [--steps 1000] [--device cpu]
+    scape-run --nproc-per-node 4 --set rho=0.01 --set max_grad_norm=1.0 -- \
+        python3 client/examples/torch_train.py --corpus fortunes.txt --steps 1000
 
-Run one per trainer slot; each uses its own --seed for its data order.
+or one per trainer slot by hand, with --endpoint and --index.  As LLM
+recipes do, it decays the matrices but not the biases, norms and embeddings
+(two parameter groups), states the daemon's gradient clipping bound
+(--max-grad-norm, checked at attach), runs the forward pass under bf16
+autocast (--autocast bf16), and evaluates every --eval-every steps on fixed,
+evenly spaced validation windows.  Each trainer's data order comes from its
+--seed (default 1 + RANK, which scape-run sets).
 ScapeOptimizer re-points every parameter and its .grad into libscape's flat
 shared buffers, so backward() writes straight into the memory the daemon
 reduces, and optimizer.step() returns with the updated parameters in place.
-On CUDA, parameters must live in the CUDA IPC buffers, which libscape does not
-allocate yet: attaching raises ScapeError UNSUPPORTED there (see README)."""
+On CUDA the flat buffers are libscape's CUDA IPC buffers (unverified on a
+GPU so far)."""
 import argparse
 import math
 import os
@@ -127,11 +133,34 @@ def batch(tokens, B, T, gen, device):
     return x.to(device), y.to(device)
 
 
+def param_groups(model, weight_decay):
+    """nanoGPT's split: weight decay on the matrices of the blocks and the
+    head, none on biases, layer norms and the embeddings."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        emb = name.startswith(("wte.", "wpe."))
+        (decay if p.dim() >= 2 and not emb else no_decay).append((name, p))
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def evaluate(model, val, ctx, windows, device, autocast):
+    """Mean loss over `windows` fixed validation windows, evenly spaced over
+    the split (the same for every run)."""
+    step = max(1, (len(val) - ctx - 1) // windows)
+    starts = [i * step for i in range(windows)]
+    x = torch.stack([val[s:s + ctx] for s in starts]).to(device)
+    y = torch.stack([val[s + 1:s + ctx + 1] for s in starts]).to(device)
+    with torch.no_grad(), autocast():
+        return float(model(x, y))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--corpus", required=True)
     ap.add_argument("--endpoint", default=None, help="scaped's control endpoint")
-    ap.add_argument("--index", type=int, default=-1, help="trainer slot on the node")
+    ap.add_argument("--index", type=int, default=-1,
+                    help="trainer slot on the node (default: $SCAPE_INDEX, or the lowest free)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--lr", type=float, default=3e-3)
@@ -141,7 +170,15 @@ def main():
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--ctx", type=int, default=64)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seed", type=int, default=1, help="this trainer's data order")
+    ap.add_argument("--seed", type=int, default=1 + int(os.environ.get("RANK", "0")),
+                    help="this trainer's data order (default 1 + $RANK)")
+    ap.add_argument("--weight-decay", type=float, default=0.1,
+                    help="of the matrices (biases, norms, embeddings: none)")
+    ap.add_argument("--max-grad-norm", type=float, default=None,
+                    help="the clipping bound the daemon must apply (its max_grad_norm)")
+    ap.add_argument("--autocast", choices=("none", "bf16"), default="none",
+                    help="run the forward pass under bf16 autocast")
+    ap.add_argument("--eval-windows", type=int, default=32)
     ap.add_argument("--model-seed", type=int, default=1234)
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--out", help="write the final parameters here (raw float32, layout order)")
@@ -150,8 +187,12 @@ def main():
     vocab, train, val = load_corpus(a.corpus)
     torch.manual_seed(a.model_seed)
     model = GPT(vocab, a.ctx, a.d, a.layers, a.heads).to(a.device)
-    opt = scape.torch.ScapeOptimizer(model.named_parameters(), endpoint=a.endpoint,
-                                     lr=a.lr, index=a.index)
+    opt = scape.torch.ScapeOptimizer(param_groups(model, a.weight_decay), endpoint=a.endpoint,
+                                     lr=a.lr, index=a.index, max_grad_norm=a.max_grad_norm)
+
+    def autocast():
+        return torch.autocast(device_type=torch.device(a.device).type, dtype=torch.bfloat16,
+                              enabled=a.autocast == "bf16")
     first = opt.session.next_step
     print("torch_train: N=%d, vocab %d, steps %d..%d on %s" % (
         sum(p.numel() for p in model.parameters()), vocab, first, a.steps, a.device))
@@ -160,21 +201,22 @@ def main():
         gen = torch.Generator().manual_seed(a.seed * 1000003 + t)  # resumable
         x, y = batch(train, a.batch, a.ctx, gen, a.device)
         opt.zero_grad()
-        loss = model(x, y)
+        with autocast():
+            loss = model(x, y)
         loss.backward()
-        opt.param_groups[0]["lr"] = lr_at(a, t)
+        for g in opt.param_groups:  # one schedule for both groups
+            g["lr"] = lr_at(a, t)
         opt.step(lambda: loss)
         if t % a.eval_every == 0 or t == a.steps:
-            with torch.no_grad():
-                g = torch.Generator().manual_seed(0)
-                vx, vy = batch(val, a.batch, a.ctx, g, a.device)
-                vloss = float(model(vx, vy))
+            vloss = evaluate(model, val, a.ctx, a.eval_windows, a.device, autocast)
             info = opt.last_info
             # wire_bytes: what this daemon moves over its links per step (the
-            # ring model); bytes: the collectives' payload, every daemon's part
-            print("step %d  loss %.4f  val %.4f  wire %d B/step (payload %d B)  %.1f step/s"
-                  % (t, float(loss), vloss, info.wire_bytes, info.bytes,
-                     (t - first + 1) / (time.time() - t0)), flush=True)
+            # ring model); bytes: the collectives' payload, every daemon's part;
+            # grad_norm: the reduced mean gradient's, before the daemon clipped it
+            print("step %d  loss %.4f  val %.4f  grad norm %.3f (x%.3f)  wire %d B/step "
+                  "(payload %d B)  %.1f step/s"
+                  % (t, float(loss), vloss, info.grad_norm, info.clip, info.wire_bytes,
+                     info.bytes, (t - first + 1) / (time.time() - t0)), flush=True)
     if a.out:
         with torch.no_grad():
             flat = torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
