@@ -97,7 +97,9 @@ scape_rc ckp_start(server *s, void *const *params)
 
 void ckp_started(server *s) { s->resuming = 0; }
 
-scape_rc ckp_request(server *s)
+static scape_rc take(server *s);
+
+scape_rc ckp_request(server *s, int now)
 {
     if (s->cfg.checkpoint_dir[0] == '\0')
         return scape_set_error(SCAPE_INVALID, "checkpoint: no checkpoint_dir is configured "
@@ -106,10 +108,25 @@ scape_rc ckp_request(server *s)
     if (s->broken)
         return scape_set_error(SCAPE_INVALID, "checkpoint: the optimizer failed part-way "
                                "through a step; its state is not saved");
-    s->ckpt_requested = 1;
-    LOG_INFO(SUB_STATUS, "checkpoint requested: taken after step %llu completes",
-             (unsigned long long)s->next_step);
-    return SCAPE_OK;
+    if (!now) {
+        s->ckpt_requested = 1;
+        LOG_INFO(SUB_STATUS, "checkpoint requested: taken after step %llu completes",
+                 (unsigned long long)s->next_step);
+        return SCAPE_OK;
+    }
+    if (s->eng == NULL || s->next_step <= 1)
+        return scape_set_error(SCAPE_INVALID, "state_dict: no step has completed yet: there "
+                               "is no state to save");
+    if (s->ckpt_count && s->ckpt_step == s->next_step - 1 && s->ckpt_error[0] == '\0')
+        return SCAPE_OK; /* this state is saved already (another trainer asked) */
+    if (s->cfg.world > 1) {
+        s->ckpt_now = 1;
+        LOG_INFO(SUB_STATUS, "state_dict: the state after step %llu is saved before step "
+                 "%llu starts", (unsigned long long)s->next_step - 1,
+                 (unsigned long long)s->next_step);
+        return SCAPE_OK;
+    }
+    return take(s);
 }
 
 /* Whether this daemon wants a checkpoint after `step`. */
@@ -164,6 +181,29 @@ void ckp_after_step(server *s, uint64_t step)
     if (!due)
         return;
     s->ckpt_requested = 0;
+    take(s);
+}
+
+scape_rc ckp_before_step(server *s, uint64_t t)
+{
+    if (s->cfg.world == 1)
+        return SCAPE_OK;
+    int due = 0;
+    scape_rc rc = agree(s, s->ckpt_now, &due);
+    if (rc != SCAPE_OK || !due)
+        return rc;
+    s->ckpt_now = 0;
+    LOG_INFO(SUB_ENGINE, "state_dict: saving the state after step %llu before step %llu",
+             (unsigned long long)t - 1, (unsigned long long)t);
+    rc = take(s);
+    /* a failed write is reported and the job goes on; lost daemons are not */
+    return rc == SCAPE_TIMEOUT || rc == SCAPE_ZMQ || rc == SCAPE_REMOTE ? rc : SCAPE_OK;
+}
+
+/* Checkpoint the state after the last completed step now (collective). */
+static scape_rc take(server *s)
+{
+    scape_rc rc;
     double t0 = srv_now();
     uint64_t at = 0;
     char dir[CKPT_PATH_MAX];
@@ -174,7 +214,7 @@ void ckp_after_step(server *s, uint64_t step)
         LOG_ERROR(SUB_ENGINE, "%s", s->ckpt_error);
         if (rc == SCAPE_TIMEOUT || rc == SCAPE_ZMQ || rc == SCAPE_REMOTE)
             srv_mark_broken(s); /* the daemons are no longer in step */
-        return;
+        return scape_set_error(rc, "%s", s->ckpt_error);
     }
     s->ckpt_error[0] = '\0';
     s->ckpt_step = at;
@@ -182,6 +222,7 @@ void ckp_after_step(server *s, uint64_t step)
     snprintf(s->ckpt_dir, sizeof s->ckpt_dir, "%s", dir);
     LOG_INFO(SUB_ENGINE, "checkpoint after step %llu written to %s in %.3f s",
              (unsigned long long)at, dir, srv_now() - t0);
+    return SCAPE_OK;
 }
 
 void ckp_info(const server *s, Scape__CheckpointInfo *c)
@@ -198,4 +239,6 @@ void ckp_info(const server *s, Scape__CheckpointInfo *c)
     c->has_resumed_from = 1;
     c->resumed_from = s->resumed_from;
     c->checkpoint_dir = (char *)s->cfg.checkpoint_dir;
+    c->has_layout_hash = s->eng != NULL;
+    c->layout_hash = s->eng ? eng_layout_hash(s->eng) : 0;
 }

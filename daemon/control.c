@@ -692,7 +692,9 @@ static void run_step(server *s, trainer **ts, int n)
     }
     uint64_t copied = 0;
     size_t gb = s->numel * kern_dtype_size(s->gdt), pb = s->numel * kern_dtype_size(s->pdt);
-    scape_rc rc = follow_trainers(s, n);
+    scape_rc rc = ckp_before_step(s, t); /* a state_dict asked for since the last step */
+    if (rc == SCAPE_OK)
+        rc = follow_trainers(s, n);
     if (rc == SCAPE_OK)
         rc = pull(ts, n, 1, gb, &copied);
     if (rc == SCAPE_OK) {
@@ -794,6 +796,101 @@ void ctl_maybe_sync(server *s)
     }
 }
 
+/* load_state_dict: once every synced trainer has asked for the same
+ * checkpoint, the job restarts from it (the engine is rebuilt and restored,
+ * with the other daemons when there are several: ckp_start agrees first),
+ * and each gets Synced with the step after the checkpoint's. */
+static void maybe_resume(server *s)
+{
+    trainer *ts[SRV_MAX_SLOTS];
+    int n = collect(s, ts, 1);
+    for (int i = 0; i < n; i++)
+        if (!ts[i]->wants_resume)
+            return;
+    char dir[sizeof s->cfg.resume];
+    snprintf(dir, sizeof dir, "%.*s", (int)sizeof dir - 1, s->resume_req);
+    s->resume_req[0] = '\0';
+    snprintf(s->cfg.resume, sizeof s->cfg.resume, "%s", dir);
+    scape_rc rc = ckp_prepare_resume(s);
+    if (rc == SCAPE_OK) {
+        eng_destroy(&s->eng);
+        rc = start_job(s, ts, n);
+        if (rc != SCAPE_OK) {
+            /* refused before the state changed (another layout, groups or
+             * optimizer): start afresh again, as every daemon does with the
+             * same checkpoint, and say why */
+            char why[1024];
+            snprintf(why, sizeof why, "%s", scape_last_error());
+            s->resuming = 0;
+            s->next_step = 1;
+            s->cfg.resume[0] = '\0';
+            if (start_job(s, ts, n) != SCAPE_OK) {
+                srv_mark_broken(s);
+                LOG_ERROR(SUB_ENGINE, "load_state_dict: the job could not start again: %s",
+                          scape_last_error());
+            }
+            rc = scape_set_error(rc, "load_state_dict: %s refused: %s", dir, why);
+            LOG_WARN(SUB_ENGINE, "%s", scape_last_error());
+        } else {
+            snprintf(s->resumed_dir, sizeof s->resumed_dir, "%s", dir);
+        }
+    }
+    s->cfg.resume[0] = '\0';
+    char why[1024];
+    snprintf(why, sizeof why, "%s", scape_last_error());
+    for (int i = 0; i < n; i++) {
+        ts[i]->wants_resume = 0;
+        if (rc == SCAPE_OK) {
+            reply_synced(s, ts[i]);
+        } else {
+            scape_set_error(rc, "%s", why);
+            srv_reply_error(s, ts[i]->rid, ts[i]->rid_len, rc);
+        }
+    }
+}
+
+static scape_rc on_resume(server *s, trainer *t, const Scape__Resume *r)
+{
+    if (!t->synced || s->eng == NULL)
+        return scape_set_error(SCAPE_INVALID, "load_state_dict: trainer %d has not synced "
+                               "yet", t->index);
+    if (r->dir == NULL || r->dir[0] == '\0' || strlen(r->dir) >= sizeof s->cfg.resume)
+        return scape_set_error(SCAPE_INVALID, "load_state_dict: no checkpoint directory, or "
+                               "one of %zu bytes or more", sizeof s->cfg.resume);
+    if (s->resumed_dir[0] && strcmp(s->resumed_dir, r->dir) == 0 &&
+        (!r->has_step || r->step == s->resumed_from) &&
+        s->next_step == s->resumed_from + 1) {
+        reply_synced(s, t); /* another trainer's request restarted the job from it */
+        return SCAPE_OK;
+    }
+    if (s->next_step != 1)
+        return scape_set_error(SCAPE_INVALID, "load_state_dict: the job is past step %llu; "
+                               "a checkpoint loads only before the first step",
+                               (unsigned long long)s->next_step - 1);
+    for (int i = 0; i < SRV_MAX_SLOTS; i++)
+        if (s->slots[i].used && s->slots[i].posted)
+            return scape_set_error(SCAPE_INVALID, "load_state_dict: trainer %d has already "
+                                   "posted step 1", s->slots[i].index);
+    if (r->has_layout_hash && r->layout_hash != eng_layout_hash(s->eng))
+        return scape_set_error(SCAPE_INVALID, "load_state_dict: the state is of another "
+                               "layout (hash %016llx; this job's %016llx): other tensors, or "
+                               "other parameter groups", (unsigned long long)r->layout_hash,
+                               (unsigned long long)eng_layout_hash(s->eng));
+    if (s->resume_req[0] && strcmp(s->resume_req, r->dir) != 0)
+        return scape_set_error(SCAPE_INVALID, "load_state_dict: trainer %d loads %s, another "
+                               "trainer %s", t->index, r->dir, s->resume_req);
+    ckpt_ref ref;
+    TRY(ckpt_open(r->dir, s->cfg.rank, s->cfg.world, &ref));
+    if (r->has_step && ref.step != r->step)
+        return scape_set_error(SCAPE_INVALID, "load_state_dict: %s holds step %llu, the "
+                               "state_dict says step %llu", r->dir,
+                               (unsigned long long)ref.step, (unsigned long long)r->step);
+    snprintf(s->resume_req, sizeof s->resume_req, "%s", r->dir);
+    t->wants_resume = 1;
+    maybe_resume(s);
+    return SCAPE_OK;
+}
+
 static scape_rc on_sync(server *s, trainer *t)
 {
     if (!t->registered)
@@ -886,6 +983,7 @@ void ctl_handle(server *s, const unsigned char *rid, size_t rid_len, const Scape
         case SCAPE__REQUEST__BODY_REGISTER: rc = on_register(s, t, q->register_); break;
         case SCAPE__REQUEST__BODY_STEP: rc = on_step(s, t, q->step); break;
         case SCAPE__REQUEST__BODY_SYNC: rc = on_sync(s, t); break;
+        case SCAPE__REQUEST__BODY_RESUME: rc = on_resume(s, t, q->resume); break;
         case SCAPE__REQUEST__BODY_DETACH: rc = on_detach(s, t); break;
         case SCAPE__REQUEST__BODY_STATUS:
         case SCAPE__REQUEST__BODY_METRICS:

@@ -30,6 +30,7 @@ typedef struct trainer {
     int used;
     int registered;
     int wants_sync;                 /* sent Sync, not yet answered */
+    int wants_resume;               /* sent Resume, not yet answered */
     int synced;                     /* holds the job's parameters; may step */
     unsigned char rid[SRV_RID_MAX]; /* ZeroMQ routing id */
     size_t rid_len;
@@ -100,6 +101,10 @@ struct server {
     int resuming;                   /* the job starts from `resume` */
     ckpt_ref resume;
     uint64_t resumed_from;
+    char resumed_dir[CKPT_PATH_MAX]; /* the checkpoint the job restarted from
+                                        at trainers' request ("" = none) */
+    char resume_req[CKPT_PATH_MAX]; /* the one trainers ask to restart from */
+    int ckpt_now;                   /* a state_dict checkpoint, due before the next step */
 };
 
 double srv_now(void);
@@ -150,8 +155,12 @@ void ckp_started(server *s);
 /* After a completed step: agree with the other daemons whether a checkpoint
  * is due (requested here or there, SIGUSR1, or the period) and take it. */
 void ckp_after_step(server *s, uint64_t step);
-/* scapectl checkpoint. */
-scape_rc ckp_request(server *s);
+/* scapectl checkpoint; now: a trainer's state_dict, the state after the last
+ * step, taken at once by a lone daemon (else before the next step). */
+scape_rc ckp_request(server *s, int now);
+/* Before step t's engine step: the daemons agree whether a state_dict
+ * checkpoint is due, and take it (the state after step t - 1). */
+scape_rc ckp_before_step(server *s, uint64_t t);
 /* The checkpoint figures of status replies. */
 void ckp_info(const server *s, Scape__CheckpointInfo *out);
 

@@ -44,6 +44,7 @@ typedef struct status_buf {
     Scape__CheckpointInfo ckpt;
     uint32_t down[64];
     char foreign_last[200];
+    char now_dir[CKPT_PATH_MAX + 32];
 } status_buf;
 
 static void fill_status(server *s, status_buf *b)
@@ -164,16 +165,28 @@ static void answer(server *s, const Scape__Request *q)
         r.status_reply = &b->st;
         send_reply(s, &r);
         break;
-    case SCAPE__REQUEST__BODY_CHECKPOINT:
-        if (ckp_request(s) != SCAPE_OK) {
-            send_error(s, SCAPE_INVALID);
+    case SCAPE__REQUEST__BODY_CHECKPOINT: {
+        int now = q->checkpoint->has_now && q->checkpoint->now;
+        scape_rc rc = ckp_request(s, now);
+        if (rc != SCAPE_OK) {
+            send_error(s, rc);
             break;
         }
         ckp_info(s, &b->ckpt);
+        if (now && s->ckpt_now) { /* several daemons: written before the next step */
+            snprintf(b->now_dir, sizeof b->now_dir, "%s/step-%llu", s->cfg.checkpoint_dir,
+                     (unsigned long long)s->next_step - 1);
+            b->ckpt.step = s->next_step - 1;
+            b->ckpt.dir = b->now_dir;
+            b->ckpt.pending = 1;
+        } else if (now) {
+            b->ckpt.pending = 0; /* taken: step and dir are its own */
+        }
         r.body_case = SCAPE__REPLY__BODY_CHECKPOINT;
         r.checkpoint = &b->ckpt;
         send_reply(s, &r);
         break;
+    }
     case SCAPE__REQUEST__BODY_SHUTDOWN:
         LOG_INFO(SUB_STATUS, "shutdown requested on the status socket");
         s->stopping = 1;

@@ -179,6 +179,13 @@ def main():
     ap.add_argument("--autocast", choices=("none", "bf16"), default="none",
                     help="run the forward pass under bf16 autocast")
     ap.add_argument("--eval-windows", type=int, default=32)
+    ap.add_argument("--save", help="checkpoint file (torch.save of the model's and the "
+                                   "optimizer's state_dict): resumed from when it exists; "
+                                   "the daemon needs a checkpoint_dir")
+    ap.add_argument("--save-every", type=int, default=0, help="steps between checkpoints")
+    ap.add_argument("--stop-at", type=int, default=0,
+                    help="stop after this step (a job's time limit), the schedule still "
+                         "that of --steps")
     ap.add_argument("--model-seed", type=int, default=1234)
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--out", help="write the final parameters here (raw float32, layout order)")
@@ -193,11 +200,17 @@ def main():
     def autocast():
         return torch.autocast(device_type=torch.device(a.device).type, dtype=torch.bfloat16,
                               enabled=a.autocast == "bf16")
+    if a.save and os.path.exists(a.save):
+        saved = torch.load(a.save)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])  # the daemon restarts from its checkpoint
+        print("torch_train: resumed from %s (step %d)" % (a.save, saved["step"]), flush=True)
     first = opt.session.next_step
     print("torch_train: N=%d, vocab %d, steps %d..%d on %s" % (
         sum(p.numel() for p in model.parameters()), vocab, first, a.steps, a.device))
     t0 = time.time()
-    for t in range(first, a.steps + 1):
+    last = min(a.steps, a.stop_at) if a.stop_at else a.steps
+    for t in range(first, last + 1):
         gen = torch.Generator().manual_seed(a.seed * 1000003 + t)  # resumable
         x, y = batch(train, a.batch, a.ctx, gen, a.device)
         opt.zero_grad()
@@ -207,21 +220,29 @@ def main():
         for g in opt.param_groups:  # one schedule for both groups
             g["lr"] = lr_at(a, t)
         opt.step(lambda: loss)
-        if t % a.eval_every == 0 or t == a.steps:
+        if a.save and a.save_every and t % a.save_every == 0 and \
+                int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one saver per node
+            state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": t}
+            torch.save(state, a.save + ".tmp")
+            os.replace(a.save + ".tmp", a.save)
+        if t % a.eval_every == 0 or t == last:
             vloss = evaluate(model, val, a.ctx, a.eval_windows, a.device, autocast)
             info = opt.last_info
             # wire_bytes: what this daemon moves over its links per step (the
             # ring model); bytes: the collectives' payload, every daemon's part;
             # grad_norm: the reduced mean gradient's, before the daemon clipped it
-            print("step %d  loss %.4f  val %.4f  grad norm %.3f (x%.3f)  wire %d B/step "
-                  "(payload %d B)  %.1f step/s"
-                  % (t, float(loss), vloss, info.grad_norm, info.clip, info.wire_bytes,
-                     info.bytes, (t - first + 1) / (time.time() - t0)), flush=True)
+            # one write per line: trainers launched together share stdout
+            sys.stdout.write("step %d  loss %.4f  val %.4f  grad norm %.3f (x%.3f)  wire %d "
+                             "B/step (payload %d B)  %.1f step/s\n"
+                             % (t, float(loss), vloss, info.grad_norm, info.clip,
+                                info.wire_bytes, info.bytes,
+                                (t - first + 1) / (time.time() - t0)))
+            sys.stdout.flush()
     if a.out:
         with torch.no_grad():
             flat = torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
         flat.numpy().tofile(a.out)
-    print("torch_train: steps %d..%d done, loss %.4f" % (first, a.steps, float(loss)))
+    print("torch_train: steps %d..%d done, loss %.4f" % (first, last, float(loss)))
     opt.detach()
 
 

@@ -547,6 +547,89 @@ scape_rc scape_sync(scape_session *s)
     return SCAPE_OK;
 }
 
+/* ---- state_dict: checkpoints and resume ------------------------------------------------ */
+
+/* One request on the daemon's status socket (next to its control socket),
+ * through call() with that socket in place of the control one. */
+static scape_rc status_call(scape_session *s, const Scape__Request *q,
+                            Scape__Reply__BodyCase want, Scape__Reply **out)
+{
+    size_t len = strlen(s->endpoint);
+    if (strncmp(s->endpoint, "ipc://", 6) != 0 || len < 8 ||
+        strcmp(s->endpoint + len - 8, "/control") != 0)
+        return scape_set_error(SCAPE_INVALID, "state_dict: the daemon's status socket is "
+                               "next to an ipc://DIR/control endpoint, not %s", s->endpoint);
+    char control[sizeof s->endpoint];
+    memcpy(control, s->endpoint, sizeof control);
+    snprintf(s->endpoint + len - 8, sizeof s->endpoint - (len - 8), "/status");
+    void *ctrl = s->sock;
+    int linger = 0;
+    s->sock = zmq_socket(s->zctx, ZMQ_REQ);
+    scape_rc rc = SCAPE_OK;
+    if (s->sock == NULL || zmq_setsockopt(s->sock, ZMQ_LINGER, &linger, sizeof linger) != 0 ||
+        zmq_setsockopt(s->sock, ZMQ_RCVTIMEO, &s->opts.timeout_ms, sizeof(int)) != 0 ||
+        zmq_connect(s->sock, s->endpoint) != 0)
+        rc = scape_set_error(SCAPE_ZMQ, "connect to %s: %s", s->endpoint,
+                             zmq_strerror(zmq_errno()));
+    if (rc == SCAPE_OK)
+        rc = call(s, q, want, out);
+    if (s->sock)
+        zmq_close(s->sock);
+    s->sock = ctrl;
+    memcpy(s->endpoint, control, sizeof control);
+    return rc;
+}
+
+scape_rc scape_checkpoint(scape_session *s, scape_checkpoint_info *out)
+{
+    if (s == NULL || out == NULL)
+        return scape_set_error(SCAPE_INVALID, "scape_checkpoint: NULL argument");
+    if (s->in_flight)
+        return scape_set_error(SCAPE_INVALID, "scape_checkpoint: a step is in flight");
+    Scape__CheckpointRequest c = SCAPE__CHECKPOINT_REQUEST__INIT;
+    c.has_now = 1;
+    c.now = 1;
+    Scape__Request q = SCAPE__REQUEST__INIT;
+    q.body_case = SCAPE__REQUEST__BODY_CHECKPOINT;
+    q.checkpoint = &c;
+    Scape__Reply *r = NULL;
+    scape_rc rc = status_call(s, &q, SCAPE__REPLY__BODY_CHECKPOINT, &r);
+    if (rc != SCAPE_OK)
+        return rc;
+    const Scape__CheckpointInfo *ci = r->checkpoint;
+    memset(out, 0, sizeof *out);
+    out->step = ci->step;
+    out->layout_hash = ci->layout_hash;
+    out->pending = ci->pending;
+    snprintf(out->dir, sizeof out->dir, "%s", ci->dir ? ci->dir : "");
+    scape__reply__free_unpacked(r, NULL);
+    return SCAPE_OK;
+}
+
+scape_rc scape_resume(scape_session *s, const char *dir, uint64_t step, uint64_t layout_hash)
+{
+    if (s == NULL || dir == NULL)
+        return scape_set_error(SCAPE_INVALID, "scape_resume: NULL argument");
+    if (s->in_flight)
+        return scape_set_error(SCAPE_INVALID, "scape_resume: a step is in flight");
+    Scape__Resume m = SCAPE__RESUME__INIT;
+    m.dir = (char *)dir;
+    m.has_step = step != 0;
+    m.step = step;
+    m.has_layout_hash = layout_hash != 0;
+    m.layout_hash = layout_hash;
+    Scape__Request q = SCAPE__REQUEST__INIT;
+    q.body_case = SCAPE__REQUEST__BODY_RESUME;
+    q.resume = &m;
+    Scape__Reply *r = NULL;
+    scape_rc rc = call(s, &q, SCAPE__REPLY__BODY_SYNCED, &r);
+    if (rc != SCAPE_OK)
+        return rc;
+    s->next_step = r->synced->next_step;
+    scape__reply__free_unpacked(r, NULL);
+    return SCAPE_OK;
+}
+
 scape_rc scape_step_begin(scape_session *s, uint64_t step, float lr, const float *loss)
 {
     return scape_step_begin_groups(s, step, &lr, -1, loss);

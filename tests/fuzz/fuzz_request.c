@@ -343,6 +343,33 @@ static void step_groups(fuzz_buf *b, uint8_t who, uint64_t t, size_t nlr, int ba
 
 static void step(fuzz_buf *b, uint8_t who, uint64_t t) { step_groups(b, who, t, 0, 0); }
 
+/* load_state_dict of a checkpoint directory (none exists here), and a
+ * state_dict on the status socket. */
+static void resume(fuzz_buf *b, uint8_t who, const char *dir, uint64_t step)
+{
+    Scape__Resume m = SCAPE__RESUME__INIT;
+    m.dir = (char *)dir;
+    m.has_step = 1;
+    m.step = step;
+    m.has_layout_hash = 1;
+    m.layout_hash = 0x1234;
+    Scape__Request q = SCAPE__REQUEST__INIT;
+    q.body_case = SCAPE__REQUEST__BODY_RESUME;
+    q.resume = &m;
+    put_req(b, who, &q);
+}
+
+static void checkpoint_now(fuzz_buf *b, uint8_t who)
+{
+    Scape__CheckpointRequest c = SCAPE__CHECKPOINT_REQUEST__INIT;
+    c.has_now = 1;
+    c.now = 1;
+    Scape__Request q = SCAPE__REQUEST__INIT;
+    q.body_case = SCAPE__REQUEST__BODY_CHECKPOINT;
+    q.checkpoint = &c;
+    put_req(b, who, &q);
+}
+
 /* The requests without fields. */
 static void bare(fuzz_buf *b, uint8_t who, Scape__Request__BodyCase body)
 {
@@ -430,6 +457,23 @@ void fuzz_seeds(fuzz_emit emit, void *ctx)
     step_groups(b, 1, 1, 2, 0);
     bare(b, 3, SCAPE__REQUEST__BODY_STATUS);
     emit(ctx, "parameter-groups", b->data, b->len);
+
+    /* state_dict and load_state_dict: before the job starts, a state_dict
+     * with no step and no checkpoint_dir, loads of missing checkpoints, an
+     * empty directory name, then a step and a late load. */
+    b->len = 0;
+    hello(b, 0, -1);
+    reg(b, 0, 0);
+    resume(b, 0, "/nonexistent/ck", 3);
+    checkpoint_now(b, 3);
+    bare(b, 0, SCAPE__REQUEST__BODY_SYNC);
+    checkpoint_now(b, 3);
+    resume(b, 0, "/nonexistent/ck", 3);
+    resume(b, 0, "", 0);
+    step(b, 0, 1);
+    checkpoint_now(b, 3);
+    resume(b, 0, "/nonexistent/ck", 0);
+    emit(ctx, "state-dict", b->data, b->len);
 
     /* A third trainer joins a running job, then scapectl shuts it down. */
     b->len = 0;

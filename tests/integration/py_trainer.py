@@ -7,6 +7,7 @@ usage: py_trainer.py --endpoint EP --index I --n N --steps S [--seed X] [--lr LR
 A step abandoned because another trainer died is posted again.  A trainer that
 attaches to a running job starts at the daemon's next step."""
 import argparse
+import json
 import os
 import sys
 import time
@@ -90,6 +91,12 @@ def parse(argv):
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--sleep-ms", type=int, default=0)
     ap.add_argument("--out")
+    ap.add_argument("--checkpoint-at", type=int, default=0,
+                    help="after this step, ask for the job's checkpoint (state_dict) and "
+                         "write what identifies it to --state as JSON")
+    ap.add_argument("--state", help="that JSON file (written, or read by --resume)")
+    ap.add_argument("--resume", action="store_true",
+                    help="before the first step, restart the job from --state's checkpoint")
     ap.add_argument("--groups", help="parameter groups' weight decays, e.g. 0.1,nan "
                                      "(reference.c's rule: tensor l in group l %% G, group "
                                      "g's lr (1 + g) * lr)")
@@ -108,10 +115,17 @@ def train(a):
     synth = Synth(a.seed, s.index, layout)
     s.params[:] = synth.init()
     s.sync()
+    if a.resume:
+        with open(a.state) as f:
+            st = json.load(f)
+        s.resume(st["dir"], st["step"], st["layout_hash"])
     first = s.next_step
     for t in range(first, a.steps + 1):
         s.grads[:] = synth.grads(t, s.params)
         step_retrying(s, t, lr)
+        if t == a.checkpoint_at:
+            with open(a.state, "w") as f:
+                json.dump(s.checkpoint(), f)
         if a.sleep_ms:
             time.sleep(a.sleep_ms / 1000)
     if a.out:

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.join(SOURCE, "client", "python"))
 import scape  # noqa: E402
 
 ENGINE = ["--rho", "0.01", "--warmup", "3"]
+PY_TRAINER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "py_trainer.py")
 
 
 def start_group(daemon_factory, trainers, extra=(), timeout_ms=20000):
@@ -440,3 +441,40 @@ def test_ring_model_of_a_sharded_dense_step_is_the_same_on_both_ranks(daemon_fac
     for d in daemons:
         _, _, _, done = pbwire.query_status(d.status_endpoint)
         assert done[6][0] == 4 * sum(lens), (done[6][0], 4 * sum(lens), shards)
+
+
+def test_state_dict_of_two_daemons_resumes_bitwise(daemon_factory, tmp_path):
+    """state_dict on one of two daemons (its trainer asks after step 6): the
+    two agree to write the state after step 6 before step 7 starts (the
+    answer says pending); the job stops after step 8.  Two fresh daemons,
+    both trainers load it before their first step and train to step 12:
+    bitwise the local backend's 12 steps."""
+    n, ck, state = 3000, str(tmp_path / "ck"), str(tmp_path / "state.json")
+    extra = ["--checkpoint-dir", ck]
+
+    def run(steps, per_rank):
+        daemons = start_group(daemon_factory, [1, 1], extra)
+        procs = [subprocess.Popen([sys.executable, PY_TRAINER, "--endpoint", d.endpoint,
+                                   "--index", "0", "--n", str(n), "--steps", str(steps),
+                                   "--seed", str(1 + 1000 * r), *per_rank(r)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for r, d in enumerate(daemons)]
+        said = []
+        for p in procs:
+            o, e = p.communicate(timeout=300)
+            assert p.returncode == 0, o + e
+            said.append(o)
+        for d in daemons:
+            assert d.stop() == 0, d.output()
+        return said
+
+    run(8, lambda r: ["--checkpoint-at", "6", "--state", state] if r == 0 else [])
+    with open(state) as f:
+        st = json.load(f)
+    assert st["step"] == 6 and st["pending"] and os.path.isdir(st["dir"]), st
+    outs = [str(tmp_path / ("r%d" % r)) for r in range(2)]
+    said = run(12, lambda r: ["--resume", "--state", state, "--out", outs[r]])
+    assert all("steps 7..12 done" in o for o in said), said
+    run_reference(str(tmp_path / "ref"), "1,1", n, 12, *ENGINE)
+    for out in outs:
+        assert read(out) == read(str(tmp_path / "ref")), "the resumed job differs"

@@ -551,3 +551,88 @@ def test_parameter_groups_through_the_daemon(daemon_factory, tmp_path):
                      tensor_groups=[l % 2 for l in range(len(layout))])
     assert "parameter group 0 has weight_decay 0.2" in e.value.message, e.value.message
     assert d.stop() == 0
+
+
+def test_torch_checkpoint_pattern_continues_bitwise(daemon_factory, tmp_path):
+    """The training loop's checkpoint pattern: torch.save of the model's and
+    the optimizer's state_dict after step 6, everything stopped (trainer and
+    daemon), a fresh daemon and a freshly initialised model, load both,
+    continue to step 12: the parameters equal, bit for bit, those of one run
+    of 12 steps.  A foreign, a missing and a late state are refused, with
+    the reason."""
+    torch = pytest.importorskip("torch")
+    import scape.torch
+
+    ck = str(tmp_path / "ck")
+    engine = ["--rho", "0.25", "--warmup", "3", "--checkpoint-dir", ck]
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(5))
+    y = torch.randn(64, 2, generator=torch.Generator().manual_seed(6))
+
+    def model_and_opt(d, seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                    torch.nn.Linear(16, 2))
+        opt = scape.torch.ScapeOptimizer(model.named_parameters(), endpoint=d.endpoint,
+                                         lr=0.01)
+        return model, opt
+
+    def train(model, opt, first, last):
+        for t in range(first, last + 1):
+            rows = torch.Generator().manual_seed(t)  # the data of step t
+            idx = torch.randint(0, 64, (16,), generator=rows)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
+            opt.param_groups[0]["lr"] = 0.01 * (1 + t % 3)
+            opt.step()
+
+    def flat(model):
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+    d = daemon_factory(*engine)
+    model, opt = model_and_opt(d, 0)
+    train(model, opt, 1, 12)
+    want = flat(model)
+    opt.detach()
+    assert d.stop() == 0
+
+    d = daemon_factory(*engine)
+    model, opt = model_and_opt(d, 0)
+    train(model, opt, 1, 6)
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 6}, path)
+    opt.detach()
+    assert d.stop() == 0
+
+    d = daemon_factory(*engine)
+    model, opt = model_and_opt(d, 99)  # other initial values: the checkpoint's must win
+    saved = torch.load(path)
+    assert saved["optimizer"]["step"] == 6 and os.path.isdir(saved["optimizer"]["scaped_checkpoint"])
+    with pytest.raises(ValueError, match="not a ScapeOptimizer state_dict"):
+        opt.load_state_dict({"state": {}, "param_groups": []})
+    with pytest.raises(scape.ScapeError) as e:
+        opt.load_state_dict(dict(saved["optimizer"], scaped_checkpoint=str(tmp_path / "none")))
+    assert "none" in e.value.message, e.value.message
+    with pytest.raises(scape.ScapeError) as e:
+        opt.load_state_dict(dict(saved["optimizer"], layout_hash=12345))
+    assert "another layout" in e.value.message, e.value.message
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optimizer"])
+    assert opt.session.next_step == 7
+    train(model, opt, 7, 12)
+    assert torch.equal(flat(model), want), "the resumed run differs from the uninterrupted one"
+    with pytest.raises(scape.ScapeError) as e:
+        opt.load_state_dict(saved["optimizer"])
+    assert "past step 12" in e.value.message, e.value.message
+    opt.detach()
+    assert d.stop() == 0
+
+    # another optimizer: refused with the reason, and the job goes on afresh
+    d = daemon_factory("--optimizer", "adams", "--checkpoint-dir", ck)
+    model, opt = model_and_opt(d, 0)
+    with pytest.raises(scape.ScapeError) as e:
+        opt.load_state_dict(saved["optimizer"])
+    assert "refused" in e.value.message and "optimizer" in e.value.message, e.value.message
+    assert opt.session.next_step == 1
+    train(model, opt, 1, 2)
+    opt.detach()
+    assert d.stop() == 0

@@ -126,6 +126,26 @@ scape_rc scape_step_begin_groups(scape_session *s, uint64_t step, const float *l
                                  int nlrs, const float *loss);
 scape_rc scape_step_wait(scape_session *s, scape_step_info *info);
 
+/* state_dict: the job's checkpoint of the state after the last completed
+ * step, asked for on the daemon's status socket (next to an ipc://DIR/control
+ * endpoint; the daemon needs a checkpoint_dir).  A lone daemon writes it at
+ * once; several write it before the next step starts (pending = 1, dir is
+ * the directory it will have).  Between steps only. */
+typedef struct scape_checkpoint_info {
+    uint64_t step;         /* the state after this step */
+    uint64_t layout_hash;  /* of the job's layout (tensors and parameter groups) */
+    int pending;
+    char dir[1024];
+} scape_checkpoint_info;
+scape_rc scape_checkpoint(scape_session *s, scape_checkpoint_info *out);
+/* load_state_dict: before the first step, restart the job from the
+ * checkpoint in dir; every trainer of every daemon asks, and each returns
+ * once its parameters are the checkpoint's (scape_next_step() is then the
+ * step after it).  step and layout_hash (0: unchecked) must be the
+ * checkpoint's; refusals name the reason (another layout, groups or
+ * optimizer, a missing file).  A refused restore leaves the job at step 1. */
+scape_rc scape_resume(scape_session *s, const char *dir, uint64_t step, uint64_t layout_hash);
+
 /* Tell the daemon goodbye, free the buffers, and set *s to NULL.  CUDA
  * buffers are freed only once the daemon has answered the goodbye (it
  * answers after closing its mappings of them): when it did not (an error

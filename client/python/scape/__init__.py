@@ -16,8 +16,9 @@ import enum
 
 import numpy as np
 
-from ._lib import (DTYPE_BF16, DTYPE_F32, MAX_GROUPS, MEMORY_CUDA, MEMORY_HOST, Options,
-                   StepInfo as _StepInfo, Tensor, lib)
+from ._lib import (DTYPE_BF16, DTYPE_F32, MAX_GROUPS, MEMORY_CUDA, MEMORY_HOST,
+                   CheckpointInfo as _CheckpointInfo, Options, StepInfo as _StepInfo, Tensor,
+                   lib)
 
 __all__ = ["Rc", "ScapeError", "StepInfo", "Session", "attach", "version"]
 
@@ -190,6 +191,22 @@ class Session:
         self.next_step = self._pending + 1
         self._pending = None
         return StepInfo(**{f: getattr(info, f) for f, _ in _StepInfo._fields_})
+
+    def checkpoint(self):
+        """The job's checkpoint of the state after the last completed step
+        (between steps): {"dir", "step", "layout_hash", "pending"}.  A lone
+        daemon writes it at once; several before the next step (pending)."""
+        info = _CheckpointInfo()
+        _check(lib.scape_checkpoint(self._live(), ctypes.byref(info)))
+        return {"dir": info.dir.decode(), "step": info.step, "layout_hash": info.layout_hash,
+                "pending": bool(info.pending)}
+
+    def resume(self, path, step=0, layout_hash=0):
+        """Before the first step: restart the job from the checkpoint at path
+        (every trainer asks); params then hold its parameters and next_step
+        is the step after it.  step and layout_hash, when given, must match."""
+        _check(lib.scape_resume(self._live(), str(path).encode(), step, layout_hash))
+        self.next_step = lib.scape_next_step(self._handle)
 
     def detach(self):
         """Say goodbye and free the buffers; idempotent.  Views taken from

@@ -48,6 +48,13 @@ class StepInfo(ctypes.Structure):
                 ("clip", ctypes.c_double)]
 
 
+class CheckpointInfo(ctypes.Structure):
+    _fields_ = [("step", ctypes.c_uint64),
+                ("layout_hash", ctypes.c_uint64),
+                ("pending", ctypes.c_int),
+                ("dir", ctypes.c_char * 1024)]
+
+
 def _installed_prefix():
     """(libdir, bindir) the CMake install wrote into scape/_prefix.py when it
     installed this package's source under PREFIX/share/scaped/python, or None."""
@@ -133,6 +140,8 @@ def _declare(lib):
         "scape_step_begin_groups": (rc, [sess, ctypes.c_uint64, P(ctypes.c_float), ctypes.c_int,
                                          P(ctypes.c_float)]),
         "scape_step_wait": (rc, [sess, P(StepInfo)]),
+        "scape_checkpoint": (rc, [sess, P(CheckpointInfo)]),
+        "scape_resume": (rc, [sess, ctypes.c_char_p, ctypes.c_uint64, ctypes.c_uint64]),
         "scape_detach": (rc, [P(sess)]),
         "scape_version": (ctypes.c_char_p, []),
         "scape_rc_name": (ctypes.c_char_p, [ctypes.c_int]),

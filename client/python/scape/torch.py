@@ -130,6 +130,35 @@ class ScapeOptimizer(torch.optim.Optimizer):
         self._flat_grads = flat_g
         self.last_info = None  # the StepInfo of the latest step
 
+    def state_dict(self):
+        """What identifies the job's checkpoint of the state after the last
+        step (the daemon writes it into its checkpoint_dir; several daemons
+        before the next step starts), with the groups' hyper-parameters:
+        save it with torch.save next to the model's."""
+        info = self.session.checkpoint()
+        return {"scaped_checkpoint": info["dir"], "step": info["step"],
+                "layout_hash": info["layout_hash"],
+                "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                 for g in self.param_groups]}
+
+    def load_state_dict(self, state_dict):
+        """Before the first step: restart the job from that checkpoint (every
+        trainer calls it); the parameters become the checkpoint's and the
+        next step the one after it (session.next_step).  Refused, with the
+        reason, for another layout, groups or optimizer, or a missing
+        checkpoint."""
+        if not isinstance(state_dict, dict) or "scaped_checkpoint" not in state_dict:
+            raise ValueError("ScapeOptimizer.load_state_dict: not a ScapeOptimizer "
+                             "state_dict (no 'scaped_checkpoint')")
+        groups = state_dict.get("param_groups", [])
+        if len(groups) != len(self.param_groups):
+            raise ValueError("ScapeOptimizer.load_state_dict: %d parameter groups saved, "
+                             "this optimizer has %d" % (len(groups), len(self.param_groups)))
+        self.session.resume(state_dict["scaped_checkpoint"], state_dict["step"],
+                            state_dict["layout_hash"])
+        for g, saved in zip(self.param_groups, groups):
+            g.update(saved)
+
     def zero_grad(self, set_to_none=True):
         """Zero the shared gradient buffer; .grad stays a view of it either way."""
         self._flat_grads.zero_()
