@@ -7,7 +7,9 @@
  * (an all-gather of 4 bytes per daemon, outside the step's own collectives);
  * every daemon then checkpoints after the same step.  The trainers already
  * have that step's reply: they compute the next step while the files are
- * written.
+ * written.  A trainer's state_dict wants the state after the step just
+ * ended: a lone daemon writes it at once; several agree on a second flag
+ * before the next step changes the state (ckp_before_step).
  */
 #define _POSIX_C_SOURCE 200809L
 #include <signal.h>
