@@ -526,6 +526,18 @@ scape_rc scape_attach(const char *endpoint, const scape_tensor *layout, size_t n
 
 /* ---- sync, steps and detach ---------------------------------------------------------- */
 
+/* A request the daemon answers with Synced: the step to post next. */
+static scape_rc call_synced(scape_session *s, const Scape__Request *q)
+{
+    Scape__Reply *r = NULL;
+    scape_rc rc = call(s, q, SCAPE__REPLY__BODY_SYNCED, &r);
+    if (rc != SCAPE_OK)
+        return rc;
+    s->next_step = r->synced->next_step;
+    scape__reply__free_unpacked(r, NULL);
+    return SCAPE_OK;
+}
+
 scape_rc scape_sync(scape_session *s)
 {
     if (s == NULL)
@@ -538,13 +550,7 @@ scape_rc scape_sync(scape_session *s)
     Scape__Request q = SCAPE__REQUEST__INIT;
     q.body_case = SCAPE__REQUEST__BODY_SYNC;
     q.sync = &y;
-    Scape__Reply *r = NULL;
-    scape_rc rc = call(s, &q, SCAPE__REPLY__BODY_SYNCED, &r);
-    if (rc != SCAPE_OK)
-        return rc;
-    s->next_step = r->synced->next_step;
-    scape__reply__free_unpacked(r, NULL);
-    return SCAPE_OK;
+    return call_synced(s, &q);
 }
 
 /* ---- state_dict: checkpoints and resume ------------------------------------------------ */
@@ -621,13 +627,7 @@ scape_rc scape_resume(scape_session *s, const char *dir, uint64_t step, uint64_t
     Scape__Request q = SCAPE__REQUEST__INIT;
     q.body_case = SCAPE__REQUEST__BODY_RESUME;
     q.resume = &m;
-    Scape__Reply *r = NULL;
-    scape_rc rc = call(s, &q, SCAPE__REPLY__BODY_SYNCED, &r);
-    if (rc != SCAPE_OK)
-        return rc;
-    s->next_step = r->synced->next_step;
-    scape__reply__free_unpacked(r, NULL);
-    return SCAPE_OK;
+    return call_synced(s, &q);
 }
 
 scape_rc scape_step_begin(scape_session *s, uint64_t step, float lr, const float *loss)
