@@ -561,24 +561,49 @@ static void prune(const char *root, int rank, int keep, const char *latest)
 /* Rank 0: a fresh directory for this attempt, so that no complete checkpoint
  * is ever written over (a job resumed from an older step comes back to steps
  * it has checkpointed before). */
+/* The directory of attempt k at step t: "step-<t>", then "step-<t>.<k>". */
+static scape_rc attempt_dir(const char *root, uint64_t step, unsigned k, char *name,
+                            size_t len, char *dir, size_t dir_len)
+{
+    if (k == 0)
+        snprintf(name, len, "step-%llu", (unsigned long long)step);
+    else
+        snprintf(name, len, "step-%llu.%u", (unsigned long long)step, k);
+    if ((size_t)snprintf(dir, dir_len, "%s/%s", root, name) >= CKPT_PATH_MAX)
+        return scape_set_error(SCAPE_INVALID, "checkpoint_dir %s: path too long", root);
+    return SCAPE_OK;
+}
+
+#define MAX_ATTEMPTS 1000
+
 static scape_rc fresh_dir(const char *root, uint64_t step, char *name, size_t len)
 {
     TRY(mkdir_p(root));
-    for (unsigned k = 0; k < 1000; k++) {
-        if (k == 0)
-            snprintf(name, len, "step-%llu", (unsigned long long)step);
-        else
-            snprintf(name, len, "step-%llu.%u", (unsigned long long)step, k);
+    for (unsigned k = 0; k < MAX_ATTEMPTS; k++) {
         char dir[CKPT_PATH_MAX + 80];
-        if ((size_t)snprintf(dir, sizeof dir, "%s/%s", root, name) >= CKPT_PATH_MAX)
-            return scape_set_error(SCAPE_INVALID, "checkpoint_dir %s: path too long", root);
+        TRY(attempt_dir(root, step, k, name, len, dir, sizeof dir));
         if (mkdir(dir, 0750) == 0)
             return SCAPE_OK;
         if (errno != EEXIST)
             return scape_set_error(SCAPE_SYSTEM, "cannot create %s: %s", dir, strerror(errno));
     }
-    return scape_set_error(SCAPE_SYSTEM, "%s: 1000 attempts at step %llu already", root,
-                           (unsigned long long)step);
+    return scape_set_error(SCAPE_SYSTEM, "%s: %d attempts at step %llu already", root,
+                           MAX_ATTEMPTS, (unsigned long long)step);
+}
+
+scape_rc ckpt_next_dir(const char *root, uint64_t step, char *dir, size_t len)
+{
+    char name[64], path[CKPT_PATH_MAX + 80];
+    for (unsigned k = 0; k < MAX_ATTEMPTS; k++) {
+        TRY(attempt_dir(root, step, k, name, sizeof name, path, sizeof path));
+        struct stat st;
+        if (stat(path, &st) != 0 && errno == ENOENT) {
+            snprintf(dir, len, "%s", path);
+            return SCAPE_OK;
+        }
+    }
+    return scape_set_error(SCAPE_SYSTEM, "%s: %d attempts at step %llu already", root,
+                           MAX_ATTEMPTS, (unsigned long long)step);
 }
 
 /* Rank 0, before the manifest: every rank's file must be in this directory

@@ -38,6 +38,9 @@ typedef struct ckpt_ref {
  * success *step_out is t and dir_out the step directory. */
 scape_rc ckpt_save(const char *root, eng_t *e, comm_t *comm, int keep, uint64_t *step_out,
                    char *dir_out, size_t dir_len);
+/* The step directory a checkpoint of `step` under root would get now (the
+ * first attempt's name not yet taken). */
+scape_rc ckpt_next_dir(const char *root, uint64_t step, char *dir, size_t len);
 /* Resolve path (a checkpoint root with LATEST, or one step directory), read
  * its manifest, and check this rank's file completely (size, header, every
  * section's checksum).  A checkpoint of another world size is resharded:

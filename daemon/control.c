@@ -796,10 +796,40 @@ void ctl_maybe_sync(server *s)
     }
 }
 
+/* The job again from the checkpoint in dir, as every daemon of the job
+ * does.  A checkpoint the engine refuses (another layout, groups or
+ * optimizer) leaves the job to start afresh, as on every daemon alike,
+ * with the reason set. */
+static scape_rc restart_from(server *s, trainer **ts, int n, const char *dir)
+{
+    snprintf(s->cfg.resume, sizeof s->cfg.resume, "%s", dir);
+    scape_rc rc = ckp_prepare_resume(s);
+    s->cfg.resume[0] = '\0';
+    if (rc != SCAPE_OK)
+        return rc;
+    eng_destroy(&s->eng);
+    rc = start_job(s, ts, n);
+    if (rc == SCAPE_OK) {
+        snprintf(s->resumed_dir, sizeof s->resumed_dir, "%s", dir);
+        return SCAPE_OK;
+    }
+    char why[1024];
+    snprintf(why, sizeof why, "%s", scape_last_error());
+    s->resuming = 0;
+    s->next_step = 1;
+    if (start_job(s, ts, n) != SCAPE_OK) {
+        srv_mark_broken(s);
+        LOG_ERROR(SUB_ENGINE, "load_state_dict: the job could not start again: %s",
+                  scape_last_error());
+    }
+    rc = scape_set_error(rc, "load_state_dict: %s refused: %s", dir, why);
+    LOG_WARN(SUB_ENGINE, "%s", scape_last_error());
+    return rc;
+}
+
 /* load_state_dict: once every synced trainer has asked for the same
- * checkpoint, the job restarts from it (the engine is rebuilt and restored,
- * with the other daemons when there are several: ckp_start agrees first),
- * and each gets Synced with the step after the checkpoint's. */
+ * checkpoint, the job restarts from it and each gets Synced with the step
+ * after the checkpoint's. */
 static void maybe_resume(server *s)
 {
     trainer *ts[SRV_MAX_SLOTS];
@@ -810,32 +840,7 @@ static void maybe_resume(server *s)
     char dir[sizeof s->cfg.resume];
     snprintf(dir, sizeof dir, "%.*s", (int)sizeof dir - 1, s->resume_req);
     s->resume_req[0] = '\0';
-    snprintf(s->cfg.resume, sizeof s->cfg.resume, "%s", dir);
-    scape_rc rc = ckp_prepare_resume(s);
-    if (rc == SCAPE_OK) {
-        eng_destroy(&s->eng);
-        rc = start_job(s, ts, n);
-        if (rc != SCAPE_OK) {
-            /* refused before the state changed (another layout, groups or
-             * optimizer): start afresh again, as every daemon does with the
-             * same checkpoint, and say why */
-            char why[1024];
-            snprintf(why, sizeof why, "%s", scape_last_error());
-            s->resuming = 0;
-            s->next_step = 1;
-            s->cfg.resume[0] = '\0';
-            if (start_job(s, ts, n) != SCAPE_OK) {
-                srv_mark_broken(s);
-                LOG_ERROR(SUB_ENGINE, "load_state_dict: the job could not start again: %s",
-                          scape_last_error());
-            }
-            rc = scape_set_error(rc, "load_state_dict: %s refused: %s", dir, why);
-            LOG_WARN(SUB_ENGINE, "%s", scape_last_error());
-        } else {
-            snprintf(s->resumed_dir, sizeof s->resumed_dir, "%s", dir);
-        }
-    }
-    s->cfg.resume[0] = '\0';
+    scape_rc rc = restart_from(s, ts, n, dir);
     char why[1024];
     snprintf(why, sizeof why, "%s", scape_last_error());
     for (int i = 0; i < n; i++) {
@@ -843,7 +848,7 @@ static void maybe_resume(server *s)
         if (rc == SCAPE_OK) {
             reply_synced(s, ts[i]);
         } else {
-            scape_set_error(rc, "%s", why);
+            scape_set_error(rc, "%s", why); /* each reply sends the reason */
             srv_reply_error(s, ts[i]->rid, ts[i]->rid_len, rc);
         }
     }

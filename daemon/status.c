@@ -174,8 +174,11 @@ static void answer(server *s, const Scape__Request *q)
         }
         ckp_info(s, &b->ckpt);
         if (now && s->ckpt_now) { /* several daemons: written before the next step */
-            snprintf(b->now_dir, sizeof b->now_dir, "%s/step-%llu", s->cfg.checkpoint_dir,
-                     (unsigned long long)s->next_step - 1);
+            if (ckpt_next_dir(s->cfg.checkpoint_dir, s->next_step - 1, b->now_dir,
+                              sizeof b->now_dir) != SCAPE_OK) {
+                send_error(s, SCAPE_SYSTEM);
+                break;
+            }
             b->ckpt.step = s->next_step - 1;
             b->ckpt.dir = b->now_dir;
             b->ckpt.pending = 1;
