@@ -83,6 +83,8 @@ void pr_row(printer *p, const char *key, const char *label);
 void pr_close(printer *p);
 /* A string member; NULL prints null / "-". */
 void pr_str(printer *p, const char *key, const char *label, const char *v);
+/* A boolean member: JSON true/false, text yes/no. */
+void pr_bool(printer *p, const char *key, const char *label, int v);
 /* An integer member; text shows text if not NULL, else the number. */
 void pr_uint(printer *p, const char *key, const char *label, uint64_t v, const char *text);
 /* A real member (JSON null if not finite); text shows text if not NULL. */

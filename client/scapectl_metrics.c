@@ -207,6 +207,10 @@ static void exposition(const prom *m, const Scape__StatusReply *st)
         { st->has_foreign_messages, 1, "scape_data_foreign_messages_total",
           "Messages dropped on the data port as not of this job (host backend).",
           (double)st->foreign_messages },
+        { st->has_refused_handshakes, 1, "scape_data_refused_handshakes_total",
+          "Connections to the data port refused at the CURVE handshake (not a rank's key, "
+          "no CURVE, not ZMTP).",
+          (double)st->refused_handshakes },
         { st->has_peers_connected, 0, "scape_peers_connected",
           "Other daemons this one's data-plane connections reach now (host backend).",
           (double)st->peers_connected },

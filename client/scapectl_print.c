@@ -180,6 +180,13 @@ void pr_str(printer *p, const char *key, const char *label, const char *v)
     text_member(p, label, v != NULL ? v : "-");
 }
 
+void pr_bool(printer *p, const char *key, const char *label, int v)
+{
+    if (json_member(p, key))
+        fputs(v ? "true" : "false", p->out);
+    text_member(p, label, v ? "yes" : "no");
+}
+
 void pr_uint(printer *p, const char *key, const char *label, uint64_t v, const char *text)
 {
     char b[24];

@@ -81,6 +81,33 @@ static void print_strays(printer *p, const Scape__StatusReply *st)
         pr_str(p, "foreign_last", NULL, st->foreign_last);
 }
 
+/* Who may talk to this daemon: `Auth : munge; data plane CURVE, 3 refused
+ * at the handshake; the last: ...`. */
+static void print_auth(printer *p, const Scape__StatusReply *st)
+{
+    if (!st->auth)
+        return;
+    char text[400];
+    int n = snprintf(text, sizeof text, "%s; data plane %s", st->auth,
+                     st->has_data_encrypted && st->data_encrypted ? "CURVE (authenticated, "
+                                                                    "encrypted)"
+                                                                  : "plain TCP");
+    if (st->has_refused_handshakes && n > 0 && (size_t)n < sizeof text)
+        snprintf(text + n, sizeof text - (size_t)n, ", %llu refused at the handshake%s%s",
+                 (unsigned long long)st->refused_handshakes, st->refused_last ? "; the last: " : "",
+                 st->refused_last ? st->refused_last : "");
+    pr_str(p, "auth", NULL, st->auth);
+    pr_str(p, NULL, "Auth", text);
+    if (st->has_data_encrypted)
+        pr_bool(p, "data_encrypted", NULL, st->data_encrypted);
+    if (st->has_refused_handshakes)
+        pr_uint(p, "refused_handshakes", NULL, st->refused_handshakes, NULL);
+    if (st->refused_last)
+        pr_str(p, "refused_last", NULL, st->refused_last);
+    if (st->data_public_key)
+        pr_str(p, "data_public_key", NULL, st->data_public_key);
+}
+
 /* The other daemons: `Peers : 2 of 3 connected; down: rank 2`. */
 static void print_peers(printer *p, const Scape__StatusReply *st)
 {
@@ -208,6 +235,7 @@ static void print_status(printer *p, const Scape__StatusReply *st)
         pr_str(p, "data_endpoint", NULL, st->data_endpoint);
     print_peers(p, st);
     print_strays(p, st);
+    print_auth(p, st);
     print_last(p, st->last);
     print_optional(p, "loss", "Loss", st->has_loss, st->loss);
     if (st->has_queued_seconds_total) {

@@ -222,6 +222,13 @@ uint64_t comm_foreign(const comm_t *c, char *why, size_t len)
     return c && c->ops && c->ops->foreign ? c->ops->foreign(c, why, len) : 0;
 }
 
+uint64_t comm_refused(const comm_t *c, char *why, size_t len)
+{
+    if (why && len)
+        why[0] = '\0';
+    return c && c->ops && c->ops->refused ? c->ops->refused(c, why, len) : 0;
+}
+
 void comm_destroy(comm_t **c)
 {
     if (c == NULL || *c == NULL)

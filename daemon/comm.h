@@ -67,6 +67,9 @@ typedef struct comm_ops {
     /* Messages dropped as not of this job (NULL: none can arrive); the last
      * one described into why. */
     uint64_t (*foreign)(const comm_t *c, char *why, size_t len);
+    /* Connections refused at the handshake: not a rank of this job (NULL:
+     * the backend authenticates nobody); the last one described into why. */
+    uint64_t (*refused)(const comm_t *c, char *why, size_t len);
     /* Bytes this rank really sent and received on its data plane so far,
      * framing included (NULL: the backend does not measure them). */
     void (*data_bytes)(const comm_t *c, uint64_t *sent, uint64_t *recvd);
@@ -129,6 +132,10 @@ int comm_quiet(const comm_t *c);
  * job (another job's, or not its framing): how many so far, and (why, len
  * bytes) what the last one was.  0 for backends that cannot receive any. */
 uint64_t comm_foreign(const comm_t *c, char *why, size_t len);
+/* Connections the backend refused at the handshake (CURVE: a key that is
+ * not a rank's, a peer without CURVE): how many so far and the last reason.
+ * 0 for backends that authenticate nobody. */
+uint64_t comm_refused(const comm_t *c, char *why, size_t len);
 /* Bytes really sent and received on the data plane so far, framing
  * included: 1 when the backend measures them (host), else 0 and zeros. */
 int comm_data_bytes(const comm_t *c, uint64_t *sent, uint64_t *recvd);

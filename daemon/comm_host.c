@@ -66,6 +66,7 @@
 #include "comm_host.h"
 #include "comm_host_wire.h"
 #include "try.h"
+#include "zap.h"
 
 #define HOST_DEFAULT_TIMEOUT_MS 30000
 #define HOST_DEFAULT_CHUNK (1u << 20)
@@ -89,6 +90,7 @@ typedef struct gather {     /* receive side of one all-gather */
 
 typedef struct host {
     void *zctx, *pull;
+    zap *zap;               /* CURVE: who may connect to pull (NULL: plain) */
     void **push;            /* per peer; NULL for this rank */
     void **mon;             /* per peer: PAIR reading push[q]'s monitor events */
     long long *down_since;  /* per peer: when its connection closed (ms), 0: up */
@@ -856,6 +858,9 @@ static void host_free(comm_t *c)
         if (h->push[q])
             zmq_close(h->push[q]);
     }
+    if (h->pull && h->zap)
+        zmq_socket_monitor(h->pull, NULL, 0);
+    zap_stop(h->zap);
     if (h->pull)
         zmq_close(h->pull);
     /* waits up to the linger time (timeout_ms) for queued messages */
@@ -903,6 +908,12 @@ static uint64_t hc_foreign(const comm_t *c, char *why, size_t len)
     return h->foreign;
 }
 
+static uint64_t hc_refused(const comm_t *c, char *why, size_t len)
+{
+    const host *h = c->impl;
+    return zap_refused(h->zap, why, len);
+}
+
 static void hc_data_bytes(const comm_t *c, uint64_t *sent, uint64_t *recvd)
 {
     const host *h = c->impl;
@@ -921,6 +932,7 @@ static const comm_ops s_host_ops = {
     .barrier = barrier,
     .destroy = destroy,
     .foreign = hc_foreign,
+    .refused = hc_refused,
     .data_bytes = hc_data_bytes,
 };
 
@@ -1002,13 +1014,40 @@ static scape_rc bound_address(const host *h, int rank, char *buf, size_t len)
     return SCAPE_OK;
 }
 
+/* CURVE on the PULL socket: a server with this rank's secret key, behind a
+ * ZAP handler that holds early handshakes until the peers' keys are known. */
+static scape_rc curve_server(const comm_host_opts *o, host *h)
+{
+    int one = 1;
+    if (zmq_setsockopt(h->pull, ZMQ_CURVE_SERVER, &one, sizeof one) != 0 ||
+        zmq_setsockopt(h->pull, ZMQ_CURVE_SECRETKEY, o->curve_secret,
+                       strlen(o->curve_secret)) != 0 ||
+        zmq_setsockopt(h->pull, ZMQ_ZAP_DOMAIN, "scape", 5) != 0)
+        return zerr("CURVE server options (is libzmq built with CURVE?)");
+    return zap_start(h->zctx, h->pull, h->timeout_ms, &h->zap);
+}
+
+static scape_rc curve_client(const comm_host_opts *o, void *push, const char *server_key, int q)
+{
+    if (server_key == NULL || strlen(server_key) != ZAP_KEY_Z85 - 1)
+        return scape_set_error(SCAPE_PROTO, "comm host: rank %d has no CURVE key", q);
+    if (zmq_setsockopt(push, ZMQ_CURVE_SERVERKEY, server_key, strlen(server_key)) != 0 ||
+        zmq_setsockopt(push, ZMQ_CURVE_PUBLICKEY, o->curve_public, strlen(o->curve_public)) ||
+        zmq_setsockopt(push, ZMQ_CURVE_SECRETKEY, o->curve_secret, strlen(o->curve_secret)))
+        return zerr("CURVE client options");
+    return SCAPE_OK;
+}
+
 static scape_rc host_connect(const comm_host_opts *o, host *h)
 {
     const char *self = o->meet ? o->listen : o->endpoints[o->rank];
-    const char *const *eps = o->endpoints;
+    const char *const *eps = o->endpoints, *const *keys = o->curve_keys;
+    int curve = o->curve_public != NULL;
     if ((h->zctx = zmq_ctx_new()) == NULL)
         return zerr("zmq_ctx_new");
     TRY(open_socket(h, &h->pull, ZMQ_PULL, ZMQ_RCVHWM, 0));
+    if (curve)
+        TRY(curve_server(o, h));
     if (zmq_bind(h->pull, self) != 0)
         return scape_set_error(SCAPE_ZMQ, "comm host: rank %d cannot bind %s: %s", o->rank,
                                self, zmq_strerror(zmq_errno()));
@@ -1016,17 +1055,24 @@ static scape_rc host_connect(const comm_host_opts *o, host *h)
         char bound[256];
         TRY(bound_address(h, o->rank, bound, sizeof bound));
         eps = NULL;
-        TRY(o->meet(o->meet_arg, bound, &eps));
+        keys = NULL;
+        TRY(o->meet(o->meet_arg, bound, &eps, &keys));
         for (int q = 0; eps && q < o->size; q++)
             if (eps[q] == NULL)
                 eps = NULL;
         if (eps == NULL)
             return scape_set_error(SCAPE_INVALID, "comm host: meet gave no endpoint table");
     }
+    if (curve && keys == NULL)
+        return scape_set_error(SCAPE_INVALID, "comm host: CURVE without the ranks' keys");
+    if (curve)
+        TRY(zap_allow(h->zap, keys, o->size));
     for (int q = 0; q < o->size; q++) {
         if (q == o->rank)
             continue;
         TRY(open_socket(h, &h->push[q], ZMQ_PUSH, ZMQ_SNDHWM, h->timeout_ms));
+        if (curve)
+            TRY(curve_client(o, h->push[q], keys[q], q));
         TRY(watch_peer(h, q));
         if (zmq_connect(h->push[q], eps[q]) != 0)
             return scape_set_error(SCAPE_ZMQ, "comm host: cannot connect to rank %d at %s: %s",
@@ -1049,6 +1095,13 @@ static scape_rc check_opts(const comm_host_opts *o, comm_t **out)
     for (int q = 0; !o->meet && q < o->size; q++)
         if (o->endpoints[q] == NULL)
             return scape_set_error(SCAPE_INVALID, "comm_host_create: endpoint %d is NULL", q);
+    if ((o->curve_public == NULL) != (o->curve_secret == NULL) ||
+        (o->curve_public && (strlen(o->curve_public) != ZAP_KEY_Z85 - 1 ||
+                             strlen(o->curve_secret) != ZAP_KEY_Z85 - 1)))
+        return scape_set_error(SCAPE_INVALID, "comm_host_create: CURVE needs a key pair, "
+                               "40 Z85 characters each");
+    if (o->curve_public && !o->meet && o->curve_keys == NULL)
+        return scape_set_error(SCAPE_INVALID, "comm_host_create: CURVE without the ranks' keys");
     return SCAPE_OK;
 }
 

@@ -22,8 +22,17 @@ typedef struct comm_host_opts {
      * (kept valid until comm_host_create returns).  The daemon runs its
      * rendezvous there, so it never has to guess a free port. */
     const char *listen;
-    scape_rc (*meet)(void *arg, const char *bound, const char *const **endpoints);
+    scape_rc (*meet)(void *arg, const char *bound, const char *const **endpoints,
+                     const char *const **keys);
     void *meet_arg;
+    /* Optional: CURVE on the data plane.  This rank's key pair (Z85 text, 40
+     * characters each; NULL: plain TCP, as before) and every rank's public key
+     * by rank (size entries; with meet, meet points *keys at them instead).
+     * The PULL socket is then a CURVE server that admits only those keys
+     * (zap.h): anyone else is refused at the handshake and counted
+     * (comm_refused); every message is authenticated and encrypted. */
+    const char *curve_public, *curve_secret;
+    const char *const *curve_keys;
 } comm_host_opts;
 
 /* Bind this rank's endpoint and start connecting to every peer.  Returns at

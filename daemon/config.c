@@ -60,6 +60,26 @@ const char *cfg_executor_name(cfg_executor x)
     return (unsigned)x < CFG_EXEC_COUNT ? s_exec_names[x] : "?";
 }
 
+static const char *const s_auth_names[CFG_AUTH_COUNT] = { "auto", "munge", "secret", "none" };
+
+const char *cfg_auth_name(cfg_auth a)
+{
+    return (unsigned)a < CFG_AUTH_COUNT ? s_auth_names[a] : "?";
+}
+
+static scape_rc parse_auth(const char *s, void *f)
+{
+    for (int i = 0; s && i < CFG_AUTH_COUNT; i++)
+        if (strcmp(s, s_auth_names[i]) == 0) {
+            *(cfg_auth *)f = (cfg_auth)i;
+            return SCAPE_OK;
+        }
+    return scape_set_error(SCAPE_INVALID, "unknown auth '%s' (auto, munge, secret, none)",
+                           s ? s : "(null)");
+}
+
+static const char *name_auth(const void *f) { return cfg_auth_name(*(const cfg_auth *)f); }
+
 static scape_rc parse_executor(const char *s, void *f)
 {
     for (int i = 0; s && i < CFG_EXEC_COUNT; i++)
@@ -219,6 +239,16 @@ static const cfg_key s_keys[] = {
     { .name = "comm_backend", .type = KT_ENUM, .offset = OFF(backend), .parse = parse_backend,
       .name_of = name_backend, .def = "host",
       .doc = "between daemons: host (ZeroMQ TCP) or nccl (the node's GPU)" },
+    { .name = "auth", .type = KT_ENUM, .offset = OFF(auth), .parse = parse_auth,
+      .name_of = name_auth, .def = "auto",
+      .doc = "how the job's daemons prove who they are (world > 1): munge, secret (a key "
+             "file), none, or auto (munge when a munged answers)" },
+    { .name = "auth_key_file", .type = KT_STRING, .offset = OFF(auth_key_file),
+      .size = sizeof ((scaped_config *)0)->auth_key_file, .def = "",
+      .doc = "auth secret: the job's key, readable only by its user (scaped keygen FILE)" },
+    { .name = "munge_socket", .type = KT_STRING, .offset = OFF(munge_socket),
+      .size = sizeof ((scaped_config *)0)->munge_socket, .def = "",
+      .doc = "munged's socket for auth munge (\"\" = munge's default)" },
     { .name = "cuda_device", .type = KT_INT, .offset = OFF(cuda_device), .min = 0, .max = 63,
       .def = "0", .doc = "CUDA device of the nccl backend and the cuda executor" },
     { .name = "checkpoint_dir", .type = KT_STRING, .offset = OFF(checkpoint_dir),

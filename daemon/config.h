@@ -38,6 +38,17 @@ typedef enum cfg_executor {
 
 const char *cfg_executor_name(cfg_executor x);
 
+/* The auth key: how the job's daemons prove who they are (auth.h). */
+typedef enum cfg_auth {
+    CFG_AUTH_AUTO = 0, /* munge when a munged answers, else a start-up error */
+    CFG_AUTH_MUNGE,
+    CFG_AUTH_SECRET,
+    CFG_AUTH_NONE,
+    CFG_AUTH_COUNT
+} cfg_auth;
+
+const char *cfg_auth_name(cfg_auth a);
+
 typedef struct scaped_config {
     char runtime_dir[256];      /* "" = default (resolved later by the daemon) */
     log_level log_level;        /* default info */
@@ -53,6 +64,9 @@ typedef struct scaped_config {
     uint32_t job;               /* job id; daemons of other jobs are refused */
     int comm_timeout_ms;        /* longest wait for another daemon */
     comm_backend backend;       /* host (default) or nccl */
+    cfg_auth auth;              /* auto (default), munge, secret or none */
+    char auth_key_file[512];    /* auth secret: the job's key (scaped keygen) */
+    char munge_socket[256];     /* munged's socket ("" = libmunge's default) */
     int cuda_device;            /* the GPU of the nccl backend and the cuda executor, 0..63 */
     cfg_executor executor;      /* auto (default), host, cuda or sim */
     char checkpoint_dir[512];   /* where checkpoints go; "" = none */

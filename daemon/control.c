@@ -622,18 +622,23 @@ static void finish_step(server *s, trainer **ts, int n, scape_rc rc)
     }
 }
 
-/* Log what the data plane dropped as not of this job since the last look. */
-static void note_foreign(server *s)
+/* Log what the data plane dropped as not of this job, and the connections
+ * it refused at the handshake, since the last look. */
+static void note_strangers(server *s)
 {
-    char why[200];
-    uint64_t n = comm_foreign(s->comm, NULL, 0);
-    if (n > s->foreign_seen) {
-        comm_foreign(s->comm, why, sizeof why);
+    char why[256];
+    uint64_t n = comm_foreign(s->comm, why, sizeof why);
+    if (n > s->foreign_seen)
         LOG_WARN(SUB_COMM, "dropped %llu message(s) on the data socket that are not of this "
                  "job (%llu in all); the last: %s", (unsigned long long)(n - s->foreign_seen),
                  (unsigned long long)n, why);
-        s->foreign_seen = n;
-    }
+    s->foreign_seen = n;
+    n = comm_refused(s->comm, why, sizeof why);
+    if (n > s->refused_seen)
+        LOG_WARN(SUB_COMM, "refused %llu connection(s) to the data socket at the handshake "
+                 "(%llu in all); the last: %s", (unsigned long long)(n - s->refused_seen),
+                 (unsigned long long)n, why);
+    s->refused_seen = n;
 }
 
 /* defer_select: the trainers have their parameters; select the next mask
@@ -722,7 +727,7 @@ static void run_step(server *s, trainer **ts, int n)
      * and refuses further steps either way). */
     if (rc == SCAPE_OK)
         rc = select_after_reply(s, t);
-    note_foreign(s);
+    note_strangers(s);
     if (rc == SCAPE_OK) {
         status_publish(s);
         LOG_DEBUG(SUB_ENGINE, "step %llu done: K=%llu in %.3f ms", (unsigned long long)t,

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "auth.h"
 #include "config.h"
 #include "log.h"
 #include "rendezvous.h"
@@ -16,6 +17,7 @@ static void usage(FILE *out)
 {
     fprintf(out,
             "usage: scaped [--config FILE] [--print-config] [--KEY VALUE | --KEY=VALUE ...]\n"
+            "       scaped keygen FILE   write a fresh key for auth: secret (mode 0600)\n"
             "\n"
             "The per-node SCAPE optimizer daemon.  Trainers attach over\n"
             "ipc://<runtime_dir>/control; scapectl reads ipc://<runtime_dir>/status.\n"
@@ -141,8 +143,26 @@ static int install_signals(void)
            sigaction(SIGUSR1, &sa, NULL) | sigaction(SIGPIPE, &ign, NULL);
 }
 
+/* scaped keygen FILE: a key for auth: secret, for the job's nodes to share. */
+static int keygen(int argc, char **argv)
+{
+    if (argc != 3 || argv[2][0] == '-') {
+        fprintf(stderr, "usage: scaped keygen FILE\n");
+        return 2;
+    }
+    if (auth_keygen(argv[2]) != SCAPE_OK) {
+        fprintf(stderr, "scaped: %s\n", scape_last_error());
+        return 1;
+    }
+    printf("scaped: wrote a key for auth: secret to %s (mode 0600); give every daemon of the "
+           "job auth_key_file: %s\n", argv[2], argv[2]);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
+    if (argc >= 2 && strcmp(argv[1], "keygen") == 0)
+        return keygen(argc, argv);
     if (has_flag(argc, argv, "--help")) {
         usage(stdout);
         return 0;

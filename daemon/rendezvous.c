@@ -19,12 +19,14 @@
 #include <zmq.h>
 
 #include "comm.h"
+#include "log.h"
 #include "rendezvous.h"
 #include "try.h"
 #include "scape.pb-c.h"
 #include "scape_wire.h"
 
-#define RDV_PROTOCOL 1
+#define RDV_PROTOCOL 2 /* 2: seals and CURVE keys */
+#define RDV_KEY_CHARS 40
 
 static double now_ms(void)
 {
@@ -44,23 +46,31 @@ static scape_rc check_opts(const rdv_opts *o, const rdv_result *out)
         return scape_set_error(SCAPE_INVALID, "rendezvous: no coordinator endpoint");
     if (o->timeout_ms < 1 || o->blob_len > RDV_BLOB_MAX || (o->blob_len && !o->blob))
         return scape_set_error(SCAPE_INVALID, "rendezvous: bad timeout or blob");
+    if (o->curve_key && strlen(o->curve_key) != RDV_KEY_CHARS)
+        return scape_set_error(SCAPE_INVALID, "rendezvous: a CURVE key is 40 Z85 characters");
     return SCAPE_OK;
 }
 
-static scape_rc new_result(rdv_result *out, int world)
+static scape_rc new_result(rdv_result *out, const rdv_opts *o)
 {
     memset(out, 0, sizeof *out);
-    out->endpoints = calloc((size_t)world, sizeof *out->endpoints);
-    out->world = world;
-    return out->endpoints ? SCAPE_OK : scape_set_error(SCAPE_NOMEM, "rendezvous: out of memory");
+    out->endpoints = calloc((size_t)o->world, sizeof *out->endpoints);
+    out->keys = o->curve_key ? calloc((size_t)o->world, sizeof *out->keys) : NULL;
+    out->world = o->world;
+    return out->endpoints && (out->keys || !o->curve_key)
+               ? SCAPE_OK
+               : scape_set_error(SCAPE_NOMEM, "rendezvous: out of memory");
 }
 
 void rdv_result_free(rdv_result *r)
 {
     for (int i = 0; r && r->endpoints && i < r->world; i++)
         free(r->endpoints[i]);
+    for (int i = 0; r && r->keys && i < r->world; i++)
+        free(r->keys[i]);
     if (r) {
         free(r->endpoints);
+        free(r->keys);
         memset(r, 0, sizeof *r);
     }
 }
@@ -87,16 +97,23 @@ static int wait_in(void *sock, double deadline)
 }
 
 /* Send reply r to the peer with routing id rid (rank 0's side). */
-static void send_reply(void *sock, const void *rid, size_t rid_len, const Scape__RdvReply *r)
+/* Send reply r to the peer with routing id rid (rank 0's side), sealed
+ * with a (NULL: plain, as refusals go). */
+static scape_rc send_reply(void *sock, const void *rid, size_t rid_len, const Scape__RdvReply *r,
+                           auth_ctx *a)
 {
-    size_t len = scape__rdv_reply__get_packed_size(r);
-    uint8_t *buf = malloc(len ? len : 1);
+    size_t len = scape__rdv_reply__get_packed_size(r), slen = 0;
+    uint8_t *buf = malloc(len ? len : 1), *sealed = NULL;
     if (buf == NULL)
-        return;
+        return scape_set_error(SCAPE_NOMEM, "rendezvous: out of memory");
     scape__rdv_reply__pack(r, buf);
-    if (zmq_send(sock, rid, rid_len, ZMQ_SNDMORE) >= 0)
-        zmq_send(sock, buf, len, 0);
+    scape_rc rc = auth_seal(a, buf, len, &sealed, &slen);
     free(buf);
+    if (rc == SCAPE_OK && (zmq_send(sock, rid, rid_len, ZMQ_SNDMORE) < 0 ||
+                           zmq_send(sock, sealed, slen, 0) < 0))
+        rc = scape_set_error(SCAPE_ZMQ, "rendezvous: send: %s", zmq_strerror(zmq_errno()));
+    free(sealed);
+    return rc;
 }
 
 static void refuse(void *sock, const void *rid, size_t rid_len, scape_rc rc)
@@ -107,7 +124,7 @@ static void refuse(void *sock, const void *rid, size_t rid_len, scape_rc rc)
     Scape__RdvReply r = SCAPE__RDV_REPLY__INIT;
     r.status = e.code;
     r.error = &e;
-    send_reply(sock, rid, rid_len, &r);
+    send_reply(sock, rid, rid_len, &r, NULL); /* best effort: the join is refused anyway */
 }
 
 /* ---- rank 0 ---------------------------------------------------------------- */
@@ -133,7 +150,16 @@ static scape_rc admit(const rdv_opts *o, const Scape__RdvJoin *j, rdv_result *ou
                                j->rank, j->world, o->world);
     if (out->endpoints[j->rank])
         return scape_set_error(SCAPE_INVALID, "rendezvous: rank %u joined twice", j->rank);
-    if ((out->endpoints[j->rank] = strdup(j->endpoint)) == NULL)
+    int has_key = j->curve_key != NULL;
+    if (has_key != (o->curve_key != NULL))
+        return scape_set_error(SCAPE_INVALID, "rendezvous: rank %u %s a CURVE key and rank 0 "
+                               "%s (do all ranks have the same auth and comm_backend?)", j->rank,
+                               has_key ? "sends" : "has no", has_key ? "has none" : "has one");
+    if (has_key && strlen(j->curve_key) != RDV_KEY_CHARS)
+        return scape_set_error(SCAPE_PROTO, "rendezvous: rank %u's CURVE key is malformed",
+                               j->rank);
+    if ((out->endpoints[j->rank] = strdup(j->endpoint)) == NULL ||
+        (has_key && (out->keys[j->rank] = strdup(j->curve_key)) == NULL))
         return scape_set_error(SCAPE_NOMEM, "rendezvous: cannot keep rank %u", j->rank);
     return SCAPE_OK;
 }
@@ -141,7 +167,16 @@ static scape_rc admit(const rdv_opts *o, const Scape__RdvJoin *j, rdv_result *ou
 scape_rc rdv_judge_join(const rdv_opts *o, const void *buf, size_t n, rdv_result *out,
                         int *rank)
 {
-    Scape__RdvJoin *j = n <= RDV_JOIN_MAX ? scape__rdv_join__unpack(NULL, n, buf) : NULL;
+    uint8_t *plain = NULL;
+    size_t pn = 0;
+    if (n > RDV_JOIN_MAX)
+        return scape_set_error(SCAPE_PROTO, "rendezvous: a join of %zu bytes (at most %d)", n,
+                               RDV_JOIN_MAX);
+    if (auth_open(o->auth, buf, n, &plain, &pn) != SCAPE_OK)
+        return scape_set_error(SCAPE_INVALID, "rendezvous (auth %s): %s",
+                               auth_mode_name(auth_ctx_mode(o->auth)), scape_last_error());
+    Scape__RdvJoin *j = scape__rdv_join__unpack(NULL, pn, plain);
+    free(plain);
     if (j == NULL)
         return scape_set_error(SCAPE_PROTO, "rendezvous: undecodable join of %zu bytes", n);
     scape_rc rc = admit(o, j, out);
@@ -151,23 +186,38 @@ scape_rc rdv_judge_join(const rdv_opts *o, const void *buf, size_t n, rdv_result
     return rc;
 }
 
-/* Receive and judge one join; refused joiners are told why. */
+/* Receive and judge one join; refused joiners are told why, and the
+ * refusal is logged with where it came from. */
 static int take_join(void *sock, const rdv_opts *o, rdv_result *out, joiner *who)
 {
-    unsigned char rid[256], buf[RDV_JOIN_MAX + 1];
+    unsigned char rid[256];
     int rl = zmq_recv(sock, rid, sizeof rid, 0);
-    int n = rl >= 0 ? zmq_recv(sock, buf, sizeof buf, 0) : -1;
-    if (n < 0)
+    zmq_msg_t m;
+    zmq_msg_init(&m);
+    int got = rl >= 0 && zmq_msg_recv(&m, sock, 0) >= 0;
+    for (int more = got && zmq_msg_more(&m); more;) { /* a join is one frame: drop the rest */
+        zmq_msg_t extra;
+        zmq_msg_init(&extra);
+        more = zmq_msg_recv(&extra, sock, 0) >= 0 && zmq_msg_more(&extra);
+        zmq_msg_close(&extra);
+    }
+    if (!got) {
+        zmq_msg_close(&m);
         return 0;
+    }
     size_t rid_len = (size_t)rl > sizeof rid ? sizeof rid : (size_t)rl;
     int rank = 0;
-    scape_rc rc = rdv_judge_join(o, buf, (size_t)n, out, &rank);
+    scape_rc rc = rdv_judge_join(o, zmq_msg_data(&m), zmq_msg_size(&m), out, &rank);
     if (rc == SCAPE_OK) {
         memcpy(who[rank].rid, rid, rid_len);
         who[rank].rid_len = rid_len;
     } else {
+        const char *peer = zmq_msg_gets(&m, "Peer-Address");
+        LOG_WARN(SUB_COMM, "refused a join from %s: %s; still waiting for the job's ranks",
+                 peer ? peer : "an unknown address", scape_last_error());
         refuse(sock, rid, rid_len, rc);
     }
+    zmq_msg_close(&m);
     return rc == SCAPE_OK;
 }
 
@@ -183,18 +233,23 @@ static scape_rc missing(const rdv_opts *o, const rdv_result *out)
                            o->coordinator, o->timeout_ms);
 }
 
-static void send_table(void *sock, const rdv_opts *o, const rdv_result *out, const joiner *who)
+/* Every joiner gets the table, each in its own seal. */
+static scape_rc send_table(void *sock, const rdv_opts *o, const rdv_result *out,
+                           const joiner *who)
 {
     Scape__RdvTable t = SCAPE__RDV_TABLE__INIT;
     t.n_endpoints = (size_t)o->world;
     t.endpoints = out->endpoints;
+    t.n_curve_keys = out->keys ? (size_t)o->world : 0;
+    t.curve_keys = out->keys;
     t.has_blob = o->blob_len > 0;
     t.blob.len = o->blob_len;
     t.blob.data = (uint8_t *)o->blob;
     Scape__RdvReply r = SCAPE__RDV_REPLY__INIT;
     r.table = &t;
     for (int k = 1; k < o->world; k++)
-        send_reply(sock, who[k].rid, who[k].rid_len, &r);
+        TRY(send_reply(sock, who[k].rid, who[k].rid_len, &r, o->auth));
+    return SCAPE_OK;
 }
 
 /* Rank 0 listens on every interface at the coordinator's port: the name the
@@ -217,10 +272,12 @@ static scape_rc serve(void *ctx, const rdv_opts *o, rdv_result *out)
     TRY(bind_address(o->coordinator, where, sizeof where));
     void *sock = zmq_socket(ctx, ZMQ_ROUTER);
     int linger = o->timeout_ms; /* the table must leave before the socket closes */
+    int64_t maxmsg = RDV_JOIN_MAX + 1; /* longer: refused as such, never held */
     joiner *who = calloc((size_t)o->world, sizeof *who);
     scape_rc rc = SCAPE_OK;
     if (sock == NULL || who == NULL ||
         zmq_setsockopt(sock, ZMQ_LINGER, &linger, sizeof linger) != 0 ||
+        zmq_setsockopt(sock, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg) != 0 ||
         zmq_bind(sock, where) != 0)
         rc = scape_set_error(SCAPE_ZMQ, "rendezvous: bind %s: %s", where,
                              zmq_strerror(zmq_errno()));
@@ -232,7 +289,7 @@ static scape_rc serve(void *ctx, const rdv_opts *o, rdv_result *out)
             joined += take_join(sock, o, out, who);
     }
     if (rc == SCAPE_OK)
-        send_table(sock, o, out, who);
+        rc = send_table(sock, o, out, who);
     if (sock)
         zmq_close(sock);
     free(who);
@@ -249,14 +306,20 @@ static scape_rc send_join(void *sock, const rdv_opts *o)
     j.rank = (uint32_t)o->rank;
     j.world = (uint32_t)o->world;
     j.endpoint = (char *)o->endpoint;
-    uint8_t buf[RDV_JOIN_MAX];
-    size_t len = scape__rdv_join__get_packed_size(&j);
-    if (len > sizeof buf)
+    j.curve_key = (char *)o->curve_key;
+    uint8_t buf[RDV_JOIN_MAX], *sealed = NULL;
+    size_t len = scape__rdv_join__get_packed_size(&j), slen = 0;
+    if (len > sizeof buf / 2) /* room for the seal */
         return scape_set_error(SCAPE_INVALID, "rendezvous: endpoint too long");
     scape__rdv_join__pack(&j, buf);
-    if (zmq_send(sock, buf, len, 0) < 0)
-        return scape_set_error(SCAPE_ZMQ, "rendezvous: send: %s", zmq_strerror(zmq_errno()));
-    return SCAPE_OK;
+    TRY(auth_seal(o->auth, buf, len, &sealed, &slen));
+    scape_rc rc = SCAPE_OK;
+    if (slen > RDV_JOIN_MAX)
+        rc = scape_set_error(SCAPE_INVALID, "rendezvous: sealed join too long (%zu bytes)", slen);
+    else if (zmq_send(sock, sealed, slen, 0) < 0)
+        rc = scape_set_error(SCAPE_ZMQ, "rendezvous: send: %s", zmq_strerror(zmq_errno()));
+    free(sealed);
+    return rc;
 }
 
 static scape_rc read_table(const Scape__RdvReply *r, const rdv_opts *o, rdv_result *out)
@@ -267,8 +330,20 @@ static scape_rc read_table(const Scape__RdvReply *r, const rdv_opts *o, rdv_resu
     const Scape__RdvTable *t = r->table;
     if (t == NULL || (int)t->n_endpoints != o->world || t->blob.len > RDV_BLOB_MAX)
         return scape_set_error(SCAPE_PROTO, "rendezvous: malformed table from rank 0");
+    if ((o->curve_key != NULL) != (t->n_curve_keys > 0) ||
+        (t->n_curve_keys && (int)t->n_curve_keys != o->world))
+        return scape_set_error(SCAPE_PROTO, "rendezvous: rank 0's table %s CURVE keys and rank "
+                               "%d %s (do all ranks have the same auth?)",
+                               t->n_curve_keys ? "has" : "has no", o->rank,
+                               o->curve_key ? "has one" : "has none");
+    for (int k = 0; k < (int)t->n_curve_keys; k++)
+        if (strlen(t->curve_keys[k]) != RDV_KEY_CHARS ||
+            (k == o->rank && strcmp(t->curve_keys[k], o->curve_key) != 0))
+            return scape_set_error(SCAPE_PROTO, "rendezvous: rank 0's table has a bad CURVE key "
+                                   "for rank %d", k);
     for (int k = 0; k < o->world; k++)
-        if ((out->endpoints[k] = strdup(t->endpoints[k])) == NULL)
+        if ((out->endpoints[k] = strdup(t->endpoints[k])) == NULL ||
+            (out->keys && (out->keys[k] = strdup(t->curve_keys[k])) == NULL))
             return scape_set_error(SCAPE_NOMEM, "rendezvous: out of memory");
     out->blob_len = t->has_blob ? t->blob.len : 0;
     if (out->blob_len)
@@ -276,13 +351,24 @@ static scape_rc read_table(const Scape__RdvReply *r, const rdv_opts *o, rdv_resu
     return SCAPE_OK;
 }
 
+/* A table counts only sealed by the job's user; a refusal may come plain
+ * (rank 0 could not open our join, so we might not open its answer). */
 scape_rc rdv_read_reply(const rdv_opts *o, const void *buf, size_t n, rdv_result *out)
 {
-    Scape__RdvReply *r = scape__rdv_reply__unpack(NULL, n, buf);
+    uint8_t *plain = NULL;
+    size_t pn = 0;
+    int sealed = auth_open(o->auth, buf, n, &plain, &pn) == SCAPE_OK;
+    char why[300];
+    snprintf(why, sizeof why, "%s", sealed ? "" : scape_last_error());
+    Scape__RdvReply *r = scape__rdv_reply__unpack(NULL, sealed ? pn : n, sealed ? plain : buf);
+    free(plain);
     if (r == NULL)
         return scape_set_error(SCAPE_PROTO, "rendezvous: undecodable answer from rank 0 "
-                               "(%zu bytes)", n);
-    scape_rc rc = read_table(r, o, out);
+                               "(%zu bytes)%s%s", n, why[0] ? ": " : "", why);
+    scape_rc rc = !sealed && r->status == SCAPE__STATUS__OK
+                      ? scape_set_error(SCAPE_INVALID, "rendezvous: an answer from rank 0 that "
+                                        "is not sealed by the job's user: %s", why)
+                      : read_table(r, o, out);
     scape__rdv_reply__free_unpacked(r, NULL);
     return rc;
 }
@@ -319,13 +405,14 @@ scape_rc rdv_run(const rdv_opts *o, rdv_result *out)
 {
     scape_rc rc = check_opts(o, out);
     if (rc == SCAPE_OK)
-        rc = new_result(out, o->world);
+        rc = new_result(out, o);
     if (rc != SCAPE_OK)
         return rc;
     void *ctx = zmq_ctx_new();
     if (ctx == NULL)
         rc = scape_set_error(SCAPE_ZMQ, "rendezvous: zmq_ctx_new: %s", zmq_strerror(zmq_errno()));
-    else if (o->rank == 0 && (out->endpoints[0] = strdup(o->endpoint)) == NULL)
+    else if (o->rank == 0 && ((out->endpoints[0] = strdup(o->endpoint)) == NULL ||
+                              (out->keys && (out->keys[0] = strdup(o->curve_key)) == NULL)))
         rc = scape_set_error(SCAPE_NOMEM, "rendezvous: out of memory");
     else if (o->rank == 0 && o->world > 1)
         rc = serve(ctx, o, out);

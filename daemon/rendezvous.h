@@ -5,6 +5,12 @@
  * plane listens on.  When all ranks have joined, rank 0 hands everyone the
  * table of endpoints and an optional blob (the NCCL unique id).  Every wait
  * is bounded; a rank that never arrives is named in the error.
+ *
+ * With an auth context (auth.h) every join and every table travels sealed:
+ * rank 0 refuses a join it cannot open (another user's, another key's, a
+ * replay), logs who was refused and why, and goes on waiting for the real
+ * rank; a joiner accepts only a table sealed by the job's user.  Each rank
+ * may also publish its data plane's CURVE public key, handed to all.
  */
 #ifndef SCAPE_RENDEZVOUS_H
 #define SCAPE_RENDEZVOUS_H
@@ -12,6 +18,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "auth.h"
 #include "scape_rc.h"
 
 #define RDV_BLOB_MAX 256
@@ -25,10 +32,14 @@ typedef struct rdv_opts {
     int timeout_ms;          /* longest wait for the whole rendezvous */
     const void *blob;        /* rank 0 only: handed to every rank (may be NULL) */
     size_t blob_len;         /* <= RDV_BLOB_MAX */
+    auth_ctx *auth;          /* seals (NULL: auth none) */
+    const char *curve_key;   /* this rank's CURVE public key (Z85), or NULL:
+                                then every rank must have none */
 } rdv_opts;
 
 typedef struct rdv_result {
     char **endpoints;        /* world entries, by rank */
+    char **keys;             /* world CURVE keys by rank, or NULL (no keys) */
     int world;
     unsigned char blob[RDV_BLOB_MAX];
     size_t blob_len;
@@ -40,8 +51,9 @@ scape_rc rdv_run(const rdv_opts *o, rdv_result *out);
 void rdv_result_free(rdv_result *r);
 
 /* The two readers of what a peer sends, as rdv_run uses them (tests/fuzz
- * feeds them bytes).  Rank 0 judges one join as received: on success the
- * joiner's endpoint is recorded in out and *rank says whose it is.  A joiner
+ * feeds them bytes).  Rank 0 judges one join as received (opening its seal
+ * with o->auth): on success the joiner's endpoint is recorded in out and
+ * *rank says whose it is.  A joiner
  * reads rank 0's answer into out.  Either way out is as rdv_run makes it:
  * world = o->world and that many endpoint slots, NULL until filled. */
 scape_rc rdv_judge_join(const rdv_opts *o, const void *buf, size_t n, rdv_result *out,

@@ -21,6 +21,7 @@
 #include "comm_host.h"
 #include "comm_nccl.h"
 #include "log.h"
+#include "auth.h"
 #include "rendezvous.h"
 #include "scape_wire.h"
 #include "exec.h"
@@ -142,8 +143,41 @@ static scape_rc open_socket(server *s, void **sock, int type, const char *name, 
     return SCAPE_OK;
 }
 
+/* How the job's daemons prove who they are: the auth key, auto resolved
+ * (munge when a munged answers; otherwise there is no safe default and the
+ * daemon does not start). */
+static scape_rc open_auth(server *s, auth_ctx **out)
+{
+    const scaped_config *c = &s->cfg;
+    auth_mode m = AUTH_MUNGE;
+    char why[300] = "";
+    if (c->auth == CFG_AUTH_SECRET)
+        m = AUTH_SECRET;
+    else if (c->auth == CFG_AUTH_NONE)
+        m = AUTH_NONE;
+    else if (c->auth == CFG_AUTH_AUTO && !auth_munge_answers(c->munge_socket, why, sizeof why))
+        return scape_set_error(SCAPE_INVALID,
+                               "world %d: the daemons must prove they are this job's, and auth "
+                               "is auto but %s.  Choose one: auth: munge (with a munged "
+                               "running; every Slurm cluster has one, munge_socket names its "
+                               "socket), auth: secret with auth_key_file (write one with "
+                               "'scaped keygen FILE' where the job's nodes share it), or auth: "
+                               "none (anyone who reaches the ports can join or disturb the job)",
+                               c->world, why);
+    TRY(auth_create(m, c->auth_key_file, c->munge_socket, out));
+    s->auth_mode = (int)m;
+    if (m == AUTH_NONE)
+        LOG_WARN(SUB_COMM, "auth none: the rendezvous and the data plane accept anyone who "
+                 "reaches their ports");
+    else
+        LOG_INFO(SUB_COMM, "auth %s%s%s", auth_mode_name(m), m == AUTH_SECRET ? ": key " : "",
+                 m == AUTH_SECRET ? c->auth_key_file : "");
+    return SCAPE_OK;
+}
+
 /* The nccl backend: rank 0 makes the communicators' ids, the rendezvous
- * hands them out (with one daemon there is nobody to meet). */
+ * hands them out (with one daemon there is nobody to meet).  NCCL's own
+ * traffic is not authenticated (docs/operations.md); the ids travel sealed. */
 static scape_rc open_nccl(server *s)
 {
     const scaped_config *c = &s->cfg;
@@ -155,12 +189,17 @@ static scape_rc open_nccl(server *s)
         if (!c->coordinator[0])
             return scape_set_error(SCAPE_INVALID, "world %d needs a coordinator endpoint",
                                    c->world);
+        auth_ctx *a = NULL;
+        TRY(open_auth(s, &a));
         rdv_opts ro = { .rank = c->rank, .world = c->world, .coordinator = c->coordinator,
                         .endpoint = c->listen[0] ? c->listen : "nccl", .job = c->job,
                         .timeout_ms = c->comm_timeout_ms, .blob = o.ids,
-                        .blob_len = sizeof o.ids };
+                        .blob_len = sizeof o.ids, .auth = a };
         rdv_result r;
-        TRY(rdv_run(&ro, &r));
+        scape_rc rc = rdv_run(&ro, &r);
+        auth_destroy(a);
+        if (rc != SCAPE_OK)
+            return rc;
         int ok = r.blob_len == sizeof o.ids;
         if (ok)
             memcpy(o.ids, r.blob, sizeof o.ids);
@@ -180,11 +219,14 @@ static scape_rc open_nccl(server *s)
  * real one): publish that address at the rendezvous, learn the others'. */
 typedef struct meet_ctx {
     server *s;
+    auth_ctx *auth;
+    const char *curve_key; /* this daemon's public key, or NULL */
     rdv_result r;
     int have;
 } meet_ctx;
 
-static scape_rc meet_peers(void *arg, const char *bound, const char *const **endpoints)
+static scape_rc meet_peers(void *arg, const char *bound, const char *const **endpoints,
+                           const char *const **keys)
 {
     meet_ctx *m = arg;
     const scaped_config *c = &m->s->cfg;
@@ -192,10 +234,12 @@ static scape_rc meet_peers(void *arg, const char *bound, const char *const **end
     LOG_INFO(SUB_COMM, "rendezvous: rank %d of %d via %s, data plane on %s", c->rank, c->world,
              c->coordinator, bound);
     rdv_opts o = { .rank = c->rank, .world = c->world, .coordinator = c->coordinator,
-                   .endpoint = bound, .job = c->job, .timeout_ms = c->comm_timeout_ms };
+                   .endpoint = bound, .job = c->job, .timeout_ms = c->comm_timeout_ms,
+                   .auth = m->auth, .curve_key = m->curve_key };
     TRY(rdv_run(&o, &m->r));
     m->have = 1;
     *endpoints = (const char *const *)m->r.endpoints;
+    *keys = (const char *const *)m->r.keys;
     return SCAPE_OK;
 }
 
@@ -214,14 +258,37 @@ static scape_rc open_comm(server *s)
         return scape_set_error(SCAPE_INVALID, "world %d needs coordinator and listen endpoints",
                                c->world);
     meet_ctx m = { .s = s };
+    TRY(open_auth(s, &m.auth));
+    /* A fresh CURVE key pair for this daemon's data plane, whenever the
+     * rendezvous that hands out the public keys is itself authenticated. */
+    char pub[41], sec[41];
+    scape_rc rc = SCAPE_OK;
+    if (auth_ctx_mode(m.auth) != AUTH_NONE) {
+        if (!zmq_has("curve"))
+            rc = scape_set_error(SCAPE_UNSUPPORTED, "auth %s needs CURVE, and this libzmq has "
+                                 "none (auth: none, or a libzmq built with libsodium)",
+                                 auth_mode_name(auth_ctx_mode(m.auth)));
+        else if (zmq_curve_keypair(pub, sec) != 0)
+            rc = scape_set_error(SCAPE_ZMQ, "zmq_curve_keypair: %s", zmq_strerror(zmq_errno()));
+        else
+            m.curve_key = pub;
+    }
     comm_host_opts h = { .rank = c->rank, .size = c->world, .listen = c->listen,
                          .meet = meet_peers, .meet_arg = &m,
-                         .timeout_ms = c->comm_timeout_ms, .job = c->job };
-    scape_rc rc = comm_host_create(&h, &s->comm);
+                         .timeout_ms = c->comm_timeout_ms, .job = c->job,
+                         .curve_public = m.curve_key, .curve_secret = m.curve_key ? sec : NULL };
+    if (rc == SCAPE_OK)
+        rc = comm_host_create(&h, &s->comm);
+    memset(sec, 0, sizeof sec);
+    auth_destroy(m.auth);
     if (m.have)
         rdv_result_free(&m.r);
+    s->curve = rc == SCAPE_OK && m.curve_key != NULL;
+    if (s->curve)
+        snprintf(s->curve_public, sizeof s->curve_public, "%s", pub);
     if (rc == SCAPE_OK)
-        LOG_INFO(SUB_COMM, "connected to %d daemon(s) over the host backend", c->world - 1);
+        LOG_INFO(SUB_COMM, "connected to %d daemon(s) over the host backend%s", c->world - 1,
+                 s->curve ? ", CURVE: authenticated and encrypted" : ", plain TCP");
     return rc;
 }
 

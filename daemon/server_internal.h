@@ -69,11 +69,15 @@ struct server {
 
     comm_t *comm;
     char data_ep[256];             /* host backend: the bound data-plane address */
+    int auth_mode;                 /* auth_mode the job's daemons use (world > 1) */
+    int curve;                     /* the data plane runs CURVE */
     eng_t *eng;
     int eng_trainers;               /* T_r the engine runs with */
     uint64_t next_step;
     int broken;                     /* the engine failed mid-step */
     uint64_t foreign_seen;          /* comm_foreign count already logged */
+    uint64_t refused_seen;          /* comm_refused count already logged */
+    char curve_public[41];          /* the data plane's CURVE public key ("": none) */
     shm_map spare;                  /* params of the last trainer that left, for the next */
     struct grave *graves;           /* CUDA IPC maps of gone trainers, closed once the */
     int ngraves, cap_graves;        /*   comm is quiet (srv_close_map) */

@@ -6,6 +6,7 @@
 #include <string.h>
 #include <zmq.h>
 
+#include "auth.h"
 #include "comm_host.h"
 #include "log.h"
 #include "scape_wire.h"
@@ -44,6 +45,7 @@ typedef struct status_buf {
     Scape__CheckpointInfo ckpt;
     uint32_t down[64];
     char foreign_last[200];
+    char refused_last[200];
     char now_dir[CKPT_PATH_MAX + 32];
 } status_buf;
 
@@ -84,7 +86,20 @@ static void fill_status(server *s, status_buf *b)
         st->foreign_messages = comm_foreign(s->comm, b->foreign_last, sizeof b->foreign_last);
         if (st->foreign_messages)
             st->foreign_last = b->foreign_last;
+        st->has_data_encrypted = 1;
+        st->data_encrypted = s->curve;
+        if (s->curve) {
+            st->has_refused_handshakes = 1;
+            st->refused_handshakes =
+                comm_refused(s->comm, b->refused_last, sizeof b->refused_last);
+            if (st->refused_handshakes)
+                st->refused_last = b->refused_last;
+        }
     }
+    if (s->cfg.world > 1)
+        st->auth = (char *)auth_mode_name(s->auth_mode);
+    if (s->curve_public[0])
+        st->data_public_key = s->curve_public;
     if (s->data_ep[0])
         st->data_endpoint = s->data_ep;
     st->has_queued_seconds_total = 1;

@@ -7,7 +7,7 @@ set -euo pipefail
 
 PKGS=(
   build-essential cmake pkg-config
-  libzmq3-dev libprotobuf-c-dev protobuf-c-compiler
+  libzmq3-dev libsodium-dev libmunge-dev libprotobuf-c-dev protobuf-c-compiler
   libyaml-dev check libsubunit-dev
   python3 python3-pytest python3-numpy python3-zmq python3-venv python3-pip python3-wheel python3-setuptools
   munge slurmctld slurmd slurm-client lmod

@@ -7,6 +7,11 @@
  * messages are sent to it from a PUSH socket, as the played rank's would be,
  * and the real rank then runs one collective, which takes them apart.
  *
+ * Both ranks run CURVE, as every authenticated job does (the played rank
+ * with a fixed key pair the real rank admits), so the fuzzed bytes are what
+ * the real rank reads after its handshake and decryption; bit 7 of the
+ * chunk-size byte runs the input over plain TCP instead (auth: none).
+ *
  * Input: the collective (barrier, all-gather, reduce-scatter, all-reduce,
  * broadcast from the played rank, or the asynchronous all-gather and its
  * wait) with, in bit 7, which rank is real (0 or 1); its size in floats and
@@ -32,51 +37,67 @@
 #include "fuzz.h"
 
 #define JOB 4242u
-#define TIMEOUT_MS 20 /* the played rank sends everything before the op starts */
+#define TIMEOUT_MS 40 /* the played rank sends everything before the op starts */
 #define MAX_N 48
 
 enum op { OP_BARRIER, OP_ALLGATHER, OP_REDUCE_SCATTER, OP_ALLREDUCE, OP_BROADCAST, OP_IAG, OP_N };
 
-static void *s_ctx, *s_pull; /* the played rank's endpoint: the real rank's messages */
+static void *s_ctx, *s_pull[2]; /* the played rank's endpoints (plain, CURVE): the real
+                                    rank's messages */
 static int s_verbose;        /* SCAPE_FUZZ_LOG=2: what became of each input */
 static const char *s_names[OP_N] = { "barrier", "allgather", "reduce-scatter", "allreduce",
                                      "broadcast", "iallgather" };
-static char s_pull_ep[128];
+static char s_pull_ep[2][128];
+/* Key pairs (Z85): the played rank's, and the real rank's (made afresh by a
+ * daemon; fixed here, which changes nothing the real rank checks). */
+static char s_pub[2][41], s_sec[2][41];
 
 void fuzz_setup(void)
 {
     s_ctx = zmq_ctx_new();
-    s_pull = s_ctx ? zmq_socket(s_ctx, ZMQ_PULL) : NULL;
-    size_t len = sizeof s_pull_ep;
-    int zero = 0;
-    FUZZ_CHECK(s_pull && zmq_setsockopt(s_pull, ZMQ_LINGER, &zero, sizeof zero) == 0 &&
-                   zmq_bind(s_pull, "tcp://127.0.0.1:*") == 0 &&
-                   zmq_getsockopt(s_pull, ZMQ_LAST_ENDPOINT, s_pull_ep, &len) == 0,
-               "the played rank's socket: %s", zmq_strerror(zmq_errno()));
+    FUZZ_CHECK(zmq_curve_keypair(s_pub[0], s_sec[0]) == 0 &&
+                   zmq_curve_keypair(s_pub[1], s_sec[1]) == 0,
+               "zmq_curve_keypair: %s", zmq_strerror(zmq_errno()));
+    for (int k = 0; k < 2; k++) {
+        s_pull[k] = s_ctx ? zmq_socket(s_ctx, ZMQ_PULL) : NULL;
+        size_t len = sizeof s_pull_ep[k];
+        int zero = 0, one = 1;
+        FUZZ_CHECK(s_pull[k] && zmq_setsockopt(s_pull[k], ZMQ_LINGER, &zero, sizeof zero) == 0 &&
+                       (k == 0 ||
+                        (zmq_setsockopt(s_pull[k], ZMQ_CURVE_SERVER, &one, sizeof one) == 0 &&
+                         zmq_setsockopt(s_pull[k], ZMQ_CURVE_SECRETKEY, s_sec[0], 40) == 0)) &&
+                       zmq_bind(s_pull[k], "tcp://127.0.0.1:*") == 0 &&
+                       zmq_getsockopt(s_pull[k], ZMQ_LAST_ENDPOINT, s_pull_ep[k], &len) == 0,
+                   "the played rank's socket: %s", zmq_strerror(zmq_errno()));
+    }
     const char *v = getenv("SCAPE_FUZZ_LOG");
     s_verbose = v && strcmp(v, "2") == 0;
 }
 
 typedef struct meet_ctx {
-    int real;
+    int real, curve;
     char bound[256];
-    const char *eps[2];
+    const char *eps[2], *keys[2];
 } meet_ctx;
 
-static scape_rc meet(void *arg, const char *bound, const char *const **endpoints)
+static scape_rc meet(void *arg, const char *bound, const char *const **endpoints,
+                     const char *const **keys)
 {
     meet_ctx *m = arg;
     snprintf(m->bound, sizeof m->bound, "%s", bound);
     m->eps[m->real] = m->bound;
-    m->eps[1 - m->real] = s_pull_ep;
+    m->eps[1 - m->real] = s_pull_ep[m->curve];
+    m->keys[m->real] = s_pub[1];
+    m->keys[1 - m->real] = s_pub[0];
     *endpoints = m->eps;
+    *keys = m->curve ? m->keys : NULL;
     return SCAPE_OK;
 }
 
 /* The op, the real rank, rank 0's and rank 1's element counts. */
 typedef struct shape {
     enum op op;
-    int real;
+    int real, curve;
     size_t n, chunk_bytes, cnt[2];
 } shape;
 
@@ -86,7 +107,9 @@ static void read_shape(fuzz_in *in, shape *sh)
     sh->op = (enum op)((b & 0x7f) % OP_N);
     sh->real = (int)(b >> 7);
     sh->n = 1 + fuzz_u8(in) % MAX_N;
-    sh->chunk_bytes = 4 * (1 + fuzz_u8(in) % 8);
+    uint32_t c = fuzz_u8(in);
+    sh->chunk_bytes = 4 * (1 + (c & 0x7f) % 8);
+    sh->curve = !(c & 0x80);
     sh->cnt[0] = (sh->n + 1) / 2; /* all-reduce's equal segments, for every op */
     sh->cnt[1] = sh->n - sh->cnt[0];
 }
@@ -135,16 +158,22 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     fuzz_in in = { data, size };
     shape sh;
     read_shape(&in, &sh);
-    meet_ctx m = { .real = sh.real };
+    meet_ctx m = { .real = sh.real, .curve = sh.curve };
     comm_host_opts o = { .rank = sh.real, .size = 2, .listen = "tcp://127.0.0.1:*", .meet = meet,
                          .meet_arg = &m, .timeout_ms = TIMEOUT_MS,
-                         .chunk_bytes = sh.chunk_bytes, .job = JOB };
+                         .chunk_bytes = sh.chunk_bytes, .job = JOB,
+                         .curve_public = sh.curve ? s_pub[1] : NULL,
+                         .curve_secret = sh.curve ? s_sec[1] : NULL };
     comm_t *c = NULL;
     FUZZ_CHECK(comm_host_create(&o, &c) == SCAPE_OK, "rank %d: %s", sh.real,
                scape_last_error());
     void *push = zmq_socket(s_ctx, ZMQ_PUSH);
     int zero = 0;
     FUZZ_CHECK(push && zmq_setsockopt(push, ZMQ_LINGER, &zero, sizeof zero) == 0 &&
+                   (!sh.curve ||
+                    (zmq_setsockopt(push, ZMQ_CURVE_SERVERKEY, s_pub[1], 40) == 0 &&
+                     zmq_setsockopt(push, ZMQ_CURVE_PUBLICKEY, s_pub[0], 40) == 0 &&
+                     zmq_setsockopt(push, ZMQ_CURVE_SECRETKEY, s_sec[0], 40) == 0)) &&
                    zmq_connect(push, m.bound) == 0,
                "played rank -> real rank: %s", zmq_strerror(zmq_errno()));
     uint32_t sel;
@@ -165,9 +194,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
      * had not been read when the op ended are not counted yet. */
     FUZZ_CHECK(comm_foreign(c, NULL, 0) <= foreign, "%llu foreign messages counted of %llu sent",
                (unsigned long long)comm_foreign(c, NULL, 0), (unsigned long long)foreign);
+    /* The played rank holds a key the real rank admits: never refused. */
+    char why[256];
+    FUZZ_CHECK(comm_refused(c, why, sizeof why) == 0, "the played rank was refused: %s", why);
     zmq_close(push);
     comm_destroy(&c);
-    for (zmq_msg_t msg; zmq_msg_init(&msg) == 0 && zmq_msg_recv(&msg, s_pull, ZMQ_DONTWAIT) >= 0;)
+    for (zmq_msg_t msg;
+         zmq_msg_init(&msg) == 0 && zmq_msg_recv(&msg, s_pull[sh.curve], ZMQ_DONTWAIT) >= 0;)
         zmq_msg_close(&msg);
     return 0;
 }

@@ -28,8 +28,36 @@ def binary(*parts):
     return path
 
 
+_KEY = {}
+
+
+def job_key():
+    """One key for auth: secret, written by `scaped keygen` once per test
+    process: every multi-daemon group of the tests authenticates its
+    rendezvous with it and runs CURVE on its data plane, as a real job
+    does (auth: munge has its own tests, with a munged they start)."""
+    if "path" not in _KEY:
+        d = tempfile.mkdtemp(prefix="scape-key-")
+        path = os.path.join(d, "job.key")
+        subprocess.run([binary("daemon", "scaped"), "keygen", path], check=True,
+                       capture_output=True)
+        _KEY["path"] = path
+    return _KEY["path"]
+
+
+def with_auth(args):
+    """args, plus auth: secret with the tests' key when they start one daemon
+    of several and choose no auth themselves."""
+    args = list(args)
+    world = args[args.index("--world") + 1] if "--world" in args else "1"
+    if world != "1" and "--auth" not in args:
+        args += ["--auth", "secret", "--auth-key-file", job_key()]
+    return args
+
+
 class Daemon:
     def __init__(self, args=(), netns=None):
+        args = with_auth(args)
         # ipc:// paths must stay short (108 bytes), so not under tmp_path.
         self.dir = tempfile.mkdtemp(prefix="scape-it-")
         self.rt = os.path.join(self.dir, "rt")

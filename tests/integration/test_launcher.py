@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from conftest import SOURCE, free_endpoints, run_reference
+from conftest import SOURCE, free_endpoints, job_key, run_reference
 
 PY_TRAINER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "py_trainer.py")
 ENGINE = ["--set", "rho=0.01", "--set", "warmup=3"]
@@ -107,10 +107,13 @@ def test_sigterm_reaches_the_trainers(tmp_path):
 
 
 def test_two_nodes_meet_at_the_master(tmp_path):
+    """Two nodes with a shared key (auth: secret, as a user without munge
+    would run them), bitwise the reference."""
     n, steps = 3000, 30
     port = int(free_endpoints(1)[0].rsplit(":", 1)[1])
+    auth = ["--set", "auth=secret", "--set", "auth_key_file=" + job_key()]
     nodes = [launch(["--nnodes", "2", "--node-rank", str(r), "--master-addr", "127.0.0.1",
-                     "--master-port", str(port), *ENGINE],
+                     "--master-port", str(port), *ENGINE, *auth],
                     py(n, steps, str(tmp_path / ("r%d" % r)), seed=str(1 + 1000 * r)))
              for r in range(2)]
     for r, p in enumerate(nodes):

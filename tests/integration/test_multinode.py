@@ -154,20 +154,45 @@ def test_daemons_match_local_backend(daemon_factory, tmp_path, trainers):
     assert results["replicated"] == results["sharded"]
 
 
-def test_strays_on_the_data_port_are_dropped_and_logged(daemon_factory, tmp_path):
-    """A raw ZeroMQ peer pushing junk, and a frame pair that looks like
-    another job's, at a daemon's data port in the middle of the job: the
-    job's result is unchanged, and the daemon logs what it dropped and counts
-    it in status (scapectl status, --json, metrics)."""
-    n, steps, trainers, pause = 3000, 300, [1, 1], 100
-    daemons = start_group(daemon_factory, trainers)
+def status_of(d):
+    res = subprocess.run([binary("client", "scapectl"), "--runtime-dir", d.rt, "status",
+                          "--json"], capture_output=True, text=True, check=True)
+    return json.loads(res.stdout)
+
+
+def pause_group(daemon_factory, tmp_path, extra, n, steps, pause):
+    """Two daemons, one trainer each, both trainers stopped before step pause."""
+    daemons = start_group(daemon_factory, [1, 1], extra)
     procs = [run_trainer(d.endpoint, 0, n, steps, out=str(tmp_path / ("r%d" % r)),
                          seed=1 + 1000 * r, stop_before=pause, wait=False)
              for r, d in enumerate(daemons)]
     deadline = time.time() + 60
-    while not all(process_stopped(p.pid) for p in procs):  # both before step 100
+    while not all(process_stopped(p.pid) for p in procs):  # both before step `pause`
         assert time.time() < deadline and all(p.poll() is None for p in procs), "no pause"
         time.sleep(0.01)
+    return daemons, procs
+
+
+def finish_undisturbed(daemons, procs, tmp_path, n, steps):
+    """Let the trainers run on; their parameters equal the reference's."""
+    for p in procs:
+        p.send_signal(signal.SIGCONT)
+    for p in procs:
+        o, e = p.communicate(timeout=300)
+        assert p.returncode == 0, o + e
+    run_reference(str(tmp_path / "ref"), "1,1", n, steps, *ENGINE)
+    ref = read(tmp_path / "ref")
+    for r in range(2):
+        assert read(tmp_path / ("r%d" % r)) == ref, "rank %d's trainer differs" % r
+
+
+def test_strays_on_the_data_port_are_dropped_and_logged(daemon_factory, tmp_path):
+    """auth: none (plain TCP): a raw ZeroMQ peer pushing junk, and a frame pair
+    that looks like another job's, at a daemon's data port in the middle of
+    the job: the job's result is unchanged, and the daemon logs what it
+    dropped and counts it in status (scapectl status, --json, metrics)."""
+    n, steps, pause = 3000, 300, 100
+    daemons, procs = pause_group(daemon_factory, tmp_path, ["--auth", "none"], n, steps, pause)
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 5000)  # close() sends what is queued
@@ -181,15 +206,11 @@ def test_strays_on_the_data_port_are_dropped_and_logged(daemon_factory, tmp_path
         push.send_multipart([other_job, b"\0" * 64])
     push.close()
     ctx.term()
-    for p in procs:  # 200 more steps: every stray is read among their messages
-        p.send_signal(signal.SIGCONT)
-    for p in procs:
-        o, e = p.communicate(timeout=300)
-        assert p.returncode == 0, o + e
+    # 200 more steps: every stray is read among their messages
+    finish_undisturbed(daemons, procs, tmp_path, n, steps)
     for r, d in enumerate(daemons):
-        res = subprocess.run([binary("client", "scapectl"), "--runtime-dir", d.rt, "status",
-                              "--json"], capture_output=True, text=True, check=True)
-        js = json.loads(res.stdout)
+        js = status_of(d)
+        assert js["auth"] == "none" and js["data_encrypted"] is False, js
         assert js["foreign_messages"] == (20 if r == 1 else 0), js
         assert ("job 99" in js["foreign_last"]) if r == 1 else "foreign_last" not in js, js
     text = subprocess.run([binary("client", "scapectl"), "--runtime-dir", daemons[1].rt,
@@ -201,12 +222,74 @@ def test_strays_on_the_data_port_are_dropped_and_logged(daemon_factory, tmp_path
         metrics
     for d in daemons:
         assert d.stop() == 0
-    run_reference(str(tmp_path / "ref"), "1,1", n, steps, *ENGINE)
-    ref = read(tmp_path / "ref")
-    for r in range(2):
-        assert read(tmp_path / ("r%d" % r)) == ref, "rank %d's trainer differs" % r
     log = daemons[1].output()
     assert "not of this job" in log and "job 99" in log, log[-3000:]
+    assert "accept anyone" in log, log[-3000:]  # auth none says what it means
+
+
+def wait_refused(d, more_than, deadline):
+    """Status once the daemon has refused more than more_than handshakes."""
+    while True:
+        js = status_of(d)
+        if js["refused_handshakes"] > more_than:
+            return js
+        assert time.time() < deadline, "never refused: %s" % js
+        time.sleep(0.05)
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="pyzmq without CURVE")
+def test_strangers_are_refused_at_the_handshake(daemon_factory, tmp_path):
+    """auth: secret (CURVE on the data plane): in the middle of the job a
+    plain ZeroMQ peer pushing junk, and a CURVE peer with the daemon's real
+    public key (status shows it) but a key pair of its own, are refused at
+    the handshake: nothing they send reaches the daemon (no foreign message),
+    each refusal is counted and named in status, metrics and the log, and the
+    job's result is bitwise the undisturbed run's."""
+    n, steps, pause = 3000, 300, 100
+    daemons, procs = pause_group(daemon_factory, tmp_path, [], n, steps, pause)
+    target = daemons[1]
+    js = status_of(target)
+    assert js["auth"] == "secret" and js["data_encrypted"] is True, js
+    assert js["refused_handshakes"] == 0 and len(js["data_public_key"]) == 40, js
+    deadline = time.time() + 30
+    ctx = zmq.Context()
+    plain = ctx.socket(zmq.PUSH)
+    plain.setsockopt(zmq.LINGER, 0)
+    plain.connect(data_endpoint(target))
+    for _ in range(10):
+        plain.send(b"junk")
+    js = wait_refused(target, 0, deadline)
+    assert "without CURVE" in js["refused_last"], js
+    plain.close()
+    seen = js["refused_handshakes"]
+    stranger = ctx.socket(zmq.PUSH)
+    stranger.setsockopt(zmq.LINGER, 0)
+    pub, sec = zmq.curve_keypair()
+    stranger.curve_publickey, stranger.curve_secretkey = pub, sec
+    stranger.curve_serverkey = js["data_public_key"].encode()
+    stranger.connect(data_endpoint(target))
+    for _ in range(10):
+        stranger.send_multipart([b"\0" * 32, b"\0" * 64])
+    js = wait_refused(target, seen, deadline)
+    assert "not a rank of this job" in js["refused_last"], js
+    assert pub.decode()[:12] in js["refused_last"], js
+    stranger.close()
+    ctx.term()
+    finish_undisturbed(daemons, procs, tmp_path, n, steps)
+    js = status_of(target)
+    assert js["foreign_messages"] == 0 and status_of(daemons[0])["refused_handshakes"] == 0, js
+    text = subprocess.run([binary("client", "scapectl"), "--runtime-dir", target.rt,
+                           "status"], capture_output=True, text=True, check=True).stdout
+    assert re.search(r"^Auth\s*: secret; data plane CURVE .*refused at the handshake", text,
+                     re.M), text
+    metrics = subprocess.run([binary("client", "scapectl"), "--runtime-dir", target.rt,
+                              "metrics"], capture_output=True, text=True, check=True).stdout
+    assert re.search(r'^scape_data_refused_handshakes_total\{rank="1"\} [1-9]', metrics,
+                     re.M), metrics
+    for d in daemons:
+        assert d.stop() == 0
+    log = target.output()
+    assert "refused" in log and "at the handshake" in log, log[-3000:]
 
 
 def test_defer_select_changes_no_bit_and_must_agree(daemon_factory, tmp_path):

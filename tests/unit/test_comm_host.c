@@ -626,8 +626,10 @@ typedef struct meet_arg {
     char err[512];
 } meet_arg;
 
-static scape_rc meet_here(void *arg, const char *bound, const char *const **eps)
+static scape_rc meet_here(void *arg, const char *bound, const char *const **eps,
+                          const char *const **keys)
 {
+    *keys = NULL;
     meet_arg *m = arg;
     snprintf(m->t->ep[m->rank], sizeof m->t->ep[m->rank], "%s", bound);
     pthread_barrier_wait(&m->t->all_bound);

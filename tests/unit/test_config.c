@@ -14,7 +14,7 @@
 #include "exec.h"
 #include "check_run.h"
 
-#define NKEYS 32
+#define NKEYS 35
 
 /* Every key with a valid value other than its default. */
 static const struct {
@@ -47,6 +47,9 @@ static const struct {
     { "job", "4242" },
     { "comm_timeout_ms", "5000" },
     { "comm_backend", "nccl" },
+    { "auth", "secret" },
+    { "auth_key_file", "/home/u/.scape/job.key" },
+    { "munge_socket", "/run/munge/other.socket" },
     { "cuda_device", "3" },
     { "checkpoint_dir", "/scratch/ck points" },
     { "checkpoint_every", "500" },
@@ -83,6 +86,9 @@ static void check_full(const scaped_config *c)
     ck_assert_uint_eq(c->job, 4242);
     ck_assert_int_eq(c->comm_timeout_ms, 5000);
     ck_assert_int_eq(c->backend, COMM_BACKEND_NCCL);
+    ck_assert_int_eq(c->auth, CFG_AUTH_SECRET);
+    ck_assert_str_eq(c->auth_key_file, "/home/u/.scape/job.key");
+    ck_assert_str_eq(c->munge_socket, "/run/munge/other.socket");
     ck_assert_int_eq(c->cuda_device, 3);
     ck_assert_str_eq(c->checkpoint_dir, "/scratch/ck points");
     ck_assert_uint_eq(c->checkpoint_every, 500);
@@ -525,6 +531,7 @@ START_TEST(print_format)
         "liveness_ms: 200",   "trainers: 0",           "world: 1",
         "rank: 0",            "coordinator: \"\"",       "listen: \"\"",
         "job: 0",             "comm_timeout_ms: 300000", "comm_backend: host",
+        "auth: auto",         "auth_key_file: \"\"",     "munge_socket: \"\"",
         "cuda_device: 0",
         "checkpoint_dir: \"\"", "checkpoint_every: 0",    "checkpoint_keep: 2",
         "resume: \"\"",
