@@ -38,7 +38,7 @@ struct auth_ctx {
     unsigned char seen[REPLAY_SLOTS][crypto_secretbox_NONCEBYTES];
     int nseen, next_seen;
 #ifdef SCAPE_HAVE_MUNGE
-    munge_ctx_t enc, dec;
+    munge_ctx_t enc, enc_private, dec;
 #endif
 };
 
@@ -102,23 +102,25 @@ static scape_rc munge_setup(auth_ctx *a, const char *socket)
     if (!auth_munge_answers(socket, why, sizeof why))
         return scape_set_error(SCAPE_UNSUPPORTED, "auth munge: %s", why);
     if ((a->enc = munge_ctx(socket, why, sizeof why)) == NULL ||
+        (a->enc_private = munge_ctx(socket, why, sizeof why)) == NULL ||
         (a->dec = munge_ctx(socket, why, sizeof why)) == NULL)
         return scape_set_error(SCAPE_SYSTEM, "auth munge: %s", why);
-    if (munge_ctx_set(a->enc, MUNGE_OPT_UID_RESTRICTION, geteuid()) != EMUNGE_SUCCESS)
+    if (munge_ctx_set(a->enc_private, MUNGE_OPT_UID_RESTRICTION, geteuid()) != EMUNGE_SUCCESS)
         return scape_set_error(SCAPE_SYSTEM, "auth munge: uid restriction: %s",
-                               munge_ctx_strerror(a->enc));
+                               munge_ctx_strerror(a->enc_private));
     return SCAPE_OK;
 }
 
-static scape_rc munge_seal(auth_ctx *a, const void *p, size_t n, uint8_t **out, size_t *outn)
+static scape_rc munge_seal(auth_ctx *a, const void *p, size_t n, int private_, uint8_t **out,
+                           size_t *outn)
 {
     char *cred = NULL;
-    munge_err_t e = munge_encode(&cred, a->enc, p, (int)n);
+    munge_ctx_t c = private_ ? a->enc_private : a->enc;
+    munge_err_t e = munge_encode(&cred, c, p, (int)n);
     if (e != EMUNGE_SUCCESS) {
         free(cred);
         return scape_set_error(SCAPE_SYSTEM, "auth munge: cannot make a credential: %s",
-                               munge_ctx_strerror(a->enc) ? munge_ctx_strerror(a->enc)
-                                                          : munge_strerror(e));
+                               munge_ctx_strerror(c) ? munge_ctx_strerror(c) : munge_strerror(e));
     }
     *outn = strlen(cred);
     *out = (uint8_t *)cred;
@@ -359,19 +361,22 @@ void auth_destroy(auth_ctx *a)
 #ifdef SCAPE_HAVE_MUNGE
     if (a->enc)
         munge_ctx_destroy(a->enc);
+    if (a->enc_private)
+        munge_ctx_destroy(a->enc_private);
     if (a->dec)
         munge_ctx_destroy(a->dec);
 #endif
     sodium_free(a); /* zeroes the key */
 }
 
-scape_rc auth_seal(auth_ctx *a, const void *p, size_t n, uint8_t **out, size_t *outn)
+scape_rc auth_seal(auth_ctx *a, const void *p, size_t n, int private_, uint8_t **out,
+                   size_t *outn)
 {
     if (out == NULL || outn == NULL || (n && p == NULL))
         return scape_set_error(SCAPE_INVALID, "auth_seal: bad argument");
     switch (auth_ctx_mode(a)) {
 #ifdef SCAPE_HAVE_MUNGE
-    case AUTH_MUNGE: return munge_seal(a, p, n, out, outn);
+    case AUTH_MUNGE: return munge_seal(a, p, n, private_, out, outn);
 #endif
     case AUTH_SECRET: return secret_seal(a, p, n, out, outn);
     default:
@@ -393,6 +398,6 @@ scape_rc auth_open(auth_ctx *a, const void *in, size_t n, uint8_t **p, size_t *p
     case AUTH_MUNGE: return munge_open(a, in, n, p, pn);
 #endif
     case AUTH_SECRET: return secret_open(a, in, n, p, pn);
-    default: return auth_seal(NULL, in, n, p, pn);
+    default: return auth_seal(NULL, in, n, 0, p, pn);
     }
 }

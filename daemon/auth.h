@@ -1,9 +1,10 @@
 /* auth.h - proving that a rendezvous message comes from the job's own user.
  *
  * The rendezvous wraps each join and each answer in a seal:
- *   munge   a munge credential whose payload is the message, restricted to
- *           this uid (only the job's user can decode it; munged refuses a
- *           replay and an expired one); the opener checks the sender's uid.
+ *   munge   a munge credential whose payload is the message (restricted to
+ *           this uid when it is private: only the job's user can decode it;
+ *           munged refuses a replay and an expired one); the opener checks
+ *           the sender's uid, and names it when it is another.
  *   secret  the message encrypted and authenticated with a 32-byte key that
  *           only the user can read (XSalsa20-Poly1305, libsodium), with the
  *           time it was sealed; the opener refuses another key, a seal older
@@ -46,8 +47,13 @@ scape_rc auth_create(auth_mode mode, const char *key_file, const char *munge_soc
 auth_mode auth_ctx_mode(const auth_ctx *a);
 void auth_destroy(auth_ctx *a);
 
-/* Seal n bytes at p: *out (malloc'd, *outn bytes) is what goes on the wire. */
-scape_rc auth_seal(auth_ctx *a, const void *p, size_t n, uint8_t **out, size_t *outn);
+/* Seal n bytes at p: *out (malloc'd, *outn bytes) is what goes on the wire.
+ * private: only this user may read it (munge: a uid restriction; a secret
+ * seal is always encrypted).  A join is not private (its endpoint and public
+ * key are not secret, and rank 0 can then name another user who sends one);
+ * rank 0's table, with the NCCL ids, is. */
+scape_rc auth_seal(auth_ctx *a, const void *p, size_t n, int private_, uint8_t **out,
+                   size_t *outn);
 /* Open a seal: *p (malloc'd, *pn bytes) is the message.  SCAPE_INVALID with
  * the reason when it was not sealed by this user (or with this key), was
  * replayed or has expired; nothing is returned then. */

@@ -107,7 +107,7 @@ static scape_rc send_reply(void *sock, const void *rid, size_t rid_len, const Sc
     if (buf == NULL)
         return scape_set_error(SCAPE_NOMEM, "rendezvous: out of memory");
     scape__rdv_reply__pack(r, buf);
-    scape_rc rc = auth_seal(a, buf, len, &sealed, &slen);
+    scape_rc rc = auth_seal(a, buf, len, 1, &sealed, &slen);
     free(buf);
     if (rc == SCAPE_OK && (zmq_send(sock, rid, rid_len, ZMQ_SNDMORE) < 0 ||
                            zmq_send(sock, sealed, slen, 0) < 0))
@@ -312,7 +312,7 @@ static scape_rc send_join(void *sock, const rdv_opts *o)
     if (len > sizeof buf / 2) /* room for the seal */
         return scape_set_error(SCAPE_INVALID, "rendezvous: endpoint too long");
     scape__rdv_join__pack(&j, buf);
-    TRY(auth_seal(o->auth, buf, len, &sealed, &slen));
+    TRY(auth_seal(o->auth, buf, len, 0, &sealed, &slen));
     scape_rc rc = SCAPE_OK;
     if (slen > RDV_JOIN_MAX)
         rc = scape_set_error(SCAPE_INVALID, "rendezvous: sealed join too long (%zu bytes)", slen);

@@ -158,11 +158,11 @@ static scape_rc open_auth(server *s, auth_ctx **out)
     else if (c->auth == CFG_AUTH_AUTO && !auth_munge_answers(c->munge_socket, why, sizeof why))
         return scape_set_error(SCAPE_INVALID,
                                "world %d: the daemons must prove they are this job's, and auth "
-                               "is auto but %s.  Choose one: auth: munge (with a munged "
-                               "running; every Slurm cluster has one, munge_socket names its "
-                               "socket), auth: secret with auth_key_file (write one with "
-                               "'scaped keygen FILE' where the job's nodes share it), or auth: "
-                               "none (anyone who reaches the ports can join or disturb the job)",
+                               "is auto but %.300s.  Choose one: auth: munge (a munged running, "
+                               "as on every Slurm cluster; munge_socket names its socket), "
+                               "auth: secret with auth_key_file (write one with 'scaped keygen "
+                               "FILE' where the job's nodes share it), or auth: none (anyone "
+                               "who reaches the ports can join or disturb the job)",
                                c->world, why);
     TRY(auth_create(m, c->auth_key_file, c->munge_socket, out));
     s->auth_mode = (int)m;

@@ -6,7 +6,7 @@
 
 #include "scape_kernels.h"
 
-static _Thread_local char s_last_error[512];
+static _Thread_local char s_last_error[1024];
 
 static const char *const s_rc_names[SCAPE_RC_COUNT] = {
     [SCAPE_OK] = "OK",           [SCAPE_INVALID] = "INVALID",

@@ -4,7 +4,9 @@ dense AdamS against SCAPE, measured in the same run.
 
 R scaped processes (world R, one per "node", ZeroMQ TCP over 127.0.0.1,
 sharded state) with one trainer_c each, N parameters; first dense AdamS, then
-SCAPE at rho (warm-up 1), the same seeds and steps.  Per optimizer: the
+SCAPE at rho (warm-up 1), the same seeds and steps; each over plain TCP
+(auth: none) and over CURVE (auth: secret: authenticated, encrypted), so that
+what the encryption costs is measured in the same run.  Per optimizer: the
 median over steps 3..S of the daemons' engine step (mean over ranks), of the
 trainers' wait for a step (post to reply, mean over trainers), and rank 0's
 collective payload and mask bytes from its status.  Before anything is
@@ -12,7 +14,7 @@ reported every trainer's final parameters must agree (the hash trainer_c
 prints).  Prints figures; it does not pass or fail on them.
 
 Usage: bench_daemons.py BUILD_DIR [--ranks R] [--n N] [--steps S] [--rho RHO]
-                        [--markdown FILE]
+                        [--auth none|secret|both] [--markdown FILE]
 """
 import argparse
 import os
@@ -34,6 +36,16 @@ def last_step(build, rt):
     """rank 0's collective payload and mask bytes of its last step."""
     _, done = status(build, rt)
     return int(done["bytes"]), int(done.get("mask_bytes") or 0)
+
+
+def auth_args(build, work, auth):
+    if auth == "none":
+        return ["--auth", "none"]
+    key = os.path.join(work, "job.key")
+    if not os.path.exists(key):
+        subprocess.run([os.path.join(build, "daemon", "scaped"), "keygen", key], check=True,
+                       capture_output=True)
+    return ["--auth", "secret", "--auth-key-file", key]
 
 
 def run(build, work, tag, ranks, n, steps, engine):
@@ -88,6 +100,7 @@ def main():
     ap.add_argument("--n", type=float, default=1e7)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rho", type=float, default=0.01)
+    ap.add_argument("--auth", choices=("none", "secret", "both"), default="both")
     ap.add_argument("--markdown")
     a = ap.parse_args()
     if a.steps < 4:
@@ -95,25 +108,32 @@ def main():
     work = tempfile.mkdtemp(prefix="scape-bench-daemons-")
     try:
         res = {}
+        auths = ("none", "secret") if a.auth == "both" else (a.auth,)
         for name, engine in (("adams", ["--optimizer", "adams"]),
                              ("scape", ["--optimizer", "scape", "--rho", str(a.rho),
                                         "--warmup", "1"])):
-            print("bench_daemons: %s, %d daemons, N=%g, %d steps ..." %
-                  (name, a.ranks, a.n, a.steps), file=sys.stderr)
-            res[name] = run(a.build, work, name, a.ranks, a.n, a.steps, engine)
+            for auth in auths:
+                print("bench_daemons: %s, auth %s, %d daemons, N=%g, %d steps ..." %
+                      (name, auth, a.ranks, a.n, a.steps), file=sys.stderr)
+                res[name, auth] = run(a.build, work, "%s-%s" % (name, auth), a.ranks, a.n,
+                                      a.steps, engine + auth_args(a.build, work, auth))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    d = res["adams"]
     lines = [
-        "| optimizer | engine step ms (median, mean over ranks) | trainer wait ms | "
-        "payload B/step (rank 0) | of it mask B | step vs dense | bytes vs dense |",
-        "|---|---|---|---|---|---|---|",
+        "| optimizer | data plane | engine step ms (median, mean over ranks) | trainer wait ms | "
+        "payload B/step (rank 0) | of it mask B | step vs dense | bytes vs dense | "
+        "step vs plain TCP |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, label in (("adams", "adams (dense)"), ("scape", "scape rho=%g" % a.rho)):
-        r = res[name]
-        lines.append("| %s | %.1f | %.1f | %d | %d | %.3f | %.4f |" % (
-            label, r["engine_ms"], r["wait_ms"], r["bytes"], r["mask"],
-            r["engine_ms"] / d["engine_ms"], r["bytes"] / d["bytes"]))
+        for auth in auths:
+            r, d = res[name, auth], res["adams", auth]
+            plain = res.get((name, "none"))
+            lines.append("| %s | %s | %.1f | %.1f | %d | %d | %.3f | %.4f | %s |" % (
+                label, "plain TCP (auth none)" if auth == "none" else "CURVE (auth secret)",
+                r["engine_ms"], r["wait_ms"], r["bytes"], r["mask"],
+                r["engine_ms"] / d["engine_ms"], r["bytes"] / d["bytes"],
+                "%.3f" % (r["engine_ms"] / plain["engine_ms"]) if plain else "-"))
     print("%d daemons (host backend, 127.0.0.1, sharded), 1 trainer each, N = %g, "
           "steps 3..%d" % (a.ranks, a.n, a.steps))
     emit(lines, a.markdown)

@@ -99,7 +99,7 @@ static const uint8_t *as_sent(int mode, const uint8_t *p, size_t n, uint8_t **ow
     *len = n;
     if (mode != 1)
         return p;
-    FUZZ_CHECK(auth_seal(s_auth, p, n, own, len) == SCAPE_OK, "seal: %s", scape_last_error());
+    FUZZ_CHECK(auth_seal(s_auth, p, n, 0, own, len) == SCAPE_OK, "seal: %s", scape_last_error());
     return *own;
 }
 
