@@ -51,8 +51,7 @@ const char *auth_mode_name(auth_mode m)
 
 auth_mode auth_ctx_mode(const auth_ctx *a) { return a ? a->mode : AUTH_NONE; }
 
-/* "uid 1000 (alice)" */
-static void uid_name(uid_t uid, char *buf, size_t len)
+void auth_uid_name(unsigned uid, char *buf, size_t len)
 {
     struct passwd pw, *res = NULL;
     char tmp[1024];
@@ -143,8 +142,8 @@ static scape_rc munge_open(auth_ctx *a, const void *in, size_t n, uint8_t **p, s
     munge_err_t e = munge_decode(cred, a->dec, &buf, &len, &uid, &gid);
     free(cred);
     char who[300], me[300];
-    uid_name(uid, who, sizeof who);
-    uid_name(geteuid(), me, sizeof me);
+    auth_uid_name(uid, who, sizeof who);
+    auth_uid_name(geteuid(), me, sizeof me);
     scape_rc rc = SCAPE_OK;
     if (e == EMUNGE_CRED_UNAUTHORIZED)
         rc = scape_set_error(SCAPE_INVALID, "a munge credential for another user than %s", me);

@@ -59,6 +59,9 @@ scape_rc auth_seal(auth_ctx *a, const void *p, size_t n, int private_, uint8_t *
  * replayed or has expired; nothing is returned then. */
 scape_rc auth_open(auth_ctx *a, const void *in, size_t n, uint8_t **p, size_t *pn);
 
+/* "uid 1000 (alice)" into buf. */
+void auth_uid_name(unsigned uid, char *buf, size_t len);
+
 /* Write a fresh key to path (created with mode 0600, never overwritten). */
 scape_rc auth_keygen(const char *path);
 

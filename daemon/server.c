@@ -354,6 +354,31 @@ scape_rc srv_create(server **out, const scaped_config *cfg)
 
 /* ---- the loop ------------------------------------------------------------- */
 
+int srv_peer_refused(server *s, zmq_msg_t *msg, const char *what)
+{
+    const char *addr = zmq_msg_gets(msg, "Peer-Address");
+    const char *c = addr ? strrchr(addr, ':') : NULL; /* ...:uid:gid:pid */
+    int fields = 0;
+    while (c && c > addr && fields < 2)
+        if (*--c == ':')
+            fields++;
+    unsigned uid = 0, gid = 0;
+    int pid = 0;
+    if (fields < 2 || sscanf(c, ":%u:%u:%d", &uid, &gid, &pid) != 3)
+        return 0;
+    if (uid == (unsigned)geteuid() || uid == 0)
+        return 0;
+    char who[300], me[300];
+    auth_uid_name(uid, who, sizeof who);
+    auth_uid_name((unsigned)geteuid(), me, sizeof me);
+    s->other_users++;
+    scape_set_error(SCAPE_INVALID, "process %d of %s is not this daemon's user (%s): only the "
+                    "job's own processes may use its sockets", pid, who, me);
+    LOG_WARN(SUB_CTRL, "refused a %s message: %s (is the runtime directory %s open to "
+             "others?)", what, scape_last_error(), s->dir);
+    return 1;
+}
+
 /* Receive one control message: [routing id][payload].  Anything else gets a
  * PROTO error; nothing is trusted before it is decoded and checked. */
 static void control_recv(server *s)
@@ -374,6 +399,11 @@ static void control_recv(server *s)
         n = zmq_msg_recv(&msg, s->ctrl, ZMQ_DONTWAIT);
     }
     Scape__Request *q = NULL;
+    if (n >= 0 && srv_peer_refused(s, &msg, "control")) {
+        zmq_msg_close(&msg);
+        srv_reply_error(s, rid, rid_len, SCAPE_INVALID);
+        return;
+    }
     if (n < 0)
         scape_set_error(SCAPE_PROTO, "a message without a payload frame");
     else if (extra)

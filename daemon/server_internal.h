@@ -6,6 +6,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/types.h>
+#include <zmq.h>
 
 #include "ckpt.h"
 #include "config.h"
@@ -77,6 +78,7 @@ struct server {
     int broken;                     /* the engine failed mid-step */
     uint64_t foreign_seen;          /* comm_foreign count already logged */
     uint64_t refused_seen;          /* comm_refused count already logged */
+    uint64_t other_users;           /* messages refused as another user's (SO_PEERCRED) */
     char curve_public[41];          /* the data plane's CURVE public key ("": none) */
     shm_map spare;                  /* params of the last trainer that left, for the next */
     struct grave *graves;           /* CUDA IPC maps of gone trainers, closed once the */
@@ -116,6 +118,13 @@ double srv_now(void);
 scape_rc srv_reply(server *s, const unsigned char *rid, size_t rid_len, const Scape__Reply *r);
 /* Send an error reply with code rc and the current last-error message. */
 void srv_reply_error(server *s, const unsigned char *rid, size_t rid_len, scape_rc rc);
+/* 1 when the process that sent msg on an ipc socket (its SO_PEERCRED, which
+ * ZeroMQ puts in the Peer-Address property as "...:uid:gid:pid") runs as
+ * another user than this daemon's (root excepted): the error is set, logged
+ * (what names the socket) and counted.  0 when it is this user, or when
+ * this libzmq gives no credentials (the 0700 runtime directory still
+ * guards the sockets then). */
+int srv_peer_refused(server *s, zmq_msg_t *msg, const char *what);
 /* Handle one decoded request from the control socket. */
 void ctl_handle(server *s, const unsigned char *rid, size_t rid_len, const Scape__Request *q);
 /* Drop a trainer (it died or detached); abandons a partly posted step. */

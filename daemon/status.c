@@ -230,10 +230,12 @@ void status_serve(server *s)
     }
     int more = zmq_msg_more(&msg);
     Scape__Request *q = NULL;
-    if (more || (size_t)n > s->cfg.max_message_bytes)
+    int stranger = srv_peer_refused(s, &msg, "status");
+    if (!stranger && (more || (size_t)n > s->cfg.max_message_bytes))
         scape_set_error(SCAPE_PROTO, "status request of %d bytes%s refused", n,
                         more ? " in several frames" : "");
-    else if ((q = scape__request__unpack(NULL, (size_t)n, zmq_msg_data(&msg))) == NULL)
+    else if (!stranger &&
+             (q = scape__request__unpack(NULL, (size_t)n, zmq_msg_data(&msg))) == NULL)
         scape_set_error(SCAPE_PROTO, "undecodable status request (%d bytes)", n);
     zmq_msg_close(&msg);
     while (more) { /* drain the rest so the REP state machine stays in step */
@@ -243,8 +245,9 @@ void status_serve(server *s)
         zmq_msg_close(&msg);
     }
     if (q == NULL) {
-        LOG_WARN(SUB_STATUS, "%s", scape_last_error());
-        send_error(s, SCAPE_PROTO);
+        if (!stranger)
+            LOG_WARN(SUB_STATUS, "%s", scape_last_error());
+        send_error(s, stranger ? SCAPE_INVALID : SCAPE_PROTO);
         return;
     }
     answer(s, q);

@@ -219,3 +219,51 @@ def test_auth_none_and_the_start_up_error(daemon_factory, tmp_path):
     p = run_trainer(alone.endpoint, 0, N, 3, wait=False)
     o, e = p.communicate(timeout=120)
     assert p.returncode == 0, o + e
+
+
+PROBE = r"""
+import sys, zmq
+sys.path.insert(0, sys.argv[3])
+import pbwire
+ctx = zmq.Context()
+for kind, ep, req in (("control", sys.argv[1], pbwire.hello(1)),
+                      ("status", sys.argv[2], pbwire.status_request())):
+    s = ctx.socket(zmq.DEALER if kind == "control" else zmq.REQ)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, 10000)
+    s.connect(ep)
+    s.send(req)
+    r = pbwire.parse(s.recv())
+    err = pbwire.parse(r[2][0]) if 2 in r else {}
+    print(kind, r[1][0], err.get(2, [b""])[0].decode())
+    s.close()
+"""
+
+
+def test_another_user_is_refused_on_the_node_sockets(daemon_factory, tmp_path):
+    """The runtime directory opened to everyone by hand: a process of nobody
+    reaches the control and status sockets, and the daemon refuses each of
+    its messages with the reason (SO_PEERCRED), logs it, and goes on serving
+    its own user's trainers."""
+    if os.geteuid() != 0:
+        pytest.skip("playing another uid needs root")
+    d = daemon_factory(*ENGINE)
+    os.chmod(d.dir, 0o755)
+    os.chmod(d.rt, 0o777)
+    for f in ("control", "status"):
+        os.chmod(os.path.join(d.rt, f), 0o777)
+    res = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+                          "/usr/bin/python3", "-c", PROBE, d.endpoint, d.status_endpoint,
+                          os.path.dirname(os.path.abspath(__file__))],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = res.stdout.splitlines()
+    assert len(lines) == 2, res.stdout
+    for line, kind in zip(lines, ("control", "status")):
+        assert line.startswith(kind + " ") and not line.startswith(kind + " 0"), line
+        assert "of uid 65534 (nobody) is not this daemon's user" in line, line
+    log = d.output()
+    assert "refused a control message" in log and "refused a status message" in log, log
+    p = run_trainer(d.endpoint, 0, N, 3, wait=False)
+    o, e = p.communicate(timeout=120)
+    assert p.returncode == 0, o + e
