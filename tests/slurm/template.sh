@@ -35,6 +35,10 @@ steps=150
 export SCAPE_HOME=$root SCAPE_BIN=$DIR/bin SCAPE_RUN_BASE=$DIR READY_TIMEOUT=60
 export SCAPE_COORD_HOST=127.0.0.1 SCAPE_LISTEN_IFACE=lo TRAINERS_PER_NODE=$trainers
 unset SCAPE_RDV_PORT SCAPE_DATA_PORT
+# The cluster's own munged (not at munge's default socket): the daemons
+# authenticate their rendezvous with it and run CURVE between them, as on
+# Vista (where auth auto finds munged at its default socket).
+export SCAPE_AUTH=munge SCAPE_MUNGE_SOCKET=$DIR/munge/munge.socket.2
 export SCAPE_ARGS="--rho 0.1 --warmup 5 --comm-timeout-ms 60000"
 export TRAINER_CMD="$build/tests/integration/trainer_c --n 4000 --steps $steps"
 export SCAPE_CHECKPOINT_DIR=$DIR/ckpt-plain
@@ -50,6 +54,10 @@ falling=$(grep -o "loss [0-9.]* -> [0-9.]*" "$DIR/job.out" |
           awk '{ if ($4 < $2) n++ } END { print n + 0 }')
 [ "$falling" -eq "$want" ] || fail "the loss fell for $falling of $want trainers"
 grep -q "scape: every daemon is up" "$DIR/job.out" || fail "the template did not report its daemons"
+[ "$(grep -c "auth munge" "$DIR/job.out" || true)" -eq 4 ] ||
+  fail "not every daemon says auth munge"
+[ "$(grep -c "CURVE: authenticated and encrypted" "$DIR/job.out" || true)" -eq 4 ] ||
+  fail "not every daemon runs CURVE"
 echo "template: 4 nodes x $trainers trainers, identical parameters, loss falling: ok"
 
 # Two jobs at the same time, as two jobs sharing nodes would be (every node
