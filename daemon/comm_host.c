@@ -73,6 +73,7 @@
 #define HOST_MAX_RANKS 4096
 #define LOST_GRACE_MS 1000  /* a closed connection this long: the peer is gone */
 #define PUMP_DEADLINE SCAPE_RC_COUNT /* pump_one: the deadline passed (no error set) */
+#define CURVE_FRAME_OVERHEAD 64 /* "\x07MESSAGE", an 8-byte nonce, a 16-byte MAC, flags */
 
 typedef struct host_msg {
     wire_hdr h;
@@ -91,6 +92,7 @@ typedef struct gather {     /* receive side of one all-gather */
 typedef struct host {
     void *zctx, *pull;
     zap *zap;               /* CURVE: who may connect to pull (NULL: plain) */
+    int curve;              /* messages travel as CURVE boxes */
     void **push;            /* per peer; NULL for this rank */
     void **mon;             /* per peer: PAIR reading push[q]'s monitor events */
     long long *down_since;  /* per peer: when its connection closed (ms), 0: up */
@@ -971,7 +973,10 @@ static scape_rc host_alloc(const comm_host_opts *o, host **out)
 static scape_rc open_socket(host *h, void **s, int type, int hwm_opt, int linger)
 {
     int zero = 0;
-    int64_t maxmsg = (int64_t)(h->chunk > sizeof(wire_hdr) ? h->chunk : sizeof(wire_hdr));
+    /* ZeroMQ applies the limit to a frame as it travels: a CURVE box is the
+     * frame plus its MESSAGE command, nonce and MAC */
+    int64_t maxmsg = (int64_t)(h->chunk > sizeof(wire_hdr) ? h->chunk : sizeof(wire_hdr)) +
+                     (h->curve ? CURVE_FRAME_OVERHEAD : 0);
     if ((*s = zmq_socket(h->zctx, type)) == NULL)
         return zerr("zmq_socket");
     if (zmq_setsockopt(*s, hwm_opt, &zero, sizeof zero) != 0 ||
@@ -1042,7 +1047,7 @@ static scape_rc host_connect(const comm_host_opts *o, host *h)
 {
     const char *self = o->meet ? o->listen : o->endpoints[o->rank];
     const char *const *eps = o->endpoints, *const *keys = o->curve_keys;
-    int curve = o->curve_public != NULL;
+    int curve = h->curve = o->curve_public != NULL;
     if ((h->zctx = zmq_ctx_new()) == NULL)
         return zerr("zmq_ctx_new");
     TRY(open_socket(h, &h->pull, ZMQ_PULL, ZMQ_RCVHWM, 0));

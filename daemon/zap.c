@@ -218,7 +218,9 @@ static void take_event(zap *z)
             snprintf(z->why, sizeof z->why, "%s (ZMTP error 0x%08x)", protocol_error(v), v);
         } else if (e == ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL) {
             z->refused++;
-            snprintf(z->why, sizeof z->why, "a handshake that failed: %s", zmq_strerror((int)v));
+            snprintf(z->why, sizeof z->why, "a handshake that broke off (%s): a peer that does "
+                     "not speak this job's CURVE, or a rank that stopped in the middle",
+                     zmq_strerror((int)v));
         }
         pthread_mutex_unlock(&z->mu);
     }

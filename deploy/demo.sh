@@ -55,6 +55,10 @@ cleanup() {
   exit "$rc"
 }
 trap cleanup EXIT INT TERM
+# The two daemons prove to each other that they are this job's with a shared
+# key (auth: secret; a Slurm cluster would use its munged), and their data
+# plane runs CURVE: authenticated and encrypted.
+build-demo/daemon/scaped keygen "$rt/job.key" >/dev/null
 
 free_port() {
   python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
@@ -96,6 +100,7 @@ run_group() {
     fi
     "${on[@]}" build-demo/daemon/scaped --runtime-dir "$rt/$name-$r" --world 2 --rank "$r" \
       --coordinator "$coord" --listen "$listen" --job $$ \
+      --auth secret --auth-key-file "$rt/job.key" \
       --trainers 2 --mode sharded --log-level warn "$@" >"$out/$name-scaped-$r.log" 2>&1 &
     pids+=($!)
   done

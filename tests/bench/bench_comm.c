@@ -3,7 +3,9 @@
  * cost formulas of docs/algorithm.md.  Figures are ratios to dense AdamS of the
  * same run; nothing fails on timing.  Exit 0, 1 on an engine, comm or
  * validation failure (ranks' final parameters not bitwise identical), 2 on
- * bad arguments.
+ * bad arguments.  The step time is measured over plain TCP (auth: none) and
+ * over CURVE (what an authenticated job runs: every message authenticated and
+ * encrypted), so the encryption's cost is a ratio of the same run.
  *
  * usage: bench_comm [--quick] [--markdown FILE]
  */
@@ -14,6 +16,7 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#include <zmq.h>
 
 #include "comm_host.h"
 #include "engine.h"
@@ -29,7 +32,7 @@
 #define TIMEOUT_MS 300000
 #define FIRST 3             /* first measured step (warm-up is step 1) */
 #define NBYTES_ROWS 12
-#define NTIME_ROWS 2
+#define NTIME_ROWS 4 /* adams, scape; plain TCP, then CURVE */
 #define NCOL 13
 
 typedef struct spec {
@@ -39,6 +42,7 @@ typedef struct spec {
     size_t n_req;   /* synth_layout's size argument */
     uint64_t steps; /* steps FIRST..steps are measured */
     int sync;       /* barrier before each step (timing runs) */
+    int curve;      /* the data plane runs CURVE */
 } spec;
 
 /* Sums over the measured steps of one rank. */
@@ -168,17 +172,24 @@ static void *rank_thread(void *arg)
 
 /* A host group on random ports outside the ephemeral range, retried when a
  * port is taken (as test_comm_host.c). */
-static scape_rc group_try(int R, char ep[][40], comm_t **c)
+static scape_rc group_try(int R, int curve, char ep[][40], comm_t **c)
 {
-    const char *eps[MAXR];
+    const char *eps[MAXR], *pubs[MAXR];
+    char pub[MAXR][41], sec[MAXR][41];
     int base = 20000 + (int)((unsigned)rand() % 12000u);
     for (int r = 0; r < R; r++) {
         snprintf(ep[r], 40, "tcp://127.0.0.1:%d", base + r);
         eps[r] = ep[r];
+        if (curve && zmq_curve_keypair(pub[r], sec[r]) != 0)
+            return scape_set_error(SCAPE_ZMQ, "zmq_curve_keypair failed");
+        pubs[r] = pub[r];
     }
     for (int r = 0; r < R; r++) {
         comm_host_opts o = { .rank = r, .size = R, .endpoints = eps,
-                             .timeout_ms = TIMEOUT_MS, .job = 1 };
+                             .timeout_ms = TIMEOUT_MS, .job = 1,
+                             .curve_public = curve ? pub[r] : NULL,
+                             .curve_secret = curve ? sec[r] : NULL,
+                             .curve_keys = curve ? pubs : NULL };
         scape_rc rc = comm_host_create(&o, &c[r]);
         if (rc != SCAPE_OK) {
             while (r-- > 0)
@@ -189,12 +200,12 @@ static scape_rc group_try(int R, char ep[][40], comm_t **c)
     return SCAPE_OK;
 }
 
-static scape_rc group_open(int R, comm_t **c)
+static scape_rc group_open(int R, int curve, comm_t **c)
 {
     char ep[MAXR][40];
     scape_rc rc = SCAPE_ZMQ;
     for (int attempt = 0; attempt < 20 && rc != SCAPE_OK; attempt++)
-        rc = group_try(R, ep, c);
+        rc = group_try(R, curve, ep, c);
     return rc;
 }
 
@@ -273,9 +284,9 @@ static int run_case(const spec *s, result *res)
                            ? (double)mcode_bytes(p, 0, p->ntensors)
                            : (double)mcode_bytes(p, p->shard[r].first, p->shard[r].count);
     plan_destroy(&p);
-    fprintf(stderr, "bench_comm: %s rho=%g R=%d N=%zu ...\n", eng_optimizer_name(s->opt),
-            s->rho, s->R, n);
-    if (group_open(s->R, c) != SCAPE_OK) {
+    fprintf(stderr, "bench_comm: %s rho=%g R=%d N=%zu%s ...\n", eng_optimizer_name(s->opt),
+            s->rho, s->R, n, s->curve ? " CURVE" : "");
+    if (group_open(s->R, s->curve, c) != SCAPE_OK) {
         fprintf(stderr, "bench_comm: cannot open a host group: %s\n", scape_last_error());
         return 1;
     }
@@ -385,24 +396,27 @@ static void print_bytes(FILE *f, int md, const report *rep)
 
 static void print_time(FILE *f, int md, const report *rep)
 {
-    static const char *const head[6] = { "optimizer", "rho", "R", "K", "step ms",
-                                         "ratio vs dense" };
-    static const int w[6] = { 10, 5, 2, 8, 9, 14 };
-    char c[6][32];
-    for (int i = 0; i < 6; i++)
+    static const char *const head[8] = { "optimizer", "rho", "R", "data plane", "K",
+                                         "step ms", "ratio vs dense", "CURVE vs plain" };
+    static const int w[8] = { 10, 5, 2, 10, 8, 9, 14, 14 };
+    char c[8][32];
+    for (int i = 0; i < 8; i++)
         snprintf(c[i], 32, "%s", head[i]);
-    emit(f, md, c, w, 6);
+    emit(f, md, c, w, 8);
     if (md)
-        emit_rule(f, 6);
+        emit_rule(f, 8);
     for (int i = 0; i < NTIME_ROWS; i++) {
         const result *r = &rep->time[i];
+        const result *dense = &rep->time[i / 2 * 2], *plain = &rep->time[i % 2];
         snprintf(c[0], 32, "%s", eng_optimizer_name(r->s.opt));
         rho_cell(c[1], r);
         snprintf(c[2], 32, "%d", r->s.R);
-        snprintf(c[3], 32, "%.0f", r->k);
-        snprintf(c[4], 32, "%.2f", r->step_ms);
-        snprintf(c[5], 32, "%.3f", r->step_ms / rep->time[0].step_ms);
-        emit(f, md, c, w, 6);
+        snprintf(c[3], 32, "%s", r->s.curve ? "CURVE" : "plain TCP");
+        snprintf(c[4], 32, "%.0f", r->k);
+        snprintf(c[5], 32, "%.2f", r->step_ms);
+        snprintf(c[6], 32, "%.3f", r->step_ms / dense->step_ms);
+        snprintf(c[7], 32, "%.3f", r->step_ms / plain->step_ms);
+        emit(f, md, c, w, 8);
     }
 }
 
@@ -465,7 +479,7 @@ static int run_bytes(report *rep, int quick)
     int bad = 0;
     for (int i = 0; i < NBYTES_ROWS && !bad; i++) {
         spec s = { opts[i % 4].opt, opts[i % 4].rho, ranks[i / 4],
-                   quick ? 100000 : 1000000, quick ? 4 : 6, 0 };
+                   quick ? 100000 : 1000000, quick ? 4 : 6, 0, 0 };
         bad = run_case(&s, &rep->bytes[i]);
     }
     return bad;
@@ -475,8 +489,9 @@ static int run_time(report *rep, int quick)
 {
     int bad = 0;
     for (int i = 0; i < NTIME_ROWS && !bad; i++) {
-        spec s = { i ? ENG_OPT_SCAPE : ENG_OPT_ADAMS, i ? 0.01 : 1.0, 4,
-                   quick ? 1000000 : 10000000, quick ? 5 : 12, 1 };
+        int scape = i % 2;
+        spec s = { scape ? ENG_OPT_SCAPE : ENG_OPT_ADAMS, scape ? 0.01 : 1.0, 4,
+                   quick ? 1000000 : 10000000, quick ? 5 : 12, 1, i / 2 };
         bad = run_case(&s, &rep->time[i]);
     }
     return bad;

@@ -259,7 +259,8 @@ def test_strangers_are_refused_at_the_handshake(daemon_factory, tmp_path):
     for _ in range(10):
         plain.send(b"junk")
     js = wait_refused(target, 0, deadline)
-    assert "without CURVE" in js["refused_last"], js
+    # whichever side sees the other's mechanism first ends the handshake
+    assert "without CURVE" in js["refused_last"] or "broke off" in js["refused_last"], js
     plain.close()
     seen = js["refused_handshakes"]
     stranger = ctx.socket(zmq.PUSH)

@@ -31,16 +31,26 @@ typedef struct group {
     comm_t *c[MAXR];
 } group;
 
+/* Groups opened while this is set run CURVE, a fresh key pair per rank. */
+static int s_curve;
+static char s_pub[MAXR][41], s_sec[MAXR][41];
+static const char *s_pubs[MAXR];
+
 static scape_rc group_try(group *g, int R, uint64_t job, int timeout_ms)
 {
     int base = 20000 + (int)((unsigned)rand() % 12000u);
     for (int r = 0; r < R; r++) {
         snprintf(g->ep[r], sizeof g->ep[r], "tcp://127.0.0.1:%d", base + r);
         g->eps[r] = g->ep[r];
+        ck_assert_int_eq(zmq_curve_keypair(s_pub[r], s_sec[r]), 0);
+        s_pubs[r] = s_pub[r];
     }
     for (int r = 0; r < R; r++) {
         comm_host_opts o = { .rank = r, .size = R, .endpoints = g->eps,
-                             .timeout_ms = timeout_ms, .chunk_bytes = CHUNK, .job = job };
+                             .timeout_ms = timeout_ms, .chunk_bytes = CHUNK, .job = job,
+                             .curve_public = s_curve ? s_pub[r] : NULL,
+                             .curve_secret = s_curve ? s_sec[r] : NULL,
+                             .curve_keys = s_curve ? s_pubs : NULL };
         scape_rc rc = comm_host_create(&o, &g->c[r]);
         if (rc != SCAPE_OK) {
             while (r-- > 0)
@@ -266,6 +276,63 @@ END_TEST
 START_TEST(megabytes_match_local)
 {
     compare_backends(s_sizes[_i], 750001);
+}
+END_TEST
+
+static void plain_tcp(void) { s_curve = 0; } /* a failed CURVE test leaves no trace */
+
+/* CURVE: the same bytes as the local backend, in chunks as large as the
+ * limit on a frame allows (a box is larger than its frame), and no rank of
+ * the group refused. */
+START_TEST(curve_groups_match_local)
+{
+    s_curve = 1;
+    compare_backends(s_sizes[_i], 1001);
+    compare_backends(s_sizes[_i], 750001);
+    s_curve = 0;
+}
+END_TEST
+
+/* A plain ZeroMQ peer and a CURVE peer whose key is not a rank's, at a
+ * CURVE rank's data port: refused at the handshake, counted with the
+ * reason; nothing they sent is read (no foreign message); the group still
+ * runs. */
+START_TEST(curve_refuses_strangers)
+{
+    s_curve = 1;
+    group g;
+    group_open(&g, 2, 7, 10000);
+    void *zctx = zmq_ctx_new();
+    char pub[41], sec[41], why[256];
+    ck_assert_int_eq(zmq_curve_keypair(pub, sec), 0);
+    int zero = 0;
+    for (int k = 0; k < 2; k++) {
+        void *push = zmq_socket(zctx, ZMQ_PUSH);
+        ck_assert_ptr_nonnull(push);
+        ck_assert_int_eq(zmq_setsockopt(push, ZMQ_LINGER, &zero, sizeof zero), 0);
+        if (k == 1) {
+            ck_assert_int_eq(zmq_setsockopt(push, ZMQ_CURVE_SERVERKEY, s_pub[1], 40), 0);
+            ck_assert_int_eq(zmq_setsockopt(push, ZMQ_CURVE_PUBLICKEY, pub, 40), 0);
+            ck_assert_int_eq(zmq_setsockopt(push, ZMQ_CURVE_SECRETKEY, sec, 40), 0);
+        }
+        ck_assert_int_eq(zmq_connect(push, g.eps[1]), 0);
+        ck_assert_int_ge(zmq_send(push, "junk", 4, ZMQ_DONTWAIT), 0);
+        uint64_t before = comm_refused(g.c[1], NULL, 0);
+        for (int i = 0; i < 400 && comm_refused(g.c[1], why, sizeof why) <= before; i++)
+            nanosleep(&(struct timespec){ 0, 10000000L }, NULL);
+        ck_assert_uint_gt(comm_refused(g.c[1], why, sizeof why), before);
+        /* a plain peer: whichever side sees the other's mechanism first ends it */
+        ck_assert_msg(k == 0 ? strstr(why, "without CURVE") || strstr(why, "broke off")
+                             : strstr(why, "not a rank of this job") != NULL,
+                      "%s", why);
+        zmq_close(push);
+    }
+    zmq_ctx_term(zctx);
+    compare_backends_on(2, 1001, g.c);
+    ck_assert_uint_eq(comm_foreign(g.c[1], NULL, 0), 0);
+    ck_assert_uint_eq(comm_refused(g.c[0], NULL, 0), 0);
+    group_close(&g, 2);
+    s_curve = 0;
 }
 END_TEST
 
@@ -753,6 +820,9 @@ int main(void)
     tcase_set_timeout(tc, 600);
     tcase_add_loop_test(tc, small_sizes_match_local, 0, NSIZES);
     tcase_add_loop_test(tc, megabytes_match_local, 0, NSIZES);
+    tcase_add_checked_fixture(tc, plain_tcp, NULL);
+    tcase_add_loop_test(tc, curve_groups_match_local, 1, 4); /* R = 2, 3, 4 */
+    tcase_add_test(tc, curve_refuses_strangers);
     tcase_add_test(tc, killed_peer_times_out_naming_it);
     tcase_add_test(tc, barrier_names_missing_rank);
     tcase_add_test(tc, dead_rank_is_named_not_the_rank_waited_for);
