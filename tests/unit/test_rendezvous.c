@@ -1,16 +1,22 @@
 /* test_rendezvous.c - daemons finding each other over loopback TCP: the
  * table and blob every rank receives, a rank that never comes, another
- * job's daemon, a coordinator that is not there; and Slurm's environment. */
+ * job's daemon, a coordinator that is not there; the seals of auth secret
+ * (a rank with another key), CURVE keys handed to all; and Slurm's
+ * environment. */
 #define _POSIX_C_SOURCE 200809L
+#define _GNU_SOURCE /* memmem */
 #include <arpa/inet.h>
 #include <check.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 #include <zmq.h>
 
+#include "auth.h"
 #include "rendezvous.h"
 #include "check_run.h"
 
@@ -166,6 +172,143 @@ static void expect_host(const char *list, const char *want)
     ck_assert_str_eq(host, want);
 }
 
+/* Two key files in a fresh directory: the job's and another. */
+static void two_keys(char *dir, char *good, char *bad, size_t len)
+{
+    snprintf(dir, len, "/tmp/rdv-keys-XXXXXX");
+    ck_assert_ptr_nonnull(mkdtemp(dir));
+    snprintf(good, len, "%s/job.key", dir);
+    snprintf(bad, len, "%s/other.key", dir);
+    ck_assert_int_eq(auth_keygen(good), SCAPE_OK);
+    ck_assert_int_eq(auth_keygen(bad), SCAPE_OK);
+}
+
+static void remove_keys(const char *dir, const char *good, const char *bad)
+{
+    unlink(good);
+    unlink(bad);
+    rmdir(dir);
+}
+
+/* auth secret: four ranks with the job's key, each publishing a CURVE key,
+ * all get every endpoint and every key; then a rank with another key is
+ * refused with the reason and rank 0 names it as never joined. */
+START_TEST(sealed_meeting_hands_out_keys)
+{
+    char dir[64], good[96], bad[96];
+    two_keys(dir, good, bad, sizeof dir);
+    auth_ctx *a[MAX_R] = { 0 }, *other = NULL;
+    char pub[MAX_R][41], sec[41];
+    rank_case cs[MAX_R];
+    for (int r = 0; r < 4; r++) {
+        ck_assert_int_eq(auth_create(AUTH_SECRET, good, NULL, &a[r]), SCAPE_OK);
+        ck_assert_int_eq(zmq_curve_keypair(pub[r], sec), 0);
+    }
+    ck_assert_int_eq(auth_create(AUTH_SECRET, bad, NULL, &other), SCAPE_OK);
+    for (int round = 0; round < 2; round++) {
+        char coord[64];
+        free_endpoint(coord, sizeof coord);
+        pthread_t th[MAX_R];
+        for (int r = 0; r < 4; r++) {
+            rank_case *c = &cs[r];
+            memset(c, 0, sizeof *c);
+            snprintf(c->endpoint, sizeof c->endpoint, "tcp://127.0.0.1:%d", 41000 + r);
+            c->o = (rdv_opts){ .rank = r, .world = 4, .coordinator = coord,
+                               .endpoint = c->endpoint, .job = 7, .timeout_ms = 3000,
+                               .auth = round == 1 && r == 2 ? other : a[r],
+                               .curve_key = pub[r] };
+            ck_assert_int_eq(pthread_create(&th[r], NULL, rank_main, c), 0);
+        }
+        for (int r = 0; r < 4; r++)
+            pthread_join(th[r], NULL);
+        for (int r = 0; r < 4; r++) {
+            if (round == 0) {
+                ck_assert_msg(cs[r].rc == SCAPE_OK, "rank %d: %s", r, cs[r].err);
+                ck_assert_ptr_nonnull(cs[r].res.keys);
+                for (int k = 0; k < 4; k++) {
+                    ck_assert_str_eq(cs[r].res.keys[k], pub[k]);
+                    ck_assert_str_eq(cs[r].res.endpoints[k], cs[k].endpoint);
+                }
+            } else if (r == 2) {
+                ck_assert_int_ne(cs[r].rc, SCAPE_OK);
+                ck_assert_msg(strstr(cs[r].err, "rank 0 refused rank 2") &&
+                                  strstr(cs[r].err, "another key"), "%s", cs[r].err);
+            } else if (r == 0) {
+                ck_assert_int_eq(cs[r].rc, SCAPE_TIMEOUT);
+                ck_assert_msg(strstr(cs[r].err, "rank(s) 2 never joined"), "%s", cs[r].err);
+            }
+            rdv_result_free(&cs[r].res);
+        }
+    }
+    for (int r = 0; r < 4; r++)
+        auth_destroy(a[r]);
+    auth_destroy(other);
+    remove_keys(dir, good, bad);
+}
+END_TEST
+
+/* The seals themselves: a round trip; another key; a replay; a message that
+ * was never sealed; key files that are refused and why. */
+START_TEST(seals_and_key_files)
+{
+    char dir[64], good[96], bad[96];
+    two_keys(dir, good, bad, sizeof dir);
+    auth_ctx *a = NULL, *b = NULL, *none = NULL;
+    ck_assert_int_eq(auth_create(AUTH_SECRET, good, NULL, &a), SCAPE_OK);
+    ck_assert_int_eq(auth_create(AUTH_SECRET, bad, NULL, &b), SCAPE_OK);
+    ck_assert_int_eq(auth_create(AUTH_NONE, NULL, NULL, &none), SCAPE_OK);
+    static const char msg[] = "a join of rank 3";
+    uint8_t *sealed = NULL, *open = NULL;
+    size_t sn = 0, on = 0;
+    ck_assert_int_eq(auth_seal(a, msg, sizeof msg, 0, &sealed, &sn), SCAPE_OK);
+    ck_assert_uint_gt(sn, sizeof msg);
+    ck_assert_ptr_null(memmem(sealed, sn, "rank 3", 6)); /* encrypted */
+    ck_assert_int_eq(auth_open(b, sealed, sn, &open, &on), SCAPE_INVALID);
+    ck_assert_ptr_nonnull(strstr(scape_last_error(), "another key"));
+    ck_assert_int_eq(auth_open(a, sealed, sn, &open, &on), SCAPE_OK);
+    ck_assert_uint_eq(on, sizeof msg);
+    ck_assert_mem_eq(open, msg, sizeof msg);
+    free(open);
+    ck_assert_int_eq(auth_open(a, sealed, sn, &open, &on), SCAPE_INVALID);
+    ck_assert_ptr_nonnull(strstr(scape_last_error(), "replayed"));
+    sealed[sn - 1] ^= 1;
+    ck_assert_int_eq(auth_open(a, sealed, sn, &open, &on), SCAPE_INVALID);
+    free(sealed);
+    ck_assert_int_eq(auth_open(a, msg, sizeof msg, &open, &on), SCAPE_INVALID);
+    ck_assert_ptr_nonnull(strstr(scape_last_error(), "not sealed"));
+    ck_assert_int_eq(auth_seal(none, msg, sizeof msg, 1, &sealed, &sn), SCAPE_OK);
+    ck_assert_int_eq(auth_open(none, sealed, sn, &open, &on), SCAPE_OK);
+    ck_assert_mem_eq(open, msg, sizeof msg);
+    free(sealed);
+    free(open);
+    /* key files */
+    auth_ctx *x = NULL;
+    ck_assert_int_eq(auth_keygen(good), SCAPE_SYSTEM);
+    ck_assert_ptr_nonnull(strstr(scape_last_error(), "never overwritten"));
+    ck_assert_int_eq(chmod(bad, 0640), 0);
+    ck_assert_int_eq(auth_create(AUTH_SECRET, bad, NULL, &x), SCAPE_INVALID);
+    ck_assert_ptr_nonnull(strstr(scape_last_error(), "can be read by others (mode 0640)"));
+    ck_assert_int_eq(auth_create(AUTH_SECRET, dir, NULL, &x), SCAPE_INVALID);
+    ck_assert_ptr_nonnull(strstr(scape_last_error(), "not a regular file"));
+    ck_assert_int_eq(auth_create(AUTH_SECRET, "", NULL, &x), SCAPE_INVALID);
+    ck_assert_ptr_nonnull(strstr(scape_last_error(), "scaped keygen"));
+    FILE *f = fopen(bad, "w");
+    ck_assert_ptr_nonnull(f);
+    fputs("not a key\n", f);
+    fclose(f);
+    ck_assert_int_eq(chmod(bad, 0600), 0);
+    ck_assert_int_eq(auth_create(AUTH_SECRET, bad, NULL, &x), SCAPE_INVALID);
+    ck_assert_ptr_nonnull(strstr(scape_last_error(), "does not hold a key"));
+    ck_assert_int_eq(auth_create(AUTH_MUNGE, NULL, "/nonexistent/munge.socket", &x),
+                     SCAPE_UNSUPPORTED);
+    ck_assert_ptr_nonnull(strstr(scape_last_error(), "no munged answers"));
+    auth_destroy(a);
+    auth_destroy(b);
+    auth_destroy(none);
+    remove_keys(dir, good, bad);
+}
+END_TEST
+
 START_TEST(slurm_host_lists)
 {
     expect_host("gh001", "gh001");
@@ -236,6 +379,8 @@ int main(void)
     tcase_add_test(tc, another_job_is_refused);
     tcase_add_test(tc, no_coordinator);
     tcase_add_test(tc, bad_options);
+    tcase_add_test(tc, sealed_meeting_hands_out_keys);
+    tcase_add_test(tc, seals_and_key_files);
     tcase_add_test(tc, slurm_host_lists);
     tcase_add_test(tc, slurm_environment);
     tcase_add_test(tc, host_address);
