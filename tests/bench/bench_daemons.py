@@ -13,8 +13,12 @@ collective payload and mask bytes from its status.  Before anything is
 reported every trainer's final parameters must agree (the hash trainer_c
 prints).  Prints figures; it does not pass or fail on them.
 
+With --link RATE (root) the daemons run on test hosts of deploy/hosts.sh,
+one per host, whose links have that rate (tc tbf: 100mbit, 1gbit, ...); the
+trainers stay outside and attach through the daemons' ipc sockets.
+
 Usage: bench_daemons.py BUILD_DIR [--ranks R] [--n N] [--steps S] [--rho RHO]
-                        [--auth none|secret|both] [--markdown FILE]
+                        [--auth none|secret|both] [--link RATE] [--markdown FILE]
 """
 import argparse
 import os
@@ -48,18 +52,33 @@ def auth_args(build, work, auth):
     return ["--auth", "secret", "--auth-key-file", key]
 
 
-def run(build, work, tag, ranks, n, steps, engine):
-    eps = free_endpoints(ranks + 1)
+HOSTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "deploy",
+                     "hosts.sh")
+HOSTS_NAME = "bench-d%d" % os.getpid()
+
+
+def hosts(cmd, *args):
+    subprocess.run(["bash", HOSTS, cmd, *args, "--name", HOSTS_NAME], check=True,
+                   capture_output=True, timeout=120)
+
+
+def run(build, work, tag, ranks, n, steps, engine, link=None):
+    if link:  # rank 0's rendezvous and every data plane on its own host
+        eps = ["tcp://10.231.0.1:29517"] + ["tcp://10.231.0.%d:*" % (r + 1)
+                                            for r in range(ranks)]
+    else:
+        eps = free_endpoints(ranks + 1)
     daemons, rts = [], []
     for r in range(ranks):
         rt = os.path.join(work, "%s-rt%d" % (tag, r))
         rts.append(rt)
         log = open(os.path.join(work, "%s-scaped%d.log" % (tag, r)), "w")
+        on = ["ip", "netns", "exec", "%s-h%d" % (HOSTS_NAME, r)] if link else []
         daemons.append(subprocess.Popen(
-            [os.path.join(build, "daemon", "scaped"), "--runtime-dir", rt, "--log-level",
-             "warn", *engine, "--mode", "sharded", "--world", str(ranks), "--rank", str(r),
-             "--coordinator", eps[0], "--listen", eps[r + 1], "--job", "4242",
-             "--trainers", "1", "--comm-timeout-ms", "600000"], stdout=log, stderr=log))
+            on + [os.path.join(build, "daemon", "scaped"), "--runtime-dir", rt, "--log-level",
+                  "warn", *engine, "--mode", "sharded", "--world", str(ranks), "--rank", str(r),
+                  "--coordinator", eps[0], "--listen", eps[r + 1], "--job", "4242",
+                  "--trainers", "1", "--comm-timeout-ms", "600000"], stdout=log, stderr=log))
     deadline = time.time() + 30
     for rt, d in zip(rts, daemons):
         while not os.path.exists(os.path.join(rt, "control")):
@@ -101,11 +120,14 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rho", type=float, default=0.01)
     ap.add_argument("--auth", choices=("none", "secret", "both"), default="both")
+    ap.add_argument("--link", help="run the daemons on test hosts with links of this rate")
     ap.add_argument("--markdown")
     a = ap.parse_args()
     if a.steps < 4:
         sys.exit("bench_daemons: --steps must be at least 4 (steps 3.. are measured)")
     work = tempfile.mkdtemp(prefix="scape-bench-daemons-")
+    if a.link:
+        hosts("up", str(a.ranks), "--rate", a.link)
     try:
         res = {}
         auths = ("none", "secret") if a.auth == "both" else (a.auth,)
@@ -116,9 +138,11 @@ def main():
                 print("bench_daemons: %s, auth %s, %d daemons, N=%g, %d steps ..." %
                       (name, auth, a.ranks, a.n, a.steps), file=sys.stderr)
                 res[name, auth] = run(a.build, work, "%s-%s" % (name, auth), a.ranks, a.n,
-                                      a.steps, engine + auth_args(a.build, work, auth))
+                                      a.steps, engine + auth_args(a.build, work, auth), a.link)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        if a.link:
+            hosts("down")
     lines = [
         "| optimizer | data plane | engine step ms (median, mean over ranks) | trainer wait ms | "
         "payload B/step (rank 0) | of it mask B | step vs dense | bytes vs dense | "
@@ -134,8 +158,9 @@ def main():
                 r["engine_ms"], r["wait_ms"], r["bytes"], r["mask"],
                 r["engine_ms"] / d["engine_ms"], r["bytes"] / d["bytes"],
                 "%.3f" % (r["engine_ms"] / plain["engine_ms"]) if plain else "-"))
-    print("%d daemons (host backend, 127.0.0.1, sharded), 1 trainer each, N = %g, "
-          "steps 3..%d" % (a.ranks, a.n, a.steps))
+    print("%d daemons (host backend, %s, sharded), 1 trainer each, N = %g, "
+          "steps 3..%d" % (a.ranks, "test hosts, links of %s" % a.link if a.link
+                           else "127.0.0.1", a.n, a.steps))
     emit(lines, a.markdown)
 
 
