@@ -1,0 +1,334 @@
+#!/usr/bin/env python3
+"""peers.py - the example GPT trained by 4 trainers on 4 test hosts, side by
+side with what a user would otherwise pick: PyTorch DDP (gloo) with dense
+AdamW, DDP with the PowerSGD hook (ranks 1 and 4) with AdamW, and scaped
+(dense AdamS, SCAPE at rho 0.1 and 0.01) through scape.torch.ScapeOptimizer.
+
+Every run uses the model, corpus split, data order (trainer r draws its
+batches from seed 1 + r, step by step), learning-rate schedule and fixed
+validation windows of client/examples/torch_train.py, imported from it.
+Each trainer runs on its own host (deploy/hosts.sh: network namespaces, tbf
+links of the given rates); under scaped each host runs its daemon too
+(scape-run, auth secret). For every run the benchmark reports:
+
+  - bytes per step per host, read from the hosts' interface counters (tx,
+    mean over hosts, everything the run sent: gloo, the daemons, handshakes);
+  - wall time per step (training only: the evaluations are left out);
+  - validation loss at every evaluation, on rank 0's model;
+  - the training time each run needed to reach a few validation-loss levels.
+
+Each optimizer family runs at every learning rate of --lrs and is reported at
+its best final validation loss. A benchmark: it prints figures and passes or
+fails on nothing but the runs themselves. Needs root (namespaces), torch.
+
+usage: tests/bench/peers.py BUILD_DIR [--rates 100mbit,10mbit] [--steps N]
+           [--lrs 1e-3,3e-3] [--runs adamw,psgd1,psgd4,adams,scape0.1,scape0.01]
+           [--eval-every E] [--markdown FILE] [--plot FILE.svg]
+   (worker mode, run by the benchmark itself on each host: peers.py --worker ...)
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
+HOSTS_SH = os.path.join(ROOT, "deploy", "hosts.sh")
+WORLD = 4
+PORT = 29600
+
+RUNS = {  # name: (family, settings)
+    "adamw": ("ddp", {"powersgd": 0}),
+    "psgd1": ("ddp", {"powersgd": 1}),
+    "psgd4": ("ddp", {"powersgd": 4}),
+    "adams": ("scaped", {"optimizer": "adams"}),
+    "scape0.1": ("scaped", {"optimizer": "scape", "rho": "0.1"}),
+    "scape0.01": ("scaped", {"optimizer": "scape", "rho": "0.01"}),
+}
+LABEL = {"adamw": "DDP AdamW (dense)", "psgd1": "DDP PowerSGD rank 1 + AdamW",
+         "psgd4": "DDP PowerSGD rank 4 + AdamW", "adams": "scaped dense AdamS",
+         "scape0.1": "scaped SCAPE rho 0.1", "scape0.01": "scaped SCAPE rho 0.01"}
+WARMUP = 10  # PowerSGD's vanilla all-reduce steps = SCAPE's dense warm-up
+
+
+# ---- worker: one trainer ----------------------------------------------------
+
+def worker(a):
+    import torch
+    sys.path.insert(0, os.path.join(ROOT, "client", "examples"))
+    import torch_train as tt
+    torch.set_num_threads(1)
+    vocab, train, val = tt.load_corpus(a.corpus)
+    torch.manual_seed(1234)  # torch_train's --model-seed
+    model = tt.GPT(vocab, a.ctx, a.d, a.layers, a.heads)
+    groups = tt.param_groups(model, a.weight_decay)
+    if a.family == "ddp":
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        dist.init_process_group("gloo", init_method="tcp://%s" % a.master, rank=a.rank,
+                                world_size=WORLD)
+        net = DDP(model)
+        if a.powersgd:
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+            state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=a.powersgd,
+                                       start_powerSGD_iter=WARMUP, use_error_feedback=True,
+                                       warm_start=True)
+            net.register_comm_hook(state, psgd.powerSGD_hook)
+        opt = torch.optim.AdamW([{"params": [p for _, p in g["params"]],
+                                  "weight_decay": g["weight_decay"]} for g in groups],
+                                lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
+        step = lambda loss: opt.step()  # noqa: E731
+    else:
+        import scape.torch
+        net = model
+        opt = scape.torch.ScapeOptimizer(groups, lr=a.lr)
+        step = lambda loss: opt.step(lambda: loss)  # noqa: E731
+    targs = argparse.Namespace(lr=a.lr, lr_warmup=a.lr_warmup, steps=a.steps)
+    nograd = lambda: torch.autocast(device_type="cpu", enabled=False)  # noqa: E731
+    trained, curve = 0.0, []
+    for t in range(1, a.steps + 1):
+        t0 = time.perf_counter()
+        gen = torch.Generator().manual_seed((1 + a.rank) * 1000003 + t)
+        x, y = tt.batch(train, a.batch, a.ctx, gen, "cpu")
+        opt.zero_grad()
+        loss = net(x, y)
+        loss.backward()
+        for g in opt.param_groups:
+            g["lr"] = tt.lr_at(targs, t)
+        step(loss)
+        trained += time.perf_counter() - t0
+        if a.rank == 0 and (t % a.eval_every == 0 or t == a.steps):
+            curve.append((t, trained, tt.evaluate(model, val, a.ctx, a.eval_windows, "cpu",
+                                                  nograd)))
+    if a.rank == 0:
+        with open(a.out, "w") as f:
+            json.dump({"curve": curve, "train_s": trained}, f)
+    if a.family == "ddp":
+        import torch.distributed as dist
+        dist.destroy_process_group()
+    else:
+        opt.detach()
+
+
+# ---- the benchmark ------------------------------------------------------------
+
+def hosts(name, *args):
+    r = subprocess.run(["bash", HOSTS_SH, *args, "--name", name], capture_output=True,
+                       text=True, timeout=120)
+    if r.returncode != 0:
+        sys.exit("peers: hosts.sh %s: %s" % (" ".join(args), r.stderr.strip()))
+
+
+def tx_bytes(ns):
+    r = subprocess.run(["ip", "-n", ns, "-s", "-j", "link", "show", "eth0"],
+                       capture_output=True, text=True, check=True, timeout=30)
+    return json.loads(r.stdout)[0]["stats64"]["tx"]["bytes"]
+
+
+def one_run(a, name, rate, lr, work, key, port):
+    family, settings = RUNS[name]
+    out = os.path.join(work, "%s-%s-%g.json" % (name, rate, lr))
+    common = ["--corpus", a.corpus, "--steps", str(a.steps), "--lr", str(lr),
+              "--eval-every", str(a.eval_every), "--family", family, "--out", out]
+    if family == "ddp":
+        common += ["--powersgd", str(settings["powersgd"])]
+    procs, logs = [], []
+    before = [tx_bytes("%s-h%d" % (a.hosts, r)) for r in range(WORLD)]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.path.join(ROOT, "client", "python"), SCAPE_BUILD_DIR=a.build)
+    for r in range(WORLD):
+        me = [sys.executable, os.path.abspath(__file__), "--worker", "--rank", str(r),
+              "--master", "10.231.0.1:%d" % port, *common]
+        if family == "scaped":
+            sets = ["--set", "mode=sharded", "--set", "auth=secret", "--set",
+                    "auth_key_file=" + key, "--set", "warmup=%d" % WARMUP,
+                    "--set", "comm_timeout_ms=600000", "--set", "log_level=warn"]
+            for k, v in settings.items():
+                sets += ["--set", "%s=%s" % (k, v)]
+            me = [sys.executable, "-m", "scape.run", "--nnodes", str(WORLD), "--node-rank",
+                  str(r), "--master-addr", "10.231.0.1", "--master-port", str(port),
+                  "--listen-host", "10.231.0.%d" % (r + 1), "--nproc-per-node", "1",
+                  "--scaped", os.path.join(a.build, "daemon", "scaped"), *sets, "--", *me]
+        log = open(os.path.join(work, "%s-%s-%g-r%d.log" % (name, rate, lr, r)), "w")
+        logs.append(log)
+        procs.append(subprocess.Popen(["ip", "netns", "exec", "%s-h%d" % (a.hosts, r), *me],
+                                      stdout=log, stderr=subprocess.STDOUT, env=env))
+    deadline = time.time() + a.timeout
+    for p in procs:
+        try:
+            p.wait(max(1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            sys.exit("peers: %s at %s, lr %g, took longer than %d s (logs in %s)" % (
+                name, rate, lr, a.timeout, work))
+    for log in logs:
+        log.close()
+    bad = [r for r, p in enumerate(procs) if p.returncode != 0]
+    if bad:
+        text = open(os.path.join(work, "%s-%s-%g-r%d.log" % (name, rate, lr, bad[0]))).read()
+        sys.exit("peers: %s at %s, lr %g: trainer %d failed:\n%s" % (
+            name, rate, lr, bad[0], text[-3000:]))
+    after = [tx_bytes("%s-h%d" % (a.hosts, r)) for r in range(WORLD)]
+    with open(out) as f:
+        res = json.load(f)
+    res["tx_per_step"] = sum(b - c for b, c in zip(after, before)) / WORLD / a.steps
+    res["step_ms"] = 1e3 * res["train_s"] / a.steps
+    res["final"] = res["curve"][-1][2]
+    return res
+
+
+def time_to(curve, level):
+    for t, s, v in curve:
+        if v <= level:
+            return t, s
+    return None
+
+
+def report(a, best, rates):
+    lines = []
+    for rate in rates:
+        dense = best[rate, "adams"] if ("adams" in a.runs) else None
+        psgd4 = best[rate, "psgd4"] if ("psgd4" in a.runs) else None
+        levels = []
+        if dense:
+            levels.append(("dense AdamS's final", dense["final"]))
+        if psgd4:
+            levels.append(("PowerSGD rank 4's final", psgd4["final"]))
+        lines.append("")
+        lines.append("Links of %s, 4 hosts, %d steps, each run at its best learning rate of %s:"
+                     % (rate, a.steps, ", ".join("%g" % x for x in a.lrs)))
+        lines.append("")
+        head = ("| run | best lr | bytes/step/host (interface tx) | step ms (training) | "
+                "val loss at " + ", ".join(str(t) for t, _, _ in best[rate, a.runs[0]]["curve"])
+                + " | " + " | ".join("steps, s to %s (%.4f)" % (n, v) for n, v in levels) + " |")
+        lines.append(head)
+        lines.append("|" + "---|" * (4 + 1 + len(levels)))
+        for name in a.runs:
+            r = best[rate, name]
+            cells = ["%s" % LABEL[name], "%g" % r["lr"], "%.0f" % r["tx_per_step"],
+                     "%.1f" % r["step_ms"], " / ".join("%.4f" % v for _, _, v in r["curve"])]
+            for _, v in levels:
+                hit = time_to(r["curve"], v)
+                cells.append("%d, %.1f s" % hit if hit else "not reached")
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def plot(a, best, rates, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("peers: no matplotlib, no plot", file=sys.stderr)
+        return
+    fig, axes = plt.subplots(len(rates), 2, figsize=(11, 3.6 * len(rates)), squeeze=False)
+    for i, rate in enumerate(rates):
+        for name in a.runs:
+            r = best[rate, name]
+            ts = [s for _, s, _ in r["curve"]]
+            bs = [t * r["tx_per_step"] for t, _, _ in r["curve"]]
+            vs = [v for _, _, v in r["curve"]]
+            axes[i][0].plot(ts, vs, marker=".", label=LABEL[name])
+            axes[i][1].plot(bs, vs, marker=".", label=LABEL[name])
+        axes[i][0].set_xlabel("training wall time, s (links of %s)" % rate)
+        axes[i][1].set_xlabel("bytes sent per host (interface)")
+        axes[i][1].set_xscale("log")
+        for ax in axes[i]:
+            ax.set_ylabel("validation loss")
+            ax.grid(alpha=0.3)
+        axes[i][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    print("peers: plot in %s" % path, file=sys.stderr)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("build", nargs="?")
+    ap.add_argument("--rates", default="100mbit")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--lrs", default="1e-3,3e-3")
+    ap.add_argument("--runs", default=",".join(RUNS))
+    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--eval-windows", type=int, default=32)
+    ap.add_argument("--timeout", type=int, default=3600, help="longest run, s")
+    ap.add_argument("--markdown")
+    ap.add_argument("--plot")
+    # the model and the schedule: torch_train.py's defaults
+    ap.add_argument("--d", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--ctx", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--lr-warmup", type=int, default=20)
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    # worker only
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--master")
+    ap.add_argument("--corpus")
+    ap.add_argument("--lr", type=float)
+    ap.add_argument("--family")
+    ap.add_argument("--powersgd", type=int, default=0)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    if a.worker:
+        return worker(a)
+    if not a.build:
+        ap.error("BUILD_DIR is needed")
+    if os.geteuid() != 0:
+        sys.exit("peers: test hosts need root")
+    a.build = os.path.abspath(a.build)
+    a.runs = [r for r in a.runs.split(",") if r]
+    for r in a.runs:
+        if r not in RUNS:
+            ap.error("unknown run %r (%s)" % (r, ", ".join(RUNS)))
+    a.lrs = [float(x) for x in a.lrs.split(",")]
+    rates = a.rates.split(",")
+    work = tempfile.mkdtemp(prefix="scape-peers-")
+    a.corpus = os.path.join(work, "fortunes.txt")
+    subprocess.run(["sh", os.path.join(ROOT, "client", "examples", "fortunes-corpus.sh"),
+                    a.corpus], check=True)
+    key = os.path.join(work, "job.key")
+    subprocess.run([os.path.join(a.build, "daemon", "scaped"), "keygen", key], check=True,
+                   capture_output=True)
+    a.hosts = "peers%d" % os.getpid()
+    best, port, t0 = {}, PORT, time.time()
+    try:
+        for rate in rates:
+            hosts(a.hosts, "up", str(WORLD), "--rate", rate)
+            for name in a.runs:
+                for lr in a.lrs:
+                    port += 1
+                    print("peers: %s at %s, lr %g ... (%.0f s so far)" % (
+                        name, rate, lr, time.time() - t0), file=sys.stderr, flush=True)
+                    res = one_run(a, name, rate, lr, work, key, port)
+                    res["lr"] = lr
+                    print("peers:   val %.4f, %.1f ms/step, %.0f B/step/host" % (
+                        res["final"], res["step_ms"], res["tx_per_step"]), file=sys.stderr)
+                    if (rate, name) not in best or res["final"] < best[rate, name]["final"]:
+                        best[rate, name] = res
+            hosts(a.hosts, "down")
+    finally:
+        subprocess.run(["bash", HOSTS_SH, "down", "--name", a.hosts], capture_output=True)
+    lines = ["peers.py: 4 trainers on 4 test hosts, torch_train.py's GPT (d %d, %d layers, "
+             "ctx %d, batch %d per trainer), %d steps, eval on %d fixed windows; "
+             "command: %s" % (a.d, a.layers, a.ctx, a.batch, a.steps, a.eval_windows,
+                              " ".join(sys.argv))] + report(a, best, rates)
+    print("\n".join(lines))
+    if a.markdown:
+        with open(a.markdown, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    if a.plot:
+        plot(a, best, rates, a.plot)
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
