@@ -67,28 +67,40 @@ const char *cfg_auth_name(cfg_auth a)
     return (unsigned)a < CFG_AUTH_COUNT ? s_auth_names[a] : "?";
 }
 
-static scape_rc parse_auth(const char *s, void *f)
+/* s's index in names[0..n), or a refusal that lists them: "unknown what 's'
+ * (a, b, c)". */
+static scape_rc name_index(const char *s, const char *const *names, int n, const char *what,
+                           int *out)
 {
-    for (int i = 0; s && i < CFG_AUTH_COUNT; i++)
-        if (strcmp(s, s_auth_names[i]) == 0) {
-            *(cfg_auth *)f = (cfg_auth)i;
+    char list[128] = "";
+    size_t used = 0;
+    for (int i = 0; i < n; i++) {
+        if (s && strcmp(s, names[i]) == 0) {
+            *out = i;
             return SCAPE_OK;
         }
-    return scape_set_error(SCAPE_INVALID, "unknown auth '%s' (auto, munge, secret, none)",
-                           s ? s : "(null)");
+        used += (size_t)snprintf(list + used, used < sizeof list ? sizeof list - used : 0,
+                                 "%s%s", i ? ", " : "", names[i]);
+    }
+    return scape_set_error(SCAPE_INVALID, "unknown %s '%s' (%s)", what, s ? s : "(null)", list);
+}
+
+static scape_rc parse_auth(const char *s, void *f)
+{
+    int i = 0;
+    TRY(name_index(s, s_auth_names, CFG_AUTH_COUNT, "auth", &i));
+    *(cfg_auth *)f = (cfg_auth)i;
+    return SCAPE_OK;
 }
 
 static const char *name_auth(const void *f) { return cfg_auth_name(*(const cfg_auth *)f); }
 
 static scape_rc parse_executor(const char *s, void *f)
 {
-    for (int i = 0; s && i < CFG_EXEC_COUNT; i++)
-        if (strcmp(s, s_exec_names[i]) == 0) {
-            *(cfg_executor *)f = (cfg_executor)i;
-            return SCAPE_OK;
-        }
-    return scape_set_error(SCAPE_INVALID, "unknown executor '%s' (auto, host, cuda, sim)",
-                           s ? s : "(null)");
+    int i = 0;
+    TRY(name_index(s, s_exec_names, CFG_EXEC_COUNT, "executor", &i));
+    *(cfg_executor *)f = (cfg_executor)i;
+    return SCAPE_OK;
 }
 
 static const char *name_executor(const void *f)
