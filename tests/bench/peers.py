@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -158,14 +159,17 @@ def one_run(a, name, rate, lr, work, key, port):
         procs.append(subprocess.Popen(["ip", "netns", "exec", "%s-h%d" % (a.hosts, r), *me],
                                       stdout=log, stderr=subprocess.STDOUT, env=env))
     deadline = time.time() + a.timeout
-    for p in procs:
-        try:
+    try:
+        for p in procs:
             p.wait(max(1, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
+    except subprocess.TimeoutExpired:
+        sys.exit("peers: %s at %s, lr %g, took longer than %d s (logs in %s)" % (
+            name, rate, lr, a.timeout, work))
+    finally:  # a timeout, a signal: no trainer or daemon outlives the run
+        for q in procs:
+            if q.poll() is None:
                 q.kill()
-            sys.exit("peers: %s at %s, lr %g, took longer than %d s (logs in %s)" % (
-                name, rate, lr, a.timeout, work))
+                q.wait()
     for log in logs:
         log.close()
     bad = [r for r, p in enumerate(procs) if p.returncode != 0]
@@ -299,6 +303,7 @@ def main():
     subprocess.run([os.path.join(a.build, "daemon", "scaped"), "keygen", key], check=True,
                    capture_output=True)
     a.hosts = "peers%d" % os.getpid()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("peers: stopped (SIGTERM)"))
     best, port, t0 = {}, PORT, time.time()
     try:
         for rate in rates:
