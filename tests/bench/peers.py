@@ -166,8 +166,13 @@ def one_run(a, name, rate, lr, work, key, port):
         sys.exit("peers: %s at %s, lr %g, took longer than %d s (logs in %s)" % (
             name, rate, lr, a.timeout, work))
     finally:  # a timeout, a signal: no trainer or daemon outlives the run
-        for q in procs:
+        for q in procs:  # scape-run passes SIGTERM on to its trainer and daemon
             if q.poll() is None:
+                q.terminate()
+        for q in procs:
+            try:
+                q.wait(15)
+            except subprocess.TimeoutExpired:
                 q.kill()
                 q.wait()
     for log in logs:
