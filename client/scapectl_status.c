@@ -18,6 +18,8 @@ static void print_trainers(printer *p, const Scape__StatusReply *st)
         pr_str(p, "identity", "", t->identity);
         pr_uint(p, "pid", "pid", t->pid, NULL);
         pr_uint(p, "last_step", "last step", t->last_step, NULL);
+        if (t->memory)
+            pr_str(p, "memory", "memory", t->memory);
         pr_close(p);
     }
     pr_close(p);

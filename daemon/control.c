@@ -235,7 +235,7 @@ static scape_rc check_own_ranges(const trainer *t, const Scape__Register *g)
     if (g->params->kind != SCAPE__MEM_KIND__CUDA_IPC ||
         g->grads->kind != SCAPE__MEM_KIND__CUDA_IPC)
         return SCAPE_OK;
-    size_t po, pb, go, gb;
+    size_t po = 0, pb = 0, go = 0, gb = 0;
     TRY(ipc_range(t, g->params, "params", &po, &pb));
     TRY(ipc_range(t, g->grads, "grads", &go, &gb));
     if (memcmp(g->params->ipc_handle.data, g->grads->ipc_handle.data,
@@ -252,7 +252,7 @@ static scape_rc check_own_ranges(const trainer *t, const Scape__Register *g)
 static scape_rc check_ipc_range(const server *s, const trainer *t, const Scape__MemHandle *h,
                                 const char *what)
 {
-    size_t off, bytes;
+    size_t off = 0, bytes = 0;
     TRY(ipc_range(t, h, what, &off, &bytes));
     for (int i = 0; i < SRV_MAX_SLOTS; i++) {
         const trainer *o = &s->slots[i];
@@ -289,7 +289,7 @@ static scape_rc map_one(const server *s, const trainer *t, const Scape__MemHandl
     TRY(check_ipc_range(s, t, h, what));
     return shm_map_open_cuda(m, h->ipc_handle.data, h->ipc_handle.len,
                              h->has_offset ? (size_t)h->offset : 0, (size_t)h->bytes, need,
-                             s->cfg.cuda_device, !cuda, what);
+                             s->cfg.cuda_device, h->has_device ? h->device : -1, !cuda, what);
 }
 
 static scape_rc map_buffers(server *s, const Scape__Register *g, size_t numel,

@@ -39,7 +39,7 @@ static get_range_fn address_range(void)
 }
 
 scape_rc shm_map_open_cuda(shm_map *m, const void *handle, size_t handle_len, size_t offset,
-                           size_t declared, size_t need, int device, int mirror,
+                           size_t declared, size_t need, int device, int from, int mirror,
                            const char *what)
 {
     memset(m, 0, sizeof *m);
@@ -54,6 +54,18 @@ scape_rc shm_map_open_cuda(shm_map *m, const void *handle, size_t handle_len, si
     if (e != cudaSuccess)
         return scape_set_error(SCAPE_CUDA, "%s: cudaSetDevice(%d): %s", what, device,
                                cudaGetErrorString(e));
+    if (from < 0)
+        from = device;
+    int peer = from == device;
+    if (!peer && (e = cudaDeviceCanAccessPeer(&peer, device, from)) != cudaSuccess)
+        return scape_set_error(SCAPE_CUDA, "%s: cudaDeviceCanAccessPeer(%d, %d): %s", what,
+                               device, from, cudaGetErrorString(e));
+    if (!peer)
+        return scape_set_error(SCAPE_UNSUPPORTED,
+                               "%s: the trainer's buffers are on CUDA device %d, and this "
+                               "daemon's device %d has no peer access to it: run one daemon "
+                               "per GPU (cuda_device: %d, its own runtime_dir) and attach each "
+                               "trainer to the daemon of its GPU", what, from, device, from);
     cudaIpcMemHandle_t h;
     memcpy(&h, handle, sizeof h);
     void *dev = NULL;
@@ -85,9 +97,9 @@ scape_rc shm_map_open_cuda(shm_map *m, const void *handle, size_t handle_len, si
         return rc;
     }
     *m = (shm_map){ .addr = host, .bytes = declared, .dev = (char *)dev + offset,
-                    .mapped = dev, .offset = offset };
+                    .mapped = dev, .offset = offset, .device = from };
     memcpy(m->ipc, handle, sizeof m->ipc);
-    snprintf(m->name, sizeof m->name, "cuda-ipc:%d", device);
+    snprintf(m->name, sizeof m->name, "cuda-ipc:%d", from);
     return SCAPE_OK;
 }
 

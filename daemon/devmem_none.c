@@ -4,9 +4,10 @@
 #include "shm.h"
 
 scape_rc shm_map_open_cuda(shm_map *m, const void *handle, size_t handle_len, size_t offset,
-                           size_t declared, size_t need, int device, int mirror,
+                           size_t declared, size_t need, int device, int from, int mirror,
                            const char *what)
 {
+    (void)from;
     (void)mirror;
     (void)offset;
     (void)handle;

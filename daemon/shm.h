@@ -27,6 +27,7 @@ typedef struct shm_map {
     unsigned char ipc[SHM_IPC_HANDLE_BYTES]; /* CUDA IPC: the handle, which names the
                                                 whole allocation */
     size_t offset;           /* CUDA IPC: the buffer's place in that allocation */
+    int device;              /* CUDA IPC: the trainer's device ordinal */
 } shm_map;
 
 /* What the engine reads and writes: the pinned copy or the mapping, else
@@ -46,9 +47,12 @@ void shm_map_close(shm_map *m, int unlink_it);
 /* Open the trainer's cudaIpcMemHandle on `device`: the buffer is `declared`
  * bytes (at least `need`) at `offset` in the allocation the handle names,
  * which must hold them; with `mirror`, also allocate the pinned host copy.
- * UNSUPPORTED in a build without CUDA. */
+ * `from` is the device the trainer allocated it on (-1: not said, taken as
+ * `device`): another device is read and written through peer access, and
+ * refused, naming both devices and how to lay the job out, where `device`
+ * has none to it.  UNSUPPORTED in a build without CUDA. */
 scape_rc shm_map_open_cuda(shm_map *m, const void *handle, size_t handle_len, size_t offset,
-                           size_t declared, size_t need, int device, int mirror,
+                           size_t declared, size_t need, int device, int from, int mirror,
                            const char *what);
 /* 1 when two CUDA IPC buffers share bytes: the same allocation, ranges
  * [offset, offset + bytes) that overlap. */

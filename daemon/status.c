@@ -46,6 +46,7 @@ typedef struct status_buf {
     uint32_t down[64];
     char foreign_last[200];
     char refused_last[200];
+    char memory[SRV_MAX_SLOTS][16];
     char now_dir[CKPT_PATH_MAX + 32];
 } status_buf;
 
@@ -134,6 +135,14 @@ static void fill_status(server *s, status_buf *b)
         ti->identity = (char *)t->identity;
         ti->pid = (uint32_t)t->pid;
         ti->last_step = t->last_step;
+        if (t->registered) {
+            char *mem = b->memory[st->n_trainers];
+            if (t->params.dev)
+                snprintf(mem, sizeof b->memory[0], "cuda:%d", t->params.device);
+            else
+                snprintf(mem, sizeof b->memory[0], "host");
+            ti->memory = mem;
+        }
         b->ptrs[st->n_trainers++] = ti;
     }
     st->trainers = b->ptrs;

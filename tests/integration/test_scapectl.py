@@ -106,6 +106,7 @@ def test_status_json_and_step_advances(job):
     assert a["numel"] >= N * 0.9 and a["runtime_dir"] == job.d.rt
     assert {t["pid"] for t in a["trainers"]} == {t.pid for t in job.trainers}
     assert sorted(t["index"] for t in a["trainers"]) == [0, 1]
+    assert all(t["memory"] == "host" for t in a["trainers"]), a["trainers"]  # shared memory
     last = b["last"]
     assert last["step"] == b["step"] and 0 < last["k"] <= b["numel"]
     assert last["density"] == pytest.approx(last["k"] / b["numel"])
