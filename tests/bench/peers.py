@@ -110,9 +110,12 @@ def worker(a):
             json.dump({"curve": curve, "train_s": trained}, f)
     if a.family == "ddp":
         import torch.distributed as dist
-        dist.destroy_process_group()
-    else:
-        opt.detach()
+        dist.barrier()  # nobody leaves while another still talks to it
+        sys.stdout.flush()
+        # gloo's threads can abort the interpreter's own teardown ("terminate
+        # called without an active exception", seen here): the work is done
+        os._exit(0)
+    opt.detach()
 
 
 # ---- the benchmark ------------------------------------------------------------
