@@ -127,7 +127,9 @@ def lr_at(a, t):
 
 
 def batch(tokens, B, T, gen, device):
-    starts = torch.randint(0, len(tokens) - T - 1, (B,), generator=gen)
+    """B random windows of T tokens and their next tokens: any of the
+    len(tokens) - T starts, as gpt_data.c's gpt_batch."""
+    starts = torch.randint(0, len(tokens) - T, (B,), generator=gen)
     x = torch.stack([tokens[s:s + T] for s in starts])
     y = torch.stack([tokens[s + 1:s + T + 1] for s in starts])
     return x.to(device), y.to(device)
@@ -146,9 +148,12 @@ def param_groups(model, weight_decay):
 
 def evaluate(model, val, ctx, windows, device, autocast):
     """Mean loss over `windows` fixed validation windows, evenly spaced over
-    the split (the same for every run)."""
-    step = max(1, (len(val) - ctx - 1) // windows)
-    starts = [i * step for i in range(windows)]
+    the split from its first to its last (the same for every run): window j
+    starts at j * (len(val) - ctx - 1) // (windows - 1), as gpt_data.c's
+    gpt_batch_eval places them, so that --eval-windows E*B measures what the
+    C trainers' --eval-batches E of --batch B does (bench_quality: 16 x 8)."""
+    last = len(val) - ctx - 1
+    starts = [j * last // (windows - 1) if windows > 1 else 0 for j in range(windows)]
     x = torch.stack([val[s:s + ctx] for s in starts]).to(device)
     y = torch.stack([val[s + 1:s + ctx + 1] for s in starts]).to(device)
     with torch.no_grad(), autocast():
