@@ -1047,11 +1047,11 @@ static scape_rc host_connect(const comm_host_opts *o, host *h)
 {
     const char *self = o->meet ? o->listen : o->endpoints[o->rank];
     const char *const *eps = o->endpoints, *const *keys = o->curve_keys;
-    int curve = h->curve = o->curve_public != NULL;
+    h->curve = o->curve_public != NULL;
     if ((h->zctx = zmq_ctx_new()) == NULL)
         return zerr("zmq_ctx_new");
     TRY(open_socket(h, &h->pull, ZMQ_PULL, ZMQ_RCVHWM, 0));
-    if (curve)
+    if (h->curve)
         TRY(curve_server(o, h));
     if (zmq_bind(h->pull, self) != 0)
         return scape_set_error(SCAPE_ZMQ, "comm host: rank %d cannot bind %s: %s", o->rank,
@@ -1068,15 +1068,15 @@ static scape_rc host_connect(const comm_host_opts *o, host *h)
         if (eps == NULL)
             return scape_set_error(SCAPE_INVALID, "comm host: meet gave no endpoint table");
     }
-    if (curve && keys == NULL)
+    if (h->curve && keys == NULL)
         return scape_set_error(SCAPE_INVALID, "comm host: CURVE without the ranks' keys");
-    if (curve)
+    if (h->curve)
         TRY(zap_allow(h->zap, keys, o->size));
     for (int q = 0; q < o->size; q++) {
         if (q == o->rank)
             continue;
         TRY(open_socket(h, &h->push[q], ZMQ_PUSH, ZMQ_SNDHWM, h->timeout_ms));
-        if (curve)
+        if (h->curve)
             TRY(curve_client(o, h->push[q], keys[q], q));
         TRY(watch_peer(h, q));
         if (zmq_connect(h->push[q], eps[q]) != 0)

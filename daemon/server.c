@@ -371,7 +371,6 @@ int srv_peer_refused(server *s, zmq_msg_t *msg, const char *what)
     char who[300], me[300];
     auth_uid_name(uid, who, sizeof who);
     auth_uid_name((unsigned)geteuid(), me, sizeof me);
-    s->other_users++;
     scape_set_error(SCAPE_INVALID, "process %d of %s is not this daemon's user (%s): only the "
                     "job's own processes may use its sockets", pid, who, me);
     LOG_WARN(SUB_CTRL, "refused a %s message: %s (is the runtime directory %s open to "

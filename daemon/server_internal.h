@@ -78,7 +78,6 @@ struct server {
     int broken;                     /* the engine failed mid-step */
     uint64_t foreign_seen;          /* comm_foreign count already logged */
     uint64_t refused_seen;          /* comm_refused count already logged */
-    uint64_t other_users;           /* messages refused as another user's (SO_PEERCRED) */
     char curve_public[41];          /* the data plane's CURVE public key ("": none) */
     shm_map spare;                  /* params of the last trainer that left, for the next */
     struct grave *graves;           /* CUDA IPC maps of gone trainers, closed once the */
@@ -120,8 +119,8 @@ scape_rc srv_reply(server *s, const unsigned char *rid, size_t rid_len, const Sc
 void srv_reply_error(server *s, const unsigned char *rid, size_t rid_len, scape_rc rc);
 /* 1 when the process that sent msg on an ipc socket (its SO_PEERCRED, which
  * ZeroMQ puts in the Peer-Address property as "...:uid:gid:pid") runs as
- * another user than this daemon's (root excepted): the error is set, logged
- * (what names the socket) and counted.  0 when it is this user, or when
+ * another user than this daemon's (root excepted): the error is set and
+ * logged (what names the socket).  0 when it is this user, or when
  * this libzmq gives no credentials (the 0700 runtime directory still
  * guards the sockets then). */
 int srv_peer_refused(server *s, zmq_msg_t *msg, const char *what);

@@ -32,7 +32,6 @@ typedef struct request {
 struct zap {
     void *router, *mon;
     pthread_t thread;
-    int running;
     atomic_int stop;
     int hold_ms;
     pthread_mutex_t mu;     /* guards everything below */
@@ -295,7 +294,6 @@ scape_rc zap_start(void *ctx, void *server, int hold_ms, zap **out)
         zap_free(z);
         return rc;
     }
-    z->running = 1;
     *out = z;
     return SCAPE_OK;
 }
@@ -339,7 +337,6 @@ void zap_stop(zap *z)
     if (z == NULL)
         return;
     atomic_store(&z->stop, 1);
-    if (z->running)
-        pthread_join(z->thread, NULL);
+    pthread_join(z->thread, NULL); /* a zap exists only with its thread running */
     zap_free(z);
 }
