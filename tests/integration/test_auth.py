@@ -252,10 +252,16 @@ def test_another_user_is_refused_on_the_node_sockets(daemon_factory, tmp_path):
     os.chmod(d.rt, 0o777)
     for f in ("control", "status"):
         os.chmod(os.path.join(d.rt, f), 0o777)
+    # nobody may not read the source tree (a clone in a 0700 directory): the
+    # probe takes pbwire from the daemon's directory, opened above
+    probe = os.path.join(d.dir, "probe")
+    os.mkdir(probe)
+    os.chmod(probe, 0o755)
+    shutil.copy(pbwire.__file__, probe)
+    os.chmod(os.path.join(probe, "pbwire.py"), 0o644)
     res = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
-                          "/usr/bin/python3", "-c", PROBE, d.endpoint, d.status_endpoint,
-                          os.path.dirname(os.path.abspath(__file__))],
-                         capture_output=True, text=True, timeout=60)
+                          "/usr/bin/python3", "-c", PROBE, d.endpoint, d.status_endpoint, probe],
+                         capture_output=True, text=True, timeout=60, cwd=probe)
     assert res.returncode == 0, res.stdout + res.stderr
     lines = res.stdout.splitlines()
     assert len(lines) == 2, res.stdout
