@@ -38,40 +38,55 @@ static void count(comm_t *c, comm_op op, uint64_t bytes, uint64_t wire)
     c->stats.wire_bytes[op] += wire;
 }
 
-scape_rc comm_allreduce_sum(comm_t *c, float *buf, size_t n)
+scape_rc comm_allreduce_sum_wire(comm_t *c, float *buf, size_t n, int bf16)
 {
     scape_rc rc = check_comm("comm_allreduce_sum", c);
     if (rc != SCAPE_OK)
         return rc;
     if (buf == NULL && n > 0)
         return scape_set_error(SCAPE_INVALID, "comm_allreduce_sum: buf is NULL");
-    rc = c->ops->allreduce_sum(c, buf, n);
+    bf16 = bf16 && c->ops->bf16_wire;
+    rc = c->ops->allreduce_sum(c, buf, n, bf16);
     if (rc == SCAPE_OK) {
-        uint64_t b = (uint64_t)n * 4;
-        count(c, COMM_ALLREDUCE, b, 2 * b * (uint64_t)(c->size - 1) / (uint64_t)c->size);
+        /* a reduce-scatter of the inputs and an all-gather of the fp32 sums,
+         * (R-1)/R of each per rank */
+        uint64_t in = (uint64_t)n * (bf16 ? 2 : 4), R = (uint64_t)c->size;
+        count(c, COMM_ALLREDUCE, in, (in + (uint64_t)n * 4) * (R - 1) / R);
     }
     return rc;
 }
 
-scape_rc comm_reduce_scatter_sum(comm_t *c, const float *send, float *recv,
-                                 const size_t *counts)
+scape_rc comm_allreduce_sum(comm_t *c, float *buf, size_t n)
+{
+    return comm_allreduce_sum_wire(c, buf, n, 0);
+}
+
+scape_rc comm_reduce_scatter_sum_wire(comm_t *c, const float *send, float *recv,
+                                      const size_t *counts, int bf16)
 {
     scape_rc rc = check_comm("comm_reduce_scatter_sum", c);
     if (rc != SCAPE_OK)
         return rc;
     if (counts == NULL)
         return scape_set_error(SCAPE_INVALID, "comm_reduce_scatter_sum: counts is NULL");
-    uint64_t total = sum_counts(counts, c->size);
+    bf16 = bf16 && c->ops->bf16_wire;
+    uint64_t total = sum_counts(counts, c->size), esz = bf16 ? 2 : 4;
     if ((send == NULL && total > 0) || (recv == NULL && counts[c->rank] > 0))
         return scape_set_error(SCAPE_INVALID, "comm_reduce_scatter_sum: NULL buffer");
-    rc = c->ops->reduce_scatter_sum(c, send, recv, counts);
+    rc = c->ops->reduce_scatter_sum(c, send, recv, counts, bf16);
     /* In a ring reduce-scatter that leaves segment r on rank r, a rank
      * receives a partial sum of every segment but its predecessor's, where
      * that segment's chain starts. */
     if (rc == SCAPE_OK)
-        count(c, COMM_REDUCE_SCATTER, total * 4,
-              (total - counts[(c->rank + c->size - 1) % c->size]) * 4);
+        count(c, COMM_REDUCE_SCATTER, total * esz,
+              (total - counts[(c->rank + c->size - 1) % c->size]) * esz);
     return rc;
+}
+
+scape_rc comm_reduce_scatter_sum(comm_t *c, const float *send, float *recv,
+                                 const size_t *counts)
+{
+    return comm_reduce_scatter_sum_wire(c, send, recv, counts, 0);
 }
 
 static scape_rc check_gather(const char *fn, const comm_t *c, const void *send,

@@ -109,6 +109,8 @@ typedef struct host {
     unsigned char *arrived; /* barrier at rank 0 */
     float *scratch;         /* one chunk */
     float *part;            /* one chunk: a received part, aligned for summing */
+    uint16_t *half;         /* half a chunk: a part's values as bf16 */
+    int rs_bf16;            /* the running reduction's inputs go as bf16 */
     host_msg **rq_head, **rq_tail; /* reduce-scatter: per sender, parts that came
                                       before their turn in the sum, in order */
     uint64_t *rq_next;      /* reduce-scatter: next part expected from each sender */
@@ -556,7 +558,7 @@ static scape_rc rs_part_from(comm_t *c, int q, uint64_t i, size_t cf, host_msg *
                  h->segoff[c->rank] + (size_t)m->h.chunk * cf >= h->segoff[c->rank + 1])
             rc = proto(h, m, "a reduce-scatter part out of order or past the segment");
         else if (zmq_msg_size(&m->body) !=
-                 rs_part_len(h, c->rank, m->h.chunk, cf) * sizeof(float))
+                 rs_part_len(h, c->rank, m->h.chunk, cf) * (h->rs_bf16 ? 2 : sizeof(float)))
             rc = proto(h, m, "a reduce-scatter part of the wrong length");
         if (rc != SCAPE_OK) {
             msg_free(m);
@@ -569,6 +571,36 @@ static scape_rc rs_part_from(comm_t *c, int q, uint64_t i, size_t cf, host_msg *
         else
             h->rq_head[from] = m;
         h->rq_tail[from] = m;
+    }
+}
+
+/* One part of n floats to rank q: as they are, or (rs_bf16) their upper
+ * halves, which are all of a bf16 number held in fp32. */
+static scape_rc rs_send_part(comm_t *c, int q, uint64_t i, const float *x, size_t n)
+{
+    host *h = c->impl;
+    if (!h->rs_bf16)
+        return send_msg(c, q, K_RS_PART, h->seq, i, x, n * sizeof *x);
+    for (size_t j = 0; j < n; j++) {
+        uint32_t u;
+        memcpy(&u, &x[j], sizeof u);
+        h->half[j] = (uint16_t)(u >> 16);
+    }
+    return send_msg(c, q, K_RS_PART, h->seq, i, h->half, n * sizeof *h->half);
+}
+
+/* A received part into dst, widened from bf16 when the inputs go so (a
+ * message body need not be aligned: it is copied out first). */
+static void rs_take_part(host *h, host_msg *m, float *dst, size_t n)
+{
+    if (!h->rs_bf16) {
+        memcpy(dst, zmq_msg_data(&m->body), n * sizeof *dst);
+        return;
+    }
+    memcpy(h->half, zmq_msg_data(&m->body), n * sizeof *h->half);
+    for (size_t j = 0; j < n; j++) {
+        uint32_t u = (uint32_t)h->half[j] << 16;
+        memcpy(&dst[j], &u, sizeof u);
     }
 }
 
@@ -598,8 +630,8 @@ static scape_rc rs_run(comm_t *c, const float *send, float *recv)
             int q = (c->rank + k) % c->size;
             if ((size_t)i * cf >= h->segoff[q + 1] - h->segoff[q])
                 continue;
-            TRY(send_msg(c, q, K_RS_PART, h->seq, i, send + h->segoff[q] + (size_t)i * cf,
-                         rs_part_len(h, q, i, cf) * sizeof *send));
+            TRY(rs_send_part(c, q, i, send + h->segoff[q] + (size_t)i * cf,
+                             rs_part_len(h, q, i, cf)));
         }
     for (uint64_t i = 0; (size_t)i * cf < own; i++) {
         size_t a = (size_t)i * cf, len = rs_part_len(h, c->rank, i, cf);
@@ -611,7 +643,7 @@ static scape_rc rs_run(comm_t *c, const float *send, float *recv)
             if (q != c->rank) {
                 host_msg *m;
                 TRY(rs_part_from(c, q, i, cf, &m));
-                memcpy(dst, zmq_msg_data(&m->body), len * sizeof *x);
+                rs_take_part(h, m, dst, len);
                 msg_free(m);
                 x = dst;
             } else if (q == 0) {
@@ -634,17 +666,22 @@ static void set_segments(comm_t *c, const size_t *counts)
         h->segoff[q + 1] = h->segoff[q] + counts[q];
 }
 
-static scape_rc rs_op(comm_t *c, const float *send, float *recv, const size_t *counts)
+static scape_rc rs_op(comm_t *c, const float *send, float *recv, const size_t *counts,
+                      int bf16)
 {
+    host *h = c->impl;
     set_segments(c, counts);
-    return end_op(c, rs_run(c, send, recv));
+    h->rs_bf16 = bf16;
+    scape_rc rc = rs_run(c, send, recv);
+    h->rs_bf16 = 0;
+    return end_op(c, rc);
 }
 
 static scape_rc reduce_scatter_sum(comm_t *c, const float *send, float *recv,
-                                   const size_t *counts)
+                                   const size_t *counts, int bf16)
 {
     TRY(begin_op(c, "reduce_scatter"));
-    return rs_op(c, send, recv, counts);
+    return rs_op(c, send, recv, counts, bf16);
 }
 
 /* ---- all-gather ------------------------------------------------------------ */
@@ -677,7 +714,7 @@ static scape_rc allgather(comm_t *c, const void *send, void *recv, const size_t 
 }
 
 /* Equal segments as comm_local's, so the sums match it bit for bit. */
-static scape_rc allreduce_sum(comm_t *c, float *buf, size_t n)
+static scape_rc allreduce_sum(comm_t *c, float *buf, size_t n, int bf16)
 {
     host *h = c->impl;
     size_t per = (n + (size_t)c->size - 1) / (size_t)c->size;
@@ -688,7 +725,7 @@ static scape_rc allreduce_sum(comm_t *c, float *buf, size_t n)
         h->cnt_b[q] = h->cnt_f[q] * sizeof *buf;
     }
     size_t own = per * (size_t)c->rank < n ? per * (size_t)c->rank : n;
-    TRY(rs_op(c, buf, buf + own, h->cnt_f));
+    TRY(rs_op(c, buf, buf + own, h->cnt_f, bf16));
     return end_op(c, ag_run(c, buf + own, buf, h->cnt_b));
 }
 
@@ -893,6 +930,7 @@ static void host_free(comm_t *c)
     free(h->arrived);
     free(h->scratch);
     free(h->part);
+    free(h->half);
     free(h);
 }
 
@@ -927,6 +965,7 @@ static const comm_ops s_host_ops = {
     .name = "host",
     .allreduce_sum = allreduce_sum,
     .reduce_scatter_sum = reduce_scatter_sum,
+    .bf16_wire = 1,
     .allgather = allgather,
     .iallgather = iallgather,
     .iallgather_wait = iallgather_wait,
@@ -958,13 +997,14 @@ static scape_rc host_alloc(const comm_host_opts *o, host **out)
     h->arrived = calloc(n, 1);
     h->scratch = malloc(h->chunk);
     h->part = malloc(h->chunk);
+    h->half = malloc(h->chunk / 2 + 2);
     h->rq_head = calloc(n, sizeof *h->rq_head);
     h->rq_tail = calloc(n, sizeof *h->rq_tail);
     h->rq_next = calloc(n, sizeof *h->rq_next);
     int ok = gather_alloc(&h->sg, o->size) & gather_alloc(&h->ag, o->size);
     *out = h;
     if (!ok || !h->push || !h->mon || !h->down_since || !h->up || !h->cnt_f || !h->segoff ||
-        !h->arrived || !h->scratch || !h->part || !h->rq_head || !h->rq_tail || !h->rq_next)
+        !h->arrived || !h->scratch || !h->part || !h->half || !h->rq_head || !h->rq_tail || !h->rq_next)
         return scape_set_error(SCAPE_NOMEM, "comm_host_create: out of memory");
     h->cnt_b = h->cnt_f + n;
     return SCAPE_OK;

@@ -159,6 +159,28 @@ static const char *name_backend(const void *f)
     return comm_backend_name(*(const comm_backend *)f);
 }
 
+/* Two names for an int field's 0 and 1. */
+static scape_rc parse_pair(const char *s, void *f, const char *key, const char *n0,
+                           const char *n1)
+{
+    if (s && (strcmp(s, n0) == 0 || strcmp(s, n1) == 0)) {
+        *(int *)f = strcmp(s, n1) == 0;
+        return SCAPE_OK;
+    }
+    return scape_set_error(SCAPE_INVALID, "unknown %s '%s' (%s, %s)", key, s ? s : "(null)",
+                           n0, n1);
+}
+static scape_rc parse_wire(const char *s, void *f)
+{
+    return parse_pair(s, f, "wire_values", "f32", "bf16");
+}
+static const char *name_wire(const void *f) { return *(const int *)f ? "bf16" : "f32"; }
+static scape_rc parse_gather(const char *s, void *f)
+{
+    return parse_pair(s, f, "gather_values", "params", "f32");
+}
+static const char *name_gather(const void *f) { return *(const int *)f ? "f32" : "params"; }
+
 /* Booleans as YAML 1.1 writes them; an int field. */
 static scape_rc parse_bool(const char *s, void *f)
 {
@@ -206,6 +228,21 @@ static const cfg_key s_keys[] = {
       .min = 0, .max = HUGE_VAL, .max_open = 1, .def = "0",
       .doc = "clip the mean gradient to this global L2 norm before the update (torch's "
              "clip_grad_norm_; 0: no clipping)" },
+    { .name = "wire_values", .type = KT_ENUM, .offset = OFF(engine.wire_bf16),
+      .parse = parse_wire, .name_of = name_wire, .def = "f32",
+      .doc = "masked steps send the reduced values as f32 or bf16 (the rounding stays in the "
+             "residual: nothing is lost); alike on every daemon" },
+    { .name = "gather_values", .type = KT_ENUM, .offset = OFF(engine.gather_f32),
+      .parse = parse_gather, .name_of = name_gather, .def = "params",
+      .doc = "sharded: gather the updated parameters in the trainers' dtype (params: bf16 "
+             "when every trainer holds bf16, the same bits in half the bytes) or in f32" },
+    { .name = "rho_start", .type = KT_DOUBLE, .offset = OFF(engine.rho_start), .min = 0,
+      .max = 1, .def = "0",
+      .doc = "scape density schedule: the first masked step's density, in (rho, 1], halved "
+             "at equal intervals down to rho over rho_steps steps (0: no schedule)" },
+    { .name = "rho_steps", .type = KT_U32, .offset = OFF(engine.rho_steps), .min = 1,
+      .max = UINT32_MAX, .def = "1000",
+      .doc = "masked steps over which the density schedule reaches rho" },
     { .name = "engine_threads", .type = KT_INT, .offset = OFF(engine.threads), .min = 1,
       .max = 256, .def = "1",
       .doc = "threads for the step's data-parallel phases (results do not depend on it)" },

@@ -121,24 +121,73 @@ static scape_rc check_config(const eng_config *c)
     if (!(c->max_grad_norm >= 0.0f) || !isfinite(c->max_grad_norm))
         return scape_set_error(SCAPE_INVALID, "config: max_grad_norm=%g must be >= 0 "
                                "(0: no clipping)", (double)c->max_grad_norm);
+    if (c->rho_start != 0.0 && !(c->rho_start > c->rho && c->rho_start <= 1.0))
+        return scape_set_error(SCAPE_INVALID, "config: rho_start=%g must be in (rho, 1] = "
+                               "(%g, 1] (0: no density schedule)", c->rho_start, c->rho);
+    if (c->rho_start != 0.0 && c->rho_steps < 1)
+        return scape_set_error(SCAPE_INVALID, "config: rho_steps must be >= 1 with a density "
+                               "schedule");
     return SCAPE_OK;
 }
 
-uint64_t eng_config_hash(const eng_config *c)
+static uint64_t fnv(uint64_t h, const void *p, size_t n)
 {
-    /* max_grad_norm only when set, so that a configuration without it
-     * hashes as it did before the key existed */
-    double f[] = { (double)c->optimizer, (double)c->mode, c->rho, (double)c->warmup,
-                   (double)c->hyper.beta1, (double)c->hyper.beta2,
-                   (double)c->hyper.eps, (double)c->hyper.wd, (double)c->max_grad_norm };
-    size_t nf = sizeof f / sizeof f[0] - (c->max_grad_norm > 0.0f ? 0 : 1);
-    uint64_t h = 0xcbf29ce484222325ull;
-    const unsigned char *b = (const unsigned char *)f;
-    for (size_t i = 0; i < nf * sizeof f[0]; i++) {
+    const unsigned char *b = p;
+    for (size_t i = 0; i < n; i++) {
         h ^= b[i];
         h *= 0x100000001b3ull;
     }
     return h;
+}
+
+uint64_t eng_config_hash(const eng_config *c)
+{
+    /* max_grad_norm, wire values and the schedule only when set, so that a
+     * configuration without them hashes as it did before the keys existed */
+    double f[] = { (double)c->optimizer, (double)c->mode, c->rho, (double)c->warmup,
+                   (double)c->hyper.beta1, (double)c->hyper.beta2,
+                   (double)c->hyper.eps, (double)c->hyper.wd, (double)c->max_grad_norm };
+    size_t nf = sizeof f / sizeof f[0] - (c->max_grad_norm > 0.0f ? 0 : 1);
+    uint64_t h = fnv(0xcbf29ce484222325ull, f, nf * sizeof f[0]);
+    if (c->wire_bf16)
+        h = fnv(h, "wire_values=bf16", 16);
+    if (c->rho_start > 0.0) {
+        double sch[] = { c->rho_start, (double)c->rho_steps };
+        h = fnv(h, sch, sizeof sch);
+    }
+    return h;
+}
+
+void eng_code_sizes(eng_t *e)
+{
+    const plan *p = e->p;
+    int topk = e->cfg.optimizer == ENG_OPT_TOPK_ADAMW;
+    /* SCAPE: each rank sends its shard's bits; topk-adamw: every rank all of its own. */
+    e->code_total = 0;
+    for (int r = 0; r < e->comm->size; r++) {
+        const plan_shard *sh = &p->shard[r];
+        e->code_bytes[r] = topk ? mcode_bytes(p, 0, p->ntensors)
+                                : mcode_bytes(p, sh->first, sh->count);
+        if (r == e->rank)
+            e->code_off = e->code_total;
+        e->code_total += e->code_bytes[r];
+    }
+}
+
+scape_rc eng_mask_density(eng_t *e, uint64_t t)
+{
+    if (e->cfg.optimizer != ENG_OPT_SCAPE || !(e->cfg.rho_start > 0.0))
+        return SCAPE_OK;
+    double rho = plan_rho_at(&e->cfg, t);
+    if (rho == e->k_rho)
+        return SCAPE_OK;
+    plan_set_rho(e->p, rho);
+    e->k_rho = rho;
+    eng_code_sizes(e);
+    if (e->p->k_total > e->k_cap || e->code_total > e->code_cap)
+        return scape_set_error(SCAPE_INVALID, "engine: step %llu's density %g needs more "
+                               "than the buffers hold", (unsigned long long)t, rho);
+    return e->x->ops->replan(e->x);
 }
 
 /* The sizes the plan gives this rank, the small host arrays, and the
@@ -154,6 +203,13 @@ static scape_rc alloc_state(eng_t *e)
 
     e->state_base = sharded ? me->pos0 : 0;
     e->state_len = sharded ? me->len : n;
+    e->k_target = p->k_total;
+    /* with a density schedule the buffers are sized for its densest mask,
+     * the first (every k_l and mask code only shrinks from there) */
+    if (e->cfg.optimizer == ENG_OPT_SCAPE && e->cfg.rho_start > 0.0) {
+        e->k_rho = plan_rho_at(&e->cfg, (uint64_t)e->cfg.warmup + 1);
+        plan_set_rho(e->p, e->k_rho);
+    }
     e->k_cap = dense_only ? 1 : topk ? (R * p->k_total < n ? R * p->k_total : n) : p->k_total;
     e->toff = calloc(p->ntensors + 1, sizeof(size_t));
     e->counts = calloc(R, sizeof(size_t));
@@ -161,15 +217,8 @@ static scape_rc alloc_state(eng_t *e)
     e->sq = calloc(R, sizeof(double));
     if (e->toff == NULL || e->counts == NULL || e->code_bytes == NULL || e->sq == NULL)
         return scape_set_error(SCAPE_NOMEM, "engine: cannot allocate state for N=%zu", n);
-    /* SCAPE: each rank sends its shard's bits; topk-adamw: every rank all of its own. */
-    for (size_t r = 0; r < R; r++) {
-        const plan_shard *sh = &p->shard[r];
-        e->code_bytes[r] = topk ? mcode_bytes(p, 0, p->ntensors)
-                                : mcode_bytes(p, sh->first, sh->count);
-        if ((int)r == e->rank)
-            e->code_off = e->code_total;
-        e->code_total += e->code_bytes[r];
-    }
+    eng_code_sizes(e);
+    e->code_cap = e->code_total;
     TRY(exec_create(e));
     e->mask_cur = NULL;
     e->mask_next = e->mask_buf[0];
@@ -216,30 +265,35 @@ static scape_rc handshake(eng_t *e)
     int R = e->comm->size;
     /* defer_select is not in the config hash (checkpoints do not depend on
      * it) but must agree: it moves the mask all-gather among the collectives */
-    uint64_t mine[4] = { (uint64_t)e->tr, e->p->hash, eng_config_hash(&e->cfg),
-                         (uint64_t)(e->cfg.defer_select != 0) };
-    uint64_t *all = calloc((size_t)R * 4, sizeof *all);
+    uint64_t mine[5] = { (uint64_t)e->tr, e->p->hash, eng_config_hash(&e->cfg),
+                         (uint64_t)(e->cfg.defer_select != 0), (uint64_t)e->pdt };
+    uint64_t *all = calloc((size_t)R * 5, sizeof *all);
     if (all == NULL)
         return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
     for (int r = 0; r < R; r++)
         e->counts[r] = sizeof mine;
     scape_rc rc = comm_allgather(e->comm, mine, all, e->counts);
+    /* the owners gather the updated parameters in the trainers' dtype when
+     * every rank's trainers hold bf16 */
+    e->vbf16 = !e->cfg.gather_f32 && e->pdt == KERN_BF16;
     for (int r = 0; rc == SCAPE_OK && r < R; r++) {
-        if (all[4 * r + 1] != mine[1])
+        if (all[5 * r + 4] != (uint64_t)KERN_BF16)
+            e->vbf16 = 0;
+        if (all[5 * r + 1] != mine[1])
             rc = scape_set_error(SCAPE_INVALID,
                                  "engine: rank %d registered a different layout than rank %d "
                                  "(tensors, or their parameter groups and weight decay)",
                                  r, e->rank);
-        else if (all[4 * r + 2] != mine[2])
+        else if (all[5 * r + 2] != mine[2])
             rc = scape_set_error(SCAPE_INVALID,
                                  "engine: rank %d has a different optimizer config than rank %d",
                                  r, e->rank);
-        else if (all[4 * r + 3] != mine[3] && e->cfg.optimizer == ENG_OPT_SCAPE)
+        else if (all[5 * r + 3] != mine[3] && e->cfg.optimizer == ENG_OPT_SCAPE)
             rc = scape_set_error(SCAPE_INVALID,
                                  "engine: rank %d has defer_select %s and rank %d %s: set it "
-                                 "alike on every daemon", r, all[4 * r + 3] ? "on" : "off",
+                                 "alike on every daemon", r, all[5 * r + 3] ? "on" : "off",
                                  e->rank, mine[3] ? "on" : "off");
-        e->t_total += (int)all[4 * r];
+        e->t_total += (int)all[5 * r];
     }
     free(all);
     return rc;

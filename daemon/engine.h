@@ -68,6 +68,19 @@ typedef struct eng_config {
     float max_grad_norm;     /* > 0: scale g_hat so that its global L2 norm is
                                 at most this (torch's clip_grad_norm_ rule,
                                 docs/design.md); 0: no clipping (default) */
+    int wire_bf16;           /* masked steps (scape, topk-adamw) send the packed
+                                values as bf16 and keep each one's rounding in
+                                the residual (docs/algorithm.md); 0: fp32
+                                (default).  Every rank must set it alike. */
+    int gather_f32;          /* sharded: gather the updated parameters in fp32
+                                even when every rank's trainers hold bf16
+                                (default 0: in the trainers' dtype, which gives
+                                the same bits in half the bytes) */
+    double rho_start;        /* scape's density schedule: 0 (default) none;
+                                else in (rho, 1], the density of the first
+                                masked step, halved at equal intervals until it
+                                reaches rho at masked step rho_steps + 1 */
+    uint32_t rho_steps;      /* the schedule's length in masked steps (>= 1) */
 } eng_config;
 
 typedef struct eng_tensor {

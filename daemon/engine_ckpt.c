@@ -236,6 +236,7 @@ static scape_rc publish_theta(eng_t *e, void *const *params)
         src = whole;
     }
     e->mask_cur = NULL;
+    e->pub_bf16 = 0; /* from theta, in fp32 */
     scape_rc rc = x->ops->offsets(x, &k);
     if (rc == SCAPE_OK)
         rc = x->ops->write_back(x, src, params);
@@ -264,6 +265,7 @@ scape_rc eng_ckpt_load_finish(eng_t *e, const eng_ckpt_meta *meta, void *const *
     e->mask_pending = 0;
     e->select_pending = 0;
     memset(e->next_iag, 0, sizeof e->next_iag); /* the mask came from the file */
+    TRY(eng_mask_density(e, meta->step + 1)); /* k_l of that mask, for its offsets */
     e->initialised = 1;
     return SCAPE_OK;
 }

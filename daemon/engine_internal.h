@@ -63,6 +63,16 @@ struct eng {
     size_t *code_bytes;  /* per rank: the size of its code */
     size_t code_off;     /* bytes before this rank's code */
     size_t code_total;   /* bytes of all ranks' codes: a mask all-gather's payload */
+    size_t code_cap;     /* the most code_total can be (code_all's size) */
+    size_t k_target;     /* K at the configured rho (sum of its k_l) */
+    double k_rho;        /* the density the plan's k_l are for now: with a
+                            schedule, that of the mask last selected */
+    int vbf16;           /* packed updated parameters go in bf16 (every rank's
+                            trainers hold bf16, gather_f32 off) */
+    int pub_bf16;        /* this step's compact / write-back: vbf16 and not
+                            from theta itself */
+    uint64_t sel_step;   /* the step whose mask the next selection picks */
+    int wire_now;        /* this step's packed values are bf16 (wire_bf16, masked) */
     size_t *toff;        /* packed offset of each tensor, comm order, ntensors + 1 */
     uint64_t next_iag[3];  /* calls, bytes, wire bytes of the all-gather that
                               fills mask_next (counted to the step that uses it) */
@@ -114,7 +124,7 @@ struct eng {
  * no mask all-gather. */
 static inline int eng_scape_masks(const eng_t *e)
 {
-    return e->cfg.optimizer == ENG_OPT_SCAPE && e->p->k_total < e->p->n;
+    return e->cfg.optimizer == ENG_OPT_SCAPE && e->k_target < e->p->n;
 }
 
 /* The optimizer keeps a second moment (the AdamW variants). */
@@ -126,6 +136,13 @@ static inline int eng_uses_v(const eng_t *e)
 /* Finish an outstanding lagged mask all-gather and decode every rank's
  * bits into mask_next; *waited (may be NULL) gets the seconds it blocked. */
 scape_rc eng_mask_finish(eng_t *e, double *waited);
+
+/* Every rank's mask code size for the plan's k_l (code_bytes, code_off,
+ * code_total). */
+void eng_code_sizes(eng_t *e);
+/* The plan's k_l for the mask of step t, under the density schedule (no-op
+ * without one); the executor is told (replan). */
+scape_rc eng_mask_density(eng_t *e, uint64_t t);
 
 /* Run the deferred selection (select_pending is set; engine_step.c). */
 scape_rc eng_select_pending(eng_t *e);

@@ -76,26 +76,27 @@ static scape_rc bounce_up(eng_t *e, void *dst, const void *src, size_t bytes)
     return e->x->ops->copy(e->x, dst, src, bytes);
 }
 
-static scape_rc x_allreduce(eng_t *e, float *buf, size_t n)
+static scape_rc x_allreduce(eng_t *e, float *buf, size_t n, int bf16)
 {
     if (comm_direct(e))
-        return comm_allreduce_sum(e->comm, buf, n);
+        return comm_allreduce_sum_wire(e->comm, buf, n, bf16);
     TRY(bounce_down(e, buf, n * sizeof *buf));
-    TRY(comm_allreduce_sum(e->comm, e->bounce, n));
+    TRY(comm_allreduce_sum_wire(e->comm, e->bounce, n, bf16));
     return bounce_up(e, buf, e->bounce, n * sizeof *buf);
 }
 
 /* Reduce-scatter in place: recv is this rank's segment of send. */
-static scape_rc x_reduce_scatter(eng_t *e, float *send, float *recv, const size_t *counts)
+static scape_rc x_reduce_scatter(eng_t *e, float *send, float *recv, const size_t *counts,
+                                 int bf16)
 {
     if (comm_direct(e))
-        return comm_reduce_scatter_sum(e->comm, send, recv, counts);
+        return comm_reduce_scatter_sum_wire(e->comm, send, recv, counts, bf16);
     size_t total = 0;
     for (int r = 0; r < e->comm->size; r++)
         total += counts[r];
     TRY(bounce_down(e, send, total * sizeof *send));
     float *hs = e->bounce, *hr = hs + (recv - send);
-    TRY(comm_reduce_scatter_sum(e->comm, hs, hr, counts));
+    TRY(comm_reduce_scatter_sum_wire(e->comm, hs, hr, counts, bf16));
     return bounce_up(e, recv, hr, counts[e->rank] * sizeof *recv);
 }
 
@@ -219,6 +220,7 @@ static scape_rc scape_select(eng_t *e)
 {
     const plan *p = e->p;
     const plan_shard *me = &p->shard[e->rank];
+    TRY(eng_mask_density(e, e->sel_step)); /* k_l of the mask selected now */
     TRY(e->x->ops->select(e->x));
     /* The own bits go straight into M_{t+1}'s words (the decode rewrites them
      * the same) and the code into this rank's place of the gathered code. */
@@ -287,14 +289,16 @@ static void shard_counts(eng_t *e, size_t elem)
     }
 }
 
-/* The one reduction collective, in place; sharded ranks keep their segment. */
+/* The one reduction collective, in place; sharded ranks keep their segment.
+ * The values go in bf16 when the pack rounded them so (wire_now). */
 static scape_rc reduce(eng_t *e, float *buf, size_t k)
 {
     e->sum = buf;
     if (e->cfg.mode == ENG_MODE_REPLICATED)
-        return x_allreduce(e, buf, k);
+        return x_allreduce(e, buf, k, e->wire_now);
     shard_counts(e, 1);
-    return x_reduce_scatter(e, buf, buf + e->toff[e->p->shard[e->rank].first], e->counts);
+    return x_reduce_scatter(e, buf, buf + e->toff[e->p->shard[e->rank].first], e->counts,
+                            e->wire_now);
 }
 
 /* Inspection: keep g_hat = S / T of the coordinates this rank reduced. */
@@ -365,16 +369,17 @@ static scape_rc clip_coef(eng_t *e, uint64_t t)
 }
 
 /* The new parameters, comm order, into `dst`: packed at the mask (sparse) or
- * whole (dense); sharded ranks then all-gather their parts in place. */
+ * whole (dense), in bf16 when every trainer holds bf16 (pub_bf16); sharded
+ * ranks then all-gather their parts in place. */
 static scape_rc gather_updates(eng_t *e, float *dst)
 {
-    size_t first, count;
+    size_t first, count, esz = e->pub_bf16 ? 2 : sizeof(float);
     eng_update_range(e, &first, &count);
     TRY(e->x->ops->compact(e->x, first, count, dst));
     if (e->cfg.mode == ENG_MODE_REPLICATED)
         return SCAPE_OK;
-    shard_counts(e, sizeof(float));
-    return x_allgather(e, dst + e->toff[first], dst, e->counts);
+    shard_counts(e, esz);
+    return x_allgather(e, (char *)dst + e->toff[first] * esz, dst, e->counts);
 }
 
 /* Where the new parameters are gathered: `upd` when sparse; when dense, the
@@ -423,6 +428,8 @@ static scape_rc step_phases(eng_t *e, uint64_t t, const void *const *grads,
         return scape_set_error(SCAPE_INVALID, "engine: mask of %zu values exceeds the "
                                "capacity of %zu", k, e->k_cap);
     e->select_due = eng_scape_masks(e) && t + 1 > e->cfg.warmup;
+    e->sel_step = t + 1;
+    e->wire_now = e->cfg.wire_bf16 && e->mask_cur != NULL;
     PHASE(ENG_PH_PACK, e->x->ops->pack(e->x, grads, e->select_due));
     if (e->select_due) {
         /* deferred only from a sparse step: a dense one's a is overwritten
@@ -440,6 +447,7 @@ static scape_rc step_phases(eng_t *e, uint64_t t, const void *const *grads,
     eng_update_range(e, &first, &count);
     PHASE(ENG_PH_UPDATE, e->x->ops->update(e->x, first, count, t));
     pub = publish_buffer(e);
+    e->pub_bf16 = e->vbf16 && pub != e->theta;
     if (pub != e->theta)
         PHASE(ENG_PH_GATHER, gather_updates(e, pub));
     PHASE(ENG_PH_WRITEBACK, e->x->ops->write_back(e->x, pub, params));

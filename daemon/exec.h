@@ -41,7 +41,8 @@ typedef struct exec_ops {
 
     /* topk-adamw: G_r whole into e->g (layout order), in trainer order. */
     scape_rc (*intake)(exec_t *x, const void *const *grads);
-    /* a = G + e on e->mask_cur (NULL: dense): packed into e->send, or in
+    /* a = G + e on e->mask_cur (NULL: dense): packed into e->send (bf16(a)
+     * with the rest kept in the residual when e->wire_now), or in
      * place in the dense buffer (dense_buffer()); the residual keeps a off
      * the mask.  grads NULL: G is e->g.  e->e_stale on entry means the
      * residual is zero; a dense pack sets it.  select_due: a selection of
@@ -76,11 +77,16 @@ typedef struct exec_ops {
      * rule of scape_formula.h (scape_f_sqsum_chunk), into *out (host memory)
      * once sync() has returned.  At most comm size sums between syncs. */
     scape_rc (*sqsum)(exec_t *x, size_t first, size_t count, double *out);
-    /* Their new parameters into dst (packed at the mask, or dense), comm order. */
+    /* Their new parameters into dst (packed at the mask, or dense), comm order;
+     * as bf16 when e->pub_bf16. */
     scape_rc (*compact)(exec_t *x, size_t first, size_t count, float *dst);
-    /* The values at src (packed, or dense; comm order) into every trainer's
-     * buffer, converted to the parameter dtype. */
+    /* The values at src (packed, or dense; comm order; bf16 when
+     * e->pub_bf16) into every trainer's buffer, converted to the parameter
+     * dtype. */
     scape_rc (*write_back)(exec_t *x, const float *src, void *const *params);
+    /* The plan's k_l changed (a density schedule): refresh whatever the
+     * executor derived from them (the device's tensor and code tables). */
+    scape_rc (*replan)(exec_t *x);
     /* theta of this rank's state range from a buffer of the trainers' form
      * (layout order, parameter dtype). */
     scape_rc (*load_theta)(exec_t *x, const void *src);

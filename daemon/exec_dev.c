@@ -143,6 +143,7 @@ static scape_rc upload_new(dev_x *h, const void *src, size_t bytes, void *out)
 
 /* ---- tables ------------------------------------------------------------------- */
 
+/* The tensor table; a second call (replan) rewrites it in place. */
 static scape_rc build_tensors(eng_t *e, dev_x *h)
 {
     const plan *p = e->p;
@@ -154,7 +155,8 @@ static scape_rc build_tensors(eng_t *e, dev_x *h)
         t[j] = (kseg_tensor){ pt->pos, pt->off, pt->word, (uint32_t)pt->len, (uint32_t)pt->k,
                               pt->group, 0 };
     }
-    scape_rc rc = upload_new(h, t, p->ntensors * sizeof *t, &h->tt);
+    scape_rc rc = h->tt ? h->ops->copy(h->d, DEV_MAIN, h->tt, t, p->ntensors * sizeof *t)
+                        : upload_new(h, t, p->ntensors * sizeof *t, &h->tt);
     if (rc == SCAPE_OK)
         rc = h->ops->sync(h->d);
     free(t);
@@ -233,12 +235,16 @@ static scape_rc build_sel(eng_t *e, dev_x *h, sel *s, uint32_t first, uint32_t n
     return rc;
 }
 
-/* Where each tensor of comm range [first, first + n) goes in its code. */
+/* Where each tensor of comm range [first, first + n) goes in its code; a
+ * second call (replan: other k_l) rewrites the table in place. */
 static scape_rc build_range(eng_t *e, dev_x *h, crange *r, uint32_t first, uint32_t n)
 {
     kseg_code *c = calloc(n ? n : 1, sizeof *c);
     if (c == NULL)
         return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
+    kseg_code *dc = r->c;
+    uint32_t *tiles = r->tiles, *cnt = r->count;
+    *r = (crange){ .c = dc, .tiles = tiles, .count = cnt };
     r->first = first;
     r->n = n;
     r->w0 = n ? eng_tensor_at(e, first)->word : 0;
@@ -275,10 +281,11 @@ static scape_rc build_range(eng_t *e, dev_x *h, crange *r, uint32_t first, uint3
                              (unsigned long long)(4 * r->code_words),
                              mcode_bytes(e->p, first, n));
     if (rc == SCAPE_OK)
-        rc = upload_new(h, c, n * sizeof *c, &r->c);
-    if (rc == SCAPE_OK)
+        rc = dc ? h->ops->copy(h->d, DEV_MAIN, dc, c, n * sizeof *c)
+                : upload_new(h, c, n * sizeof *c, &r->c);
+    if (rc == SCAPE_OK && tiles == NULL)
         rc = dalloc(h, (kseg_tiles(r->nwords) + 1) * sizeof(uint32_t), 0, &r->tiles);
-    if (rc == SCAPE_OK)
+    if (rc == SCAPE_OK && cnt == NULL)
         rc = dalloc(h, n * sizeof(uint32_t), 0, &r->count);
     if (rc == SCAPE_OK)
         rc = h->ops->sync(h->d);
@@ -311,7 +318,7 @@ static scape_rc alloc_vectors(eng_t *e, dev_x *h)
     TRY(dalloc(h, e->k_cap * f, 0, &e->upd));
     TRY(dalloc(h, p->nwords * 4, 0, &e->mask_buf[0]));
     TRY(dalloc(h, p->nwords * 4, 0, &e->mask_buf[1]));
-    TRY(dalloc(h, e->code_total + 4, 0, &e->code_all));
+    TRY(dalloc(h, e->code_cap + 4, 0, &e->code_all));
     TRY(dalloc(h, (kseg_tiles(p->nwords) + 1) * 4, 0, &h->tiles));
     TRY(dalloc(h, sizeof(kseg_status), 0, &h->status));
     TRY(dalloc(h, sizeof(kseg_status), 1, &h->status_h));
@@ -608,6 +615,7 @@ static scape_rc dev_pack(exec_t *x, const void *const *grads, int select_due)
     if (e->mask_cur) {
         a.out = e->send;
         a.e_write = 1;
+        a.wire_bf16 = e->wire_now;
         TRY(h->ops->zero(h->d, DEV_MAIN, &h->status->norm2, sizeof h->status->norm2));
         TRY(stream_pack(x, &a, !stale, 1));
         e->e_stale = 0;
@@ -885,6 +893,7 @@ static scape_rc dev_compact(exec_t *x, size_t first, size_t count, float *dst)
     if (!range_args(x, first, count, 1, &a))
         return SCAPE_OK;
     a.out = dst;
+    a.vbf16 = x->e->pub_bf16;
     return run(impl(x), KSEG_COMPACT, &a);
 }
 
@@ -896,10 +905,24 @@ static scape_rc dev_write_back(exec_t *x, const float *src, void *const *params)
     TRY(resolve_all(x, (const void *const *)params, kern_dtype_size(e->pdt), &a));
     a.bf16 = e->pdt == KERN_BF16;
     a.in = src;
+    a.vbf16 = e->pub_bf16;
     uint64_t n = e->p->n, k = e->toff[e->p->ntensors], w = e->p->nwords;
     count_masked(x, n, k, w, 0);
     count_trainers(x, e->tr, e->mask_cur ? k * SECTOR : n * kern_dtype_size(e->pdt));
     return run(h, KSEG_WRITEBACK, &a);
+}
+
+/* SCAPE's k_l changed (a density schedule): the tensor table and every
+ * rank's code table again (a handful of times a run). */
+static scape_rc dev_replan(exec_t *x)
+{
+    eng_t *e = x->e;
+    dev_x *h = impl(x);
+    TRY(build_tensors(e, h));
+    for (int r = 0; e->cfg.optimizer == ENG_OPT_SCAPE && r < h->nranges; r++)
+        TRY(build_range(e, h, &h->ranges[r], (uint32_t)e->p->shard[r].first,
+                        (uint32_t)e->p->shard[r].count));
+    return SCAPE_OK;
 }
 
 static scape_rc dev_load_theta(exec_t *x, const void *src)
@@ -1041,6 +1064,7 @@ const exec_ops exec_dev_ops = {
     .sqsum = dev_sqsum,
     .compact = dev_compact,
     .write_back = dev_write_back,
+    .replan = dev_replan,
     .load_theta = dev_load_theta,
     .copy = dev_copy,
     .zero = dev_zero,

@@ -121,7 +121,7 @@ static scape_rc host_create(exec_t *x)
     e->upd = calloc(e->k_cap, sizeof(float));
     e->mask_buf[0] = calloc(w ? w : 1, sizeof(uint32_t));
     e->mask_buf[1] = calloc(w ? w : 1, sizeof(uint32_t));
-    e->code_all = calloc(e->code_total / 4 + 1, sizeof(uint32_t));
+    e->code_all = calloc(e->code_cap / 4 + 1, sizeof(uint32_t));
     size_t workers = (size_t)e->cfg.threads;
     h->topk_scratch_bytes = kern_topk_scratch_bytes(p->max_len);
     h->topk_scratch = malloc(h->topk_scratch_bytes ? workers * h->topk_scratch_bytes : 1);
@@ -211,8 +211,9 @@ static scape_rc pack_item(void *ctx, size_t i, int w)
     size_t k;
     if (!e->mask_cur)
         return kern_grad_accum(e->e + t->pos + it->c, g, KERN_F32, it->len, e->e_stale);
-    return kern_pack_ef(g, e->e + t->pos + it->c, e->mask_cur + t->word + it->c / 32, it->len,
-                        e->send + e->toff[it->j] + it->done, &k);
+    return (e->wire_now ? kern_pack_ef_bf16 : kern_pack_ef)(
+        g, e->e + t->pos + it->c, e->mask_cur + t->word + it->c / 32, it->len,
+        e->send + e->toff[it->j] + it->done, &k);
 }
 
 static scape_rc host_pack(exec_t *x, const void *const *grads, int select_due)
@@ -336,9 +337,10 @@ static scape_rc keep_stat_tensor(void *ctx, size_t i, int w)
     size_t j = e->p->shard[e->rank].first + i;
     const plan_tensor *t = eng_tensor_at(e, j);
     (void)w;
-    return kern_stat_packed(e->m + (t->pos - e->state_base), e->mask_cur + t->word,
-                            e->send + e->toff[j], t->len, e->cfg.hyper.beta1, (float)e->tr,
-                            impl(x)->sstat + e->toff[j]);
+    return kern_stat_packed_rest(e->m + (t->pos - e->state_base), e->mask_cur + t->word,
+                                 e->send + e->toff[j], e->wire_now ? e->e + t->pos : NULL,
+                                 t->len, e->cfg.hyper.beta1, (float)e->tr,
+                                 impl(x)->sstat + e->toff[j]);
 }
 
 static scape_rc host_keep_stats(exec_t *x)
@@ -504,10 +506,14 @@ static scape_rc compact_tensor(void *ctx, size_t i, int w)
     (void)w;
     const plan_tensor *t = eng_tensor_at(e, j);
     const float *th = e->theta + (t->pos - e->state_base);
+    kern_dtype dt = e->pub_bf16 ? KERN_BF16 : KERN_F32;
+    void *dst = (char *)u->dst + e->toff[j] * kern_dtype_size(dt);
     if (e->mask_cur)
-        return kern_mask_compact(th, e->mask_cur + t->word, t->len, u->dst + e->toff[j], &k);
-    if (u->dst + e->toff[j] != th)
-        memcpy(u->dst + e->toff[j], th, t->len * sizeof *th);
+        return kern_mask_compact_dt(th, e->mask_cur + t->word, t->len, dst, dt, &k);
+    if (dt == KERN_BF16)
+        return kern_f32_to_bf16(th, dst, t->len);
+    if (dst != th)
+        memcpy(dst, th, t->len * sizeof *th);
     return SCAPE_OK;
 }
 
@@ -530,11 +536,12 @@ static scape_rc write_back_item(void *ctx, size_t i, int w)
     (void)w;
     const plan_tensor *t = eng_tensor_at(e, j);
     char *dst = (char *)b->params[q] + t->off * kern_dtype_size(e->pdt);
-    const float *src = b->src + e->toff[j];
+    kern_dtype sdt = e->pub_bf16 ? KERN_BF16 : KERN_F32;
+    const void *src = (const char *)b->src + e->toff[j] * kern_dtype_size(sdt);
     if (e->mask_cur)
-        return kern_mask_expand(src, e->mask_cur + t->word, t->len, dst, e->pdt);
-    if (e->pdt == KERN_F32) {
-        memcpy(dst, src, t->len * sizeof(float));
+        return kern_mask_expand_dt(src, sdt, e->mask_cur + t->word, t->len, dst, e->pdt);
+    if (e->pdt == sdt) {
+        memcpy(dst, src, t->len * kern_dtype_size(sdt));
         return SCAPE_OK;
     }
     return kern_f32_to_bf16(src, (uint16_t *)(void *)dst, t->len);
@@ -548,6 +555,12 @@ static scape_rc host_write_back(exec_t *x, const float *src, void *const *params
     count_masked(x, n, k, e->p->nwords, 0);
     count(x, (uint64_t)e->tr * (e->mask_cur ? k * LINE : n * kern_dtype_size(e->pdt)));
     return pool_run(impl(x)->pool, e->p->ntensors * (size_t)e->tr, write_back_item, &b);
+}
+
+static scape_rc host_replan(exec_t *x)
+{
+    (void)x; /* the kernels read k_l from the plan itself */
+    return SCAPE_OK;
 }
 
 static scape_rc host_load_theta(exec_t *x, const void *src)
@@ -644,6 +657,7 @@ const exec_ops exec_host_ops = {
     .sqsum = host_sqsum,
     .compact = host_compact,
     .write_back = host_write_back,
+    .replan = host_replan,
     .load_theta = host_load_theta,
     .copy = host_copy,
     .zero = host_zero,

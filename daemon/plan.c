@@ -193,11 +193,10 @@ scape_rc plan_build(plan **out, const eng_tensor *ts, size_t nt, int nranks, dou
         t->off = ts[i].offset;
         t->len = ts[i].length;
         t->group = ts[i].group;
-        t->k = plan_k(rho, t->len);
-        p->k_total += t->k;
         if (t->len > p->max_len)
             p->max_len = t->len;
     }
+    plan_set_rho(p, rho);
     rc = assign_owners(p);
     if (rc != SCAPE_OK) {
         free(by_off);
@@ -209,4 +208,36 @@ scape_rc plan_build(plan **out, const eng_tensor *ts, size_t nt, int nranks, dou
     free(by_off);
     *out = p;
     return SCAPE_OK;
+}
+
+void plan_set_rho(plan *p, double rho)
+{
+    p->k_total = 0;
+    for (size_t i = 0; i < p->ntensors; i++) {
+        p->t[i].k = plan_k(rho, p->t[i].len);
+        p->k_total += p->t[i].k;
+    }
+}
+
+/* The halvings from rho_start down to rho: the least h >= 1 with
+ * rho_start / 2^h <= rho (exact: halving a double is). */
+static uint32_t schedule_halvings(double rho_start, double rho)
+{
+    uint32_t h = 1;
+    for (double r = rho_start / 2.0; r > rho && h < 64; r /= 2.0)
+        h++;
+    return h;
+}
+
+double plan_rho_at(const eng_config *c, uint64_t t)
+{
+    if (!(c->rho_start > 0.0) || t <= c->warmup)
+        return c->rho;
+    uint64_t u = t - c->warmup - 1, steps = c->rho_steps ? c->rho_steps : 1;
+    uint64_t h = schedule_halvings(c->rho_start, c->rho);
+    if (u >= steps)
+        return c->rho;
+    uint64_t stage = u * h / steps; /* u < steps < 2^32, h <= 64: no overflow */
+    double r = ldexp(c->rho_start, -(int)stage);
+    return r > c->rho ? r : c->rho;
 }

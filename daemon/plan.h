@@ -45,6 +45,14 @@ typedef struct plan {
 size_t plan_k(double rho, size_t len);
 /* Validate the tensors (they must tile [0, N)) and build the plan. */
 scape_rc plan_build(plan **out, const eng_tensor *ts, size_t nt, int nranks, double rho);
+/* k_l and k_total for density rho (the owners and the layout do not
+ * depend on it). */
+void plan_set_rho(plan *p, double rho);
+/* The density of step t's mask under c's schedule (docs/algorithm.md):
+ * c->rho without one (rho_start 0) and in warm-up; else rho_start, halved
+ * at equal intervals over rho_steps masked steps, never below rho.  Only
+ * exact operations, so every rank derives the same value from t alone. */
+double plan_rho_at(const eng_config *c, uint64_t t);
 /* Free; sets *p to NULL. */
 void plan_destroy(plan **p);
 

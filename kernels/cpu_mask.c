@@ -60,10 +60,9 @@ scape_rc kern_mask_or(uint32_t *dst, const uint32_t *src, size_t nwords)
     return SCAPE_OK;
 }
 
-scape_rc kern_pack_ef(const float *g, float *e, const uint32_t *mask, size_t n,
-                      float *out, size_t *k_out)
+static scape_rc pack_ef(const char *fn, const float *g, float *e, const uint32_t *mask,
+                        size_t n, float *out, size_t *k_out, int bf16)
 {
-    static const char fn[] = "kern_pack_ef";
     KERN_NONNULL(fn, g);
     KERN_NONNULL(fn, e);
     KERN_NONNULL(fn, mask);
@@ -86,7 +85,7 @@ scape_rc kern_pack_ef(const float *g, float *e, const uint32_t *mask, size_t n,
         /* a = g + e for the whole word, then move the set bits out. */
         for (size_t i = 0; i < len; i++)
             ew[i] = scape_f_ef(gw[i], ew[i]);
-        if (bits == 0xffffffffu) {
+        if (bits == 0xffffffffu && !bf16) {
             memcpy(out + j, ew, 32 * sizeof(float));
             memset(ew, 0, 32 * sizeof(float));
             j += 32;
@@ -94,8 +93,50 @@ scape_rc kern_pack_ef(const float *g, float *e, const uint32_t *mask, size_t n,
         }
         while (bits) {
             unsigned i = (unsigned)__builtin_ctz(bits);
-            out[j++] = ew[i];
-            ew[i] = 0.0f;
+            out[j++] = scape_f_send(ew[i], bf16, &ew[i]);
+            bits &= bits - 1;
+        }
+    }
+    *k_out = j;
+    return SCAPE_OK;
+}
+
+scape_rc kern_pack_ef(const float *g, float *e, const uint32_t *mask, size_t n,
+                      float *out, size_t *k_out)
+{
+    return pack_ef("kern_pack_ef", g, e, mask, n, out, k_out, 0);
+}
+
+scape_rc kern_pack_ef_bf16(const float *g, float *e, const uint32_t *mask, size_t n,
+                           float *out, size_t *k_out)
+{
+    return pack_ef("kern_pack_ef_bf16", g, e, mask, n, out, k_out, 1);
+}
+
+scape_rc kern_mask_compact_dt(const float *dense, const uint32_t *mask, size_t n,
+                              void *packed, kern_dtype pdt, size_t *k_out)
+{
+    static const char fn[] = "kern_mask_compact";
+    KERN_NONNULL(fn, dense);
+    KERN_NONNULL(fn, mask);
+    KERN_NONNULL(fn, packed);
+    KERN_NONNULL(fn, k_out);
+    KERN_MAXN(fn, n);
+    scape_rc rc = kern_check_dtype(fn, pdt);
+    if (rc != SCAPE_OK)
+        return rc;
+    size_t k = popcount_n(mask, n), nw = kern_mask_words(n), esz = kern_dtype_size(pdt);
+    KERN_DISJOINT(fn, packed, k * esz, dense, n * 4);
+    KERN_DISJOINT(fn, packed, k * esz, mask, nw * 4);
+
+    int bf16 = pdt == KERN_BF16;
+    size_t j = 0;
+    for (size_t w = 0; w < nw; w++) {
+        uint32_t bits = mask[w] & (w + 1 == nw ? tail_bits(n) : 0xffffffffu);
+        const float *dw = dense + w * 32;
+        while (bits) {
+            unsigned i = (unsigned)__builtin_ctz(bits);
+            scape_f_store(packed, bf16, j++, dw[i]);
             bits &= bits - 1;
         }
     }
@@ -106,32 +147,11 @@ scape_rc kern_pack_ef(const float *g, float *e, const uint32_t *mask, size_t n,
 scape_rc kern_mask_compact(const float *dense, const uint32_t *mask, size_t n,
                            float *packed, size_t *k_out)
 {
-    static const char fn[] = "kern_mask_compact";
-    KERN_NONNULL(fn, dense);
-    KERN_NONNULL(fn, mask);
-    KERN_NONNULL(fn, packed);
-    KERN_NONNULL(fn, k_out);
-    KERN_MAXN(fn, n);
-    size_t k = popcount_n(mask, n), nw = kern_mask_words(n);
-    KERN_DISJOINT(fn, packed, k * 4, dense, n * 4);
-    KERN_DISJOINT(fn, packed, k * 4, mask, nw * 4);
-
-    size_t j = 0;
-    for (size_t w = 0; w < nw; w++) {
-        uint32_t bits = mask[w] & (w + 1 == nw ? tail_bits(n) : 0xffffffffu);
-        const float *dw = dense + w * 32;
-        while (bits) {
-            unsigned i = (unsigned)__builtin_ctz(bits);
-            packed[j++] = dw[i];
-            bits &= bits - 1;
-        }
-    }
-    *k_out = j;
-    return SCAPE_OK;
+    return kern_mask_compact_dt(dense, mask, n, packed, KERN_F32, k_out);
 }
 
-scape_rc kern_mask_expand(const float *packed, const uint32_t *mask, size_t n,
-                          void *dense, kern_dtype dt)
+scape_rc kern_mask_expand_dt(const void *packed, kern_dtype pdt, const uint32_t *mask,
+                             size_t n, void *dense, kern_dtype dt)
 {
     static const char fn[] = "kern_mask_expand";
     KERN_NONNULL(fn, packed);
@@ -139,32 +159,47 @@ scape_rc kern_mask_expand(const float *packed, const uint32_t *mask, size_t n,
     KERN_NONNULL(fn, dense);
     KERN_MAXN(fn, n);
     scape_rc rc = kern_check_dtype(fn, dt);
+    if (rc == SCAPE_OK)
+        rc = kern_check_dtype(fn, pdt);
     if (rc != SCAPE_OK)
         return rc;
     size_t k = popcount_n(mask, n), nw = kern_mask_words(n);
     size_t dbytes = n * kern_dtype_size(dt);
-    KERN_DISJOINT(fn, packed, k * 4, dense, dbytes);
+    KERN_DISJOINT(fn, packed, k * kern_dtype_size(pdt), dense, dbytes);
     KERN_DISJOINT(fn, mask, nw * 4, dense, dbytes);
 
     size_t j = 0;
     for (size_t w = 0; w < nw; w++) {
         uint32_t bits = mask[w] & (w + 1 == nw ? tail_bits(n) : 0xffffffffu);
         size_t base = w * 32;
-        if (dt == KERN_F32) {
+        if (dt == KERN_F32 && pdt == KERN_F32) {
             float *d = (float *)dense + base;
             while (bits) {
                 unsigned i = (unsigned)__builtin_ctz(bits);
-                d[i] = packed[j++];
+                d[i] = ((const float *)packed)[j++];
                 bits &= bits - 1;
             }
-        } else {
+        } else if (dt == KERN_BF16 && pdt == KERN_BF16) {
             uint16_t *d = (uint16_t *)dense + base;
             while (bits) {
                 unsigned i = (unsigned)__builtin_ctz(bits);
-                d[i] = scape_f_bf16(packed[j++]);
+                d[i] = ((const uint16_t *)packed)[j++];
+                bits &= bits - 1;
+            }
+        } else {
+            while (bits) {
+                unsigned i = (unsigned)__builtin_ctz(bits);
+                scape_f_store(dense, dt == KERN_BF16, base + i,
+                              scape_f_load(packed, pdt == KERN_BF16, j++));
                 bits &= bits - 1;
             }
         }
     }
     return SCAPE_OK;
+}
+
+scape_rc kern_mask_expand(const float *packed, const uint32_t *mask, size_t n,
+                          void *dense, kern_dtype dt)
+{
+    return kern_mask_expand_dt(packed, KERN_F32, mask, n, dense, dt);
 }

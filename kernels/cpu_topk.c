@@ -89,9 +89,13 @@ static void word_keys(const key_src *s, size_t base, size_t len, size_t *j, uint
         bits = s->sent ? s->sent[base / 32] : 0;
         if (len < 32)
             bits &= (1u << len) - 1u;
+        /* a = what was sent + what stayed: the residual there is 0 (fp32
+         * values) or a - bf16(a) (bf16 values), exact either way */
         if (!s->packed_stat)
-            for (uint32_t b = bits; b; b &= b - 1)
-                a[__builtin_ctz(b)] = s->packed[(*j)++];
+            for (uint32_t b = bits; b; b &= b - 1) {
+                unsigned i = (unsigned)__builtin_ctz(b);
+                a[i] = s->packed[(*j)++] + a[i];
+            }
     }
     if (s->m)
         for (size_t i = 0; i < len; i++)
@@ -309,6 +313,13 @@ scape_rc kern_topk_packed(const float *m, const float *e, const uint32_t *sent,
 scape_rc kern_stat_packed(const float *m, const uint32_t *sent, const float *packed_a, size_t n,
                           float beta1, float t_r, float *packed_stat)
 {
+    return kern_stat_packed_rest(m, sent, packed_a, NULL, n, beta1, t_r, packed_stat);
+}
+
+scape_rc kern_stat_packed_rest(const float *m, const uint32_t *sent, const float *packed_a,
+                               const float *rest, size_t n, float beta1, float t_r,
+                               float *packed_stat)
+{
     static const char fn[] = "kern_stat_packed";
     KERN_NONNULL(fn, sent);
     KERN_NONNULL(fn, packed_a);
@@ -327,7 +338,8 @@ scape_rc kern_stat_packed(const float *m, const uint32_t *sent, const float *pac
             bits &= (1u << (n - base)) - 1u;
         for (; bits; bits &= bits - 1, j++) {
             size_t i = base + (size_t)__builtin_ctz(bits);
-            packed_stat[j] = stat_of(m, m ? m[i] : 0.0f, packed_a[j], beta1, c1, t_r);
+            float av = rest ? packed_a[j] + rest[i] : packed_a[j];
+            packed_stat[j] = stat_of(m, m ? m[i] : 0.0f, av, beta1, c1, t_r);
         }
     }
     return SCAPE_OK;

@@ -90,6 +90,37 @@ SCAPE_HD float scape_f_grad_add(float acc, float x) { return acc + x; }
 /* The error-compensated value a = G + e. */
 SCAPE_HD float scape_f_ef(float g, float e) { return g + e; }
 
+/* Values on the wire in bf16 (wire_values: bf16).  The value a rank sends
+ * for a: bf16(a), held in fp32 (so every sum of such values is an ordinary
+ * fp32 sum); where rounding to nearest would carry a finite a to infinity,
+ * a truncated instead.  What is not sent, a - sent, stays in the residual:
+ * exact in fp32 for every finite a (the two share their top bits and differ
+ * by less than a bf16 ulp of a), and 0 where a is not finite, as the fp32
+ * path leaves 0 at a sent coordinate. */
+SCAPE_HD float scape_f_wire_bf16(float a)
+{
+    uint32_t u = scape_f_bits(a);
+    float s = scape_f_from_bf16(scape_f_bf16(a));
+    int finite = (u & 0x7f800000u) != 0x7f800000u;
+    return finite && (scape_f_bits(s) & 0x7fffffffu) == 0x7f800000u
+               ? scape_f_from_bits(u & 0xffff0000u)
+               : s;
+}
+
+SCAPE_HD float scape_f_wire_rest(float a, float sent)
+{
+    float r = a - sent;
+    return r == r ? r : 0.0f; /* inf - inf, NaN: nothing is kept */
+}
+
+/* The value sent and the residual kept for a sent coordinate. */
+SCAPE_HD float scape_f_send(float a, int bf16, float *rest)
+{
+    float s = bf16 ? scape_f_wire_bf16(a) : a;
+    *rest = bf16 ? scape_f_wire_rest(a, s) : 0.0f;
+    return s;
+}
+
 /* ---- the mask statistic and its top-k key -------------------------------- */
 
 /* SCAPE: |beta1 m + (1 - beta1) (a / t_r)|, c1 = 1 - beta1 computed once. */

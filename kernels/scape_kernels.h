@@ -53,6 +53,10 @@ static inline size_t kern_dtype_size(kern_dtype dt) { return dt == KERN_BF16 ? 2
  * *k_out receives the number of values written.  out must hold popcount. */
 scape_rc kern_pack_ef(const float *g, float *e, const uint32_t *mask, size_t n,
                       float *out, size_t *k_out);
+/* As kern_pack_ef with values on the wire in bf16 (scape_formula.h,
+ * scape_f_send): out[j] = bf16(a_i) held in fp32, e_i = a_i - out[j]. */
+scape_rc kern_pack_ef_bf16(const float *g, float *e, const uint32_t *mask, size_t n,
+                           float *out, size_t *k_out);
 
 /* SCAPE mask statistic: stat_i = |beta1*m_i + (1-beta1)*((g_i+e_i)/t_r)|,
  * with t_r >= 1 the number of local trainers (a_r / T_r is their mean).
@@ -99,6 +103,11 @@ scape_rc kern_topk_packed(const float *m, const float *e, const uint32_t *sent,
  * afterwards. */
 scape_rc kern_stat_packed(const float *m, const uint32_t *sent, const float *packed_a, size_t n,
                           float beta1, float t_r, float *packed_stat);
+/* As kern_stat_packed with bf16 values: a = packed_a[j] + rest[i], the
+ * value sent and the residual kept (scape_f_send). */
+scape_rc kern_stat_packed_rest(const float *m, const uint32_t *sent, const float *packed_a,
+                               const float *rest, size_t n, float beta1, float t_r,
+                               float *packed_stat);
 
 /* kern_topk_packed with the keys at the set bits of `sent` taken from
  * packed_stat (kern_stat_packed) instead of computed from m and the packed
@@ -120,11 +129,19 @@ scape_rc kern_mask_prefix(const uint32_t *mask, size_t nwords, uint32_t *prefix)
 /* Compact: packed[j] = dense[i] for the j-th set bit i; *k_out = count. */
 scape_rc kern_mask_compact(const float *dense, const uint32_t *mask, size_t n,
                            float *packed, size_t *k_out);
+/* As kern_mask_compact, packed values stored in pdt (bf16: rounded to
+ * nearest even, as every conversion to the trainers' bf16). */
+scape_rc kern_mask_compact_dt(const float *dense, const uint32_t *mask, size_t n,
+                              void *packed, kern_dtype pdt, size_t *k_out);
 
 /* Expand: dense[i] = packed[j] for the j-th set bit i, converted to dt;
  * positions whose bit is clear are left untouched. */
 scape_rc kern_mask_expand(const float *packed, const uint32_t *mask, size_t n,
                           void *dense, kern_dtype dt);
+/* As kern_mask_expand from packed values of dtype pdt (bf16 into bf16 is a
+ * copy of the bits). */
+scape_rc kern_mask_expand_dt(const void *packed, kern_dtype pdt, const uint32_t *mask,
+                             size_t n, void *dense, kern_dtype dt);
 
 /* dst |= src over nwords words (union of masks); dst and src are disjoint. */
 scape_rc kern_mask_or(uint32_t *dst, const uint32_t *src, size_t nwords);

@@ -120,6 +120,10 @@ typedef struct kseg_args {
     int e_zero;             /* PACK: the residual reads as zero (e may be NULL
                                unless e_write) */
     int e_write;            /* PACK, with a mask: store the new residual */
+    int wire_bf16;          /* PACK, with a mask: send bf16(a), keep the rest
+                               (scape_formula.h, scape_f_send) */
+    int vbf16;              /* COMPACT writes, WRITEBACK reads the packed
+                               values as bf16 (in the bytes of out / in) */
     float *out;             /* PACK, COMPACT, GSUM: packed index, or pos when
                                dense; PACK with NULL: keys only */
     const float *in;        /* UPDATE: the sums; WRITEBACK: the values; LOAD_THETA: source */
@@ -279,8 +283,7 @@ SCAPE_HD void kseg_pack_elem(const kseg_args *a, const kseg_tensor *t, uint64_t 
     }
     float enew = av;
     if (on && j < a->k_cap) {
-        a->out[j] = av;
-        enew = 0.0f;
+        a->out[j] = scape_f_send(av, a->wire_bf16, &enew);
     } else if (on) {
         acc->err |= KSEG_E_PACKED; /* not sent: it stays in the residual */
     }
@@ -311,7 +314,7 @@ SCAPE_HD void kseg_update_elem(const kseg_args *a, const kseg_tensor *t, uint64_
 SCAPE_HD void kseg_compact_elem(const kseg_args *a, uint64_t pos, uint64_t j, kseg_acc *acc)
 {
     if (j < a->k_cap)
-        a->out[j] = a->theta[pos - a->s_base];
+        scape_f_store(a->out, a->vbf16, j, a->theta[pos - a->s_base]);
     else
         acc->err |= KSEG_E_PACKED;
 }
@@ -323,7 +326,7 @@ SCAPE_HD void kseg_writeback_elem(const kseg_args *a, const kseg_tensor *t, uint
         acc->err |= KSEG_E_PACKED;
         return;
     }
-    float x = a->in[j];
+    float x = scape_f_load(a->in, a->vbf16, j);
     for (uint32_t q = 0; q < a->ntr; q++)
         scape_f_store((void *)a->tr[q], a->bf16, t->off + i, x);
 }

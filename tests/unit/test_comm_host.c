@@ -162,6 +162,18 @@ static void bufs_free(bufs *b)
     free(b->msend), free(b->mrecv), free(b->bc);
 }
 
+/* Rank r's inputs cut to bf16 numbers (their upper halves). */
+static void bf16_inputs(int r, float *x, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        float v = val(r, i);
+        uint32_t u;
+        memcpy(&u, &v, sizeof u);
+        u &= 0xffff0000u;
+        memcpy(&x[i], &u, sizeof u);
+    }
+}
+
 /* All-reduce; reduce-scatter out of place (into ag's tail) and in place;
  * all-gather in place and out of place. */
 static scape_rc sync_part(rank_arg *a, outputs *o, bufs *b)
@@ -177,6 +189,14 @@ static scape_rc sync_part(rank_arg *a, outputs *o, bufs *b)
     TRY(comm_allgather(a->comm, b->y + b->off, b->y, b->bcounts));
     put(o, a->rank, b->y, n * 4);
     TRY(comm_allgather(a->comm, b->x + b->off, b->ag, b->bcounts));
+    put(o, a->rank, b->ag, n * 4);
+    /* bf16 inputs (wire_values: bf16): 16 bits a value on the host wire, the
+     * same fp32 sums in rank order as the local backend's */
+    bf16_inputs(a->rank, b->ag, n);
+    TRY(comm_reduce_scatter_sum_wire(a->comm, b->ag, b->ag + b->off, b->counts, 1));
+    put(o, a->rank, b->ag + b->off, mine * 4);
+    bf16_inputs(a->rank, b->ag, n);
+    TRY(comm_allreduce_sum_wire(a->comm, b->ag, n, 1));
     put(o, a->rank, b->ag, n * 4);
     return SCAPE_OK;
 }
@@ -218,7 +238,7 @@ static void outputs_init(outputs *o, size_t n, int R)
 {
     memset(o, 0, sizeof *o);
     o->n = n;
-    o->cap = 8 * (n + 1) * 4 + 4096;
+    o->cap = 10 * (n + 1) * 4 + 4096;
     for (int r = 0; r < R; r++)
         ck_assert_ptr_nonnull(o->out[r] = malloc(o->cap));
 }

@@ -14,7 +14,7 @@
 #include "exec.h"
 #include "check_run.h"
 
-#define NKEYS 35
+#define NKEYS 39
 
 /* Every key with a valid value other than its default. */
 static const struct {
@@ -31,6 +31,10 @@ static const struct {
     { "eps", "1e-06" },
     { "weight_decay", "0.1" },
     { "max_grad_norm", "1.5" },
+    { "wire_values", "bf16" },
+    { "gather_values", "f32" },
+    { "rho_start", "0.25" },
+    { "rho_steps", "500" },
     { "engine_threads", "6" },
     { "executor", "sim" },
     { "residual_on_device", "true" },
@@ -522,7 +526,9 @@ START_TEST(print_format)
         "runtime_dir: \"\"",  "log_level: info",       "optimizer: scape",
         "mode: replicated",   "rho: 0.01",             "warmup: 1",
         "beta1: 0.9",         "beta2: 0.95",           "eps: 1e-08",
-        "weight_decay: 0",    "max_grad_norm: 0",      "engine_threads: 1",
+        "weight_decay: 0",    "max_grad_norm: 0",      "wire_values: f32",
+        "gather_values: params", "rho_start: 0",       "rho_steps: 1000",
+        "engine_threads: 1",
         "executor: auto",
         "residual_on_device: false",                   "residual_chunk: 4194304",
         "defer_select: true",

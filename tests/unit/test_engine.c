@@ -26,6 +26,7 @@
 
 #include "engine.h"
 #include "rank_threads.h"
+#include "scape_formula.h"
 #include "check_run.h"
 
 #define MAX_R 8
@@ -201,6 +202,52 @@ static int dense_at(const spec *sp, uint64_t t)
            (sp->cfg.optimizer == ENG_OPT_SCAPE && sp->cfg.rho >= 1.0) || t <= sp->cfg.warmup;
 }
 
+/* The density schedule restated: rho_start halved at equal intervals over
+ * rho_steps masked steps, never below rho; rho itself without one. */
+static double rho_at(const spec *sp, uint64_t t)
+{
+    const eng_config *c = &sp->cfg;
+    if (c->rho_start <= 0.0 || t <= c->warmup || t - c->warmup - 1 >= c->rho_steps)
+        return c->rho;
+    int halvings = 0;
+    for (double r = c->rho_start; r > c->rho; r *= 0.5)
+        halvings++;
+    uint64_t stage = (t - c->warmup - 1) * (uint64_t)halvings / c->rho_steps;
+    double r = c->rho_start;
+    for (uint64_t q = 0; q < stage; q++)
+        r *= 0.5;
+    return r > c->rho ? r : c->rho;
+}
+
+/* k_l of tensor l in step t's mask: the plan's rule (docs/algorithm.md) at
+ * the step's density, computed here. */
+static size_t want_k(const ctx *c, uint64_t t, size_t l)
+{
+    size_t len = c->ts[l].length;
+    double x = rho_at(c->sp, t) * (double)len, k = ceil(x - 1e-12 * x);
+    return k < 1.0 ? 1 : k > (double)len ? len : (size_t)k;
+}
+
+/* This step's packed values went in bf16 (wire_values: bf16, a mask). */
+static int wire_bf16_at(const spec *sp, uint64_t t)
+{
+    return sp->cfg.wire_bf16 && !dense_at(sp, t);
+}
+
+/* a_r,i in fp32 as the engine computes it: the trainers' values summed in
+ * trainer order, then the residual added. */
+static float pack_value(const ctx *c, int r, uint64_t t, size_t i)
+{
+    float g = 0.0f;
+    for (int j = 0; j < c->sp->tr[r]; j++) {
+        float x = grad_val(c, r, j, t, i);
+        if (c->sp->gdt == KERN_BF16)
+            x = kern_f32_from_bf16(kern_bf16_from_f32(x));
+        g = j ? g + x : x;
+    }
+    return g + c->pub[r].e_before[i];
+}
+
 static int uses_v(const spec *sp)
 {
     return sp->cfg.optimizer == ENG_OPT_ADAMW || sp->cfg.optimizer == ENG_OPT_TOPK_ADAMW;
@@ -216,10 +263,23 @@ static void check_residual(ctx *c, uint64_t t, size_t i, int on_mask, int holder
         double a = g + (double)c->pub[r].e_before[i];
         double want = on_mask ? 0.0 : a;
         double tol = 4e-7 * (ga + fabs((double)c->pub[r].e_before[i])) + 1e-30;
-        if (fabs((double)c->pub[r].e_after[i] - want) > tol)
-            note_fail(c, "step %llu coord %zu rank %d: residual %.9g, want %.9g",
-                 (unsigned long long)t, i, r, (double)c->pub[r].e_after[i], want);
-        sent += on_mask ? a : 0.0;
+        if (on_mask && wire_bf16_at(c->sp, t)) {
+            /* bf16 values: the rank sent s = bf16(a) and kept a - s, both
+             * exact in fp32 (s + (a - s) == a, bit for bit) */
+            float af = pack_value(c, r, t, i), sf = scape_f_wire_bf16(af);
+            float ef = c->pub[r].e_after[i];
+            if (memcmp(&ef, &(float){ af - sf }, sizeof ef) != 0 || sf + ef != af ||
+                (scape_f_bits(sf) & 0xffffu) != 0)
+                note_fail(c, "step %llu coord %zu rank %d: bf16 values: residual %.9g, want "
+                          "a - bf16(a) = %.9g - %.9g", (unsigned long long)t, i, r,
+                          (double)ef, (double)af, (double)sf);
+            sent += sf;
+        } else {
+            if (fabs((double)c->pub[r].e_after[i] - want) > tol)
+                note_fail(c, "step %llu coord %zu rank %d: residual %.9g, want %.9g",
+                          (unsigned long long)t, i, r, (double)c->pub[r].e_after[i], want);
+            sent += on_mask ? a : 0.0;
+        }
         abs_all += ga + fabs((double)c->pub[r].e_before[i]); /* magnitudes before cancellation */
         g_all += g;
         c->sum_abs[i] += ga;
@@ -304,7 +364,7 @@ static double scape_stat(const ctx *c, uint64_t t, size_t i, int owner, int hold
 
 /* The mask used now is, per tensor, exactly k_l of the largest statistics of
  * the previous step (ties within fp32 rounding may go either way). */
-static void check_lagged_selection(ctx *c, uint64_t t, eng_t *e0)
+static void check_lagged_selection(ctx *c, uint64_t t)
 {
     for (size_t l = 0; l < NT; l++) {
         const eng_tensor *ts = &c->ts[l];
@@ -320,9 +380,9 @@ static void check_lagged_selection(ctx *c, uint64_t t, eng_t *e0)
                 max_out = fmax(max_out, s);
             }
         }
-        if (k != eng_tensor_k(e0, l))
+        if (k != want_k(c, t, l))
             note_fail(c, "step %llu tensor %s: %zu mask bits, want k=%zu", (unsigned long long)t,
-                 ts->name, k, eng_tensor_k(e0, l));
+                 ts->name, k, want_k(c, t, l));
         if (min_in < max_out - 1e-6 * top - 1e-30)
             note_fail(c, "step %llu tensor %s: selected stat %.9g below unselected %.9g",
                  (unsigned long long)t, ts->name, min_in, max_out);
@@ -333,13 +393,14 @@ static void check_lagged_selection(ctx *c, uint64_t t, eng_t *e0)
  * maskcode.h's rule restated: k positions of b = bits(len - 1) bits where
  * that is fewer bits than the tensor's bitmap words, else the words; the
  * positions of a rank's tensors form one stream padded to a word. */
-static size_t code_bytes(const ctx *c, const eng_t *e, int owner)
+static size_t code_bytes(const ctx *c, const eng_t *e, int owner, uint64_t t)
 {
     size_t words = 0, bits = 0;
     for (size_t l = 0; l < NT; l++) {
         if (owner >= 0 && eng_tensor_owner(e, l) != owner)
             continue;
-        size_t len = c->ts[l].length, k = eng_tensor_k(e, l), w = (len + 31) / 32;
+        size_t len = c->ts[l].length, w = (len + 31) / 32;
+        size_t k = c->sp->cfg.optimizer == ENG_OPT_SCAPE ? want_k(c, t, l) : eng_tensor_k(e, l);
         size_t b = 1;
         while ((len - 1) >> b)
             b++;
@@ -353,11 +414,11 @@ static size_t code_bytes(const ctx *c, const eng_t *e, int owner)
 
 /* What a mask all-gather moves in all: SCAPE, every owner's bits of its
  * shard; topk-adamw, every rank's bits of every tensor. */
-static size_t expected_mask_bytes(const ctx *c, const eng_t *e, int topk)
+static size_t expected_mask_bytes(const ctx *c, const eng_t *e, int topk, uint64_t t)
 {
     size_t total = 0;
     for (int r = 0; r < c->sp->R; r++)
-        total += code_bytes(c, e, topk ? -1 : r);
+        total += code_bytes(c, e, topk ? -1 : r, t);
     return total;
 }
 
@@ -373,15 +434,18 @@ static void check_collectives(ctx *c, uint64_t t, size_t K, const eng_t *e0)
         const comm_stats *s = &c->pub[r].st.comm;
         comm_op red = sharded ? COMM_REDUCE_SCATTER : COMM_ALLREDUCE;
         uint64_t reductions = s->calls[COMM_ALLREDUCE] + s->calls[COMM_REDUCE_SCATTER];
-        if (reductions != 1 || s->bytes[red] != 4 * K)
+        size_t vsz = wire_bf16_at(sp, t) ? 2 : 4; /* the values: bf16 or fp32 */
+        /* sharded owners gather the new parameters in the trainers' dtype */
+        uint64_t gsz = sp->pdt == KERN_BF16 && !sp->cfg.gather_f32 ? 2 : 4;
+        if (reductions != 1 || s->bytes[red] != vsz * K)
             note_fail(c, "step %llu rank %d: %llu reductions of %llu bytes, want 1 of %zu",
                  (unsigned long long)t, r, (unsigned long long)reductions,
-                 (unsigned long long)s->bytes[red], 4 * K);
+                 (unsigned long long)s->bytes[red], vsz * K);
         /* clipping, sharded: the owners' sums of squares, one double each */
         int clip_ag = sharded && sp->cfg.max_grad_norm > 0.0f;
         uint64_t want_ag = (uint64_t)sharded + (uint64_t)topk_sparse + (uint64_t)clip_ag;
-        uint64_t want_ag_bytes = (sharded ? 4 * K : 0) +
-                                 (topk_sparse ? expected_mask_bytes(c, e0, 1) : 0) +
+        uint64_t want_ag_bytes = (sharded ? gsz * K : 0) +
+                                 (topk_sparse ? expected_mask_bytes(c, e0, 1, t) : 0) +
                                  (clip_ag ? 8 * (uint64_t)sp->R : 0);
         if (s->calls[COMM_ALLGATHER] != want_ag || s->bytes[COMM_ALLGATHER] != want_ag_bytes)
             note_fail(c, "step %llu rank %d: %llu all-gathers of %llu bytes, want %llu of %llu",
@@ -391,12 +455,12 @@ static void check_collectives(ctx *c, uint64_t t, size_t K, const eng_t *e0)
         /* the mask all-gather counts to the step whose mask it brought */
         uint64_t want_iag = scape && !dense_at(sp, t);
         if (s->calls[COMM_IALLGATHER] != want_iag ||
-            s->bytes[COMM_IALLGATHER] != want_iag * expected_mask_bytes(c, e0, 0))
+            s->bytes[COMM_IALLGATHER] != want_iag * expected_mask_bytes(c, e0, 0, t))
             note_fail(c, "step %llu rank %d: %llu mask all-gathers of %llu bytes",
                  (unsigned long long)t, r, (unsigned long long)s->calls[COMM_IALLGATHER],
                  (unsigned long long)s->bytes[COMM_IALLGATHER]);
-        uint64_t want_mask = want_iag ? expected_mask_bytes(c, e0, 0)
-                                      : topk_sparse ? expected_mask_bytes(c, e0, 1) : 0;
+        uint64_t want_mask = want_iag ? expected_mask_bytes(c, e0, 0, t)
+                                      : topk_sparse ? expected_mask_bytes(c, e0, 1, t) : 0;
         if (c->pub[r].st.mask_bytes != want_mask)
             note_fail(c, "step %llu rank %d: stats say %llu mask bytes, want %llu",
                  (unsigned long long)t, r, (unsigned long long)c->pub[r].st.mask_bytes,
@@ -451,7 +515,7 @@ static void check_step(ctx *c, uint64_t t, eng_t *e0)
     for (size_t i = 0; i < c->n; i++)
         K += c->pub[0].mask[i];
     for (size_t l = 0; l < NT; l++)
-        k_sum += eng_tensor_k(e0, l);
+        k_sum += sp->cfg.optimizer == ENG_OPT_SCAPE ? want_k(c, t, l) : eng_tensor_k(e0, l);
     if (c->pub[0].st.k != K)
         note_fail(c, "step %llu: stats say K=%zu, mask has %zu", (unsigned long long)t,
              c->pub[0].st.k, K);
@@ -465,7 +529,7 @@ static void check_step(ctx *c, uint64_t t, eng_t *e0)
             note_fail(c, "step %llu: popcount %zu != sum k_l %zu (fill-in)", (unsigned long long)t,
                  K, k_sum);
         if (c->have_stat_prev)
-            check_lagged_selection(c, t, e0);
+            check_lagged_selection(c, t);
     }
     if (sp->cfg.optimizer == ENG_OPT_TOPK_ADAMW && !dense_at(sp, t) &&
         (K < k_sum || K > (size_t)sp->R * k_sum))
@@ -919,6 +983,113 @@ START_TEST(parameter_groups)
                      eng_optimizer_name(opts[o].opt), opts[o].rho, R);
             expect_variants_agree(&sp, 3, vary_executor, what);
         }
+}
+END_TEST
+
+/* wire_values: bf16.  Every per-step check on, the residual checked bit for
+ * bit against a - bf16(a) of the engine's own fp32 a (so s + e == a exactly:
+ * conservation holds term by term), g_hat against the sum of the bf16
+ * values sent, one reduction of 2 bytes a value; replicated equals sharded
+ * at R 1, 2, 3, 4, 8; the host and sim executors agree. */
+START_TEST(bf16_values)
+{
+    static const struct {
+        eng_optimizer opt;
+        double rho;
+    } opts[] = { { ENG_OPT_SCAPE, 0.1 }, { ENG_OPT_SCAPE, 0.01 }, { ENG_OPT_TOPK_ADAMW, 0.1 } };
+    for (size_t o = 0; o < sizeof opts / sizeof opts[0]; o++)
+        for (size_t ri = 0; ri < sizeof s_R / sizeof s_R[0]; ri++) {
+            float *fin[2];
+            size_t *kh[2], n = 0;
+            for (int mode = 0; mode < 2; mode++) {
+                spec sp = make_spec(opts[o].opt, (eng_mode)mode, s_R[ri], opts[o].rho, 60);
+                sp.cfg.wire_bf16 = 1;
+                run_spec(&sp, &fin[mode], &kh[mode], &n);
+            }
+            char what[128];
+            snprintf(what, sizeof what, "%s rho=%g R=%d, bf16 values: replicated vs sharded",
+                     eng_optimizer_name(opts[o].opt), opts[o].rho, s_R[ri]);
+            expect_same(fin[0], fin[1], n, what);
+            for (int mode = 0; mode < 2; mode++) {
+                free(fin[mode]);
+                free(kh[mode]);
+            }
+        }
+    spec sp = make_spec(ENG_OPT_SCAPE, ENG_MODE_SHARDED, 3, 0.1, 40);
+    sp.cfg.wire_bf16 = 1;
+    sp.pdt = sp.gdt = KERN_BF16;
+    expect_variants_agree(&sp, 3, vary_executor, "scape rho 0.1 R=3 bf16 values: host / sim");
+}
+END_TEST
+
+static void vary_gather(spec *sp, int k) { sp->cfg.gather_f32 = k; }
+
+/* bf16 trainers, sharded: the owners gather the new parameters in bf16
+ * (half the bytes, checked per step) and every trainer ends with the bits
+ * of the fp32 gather; on both executors. */
+START_TEST(gather_in_param_dtype)
+{
+    static const struct {
+        eng_optimizer opt;
+        double rho;
+    } opts[] = { { ENG_OPT_SCAPE, 0.1 }, { ENG_OPT_ADAMS, 1.0 }, { ENG_OPT_ADAMW, 1.0 },
+                 { ENG_OPT_TOPK_ADAMW, 0.1 } };
+    for (size_t o = 0; o < sizeof opts / sizeof opts[0]; o++)
+        for (int x = 0; x < 2; x++) {
+            spec sp = make_spec(opts[o].opt, ENG_MODE_SHARDED, 3, opts[o].rho, 30);
+            sp.pdt = sp.gdt = KERN_BF16;
+            sp.cfg.executor = x ? ENG_EXEC_SIM : ENG_EXEC_HOST;
+            sp.cfg.residual_chunk = 64;
+            char what[128];
+            snprintf(what, sizeof what, "%s %s, gather in bf16 vs f32",
+                     eng_optimizer_name(opts[o].opt), x ? "sim" : "host");
+            expect_variants_agree(&sp, 2, vary_gather, what);
+        }
+}
+END_TEST
+
+/* The density schedule: k_l of every step's mask against the schedule
+ * restated here (rho_at, want_k), exactly k_l bits per tensor and no
+ * fill-in at every step (the per-step checks), code sizes that follow k_l;
+ * replicated equals sharded, the host and sim executors agree. */
+START_TEST(density_schedule)
+{
+    for (size_t ri = 0; ri < sizeof s_R / sizeof s_R[0]; ri++) {
+        float *fin[2];
+        size_t *kh[2], n = 0;
+        spec sp;
+        for (int mode = 0; mode < 2; mode++) {
+            sp = make_spec(ENG_OPT_SCAPE, (eng_mode)mode, s_R[ri], 0.02, 90);
+            sp.cfg.rho_start = 0.5;
+            sp.cfg.rho_steps = 60;
+            run_spec(&sp, &fin[mode], &kh[mode], &n);
+            /* K follows the schedule: denser first, then rho's K */
+            ck_assert_uint_gt(kh[mode][sp.cfg.warmup], kh[mode][sp.cfg.warmup + 40]);
+            ck_assert_uint_eq(kh[mode][sp.cfg.warmup + 61], kh[mode][sp.steps - 1]);
+        }
+        char what[128];
+        snprintf(what, sizeof what, "schedule 0.5 -> 0.02 R=%d: replicated vs sharded", s_R[ri]);
+        expect_same(fin[0], fin[1], n, what);
+        for (int mode = 0; mode < 2; mode++) {
+            free(fin[mode]);
+            free(kh[mode]);
+        }
+        if (s_R[ri] == 3) {
+            sp.cfg.wire_bf16 = 1;
+            expect_variants_agree(&sp, 3, vary_executor, "schedule R=3 bf16 values: host / sim");
+        }
+    }
+    /* the schedule's values: 0.5 halved 5 times gets below 0.02, so five
+     * stages of 12 steps (0.5 .. 0.03125), then 0.02 from masked step 61 */
+    spec sp = make_spec(ENG_OPT_SCAPE, ENG_MODE_SHARDED, 1, 0.02, 10);
+    sp.cfg.rho_start = 0.5;
+    sp.cfg.rho_steps = 60;
+    ck_assert_double_eq(rho_at(&sp, 3), 0.02);
+    ck_assert_double_eq(rho_at(&sp, 4), 0.5);
+    ck_assert_double_eq(rho_at(&sp, 15), 0.5);
+    ck_assert_double_eq(rho_at(&sp, 16), 0.25);
+    ck_assert_double_eq(rho_at(&sp, 63), 0.03125);
+    ck_assert_double_eq(rho_at(&sp, 64), 0.02);
 }
 END_TEST
 
@@ -1377,6 +1548,9 @@ int main(void)
     tcase_add_test(inv, deferred_selection_changes_nothing);
     tcase_add_test(inv, ties_keep_exact_k);
     tcase_add_test(inv, bf16_buffers);
+    tcase_add_test(inv, bf16_values);
+    tcase_add_test(inv, gather_in_param_dtype);
+    tcase_add_test(inv, density_schedule);
     tcase_add_test(inv, dense_equivalence);
     tcase_add_test(inv, adamw_dense);
     tcase_add_test(inv, topk_adamw_fills_in);
