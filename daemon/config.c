@@ -243,6 +243,10 @@ static const cfg_key s_keys[] = {
     { .name = "rho_steps", .type = KT_U32, .offset = OFF(engine.rho_steps), .min = 1,
       .max = UINT32_MAX, .def = "1000",
       .doc = "masked steps over which the density schedule reaches rho" },
+    { .name = "mask_deltas", .type = KT_ENUM, .offset = OFF(engine.mask_deltas),
+      .parse = parse_bool, .name_of = name_bool, .def = "false",
+      .doc = "scape: send each next mask as its change from the last one when that is "
+             "smaller (its size goes first, in one small all-gather); alike on every daemon" },
     { .name = "engine_threads", .type = KT_INT, .offset = OFF(engine.threads), .min = 1,
       .max = 256, .def = "1",
       .doc = "threads for the step's data-parallel phases (results do not depend on it)" },

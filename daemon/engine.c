@@ -155,6 +155,8 @@ uint64_t eng_config_hash(const eng_config *c)
         double sch[] = { c->rho_start, (double)c->rho_steps };
         h = fnv(h, sch, sizeof sch);
     }
+    if (c->mask_deltas)
+        h = fnv(h, "mask_deltas", 11);
     return h;
 }
 
@@ -219,6 +221,32 @@ static scape_rc alloc_state(eng_t *e)
         return scape_set_error(SCAPE_NOMEM, "engine: cannot allocate state for N=%zu", n);
     eng_code_sizes(e);
     e->code_cap = e->code_total;
+    e->gcounts = e->code_bytes;
+    if (eng_scape_masks(e) && e->cfg.mask_deltas) {
+        /* each rank's code gains a word saying which form it takes, and
+         * may be a delta up to dmax (every k_l at its largest, the
+         * schedule's first: all positions left and as many joined) */
+        e->dcounts = calloc(R, sizeof *e->dcounts);
+        e->dsizes = calloc(R, sizeof *e->dsizes);
+        e->dmax = calloc(R, sizeof *e->dmax);
+        if (e->dcounts == NULL || e->dsizes == NULL || e->dmax == NULL)
+            return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
+        e->code_cap = 0;
+        for (size_t r = 0; r < R; r++) {
+            const plan_shard *sh = &p->shard[r];
+            uint64_t bits = 0;
+            for (size_t j = sh->first; j < sh->first + sh->count; j++) {
+                const plan_tensor *t = eng_tensor_at(e, j);
+                uint64_t b = mcode_pos_bits(t->len);
+                bits += 2 * (b + 1) + 2 * b * t->k;
+            }
+            e->dmax[r] = 4 * (size_t)((bits + 31) / 32);
+            size_t most = e->dmax[r] > e->code_bytes[r] ? e->dmax[r] : e->code_bytes[r];
+            e->code_cap += 4 + most;
+        }
+        if ((e->dhost = malloc(e->code_cap)) == NULL)
+            return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
+    }
     TRY(exec_create(e));
     e->mask_cur = NULL;
     e->mask_next = e->mask_buf[0];
@@ -347,7 +375,7 @@ void eng_destroy(eng_t **ep)
     eng_ckpt_unstage(e);
     plan_destroy(&e->p);
     void *bufs[] = { e->code_bytes, e->toff, e->counts, e->ghat, e->ghave, e->bounce,
-                     e->mbounce, e->sq };
+                     e->mbounce, e->sq, e->dcounts, e->dsizes, e->dhost, e->dmax };
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         free(bufs[i]);
     free(e);

@@ -81,6 +81,12 @@ typedef struct eng_config {
                                 masked step, halved at equal intervals until it
                                 reaches rho at masked step rho_steps + 1 */
     uint32_t rho_steps;      /* the schedule's length in masked steps (>= 1) */
+    int mask_deltas;         /* scape: an owner sends its next mask as the change
+                                from the last one when that is smaller than the
+                                code (maskcode.h); the sizes go first, in one
+                                all-gather of 8 bytes a rank (default 0; 2, for
+                                tests: a delta whenever there is a last mask).
+                                Every rank must set it alike. */
 } eng_config;
 
 typedef struct eng_tensor {

@@ -72,6 +72,14 @@ struct eng {
     int pub_bf16;        /* this step's compact / write-back: vbf16 and not
                             from theta itself */
     uint64_t sel_step;   /* the step whose mask the next selection picks */
+    /* mask_deltas: each rank's code this time (a form word, then its code
+     * or its delta), the sizes exchanged for it, and the own code staged on
+     * the host; gcounts is what the lagged all-gather in flight was started
+     * with (code_bytes without deltas) */
+    size_t *dcounts, *dmax;
+    uint64_t *dsizes;
+    uint32_t *dhost;
+    const size_t *gcounts;
     int wire_now;        /* this step's packed values are bf16 (wire_bf16, masked) */
     size_t *toff;        /* packed offset of each tensor, comm order, ntensors + 1 */
     uint64_t next_iag[3];  /* calls, bytes, wire bytes of the all-gather that
@@ -118,6 +126,10 @@ struct eng {
 
     eng_step_stats last;
 };
+
+/* mask_deltas: the word before each rank's code says its form. */
+#define ENG_MASK_FULL 0x4c4c5546u  /* "FULL": the fixed code of maskcode.h */
+#define ENG_MASK_DELTA 0x544c4544u /* "DELT": mdelta_encode's delta */
 
 /* SCAPE with masks to select: some tensor has k_l < len.  At rho = 1 every
  * mask would be all ones, so every step runs dense, with no selection and

@@ -158,6 +158,49 @@ scape_rc eng_gather_shards(eng_t *e, const float *own, float *whole)
 
 /* ---- the mask ---------------------------------------------------------------- */
 
+/* Rank r's delta (mask_deltas): applied on the host to its shard of the
+ * last mask, the result put in place in mask_next. */
+static scape_rc apply_delta(eng_t *e, int r, const uint32_t *body, size_t nbytes)
+{
+    const plan_shard *sh = &e->p->shard[r];
+    if (e->mask_cur == NULL)
+        return scape_set_error(SCAPE_PROTO, "mask from rank %d: a delta, but there is no "
+                               "last mask to apply it to", r);
+    const void *pv = NULL;
+    TRY(eng_view(e, e->mask_cur + sh->word0, sh->words * 4, &pv));
+    uint32_t *host = e->x->host_memory ? e->mask_next + sh->word0
+                                       : malloc(sh->words ? sh->words * 4 : 4);
+    scape_rc rc = host ? mdelta_decode(e->p, sh->first, sh->count, pv, body, nbytes, host, r)
+                       : scape_set_error(SCAPE_NOMEM, "engine: out of memory");
+    eng_view_free(e, pv);
+    if (rc == SCAPE_OK && !e->x->host_memory)
+        rc = eng_upload(e, e->mask_next + sh->word0, host, sh->words * 4);
+    if (!e->x->host_memory)
+        free(host);
+    return rc;
+}
+
+/* Rank r's code in the gathered codes at `code` (nbytes) into mask_next: the
+ * fixed code straight, or with mask_deltas the form word first. */
+static scape_rc decode_rank(eng_t *e, int r, const uint32_t *code, const uint32_t *host,
+                            size_t nbytes)
+{
+    const plan_shard *sh = &e->p->shard[r];
+    if (!e->cfg.mask_deltas)
+        return e->x->ops->decode(e->x, sh->first, sh->count, code, nbytes,
+                                 e->mask_next + sh->word0, 0, r);
+    if (nbytes < 4)
+        return scape_set_error(SCAPE_PROTO, "mask from rank %d: %zu bytes, no form word", r,
+                               nbytes);
+    if (host[0] == ENG_MASK_FULL)
+        return e->x->ops->decode(e->x, sh->first, sh->count, code + 1, nbytes - 4,
+                                 e->mask_next + sh->word0, 0, r);
+    if (host[0] == ENG_MASK_DELTA)
+        return apply_delta(e, r, host + 1, nbytes - 4);
+    return scape_set_error(SCAPE_PROTO, "mask from rank %d: unknown form %#x", r,
+                           (unsigned)host[0]);
+}
+
 scape_rc eng_mask_finish(eng_t *e, double *waited)
 {
     if (waited)
@@ -169,21 +212,24 @@ scape_rc eng_mask_finish(eng_t *e, double *waited)
     if (waited)
         *waited = now_s() - t0;
     e->mask_pending = 0;
-    const plan *p = e->p;
+    /* with deltas the form words (and deltas) are read on the host */
+    const void *hv = NULL;
+    if (e->cfg.mask_deltas)
+        TRY(eng_view(e, e->code_all, e->code_total, &hv));
+    const uint32_t *host = hv;
     size_t off = 0;
-    for (int r = 0; r < e->comm->size; off += e->code_bytes[r], r++) {
-        if (r == e->rank)
-            continue; /* its bits were selected straight into mask_next */
-        const plan_shard *sh = &p->shard[r];
-        scape_rc rc = e->x->ops->decode(e->x, sh->first, sh->count, e->code_all + off / 4,
-                                        e->code_bytes[r], e->mask_next + sh->word0, 0, r);
-        if (rc != SCAPE_OK) {
-            /* M_{t+1} is half written and the ranks no longer agree on it:
-             * no further step may use it (outside eng_step, e.g. from a
-             * checkpoint, nothing else would say so). */
-            e->broken = 1;
-            return rc;
-        }
+    scape_rc rc = SCAPE_OK;
+    for (int r = 0; rc == SCAPE_OK && r < e->comm->size; off += e->gcounts[r], r++)
+        if (r != e->rank) /* its bits were selected straight into mask_next */
+            rc = decode_rank(e, r, e->code_all + off / 4, host ? host + off / 4 : NULL,
+                             e->gcounts[r]);
+    eng_view_free(e, hv);
+    if (rc != SCAPE_OK) {
+        /* M_{t+1} is half written and the ranks no longer agree on it:
+         * no further step may use it (outside eng_step, e.g. from a
+         * checkpoint, nothing else would say so). */
+        e->broken = 1;
+        return rc;
     }
     return SCAPE_OK;
 }
@@ -213,6 +259,52 @@ static scape_rc scape_mask(eng_t *e, uint64_t t)
     return SCAPE_OK;
 }
 
+/* mask_deltas: this rank's code for M_{t+1}, the fixed code or the delta
+ * from M_t, whichever is smaller, after a form word; the sizes are
+ * all-gathered first (8 bytes a rank), so every rank knows where each code
+ * lands.  Built on the host; *own gets where it went in code_all. */
+static scape_rc delta_code(eng_t *e, uint32_t **own)
+{
+    const plan_shard *me = &e->p->shard[e->rank];
+    const void *nv = NULL, *pv = NULL;
+    size_t full = e->code_bytes[e->rank], delta = SIZE_MAX;
+    TRY(eng_view(e, e->mask_next + me->word0, me->words * 4, &nv));
+    scape_rc rc = e->mask_cur ? eng_view(e, e->mask_cur + me->word0, me->words * 4, &pv)
+                              : SCAPE_OK;
+    if (rc == SCAPE_OK && pv)
+        delta = mdelta_bytes(e->p, me->first, me->count, pv, nv);
+    /* mask_deltas 2 (tests): a delta whenever there is a last mask */
+    int use_delta = pv && (delta < full || e->cfg.mask_deltas == 2);
+    e->dhost[0] = use_delta ? ENG_MASK_DELTA : ENG_MASK_FULL;
+    if (rc == SCAPE_OK)
+        rc = use_delta ? mdelta_encode(e->p, me->first, me->count, pv, nv, e->dhost + 1)
+                       : mcode_encode(e->p, me->first, me->count, nv, e->dhost + 1);
+    eng_view_free(e, nv);
+    eng_view_free(e, pv);
+    TRY(rc);
+    uint64_t mine = 4 + (use_delta ? delta : full);
+    for (int r = 0; r < e->comm->size; r++)
+        e->counts[r] = sizeof mine;
+    TRY(comm_allgather(e->comm, &mine, e->dsizes, e->counts));
+    e->code_total = 0;
+    for (int r = 0; r < e->comm->size; r++) {
+        size_t most = e->dmax[r] > e->code_bytes[r] ? e->dmax[r] : e->code_bytes[r];
+        if (e->dsizes[r] < 4 || e->dsizes[r] > 4 + most || e->dsizes[r] % 4)
+            return scape_set_error(SCAPE_PROTO, "mask from rank %d: a code of %llu bytes "
+                                   "(its shard's fixed code has %zu, a delta at most %zu)",
+                                   r, (unsigned long long)e->dsizes[r], e->code_bytes[r],
+                                   e->dmax[r]);
+        if (r == e->rank)
+            e->code_off = e->code_total;
+        e->dcounts[r] = (size_t)e->dsizes[r];
+        e->code_total += e->dcounts[r];
+    }
+    e->gcounts = e->dcounts;
+    *own = e->code_all + e->code_off / 4;
+    return e->x->host_memory ? (memcpy(*own, e->dhost, mine), SCAPE_OK)
+                             : eng_upload(e, *own, e->dhost, mine);
+}
+
 /* SCAPE: this rank's bits of M_{t+1} (the executor's selection) go into
  * its place of the gathered code, whose all-gather starts at once and is
  * waited for at the next step. */
@@ -225,11 +317,14 @@ static scape_rc scape_select(eng_t *e)
     /* The own bits go straight into M_{t+1}'s words (the decode rewrites them
      * the same) and the code into this rank's place of the gathered code. */
     uint32_t *own = e->code_all + e->code_off / 4;
-    TRY(e->x->ops->encode(e->x, me->first, me->count, e->mask_next + me->word0, own));
+    if (e->cfg.mask_deltas)
+        TRY(delta_code(e, &own));
+    else
+        TRY(e->x->ops->encode(e->x, me->first, me->count, e->mask_next + me->word0, own));
     const comm_stats *cs = &e->comm->stats;
     uint64_t before[3] = { cs->calls[COMM_IALLGATHER], cs->bytes[COMM_IALLGATHER],
                            cs->wire_bytes[COMM_IALLGATHER] };
-    TRY(x_iallgather(e, own, e->code_all, e->code_bytes));
+    TRY(x_iallgather(e, own, e->code_all, e->gcounts));
     e->next_iag[0] = cs->calls[COMM_IALLGATHER] - before[0];
     e->next_iag[1] = cs->bytes[COMM_IALLGATHER] - before[1];
     e->next_iag[2] = cs->wire_bytes[COMM_IALLGATHER] - before[2];

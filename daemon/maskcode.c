@@ -188,3 +188,113 @@ scape_rc mcode_decode(const plan *p, size_t first, size_t count, const uint32_t 
         return bad(from, NULL, "padding is not zero");
     return SCAPE_OK;
 }
+
+/* ---- deltas ------------------------------------------------------------------ */
+
+/* Bits set in a but not in b over one tensor's words. */
+static size_t only_in(const uint32_t *a, const uint32_t *b, size_t nw)
+{
+    size_t c = 0;
+    for (size_t i = 0; i < nw; i++)
+        c += (size_t)__builtin_popcount(a[i] & ~b[i]);
+    return c;
+}
+
+size_t mdelta_bytes(const plan *p, size_t first, size_t count, const uint32_t *prev,
+                    const uint32_t *next)
+{
+    size_t w0 = count ? at(p, first)->word : 0, bits = 0;
+    for (size_t j = first; j < first + count; j++) {
+        const plan_tensor *t = at(p, j);
+        size_t o = t->word - w0, nw = words_of(t);
+        unsigned b = mcode_pos_bits(t->len);
+        bits += 2 * (b + 1) +
+                b * (only_in(prev + o, next + o, nw) + only_in(next + o, prev + o, nw));
+    }
+    return 4 * ((bits + 31) / 32);
+}
+
+/* The positions of the bits of a not in b, ascending. */
+static void put_only_in(bitw *w, const uint32_t *a, const uint32_t *b, size_t nw, unsigned bits)
+{
+    for (size_t i = 0; i < nw; i++)
+        for (uint32_t x = a[i] & ~b[i]; x; x &= x - 1)
+            put(w, 32 * i + (size_t)__builtin_ctz(x), bits);
+}
+
+scape_rc mdelta_encode(const plan *p, size_t first, size_t count, const uint32_t *prev,
+                       const uint32_t *next, uint32_t *out)
+{
+    size_t w0 = count ? at(p, first)->word : 0;
+    bitw w = { out, 0, 0 };
+    for (size_t j = first; j < first + count; j++) {
+        const plan_tensor *t = at(p, j);
+        size_t o = t->word - w0, nw = words_of(t);
+        unsigned b = mcode_pos_bits(t->len);
+        size_t ones = 0;
+        for (size_t i = 0; i < nw; i++)
+            ones += (size_t)__builtin_popcount(next[o + i]);
+        if (ones != t->k || (t->len % 32 && next[o + nw - 1] >> (t->len % 32)))
+            return scape_set_error(SCAPE_INVALID, "mask delta: tensor %s has %zu bits in "
+                                   "range, k=%zu", t->name, ones, t->k);
+        put(&w, only_in(prev + o, next + o, nw), b + 1);
+        put(&w, only_in(next + o, prev + o, nw), b + 1);
+        put_only_in(&w, prev + o, next + o, nw, b);
+        put_only_in(&w, next + o, prev + o, nw, b);
+    }
+    put_flush(&w);
+    return SCAPE_OK;
+}
+
+/* n ascending positions of one list: each inside the tensor, its bit in tw
+ * `want` (1: a position that left, 0: one that joined), then flipped. */
+static scape_rc take_list(bitr *r, const plan_tensor *t, unsigned b, uint64_t n, uint32_t *tw,
+                          int want, int from)
+{
+    uint64_t last = 0;
+    for (uint64_t q = 0; q < n; q++) {
+        uint64_t pos;
+        if (get(r, b, &pos) != 0)
+            return bad(from, t, "delta ends early");
+        if (pos >= t->len || (q && pos <= last))
+            return bad(from, t, "delta positions not ascending inside the tensor");
+        if ((int)((tw[pos / 32] >> (pos % 32)) & 1u) != want)
+            return bad(from, t, want ? "a position left the mask that was not in it"
+                                     : "a position joined the mask that was already in it");
+        tw[pos / 32] ^= 1u << (pos % 32);
+        last = pos;
+    }
+    return SCAPE_OK;
+}
+
+scape_rc mdelta_decode(const plan *p, size_t first, size_t count, const uint32_t *prev,
+                       const uint32_t *code, size_t nbytes, uint32_t *words, int from)
+{
+    if (nbytes % 4)
+        return scape_set_error(SCAPE_PROTO, "mask delta from rank %d: %zu bytes, not whole "
+                               "words", from, nbytes);
+    size_t w0 = count ? at(p, first)->word : 0;
+    bitr r = { code, code + nbytes / 4, 0, 0 };
+    for (size_t j = first; j < first + count; j++) {
+        const plan_tensor *t = at(p, j);
+        size_t o = t->word - w0, nw = words_of(t);
+        unsigned b = mcode_pos_bits(t->len);
+        uint32_t *tw = words + o;
+        memcpy(tw, prev + o, nw * sizeof *tw);
+        uint64_t left, joined;
+        if (get(&r, b + 1, &left) != 0 || get(&r, b + 1, &joined) != 0)
+            return bad(from, t, "delta ends early");
+        if (left > t->len || joined > t->len)
+            return bad(from, t, "delta counts past the tensor's length");
+        TRY(take_list(&r, t, b, left, tw, 1, from));
+        TRY(take_list(&r, t, b, joined, tw, 0, from));
+        size_t ones = 0;
+        for (size_t i = 0; i < nw; i++)
+            ones += (size_t)__builtin_popcount(tw[i]);
+        if (ones != t->k)
+            return bad(from, t, "not exactly k bits after the delta");
+    }
+    if ((r.n && r.acc) || r.in != r.end)
+        return bad(from, NULL, "padding is not zero");
+    return SCAPE_OK;
+}

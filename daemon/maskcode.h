@@ -42,4 +42,21 @@ scape_rc mcode_encode(const plan *p, size_t first, size_t count, const uint32_t 
 scape_rc mcode_decode(const plan *p, size_t first, size_t count, const uint32_t *code,
                       size_t nbytes, uint32_t *words, int merge, int from);
 
+/* Deltas (mask_deltas): the same tensors' mask as the change from the
+ * previous one, `prev` (words positioned as for encode): per tensor, in
+ * comm order, the counts of positions that left and that joined (b + 1
+ * bits each, b = mcode_pos_bits(len)), then the positions that left,
+ * ascending, then those that joined, b bits each; one bit stream padded
+ * with zero bits to a whole uint32_t.  A mask that changes little codes in
+ * a few bits a tensor.  The decoder checks everything: counts within the
+ * tensor, positions ascending and inside it, each one that left set in
+ * prev and each one that joined clear, exactly k bits after, zero padding;
+ * it names the sender and the tensor. */
+size_t mdelta_bytes(const plan *p, size_t first, size_t count, const uint32_t *prev,
+                    const uint32_t *next);
+scape_rc mdelta_encode(const plan *p, size_t first, size_t count, const uint32_t *prev,
+                       const uint32_t *next, uint32_t *out);
+scape_rc mdelta_decode(const plan *p, size_t first, size_t count, const uint32_t *prev,
+                       const uint32_t *code, size_t nbytes, uint32_t *words, int from);
+
 #endif /* SCAPE_MASKCODE_H */

@@ -32,14 +32,21 @@ typedef struct variant {
     const char *name;
     eng_optimizer opt;
     double rho;
+    int wire_bf16;      /* wire_values: bf16 */
+    double rho_start;   /* a density schedule from rho_start (0: none) */
+    uint32_t rho_steps; /* over this many masked steps */
 } variant;
 
 static const variant s_variants[] = {
-    { "adamw", ENG_OPT_ADAMW, 1.0 },
-    { "adams", ENG_OPT_ADAMS, 1.0 },
-    { "scape-0.1", ENG_OPT_SCAPE, 0.1 },
-    { "scape-0.01", ENG_OPT_SCAPE, 0.01 },
-    { "topk-adamw-0.01", ENG_OPT_TOPK_ADAMW, 0.01 },
+    { "adamw", ENG_OPT_ADAMW, 1.0, 0, 0.0, 0 },
+    { "adams", ENG_OPT_ADAMS, 1.0, 0, 0.0, 0 },
+    { "scape-0.1", ENG_OPT_SCAPE, 0.1, 0, 0.0, 0 },
+    { "scape-0.01", ENG_OPT_SCAPE, 0.01, 0, 0.0, 0 },
+    { "topk-adamw-0.01", ENG_OPT_TOPK_ADAMW, 0.01, 0, 0.0, 0 },
+    /* fewer bytes: values in bf16; a density schedule 0.16 -> 0.01 */
+    { "scape-0.1-bf16", ENG_OPT_SCAPE, 0.1, 1, 0.0, 0 },
+    { "scape-0.01-bf16", ENG_OPT_SCAPE, 0.01, 1, 0.0, 0 },
+    { "scape-0.01-sched", ENG_OPT_SCAPE, 0.01, 1, 0.16, 400 },
 };
 #define NVARIANTS (sizeof s_variants / sizeof s_variants[0])
 
@@ -80,6 +87,9 @@ static scape_rc rank_train(rank_arg *a)
     cfg.rho = sh->v->rho;
     cfg.mode = ENG_MODE_SHARDED;
     cfg.warmup = sh->warmup;
+    cfg.wire_bf16 = sh->v->wire_bf16;
+    cfg.rho_start = sh->v->rho_start;
+    cfg.rho_steps = sh->v->rho_steps;
     eng_layout lay = { sh->layout, (size_t)sh->ntensors, KERN_F32, KERN_F32, NULL, 0 };
     if (rc == SCAPE_OK) {
         gpt_init(&r->model, p, r->model_seed);

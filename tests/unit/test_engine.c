@@ -78,6 +78,8 @@ typedef struct ctx {
     float *final_params;     /* rank 0 trainer 0 after the run */
     size_t *k_hist;          /* K per step */
     int clipped, unclipped;  /* max_grad_norm: steps that did and did not clip */
+    uint64_t delta_bytes, full_bytes; /* mask_deltas: what the mask all-gathers
+                                         moved, and what the fixed codes would */
     char fail[1024];
     int failed;
 } ctx;
@@ -443,10 +445,17 @@ static void check_collectives(ctx *c, uint64_t t, size_t K, const eng_t *e0)
                  (unsigned long long)s->bytes[red], vsz * K);
         /* clipping, sharded: the owners' sums of squares, one double each */
         int clip_ag = sharded && sp->cfg.max_grad_norm > 0.0f;
-        uint64_t want_ag = (uint64_t)sharded + (uint64_t)topk_sparse + (uint64_t)clip_ag;
+        /* mask_deltas: a step that selects inside itself all-gathers the
+         * sizes of the next mask's codes, 8 bytes a rank (a dense step
+         * never defers its selection) */
+        int sizes_ag = sp->cfg.mask_deltas && scape && sp->cfg.rho < 1.0 &&
+                       t >= sp->cfg.warmup && (!sp->cfg.defer_select || dense_at(sp, t));
+        uint64_t want_ag = (uint64_t)sharded + (uint64_t)topk_sparse + (uint64_t)clip_ag +
+                           (uint64_t)sizes_ag;
         uint64_t want_ag_bytes = (sharded ? gsz * K : 0) +
                                  (topk_sparse ? expected_mask_bytes(c, e0, 1, t) : 0) +
-                                 (clip_ag ? 8 * (uint64_t)sp->R : 0);
+                                 (clip_ag ? 8 * (uint64_t)sp->R : 0) +
+                                 (sizes_ag ? 8 * (uint64_t)sp->R : 0);
         if (s->calls[COMM_ALLGATHER] != want_ag || s->bytes[COMM_ALLGATHER] != want_ag_bytes)
             note_fail(c, "step %llu rank %d: %llu all-gathers of %llu bytes, want %llu of %llu",
                  (unsigned long long)t, r, (unsigned long long)s->calls[COMM_ALLGATHER],
@@ -454,14 +463,25 @@ static void check_collectives(ctx *c, uint64_t t, size_t K, const eng_t *e0)
                  (unsigned long long)want_ag_bytes);
         /* the mask all-gather counts to the step whose mask it brought */
         uint64_t want_iag = scape && !dense_at(sp, t);
-        if (s->calls[COMM_IALLGATHER] != want_iag ||
-            s->bytes[COMM_IALLGATHER] != want_iag * expected_mask_bytes(c, e0, 0, t))
+        /* deltas: at most the fixed codes and a form word a rank */
+        uint64_t full = expected_mask_bytes(c, e0, 0, t), form = 4 * (uint64_t)sp->R;
+        int iag_bytes_ok = sp->cfg.mask_deltas
+                               ? ((sp->cfg.mask_deltas == 2 ||
+                                   s->bytes[COMM_IALLGATHER] <= want_iag * (full + form)) &&
+                                  s->bytes[COMM_IALLGATHER] >= want_iag * form)
+                               : s->bytes[COMM_IALLGATHER] == want_iag * full;
+        if (sp->cfg.mask_deltas && want_iag) {
+            c->delta_bytes += s->bytes[COMM_IALLGATHER];
+            c->full_bytes += full;
+        }
+        if (s->calls[COMM_IALLGATHER] != want_iag || !iag_bytes_ok)
             note_fail(c, "step %llu rank %d: %llu mask all-gathers of %llu bytes",
                  (unsigned long long)t, r, (unsigned long long)s->calls[COMM_IALLGATHER],
                  (unsigned long long)s->bytes[COMM_IALLGATHER]);
         uint64_t want_mask = want_iag ? expected_mask_bytes(c, e0, 0, t)
                                       : topk_sparse ? expected_mask_bytes(c, e0, 1, t) : 0;
-        if (c->pub[r].st.mask_bytes != want_mask)
+        if (c->pub[r].st.mask_bytes != want_mask &&
+            !(sp->cfg.mask_deltas && c->pub[r].st.mask_bytes == s->bytes[COMM_IALLGATHER]))
             note_fail(c, "step %llu rank %d: stats say %llu mask bytes, want %llu",
                  (unsigned long long)t, r, (unsigned long long)c->pub[r].st.mask_bytes,
                  (unsigned long long)want_mask);
@@ -733,6 +753,8 @@ static void ctx_free(ctx *c)
 /* Run sp; on success the caller owns *final (N floats) and *k_hist. */
 /* max_grad_norm: steps of the runs so far that clipped, and that did not. */
 static int s_clip_seen[2];
+/* mask_deltas: mask bytes the runs so far moved, and the fixed codes' */
+static uint64_t s_delta_bytes[2];
 
 static void run_spec(const spec *sp, float **final, size_t **k_hist, size_t *n)
 {
@@ -749,6 +771,8 @@ static void run_spec(const spec *sp, float **final, size_t **k_hist, size_t *n)
                   sp->cfg.rho, sp->cfg.warmup, c->fail);
     s_clip_seen[0] += c->clipped;
     s_clip_seen[1] += c->unclipped;
+    s_delta_bytes[0] += c->delta_bytes;
+    s_delta_bytes[1] += c->full_bytes;
     *final = c->final_params;
     *k_hist = c->k_hist;
     *n = c->n;
@@ -1090,6 +1114,45 @@ START_TEST(density_schedule)
     ck_assert_double_eq(rho_at(&sp, 16), 0.25);
     ck_assert_double_eq(rho_at(&sp, 63), 0.03125);
     ck_assert_double_eq(rho_at(&sp, 64), 0.02);
+}
+END_TEST
+
+/* variant 0: fixed codes; 1: deltas where smaller; 2: deltas whenever
+ * there is a last mask, the selection deferred */
+static void vary_deltas(spec *sp, int k)
+{
+    sp->cfg.mask_deltas = k;
+    sp->cfg.defer_select = k == 2;
+}
+
+/* mask_deltas: masks sent as their change from the last one decode to the
+ * masks of the fixed code, every step of a few hundred with real churn
+ * (each step's mask is checked as the lagged top-k, and the whole runs
+ * agree bitwise with the fixed code's), selection inside the step and
+ * deferred; the deltas move fewer bytes; the host and sim executors. */
+START_TEST(mask_deltas_decode_to_the_same_masks)
+{
+    static const double rhos[] = { 0.1, 0.01 };
+    for (size_t o = 0; o < 2; o++)
+        for (int mode = 0; mode < 2; mode++)
+            for (int x = 0; x < 2; x++) {
+                spec sp = make_spec(ENG_OPT_SCAPE, (eng_mode)mode, 3, rhos[o], x ? 60 : 200);
+                sp.cfg.executor = x ? ENG_EXEC_SIM : ENG_EXEC_HOST;
+                sp.cfg.residual_chunk = 64;
+                char what[128];
+                snprintf(what, sizeof what, "rho %g %s %s: fixed codes / deltas / deferred",
+                         rhos[o], eng_mode_name((eng_mode)mode), x ? "sim" : "host");
+                memset(s_delta_bytes, 0, sizeof s_delta_bytes);
+                expect_variants_agree(&sp, 3, vary_deltas, what);
+                ck_assert_msg(s_delta_bytes[0] > 0 && s_delta_bytes[1] > 0,
+                              "%s: no mask all-gather with deltas", what);
+            }
+    /* with the density schedule (k_l change between masks) and bf16 values */
+    spec sp = make_spec(ENG_OPT_SCAPE, ENG_MODE_SHARDED, 4, 0.02, 90);
+    sp.cfg.rho_start = 0.5;
+    sp.cfg.rho_steps = 60;
+    sp.cfg.wire_bf16 = 1;
+    expect_variants_agree(&sp, 3, vary_deltas, "schedule, bf16 values: fixed / deltas");
 }
 END_TEST
 
@@ -1551,6 +1614,7 @@ int main(void)
     tcase_add_test(inv, bf16_values);
     tcase_add_test(inv, gather_in_param_dtype);
     tcase_add_test(inv, density_schedule);
+    tcase_add_test(inv, mask_deltas_decode_to_the_same_masks);
     tcase_add_test(inv, dense_equivalence);
     tcase_add_test(inv, adamw_dense);
     tcase_add_test(inv, topk_adamw_fills_in);

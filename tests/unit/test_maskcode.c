@@ -185,6 +185,113 @@ START_TEST(malformed_codes_refused)
 }
 END_TEST
 
+/* Deltas: round trips between random masks (also across a change of k_l,
+ * as under a density schedule), a size worked by hand, and every malformed
+ * delta refused naming the rank and the tensor. */
+START_TEST(delta_round_trips)
+{
+    size_t lens[] = { 1, 2, 31, 32, 33, 100, 1000, 4097, 16384, 5 };
+    size_t nt = sizeof lens / sizeof lens[0];
+    unsigned seed = 11;
+    for (int rep = 0; rep < 50; rep++) {
+        plan *p = build(lens, nt, 1, rep % 2 ? 0.01 : 0.2);
+        uint32_t *prev = calloc(p->nwords, 4), *next = calloc(p->nwords, 4),
+                 *out = calloc(p->nwords, 4);
+        random_mask(p, prev, &seed);
+        if (rep % 5 == 0)
+            plan_set_rho(p, 0.05); /* the next mask has other k_l */
+        random_mask(p, next, &seed);
+        if (rep % 3 == 0 && rep % 5 != 0) /* no change at all */
+            memcpy(next, prev, p->nwords * 4);
+        size_t nb = mdelta_bytes(p, 0, nt, prev, next);
+        uint32_t *code = calloc(nb / 4 + 1, 4);
+        ck_assert_int_eq(mdelta_encode(p, 0, nt, prev, next, code), SCAPE_OK);
+        ck_assert_int_eq(mdelta_decode(p, 0, nt, prev, code, nb, out, 2), SCAPE_OK);
+        ck_assert_mem_eq(out, next, p->nwords * 4);
+        free(code);
+        free(prev);
+        free(next);
+        free(out);
+        plan_destroy(&p);
+    }
+    /* by hand: one tensor of 1000 (b = 10), k = 10, one position moved:
+     * 2 x 11 bits of counts + 2 x 10 bits of positions = 42 bits, 2 words,
+     * against the fixed code's 100 bits (4 words); unchanged: 22 bits */
+    size_t one[] = { 1000 };
+    plan *p = build(one, 1, 1, 0.01);
+    uint32_t prev[32] = { 0 }, next[32] = { 0 };
+    random_mask(p, prev, &seed);
+    memcpy(next, prev, sizeof next);
+    ck_assert_uint_eq(mdelta_bytes(p, 0, 1, prev, next), 4);
+    int from = 0;
+    for (size_t w = 0; w < 32; w++)
+        if (next[w]) {
+            from = (int)(32 * w) + __builtin_ctz(next[w]);
+            break;
+        }
+    next[from / 32] &= ~(1u << (from % 32));
+    for (int pos = 999;; pos--)
+        if (!(next[pos / 32] >> (pos % 32) & 1)) {
+            next[pos / 32] |= 1u << (pos % 32);
+            break;
+        }
+    ck_assert_uint_eq(mdelta_bytes(p, 0, 1, prev, next), 8);
+    ck_assert_uint_eq(mcode_bytes(p, 0, 1), 16);
+    plan_destroy(&p);
+}
+END_TEST
+
+static void delta_refused(const plan *p, const uint32_t *prev, const uint32_t *code, size_t nb,
+                          const char *what)
+{
+    uint32_t *out = calloc(p->nwords, 4);
+    ck_assert_int_eq(mdelta_decode(p, 0, p->ntensors, prev, code, nb, out, 3), SCAPE_PROTO);
+    ck_assert_msg(strstr(scape_last_error(), what) && strstr(scape_last_error(), "rank 3"),
+                  "want '%s', got '%s'", what, scape_last_error());
+    free(out);
+}
+
+START_TEST(malformed_deltas_refused)
+{
+    eng_tensor ts[] = { { "t0", 0, 1000, 0 }, { "t1", 1000, 40, 0 } };
+    plan *p = NULL;
+    ck_assert_int_eq(plan_build(&p, ts, 2, 1, 0.01), SCAPE_OK);
+    uint32_t prev[40] = { 0 }, next[40] = { 0 };
+    unsigned seed = 5;
+    random_mask(p, prev, &seed);
+    random_mask(p, next, &seed);
+    size_t nb = mdelta_bytes(p, 0, 2, prev, next);
+    uint32_t code[64] = { 0 }, bad[64];
+    ck_assert_int_eq(mdelta_encode(p, 0, 2, prev, next, code), SCAPE_OK);
+    delta_refused(p, prev, code, nb - 4, "ends early");
+    delta_refused(p, prev, code, nb + 4, "padding");
+    delta_refused(p, prev, code, nb - 1, "not whole words");
+    /* t0's count of positions that left: 11 bits at bit 0, made 2000 */
+    memcpy(bad, code, sizeof bad);
+    bad[0] = (bad[0] & ~0x7ffu) | 2000u;
+    delta_refused(p, prev, bad, nb, "tensor t0: delta counts past");
+    /* a last mask in which none of those positions is set: they cannot leave */
+    uint32_t other[40] = { 0 };
+    random_mask(p, other, &seed);
+    for (size_t w = 0; w < 40; w++)
+        other[w] &= ~prev[w];
+    delta_refused(p, other, code, nb, "tensor t0");
+    /* the same delta against itself: those that joined are already in */
+    delta_refused(p, next, code, nb, "tensor t0");
+    /* the sender's own mask must have exactly k bits: one fewer is refused */
+    uint32_t fewer[40];
+    memcpy(fewer, prev, sizeof fewer);
+    for (size_t w = 0; w < 32; w++)
+        if (fewer[w]) {
+            fewer[w] &= fewer[w] - 1;
+            break;
+        }
+    uint32_t cf[64] = { 0 };
+    ck_assert_int_eq(mdelta_encode(p, 0, 2, prev, fewer, cf), SCAPE_INVALID);
+    plan_destroy(&p);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("maskcode");
@@ -193,6 +300,8 @@ int main(void)
     tcase_add_test(tc, round_trips);
     tcase_add_test(tc, union_of_ranks);
     tcase_add_test(tc, malformed_codes_refused);
+    tcase_add_test(tc, delta_round_trips);
+    tcase_add_test(tc, malformed_deltas_refused);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
