@@ -45,7 +45,7 @@ scape_rc comm_allreduce_sum_wire(comm_t *c, float *buf, size_t n, int bf16)
         return rc;
     if (buf == NULL && n > 0)
         return scape_set_error(SCAPE_INVALID, "comm_allreduce_sum: buf is NULL");
-    bf16 = bf16 && c->ops->bf16_wire;
+    bf16 = bf16 && c->ops->wire_bf16 && c->ops->wire_bf16(c, buf);
     rc = c->ops->allreduce_sum(c, buf, n, bf16);
     if (rc == SCAPE_OK) {
         /* a reduce-scatter of the inputs and an all-gather of the fp32 sums,
@@ -69,7 +69,7 @@ scape_rc comm_reduce_scatter_sum_wire(comm_t *c, const float *send, float *recv,
         return rc;
     if (counts == NULL)
         return scape_set_error(SCAPE_INVALID, "comm_reduce_scatter_sum: counts is NULL");
-    bf16 = bf16 && c->ops->bf16_wire;
+    bf16 = bf16 && c->ops->wire_bf16 && c->ops->wire_bf16(c, send);
     uint64_t total = sum_counts(counts, c->size), esz = bf16 ? 2 : 4;
     if ((send == NULL && total > 0) || (recv == NULL && counts[c->rank] > 0))
         return scape_set_error(SCAPE_INVALID, "comm_reduce_scatter_sum: NULL buffer");

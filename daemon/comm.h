@@ -43,8 +43,8 @@ typedef struct comm_ops {
     const char *name;
     /* In-place sum of n floats across ranks.  bf16: every input is a bf16
      * number held in fp32 (scape_f_wire_bf16), so the backend may send each
-     * in 16 bits; the sum is fp32 in rank order all the same (nccl: NCCL's
-     * bf16 sum). */
+     * in 16 bits; the sum is fp32 in rank order all the same (nccl on device
+     * memory: NCCL's bf16 sum, rounded to bf16 along its order). */
     scape_rc (*allreduce_sum)(comm_t *c, float *buf, size_t n, int bf16);
     /* send holds sum(counts) floats, segment r at offset sum(counts[0..r));
      * recv receives the sum of segment `rank` (counts[rank] floats).  recv may
@@ -65,10 +65,10 @@ typedef struct comm_ops {
     scape_rc (*broadcast)(comm_t *c, void *buf, size_t bytes, int root);
     scape_rc (*barrier)(comm_t *c);
     void (*destroy)(comm_t *c);
-    /* 1: the bf16 reductions above send 16 bits a value; 0: the backend
-     * sends such inputs in fp32 (the same values, twice the bytes: nccl,
-     * whose bf16 sum is not built yet), and they are counted so. */
-    int bf16_wire;
+    /* 1 when a bf16 reduction of buf sends 16 bits a value (NULL or 0: the
+     * backend sends such inputs as the fp32 numbers they are, and they are
+     * counted so: nccl on host memory). */
+    int (*wire_bf16)(const comm_t *c, const void *buf);
     /* Device memory the backend holds, bytes (NULL: none). */
     uint64_t (*device_bytes)(const comm_t *c);
     /* Messages dropped as not of this job (NULL: none can arrive); the last
@@ -109,8 +109,9 @@ scape_rc comm_allreduce_sum(comm_t *c, float *buf, size_t n);
 scape_rc comm_reduce_scatter_sum(comm_t *c, const float *send, float *recv,
                                  const size_t *counts);
 /* The same with the inputs on the wire in bf16 (bf16 = 1; comm_ops): they
- * must be bf16 numbers held in fp32.  The byte counts are those of the
- * 16-bit inputs (the all-reduce's gather of the sums stays fp32). */
+ * must be bf16 numbers held in fp32.  Where the backend sends them so
+ * (comm_ops.wire_bf16) the byte counts are those of the 16-bit inputs (the
+ * all-reduce's gather of the sums stays fp32). */
 scape_rc comm_allreduce_sum_wire(comm_t *c, float *buf, size_t n, int bf16);
 scape_rc comm_reduce_scatter_sum_wire(comm_t *c, const float *send, float *recv,
                                       const size_t *counts, int bf16);

@@ -57,6 +57,7 @@
 #include <nccl.h>
 
 #include "comm_nccl.h"
+#include "scape_kernels.h"
 #include "try.h"
 
 _Static_assert(sizeof(ncclUniqueId) == COMM_NCCL_ID_BYTES, "ncclUniqueId size");
@@ -311,14 +312,14 @@ static int on_device(const void *p)
 static scape_rc dev_grouped(nccl_impl *x, lane *l, const comm_t *c, char *buf,
                             const size_t *counts, size_t elem, int reduce, const char *what)
 {
+    ncclDataType_t rt = elem == 2 ? ncclBfloat16 : ncclFloat32; /* the reduce's values */
     size_t off = 0;
     ncclResult_t first = ncclSuccess;
     ncclResult_t r = ncclGroupStart();
     for (int q = 0; (r == ncclSuccess || r == ncclInProgress) && q < c->size; q++) {
         char *seg = buf + off * elem;
         if (counts[q])
-            note(reduce ? ncclReduce(seg, seg, counts[q], ncclFloat32, ncclSum, q, l->comm,
-                                     l->stream)
+            note(reduce ? ncclReduce(seg, seg, counts[q], rt, ncclSum, q, l->comm, l->stream)
                         : ncclBroadcast(seg, seg, counts[q] * elem, ncclUint8, q, l->comm,
                                         l->stream),
                  &first);
@@ -329,12 +330,43 @@ static scape_rc dev_grouped(nccl_impl *x, lane *l, const comm_t *c, char *buf,
     return end_group(x, l, first, what);
 }
 
-static scape_rc dev_allreduce(nccl_impl *x, float *buf, size_t n)
+/* bf16 inputs on the device (wire_values: bf16): their bf16 form in a
+ * stream-ordered buffer (cudaMallocAsync / cudaFreeAsync on the main
+ * stream: nothing synchronises the device, which a stalled peer could hang),
+ * NCCL's bf16 sum on it (each partial sum rounded to bf16 along NCCL's
+ * order), the result widened into out.  Unverified on GPU. */
+static scape_rc half_alloc(nccl_impl *x, lane *l, size_t n, uint16_t **out)
+{
+    *out = NULL;
+    CUDA_TRY(x, cudaMallocAsync((void **)out, (n ? n : 1) * sizeof **out, l->stream),
+             "cudaMallocAsync (bf16 values)");
+    return SCAPE_OK;
+}
+
+static scape_rc half_free(nccl_impl *x, lane *l, uint16_t *h, scape_rc rc)
+{
+    cudaError_t e = cudaFreeAsync(h, l->stream);
+    if (rc == SCAPE_OK && e != cudaSuccess)
+        return cuda_fail(x, e, "cudaFreeAsync (bf16 values)");
+    return rc;
+}
+
+static scape_rc dev_allreduce(nccl_impl *x, float *buf, size_t n, int bf16)
 {
     TRY(usable(x));
     lane *l = &x->main;
-    return settle(x, l, ncclAllReduce(buf, buf, n, ncclFloat32, ncclSum, l->comm, l->stream),
-                  "all-reduce");
+    if (!bf16)
+        return settle(x, l, ncclAllReduce(buf, buf, n, ncclFloat32, ncclSum, l->comm,
+                                          l->stream), "all-reduce");
+    uint16_t *h;
+    TRY(half_alloc(x, l, n, &h));
+    scape_rc rc = kern_cuda_f32_to_bf16(buf, h, n, l->stream);
+    if (rc == SCAPE_OK)
+        rc = settle(x, l, ncclAllReduce(h, h, n, ncclBfloat16, ncclSum, l->comm, l->stream),
+                    "all-reduce (bf16)");
+    if (rc == SCAPE_OK)
+        rc = kern_cuda_bf16_to_f32(h, buf, n, l->stream);
+    return half_free(x, l, h, rc);
 }
 
 static scape_rc dev_broadcast(nccl_impl *x, void *buf, size_t bytes, int root)
@@ -348,17 +380,29 @@ static scape_rc dev_broadcast(nccl_impl *x, void *buf, size_t bytes, int root)
 /* Uneven segments: one ncclReduce per owner, in place (recv must be this
  * rank's segment of send, as the engine passes it). */
 static scape_rc dev_reduce_scatter(nccl_impl *x, const comm_t *c, const float *send,
-                                   float *recv, const size_t *counts)
+                                   float *recv, const size_t *counts, int bf16)
 {
     TRY(usable(x));
-    size_t mine = 0;
-    for (int q = 0; q < c->rank; q++)
-        mine += counts[q];
+    size_t mine = 0, total = 0;
+    for (int q = 0; q < c->size; q++) {
+        mine += q < c->rank ? counts[q] : 0;
+        total += counts[q];
+    }
     if (recv != send + mine)
         return scape_set_error(SCAPE_INVALID, "comm nccl: a reduce-scatter of device memory "
                                "runs in place only");
-    return dev_grouped(x, &x->main, c, (char *)send, counts, sizeof(float), 1,
-                       "reduce-scatter");
+    if (!bf16)
+        return dev_grouped(x, &x->main, c, (char *)send, counts, sizeof(float), 1,
+                           "reduce-scatter");
+    lane *l = &x->main;
+    uint16_t *h;
+    TRY(half_alloc(x, l, total, &h));
+    scape_rc rc = kern_cuda_f32_to_bf16(send, h, total, l->stream);
+    if (rc == SCAPE_OK)
+        rc = dev_grouped(x, l, c, (char *)h, counts, 2, 1, "reduce-scatter (bf16)");
+    if (rc == SCAPE_OK && counts[c->rank])
+        rc = kern_cuda_bf16_to_f32(h + mine, recv, counts[c->rank], l->stream);
+    return half_free(x, l, h, rc);
 }
 
 /* Uneven segments: one ncclBroadcast per owner, in place; a send apart from
@@ -608,14 +652,13 @@ static ncclResult_t run_gather(const sop *o, lane *l, char *dev, const size_t *p
     return ncclSuccess;
 }
 
-/* bf16 inputs (comm_ops.bf16_wire is 0 here): NCCL's bf16 sum is not
- * built yet, so they go as the fp32 numbers they are. */
+/* bf16 inputs: on device memory NCCL's bf16 sum (nc_wire_bf16); host
+ * memory goes through the staging slots as the fp32 numbers it holds. */
 static scape_rc nc_allreduce(comm_t *c, float *buf, size_t n, int bf16)
 {
-    (void)bf16;
     nccl_impl *x = c->impl;
     if (n && on_device(buf))
-        return dev_allreduce(x, buf, n);
+        return dev_allreduce(x, buf, n, bf16);
     size_t off = 0, len = n * sizeof(float), pos, cnt;
     sop o = { .what = "all-reduce", .nseg = 1, .off = &off, .len = &len,
               .piece = piece_for(1, 0), .src = (const char *)buf, .dst = (char *)buf,
@@ -653,10 +696,9 @@ static size_t *seg_arrays(const comm_t *c, const size_t *counts, size_t elem)
 static scape_rc nc_reduce_scatter(comm_t *c, const float *send, float *recv,
                                   const size_t *counts, int bf16)
 {
-    (void)bf16;
     nccl_impl *x = c->impl;
     if (on_device(send))
-        return dev_reduce_scatter(x, c, send, recv, counts);
+        return dev_reduce_scatter(x, c, send, recv, counts, bf16);
     size_t R = (size_t)c->size, *a = seg_arrays(c, counts, sizeof(float));
     if (a == NULL)
         return scape_set_error(SCAPE_NOMEM, "comm nccl: out of memory");
@@ -686,6 +728,13 @@ static scape_rc nc_allgather(comm_t *c, const void *send, void *recv, const size
     scape_rc rc = stream_op(x, &x->main, &o, a + 2 * R, a + 3 * R);
     free(a);
     return rc;
+}
+
+/* bf16 reductions go in 16 bits on device memory only. */
+static int nc_wire_bf16(const comm_t *c, const void *buf)
+{
+    (void)c;
+    return buf != NULL && on_device(buf);
 }
 
 static scape_rc nc_barrier(comm_t *c)
@@ -880,6 +929,7 @@ static const comm_ops s_nccl_ops = {
     .name = "nccl",
     .allreduce_sum = nc_allreduce,
     .reduce_scatter_sum = nc_reduce_scatter,
+    .wire_bf16 = nc_wire_bf16,
     .allgather = nc_allgather,
     .iallgather = nc_iallgather,
     .iallgather_wait = nc_iallgather_wait,

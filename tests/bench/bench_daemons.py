@@ -17,8 +17,13 @@ With --link RATE (root) the daemons run on test hosts of deploy/hosts.sh,
 one per host, whose links have that rate (tc tbf: 100mbit, 1gbit, ...); the
 trainers stay outside and attach through the daemons' ipc sockets.
 
+With --fewer-bytes SCAPE also runs with its values in bf16 (wire_values)
+and with bf16 values and mask deltas (mask_deltas), whose size all-gather
+is the one collective the step adds: its cost shows in the step times.
+
 Usage: bench_daemons.py BUILD_DIR [--ranks R] [--n N] [--steps S] [--rho RHO]
-                        [--auth none|secret|both] [--link RATE] [--markdown FILE]
+                        [--auth none|secret|both] [--link RATE] [--fewer-bytes]
+                        [--markdown FILE]
 """
 import argparse
 import os
@@ -121,6 +126,8 @@ def main():
     ap.add_argument("--rho", type=float, default=0.01)
     ap.add_argument("--auth", choices=("none", "secret", "both"), default="both")
     ap.add_argument("--link", help="run the daemons on test hosts with links of this rate")
+    ap.add_argument("--fewer-bytes", action="store_true",
+                    help="add SCAPE with values in bf16, and with bf16 values and mask deltas")
     ap.add_argument("--markdown")
     a = ap.parse_args()
     if a.steps < 4:
@@ -128,12 +135,17 @@ def main():
     work = tempfile.mkdtemp(prefix="scape-bench-daemons-")
     if a.link:
         hosts("up", str(a.ranks), "--rate", a.link)
+    variants = []
     try:
         res = {}
         auths = ("none", "secret") if a.auth == "both" else (a.auth,)
-        for name, engine in (("adams", ["--optimizer", "adams"]),
-                             ("scape", ["--optimizer", "scape", "--rho", str(a.rho),
-                                        "--warmup", "1"])):
+        scape = ["--optimizer", "scape", "--rho", str(a.rho), "--warmup", "1"]
+        variants = [("adams", ["--optimizer", "adams"]), ("scape", scape)]
+        if a.fewer_bytes:
+            variants += [("scape-bf16", scape + ["--wire-values", "bf16"]),
+                         ("scape-bf16-delta", scape + ["--wire-values", "bf16",
+                                                       "--mask-deltas", "true"])]
+        for name, engine in variants:
             for auth in auths:
                 print("bench_daemons: %s, auth %s, %d daemons, N=%g, %d steps ..." %
                       (name, auth, a.ranks, a.n, a.steps), file=sys.stderr)
@@ -149,7 +161,11 @@ def main():
         "step vs plain TCP |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, label in (("adams", "adams (dense)"), ("scape", "scape rho=%g" % a.rho)):
+    labels = {"adams": "adams (dense)", "scape": "scape rho=%g" % a.rho,
+              "scape-bf16": "scape rho=%g, bf16 values" % a.rho,
+              "scape-bf16-delta": "scape rho=%g, bf16 values, mask deltas" % a.rho}
+    for name, _ in variants:
+        label = labels[name]
         for auth in auths:
             r, d = res[name, auth], res["adams", auth]
             plain = res.get((name, "none"))

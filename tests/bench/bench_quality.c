@@ -35,18 +35,21 @@ typedef struct variant {
     int wire_bf16;      /* wire_values: bf16 */
     double rho_start;   /* a density schedule from rho_start (0: none) */
     uint32_t rho_steps; /* over this many masked steps */
+    int mask_deltas;    /* masks as deltas where smaller */
 } variant;
 
 static const variant s_variants[] = {
-    { "adamw", ENG_OPT_ADAMW, 1.0, 0, 0.0, 0 },
-    { "adams", ENG_OPT_ADAMS, 1.0, 0, 0.0, 0 },
-    { "scape-0.1", ENG_OPT_SCAPE, 0.1, 0, 0.0, 0 },
-    { "scape-0.01", ENG_OPT_SCAPE, 0.01, 0, 0.0, 0 },
-    { "topk-adamw-0.01", ENG_OPT_TOPK_ADAMW, 0.01, 0, 0.0, 0 },
-    /* fewer bytes: values in bf16; a density schedule 0.16 -> 0.01 */
-    { "scape-0.1-bf16", ENG_OPT_SCAPE, 0.1, 1, 0.0, 0 },
-    { "scape-0.01-bf16", ENG_OPT_SCAPE, 0.01, 1, 0.0, 0 },
-    { "scape-0.01-sched", ENG_OPT_SCAPE, 0.01, 1, 0.16, 400 },
+    { "adamw", ENG_OPT_ADAMW, 1.0, 0, 0.0, 0, 0 },
+    { "adams", ENG_OPT_ADAMS, 1.0, 0, 0.0, 0, 0 },
+    { "scape-0.1", ENG_OPT_SCAPE, 0.1, 0, 0.0, 0, 0 },
+    { "scape-0.01", ENG_OPT_SCAPE, 0.01, 0, 0.0, 0, 0 },
+    { "topk-adamw-0.01", ENG_OPT_TOPK_ADAMW, 0.01, 0, 0.0, 0, 0 },
+    /* fewer bytes: values in bf16, masks as deltas, a density schedule
+     * 0.16 -> 0.01 over 400 steps */
+    { "scape-0.1-bf16", ENG_OPT_SCAPE, 0.1, 1, 0.0, 0, 0 },
+    { "scape-0.01-bf16", ENG_OPT_SCAPE, 0.01, 1, 0.0, 0, 0 },
+    { "scape-0.01-delta", ENG_OPT_SCAPE, 0.01, 1, 0.0, 0, 1 },
+    { "scape-0.01-sched", ENG_OPT_SCAPE, 0.01, 1, 0.16, 400, 1 },
 };
 #define NVARIANTS (sizeof s_variants / sizeof s_variants[0])
 
@@ -90,6 +93,7 @@ static scape_rc rank_train(rank_arg *a)
     cfg.wire_bf16 = sh->v->wire_bf16;
     cfg.rho_start = sh->v->rho_start;
     cfg.rho_steps = sh->v->rho_steps;
+    cfg.mask_deltas = sh->v->mask_deltas;
     eng_layout lay = { sh->layout, (size_t)sh->ntensors, KERN_F32, KERN_F32, NULL, 0 };
     if (rc == SCAPE_OK) {
         gpt_init(&r->model, p, r->model_seed);

@@ -40,13 +40,14 @@
 #define TIMEOUT_MS 40 /* the played rank sends everything before the op starts */
 #define MAX_N 48
 
-enum op { OP_BARRIER, OP_ALLGATHER, OP_REDUCE_SCATTER, OP_ALLREDUCE, OP_BROADCAST, OP_IAG, OP_N };
+enum op { OP_BARRIER, OP_ALLGATHER, OP_REDUCE_SCATTER, OP_ALLREDUCE, OP_BROADCAST, OP_IAG,
+          OP_RS_BF16, OP_N };
 
 static void *s_ctx, *s_pull[2]; /* the played rank's endpoints (plain, CURVE): the real
                                     rank's messages */
 static int s_verbose;        /* SCAPE_FUZZ_LOG=2: what became of each input */
 static const char *s_names[OP_N] = { "barrier", "allgather", "reduce-scatter", "allreduce",
-                                     "broadcast", "iallgather" };
+                                     "broadcast", "iallgather", "reduce-scatter-bf16" };
 static char s_pull_ep[2][128];
 /* Key pairs (Z85): the played rank's, and the real rank's (made afresh by a
  * daemon; fixed here, which changes nothing the real rank checks). */
@@ -131,6 +132,8 @@ static scape_rc run_op(comm_t *c, const shape *sh)
     case OP_IAG:
         rc = comm_iallgather(c, send, recv, bytes);
         return rc == SCAPE_OK ? comm_iallgather_wait(c) : rc;
+    case OP_RS_BF16: /* -1 - i: bf16 numbers for every i < MAX_N */
+        return comm_reduce_scatter_sum_wire(c, send, recv, sh->cnt, 1);
     case OP_N: break;
     }
     abort();
@@ -220,6 +223,24 @@ static void put_msg(fuzz_buf *b, int sender, int kind, int seq, int chunk, const
     fuzz_put(b, 0, buf, 4 + n);
 }
 
+/* A stream of count bf16 values in chunks (wire_values: bf16): 0.5, 1.5, ... */
+static void put_stream16(fuzz_buf *b, int sender, int kind, int seq, size_t count,
+                         size_t chunk_bytes)
+{
+    size_t cf = chunk_bytes / 4;
+    for (size_t i = 0; i * cf < count; i++) {
+        uint16_t v[MAX_N];
+        size_t len = count - i * cf < cf ? count - i * cf : cf;
+        for (size_t j = 0; j < len; j++) {
+            float f = 0.5f + (float)(i * cf + j);
+            uint32_t u;
+            memcpy(&u, &f, sizeof u);
+            v[j] = (uint16_t)(u >> 16);
+        }
+        put_msg(b, sender, kind, seq, (int)i, v, 2 * len);
+    }
+}
+
 /* A stream of count floats in chunks: 0.5, 1.5, ... */
 static void put_stream(fuzz_buf *b, int sender, int kind, int seq, size_t count,
                        size_t chunk_bytes)
@@ -261,6 +282,9 @@ void fuzz_seeds(fuzz_emit emit, void *ctx)
                 break;
             case OP_BROADCAST: put_stream(b, me, K_BC, 0, n, chunk_bytes); break;
             case OP_IAG: put_stream(b, me, K_IAG, 0, cnt[me], chunk_bytes); break;
+            case OP_RS_BF16:
+                put_stream16(b, me, K_RS_PART, 0, cnt[real], chunk_bytes);
+                break;
             case OP_N: break;
             }
             /* A stray sender on the port: dropped and counted, never fatal. */

@@ -54,6 +54,9 @@ typedef struct kase {
     int defer;
     uint32_t chunk;  /* residual_chunk */
     float clip_at;   /* max_grad_norm (0: none) */
+    int wire_bf16;   /* wire_values: bf16 */
+    int deltas;      /* mask_deltas (2: forced) */
+    double rho_start; /* density schedule (0: none), over 40 masked steps */
 } kase;
 
 /* One job's buffers and engine. */
@@ -123,6 +126,10 @@ static eng_config config_of(const kase *k, int under_test)
     c.residual_on_device = k->resident;
     c.residual_chunk = k->chunk;
     c.max_grad_norm = k->clip_at;
+    c.wire_bf16 = k->wire_bf16;
+    c.mask_deltas = k->deltas;
+    c.rho_start = k->rho_start;
+    c.rho_steps = 40;
     return c;
 }
 
@@ -535,12 +542,29 @@ int main(int argc, char **argv)
                         continue;
                     same_bits(&k, local, dev_comm, steps);
                 }
+    /* fewer bytes: bf16 values, bf16 gathers, mask deltas, a schedule */
+    const kase fb[] = {
+        { ENG_OPT_SCAPE, ENG_MODE_SHARDED, 0.01, KERN_F32, KERN_F32, 1, 0, 0, 0, 4u << 20,
+          0.0f, 1, 0, 0.0 },
+        { ENG_OPT_SCAPE, ENG_MODE_SHARDED, 0.01, KERN_BF16, KERN_BF16, 3, 0, 1, 1, 5000,
+          0.0f, 1, 1, 0.0 },
+        { ENG_OPT_SCAPE, ENG_MODE_REPLICATED, 0.01, KERN_F32, KERN_F32, 1, 0, 0, 1, 4u << 20,
+          0.0f, 1, 2, 0.2 },
+        { ENG_OPT_TOPK_ADAMW, ENG_MODE_SHARDED, 0.05, KERN_F32, KERN_F32, 1, 0, 0, 0,
+          4u << 20, 0.0f, 1, 0, 0.0 },
+    };
+    for (size_t i = 0; i < sizeof fb / sizeof fb[0]; i++)
+        same_bits(&fb[i], local, dev_comm, steps);
     const kase rs[] = {
-        { ENG_OPT_SCAPE, ENG_MODE_REPLICATED, 0.01, KERN_F32, KERN_F32, 3, 0, 0, 1, 5000, 0.0f },
+        { ENG_OPT_SCAPE, ENG_MODE_REPLICATED, 0.01, KERN_F32, KERN_F32, 3, 0, 0, 1, 5000, 0.0f,
+          0, 0, 0.0 },
         { ENG_OPT_SCAPE, ENG_MODE_SHARDED, 0.01, KERN_BF16, KERN_F32, 1, 0, 1, 0, 4u << 20,
-          0.01f },
+          0.01f, 0, 0, 0.0 },
         { ENG_OPT_TOPK_ADAMW, ENG_MODE_REPLICATED, 0.05, KERN_F32, KERN_F32, 1, 0, 0, 0,
-          4u << 20, 0.0f },
+          4u << 20, 0.0f, 0, 0, 0.0 },
+        /* a checkpoint between deltas, under the schedule, bf16 values */
+        { ENG_OPT_SCAPE, ENG_MODE_SHARDED, 0.01, KERN_F32, KERN_F32, 1, 0, 0, 0, 4u << 20,
+          0.0f, 1, 2, 0.2 },
     };
     for (size_t i = 0; i < sizeof rs / sizeof rs[0]; i++) {
         resume_across(&rs[i], ref_comm, local, dev_comm, steps, 1);

@@ -89,6 +89,46 @@ static void check_collectives(void)
     printf("gpu_nccl: collectives of one rank: %s\n", s_fail ? "FAIL" : "ok");
 }
 
+/* wire_values: bf16 on device memory: the values go through NCCL's bf16
+ * sum.  With one rank the sum is the input itself, so bf16 numbers must
+ * come back unchanged (their conversion there and back is exact) and the
+ * counters must say 2 bytes a value.  The per-hop rounding of the bf16 sum
+ * needs two GPUs. */
+static void check_bf16_device(void)
+{
+    comm_t *c = open_nccl();
+    enum { N = 1000003 };
+    float *h = malloc(N * sizeof *h), *back = malloc(N * sizeof *back), *d = NULL;
+    for (size_t i = 0; i < N; i++) {
+        float v = (float)i * 0.37f - 1000.0f;
+        uint32_t u;
+        memcpy(&u, &v, sizeof u);
+        u &= 0xffff0000u;
+        memcpy(&h[i], &u, sizeof u);
+    }
+    EXPECT(cudaMalloc((void **)&d, N * sizeof *d) == cudaSuccess, "cudaMalloc");
+    EXPECT(cudaMemcpy(d, h, N * sizeof *d, cudaMemcpyHostToDevice) == cudaSuccess, "copy in");
+    size_t counts[1] = { N };
+    uint64_t before = c->stats.bytes[COMM_REDUCE_SCATTER];
+    EXPECT(comm_reduce_scatter_sum_wire(c, d, d, counts, 1) == SCAPE_OK, "bf16 rs: %s",
+           scape_last_error());
+    EXPECT(comm_allreduce_sum_wire(c, d, N, 1) == SCAPE_OK, "bf16 allreduce: %s",
+           scape_last_error());
+    EXPECT(comm_device_sync(c) == SCAPE_OK, "device sync: %s", scape_last_error());
+    EXPECT(cudaMemcpy(back, d, N * sizeof *d, cudaMemcpyDeviceToHost) == cudaSuccess,
+           "copy back");
+    EXPECT(memcmp(back, h, N * sizeof *h) == 0, "bf16 sums of one rank changed values");
+    EXPECT(c->stats.bytes[COMM_REDUCE_SCATTER] - before == 2ull * N,
+           "bf16 reduce-scatter counted %llu bytes, want %llu",
+           (unsigned long long)(c->stats.bytes[COMM_REDUCE_SCATTER] - before),
+           2ull * N);
+    cudaFree(d);
+    comm_destroy(&c);
+    free(h);
+    free(back);
+    printf("gpu_nccl: bf16 values on device memory: %s\n", s_fail ? "FAIL" : "ok");
+}
+
 static const eng_tensor s_tensors[] = { { "a", 0, 70000, 0 }, { "b", 70000, 33, 0 },
                                         { "c", 70033, 1, 0 }, { "d", 70034, 29966, 0 } };
 #define NUMEL 100000
@@ -156,6 +196,7 @@ int main(void)
         return 77;
     }
     check_collectives();
+    check_bf16_device();
     check_engine();
     printf("gpu_nccl: %s\n", s_fail ? "FAIL" : "PASS");
     return s_fail ? 1 : 0;
