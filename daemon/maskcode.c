@@ -200,18 +200,43 @@ static size_t only_in(const uint32_t *a, const uint32_t *b, size_t nw)
     return c;
 }
 
+/* One tensor's bits in the delta stream: whole (its k positions, or its
+ * bitmap of len bits, as the fixed code has it), or as its change. */
+static uint64_t whole_bits(const plan_tensor *t)
+{
+    return mcode_by_index(t) ? (uint64_t)t->k * mcode_pos_bits(t->len) : (uint64_t)t->len;
+}
+
+static uint64_t change_bits(const plan_tensor *t, size_t left, size_t joined)
+{
+    uint64_t b = mcode_pos_bits(t->len);
+    return 2 * (b + 1) + b * (uint64_t)(left + joined);
+}
+
+/* Whether tensor t goes as its change (1) or whole (0): the smaller, whole
+ * on a tie; and the bits it takes, its form bit included. */
+static int by_change(const plan_tensor *t, const uint32_t *prev, const uint32_t *next,
+                     uint64_t *bits)
+{
+    size_t nw = words_of(t);
+    uint64_t c = change_bits(t, only_in(prev, next, nw), only_in(next, prev, nw));
+    uint64_t w = whole_bits(t);
+    *bits = 1 + (c < w ? c : w);
+    return c < w;
+}
+
 size_t mdelta_bytes(const plan *p, size_t first, size_t count, const uint32_t *prev,
                     const uint32_t *next)
 {
-    size_t w0 = count ? at(p, first)->word : 0, bits = 0;
+    size_t w0 = count ? at(p, first)->word : 0;
+    uint64_t bits = 0;
     for (size_t j = first; j < first + count; j++) {
         const plan_tensor *t = at(p, j);
-        size_t o = t->word - w0, nw = words_of(t);
-        unsigned b = mcode_pos_bits(t->len);
-        bits += 2 * (b + 1) +
-                b * (only_in(prev + o, next + o, nw) + only_in(next + o, prev + o, nw));
+        uint64_t tb;
+        by_change(t, prev + (t->word - w0), next + (t->word - w0), &tb);
+        bits += tb;
     }
-    return 4 * ((bits + 31) / 32);
+    return 4 * (size_t)((bits + 31) / 32);
 }
 
 /* The positions of the bits of a not in b, ascending. */
@@ -237,15 +262,26 @@ scape_rc mdelta_encode(const plan *p, size_t first, size_t count, const uint32_t
         if (ones != t->k || (t->len % 32 && next[o + nw - 1] >> (t->len % 32)))
             return scape_set_error(SCAPE_INVALID, "mask delta: tensor %s has %zu bits in "
                                    "range, k=%zu", t->name, ones, t->k);
-        put(&w, only_in(prev + o, next + o, nw), b + 1);
-        put(&w, only_in(next + o, prev + o, nw), b + 1);
-        put_only_in(&w, prev + o, next + o, nw, b);
-        put_only_in(&w, next + o, prev + o, nw, b);
+        uint64_t tb;
+        int change = by_change(t, prev + o, next + o, &tb);
+        put(&w, (uint64_t)change, 1);
+        if (change) {
+            put(&w, only_in(prev + o, next + o, nw), b + 1);
+            put(&w, only_in(next + o, prev + o, nw), b + 1);
+            put_only_in(&w, prev + o, next + o, nw, b);
+            put_only_in(&w, next + o, prev + o, nw, b);
+        } else if (mcode_by_index(t)) {
+            for (size_t i = 0; i < nw; i++)
+                for (uint32_t x = next[o + i]; x; x &= x - 1)
+                    put(&w, 32 * i + (size_t)__builtin_ctz(x), b);
+        } else {
+            for (size_t i = 0; i < nw; i++)
+                put(&w, next[o + i], i + 1 < nw || t->len % 32 == 0 ? 32 : t->len % 32);
+        }
     }
     put_flush(&w);
     return SCAPE_OK;
 }
-
 /* n ascending positions of one list: each inside the tensor, its bit in tw
  * `want` (1: a position that left, 0: one that joined), then flipped. */
 static scape_rc take_list(bitr *r, const plan_tensor *t, unsigned b, uint64_t n, uint32_t *tw,
@@ -267,6 +303,37 @@ static scape_rc take_list(bitr *r, const plan_tensor *t, unsigned b, uint64_t n,
     return SCAPE_OK;
 }
 
+/* A tensor sent whole in the delta stream: its k ascending positions, or
+ * its bitmap of len bits; exactly k bits either way. */
+static scape_rc take_whole(bitr *r, const plan_tensor *t, uint32_t *tw, int from)
+{
+    size_t nw = words_of(t);
+    memset(tw, 0, nw * sizeof *tw);
+    if (mcode_by_index(t)) {
+        unsigned b = mcode_pos_bits(t->len);
+        uint64_t last = 0;
+        for (size_t q = 0; q < t->k; q++) {
+            uint64_t pos;
+            if (get(r, b, &pos) != 0)
+                return bad(from, t, "delta ends early");
+            if (pos >= t->len || (q && pos <= last))
+                return bad(from, t, "positions not ascending inside the tensor");
+            tw[pos / 32] |= 1u << (pos % 32);
+            last = pos;
+        }
+        return SCAPE_OK;
+    }
+    size_t ones = 0;
+    for (size_t i = 0; i < nw; i++) {
+        uint64_t v;
+        if (get(r, i + 1 < nw || t->len % 32 == 0 ? 32 : (unsigned)(t->len % 32), &v) != 0)
+            return bad(from, t, "delta ends early");
+        tw[i] = (uint32_t)v;
+        ones += (size_t)__builtin_popcount(tw[i]);
+    }
+    return ones == t->k ? SCAPE_OK : bad(from, t, "not exactly k bits");
+}
+
 scape_rc mdelta_decode(const plan *p, size_t first, size_t count, const uint32_t *prev,
                        const uint32_t *code, size_t nbytes, uint32_t *words, int from)
 {
@@ -280,6 +347,13 @@ scape_rc mdelta_decode(const plan *p, size_t first, size_t count, const uint32_t
         size_t o = t->word - w0, nw = words_of(t);
         unsigned b = mcode_pos_bits(t->len);
         uint32_t *tw = words + o;
+        uint64_t change;
+        if (get(&r, 1, &change) != 0)
+            return bad(from, t, "delta ends early");
+        if (!change) {
+            TRY(take_whole(&r, t, tw, from));
+            continue;
+        }
         memcpy(tw, prev + o, nw * sizeof *tw);
         uint64_t left, joined;
         if (get(&r, b + 1, &left) != 0 || get(&r, b + 1, &joined) != 0)

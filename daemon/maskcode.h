@@ -42,16 +42,20 @@ scape_rc mcode_encode(const plan *p, size_t first, size_t count, const uint32_t 
 scape_rc mcode_decode(const plan *p, size_t first, size_t count, const uint32_t *code,
                       size_t nbytes, uint32_t *words, int merge, int from);
 
-/* Deltas (mask_deltas): the same tensors' mask as the change from the
- * previous one, `prev` (words positioned as for encode): per tensor, in
- * comm order, the counts of positions that left and that joined (b + 1
- * bits each, b = mcode_pos_bits(len)), then the positions that left,
- * ascending, then those that joined, b bits each; one bit stream padded
- * with zero bits to a whole uint32_t.  A mask that changes little codes in
- * a few bits a tensor.  The decoder checks everything: counts within the
- * tensor, positions ascending and inside it, each one that left set in
- * prev and each one that joined clear, exactly k bits after, zero padding;
- * it names the sender and the tensor. */
+/* Deltas (mask_deltas): the same tensors' mask with each tensor either
+ * whole or as its change from the previous mask `prev` (words positioned as
+ * for encode), whichever takes fewer bits (whole on a tie), in one bit
+ * stream padded with zero bits to a whole uint32_t.  Per tensor, in comm
+ * order: one form bit; whole (0): its k positions, ascending, b bits each
+ * (b = mcode_pos_bits(len)), where the fixed code sends positions, else its
+ * bitmap of len bits; change (1): the counts of positions that left and
+ * that joined (b + 1 bits each), then those that left, ascending, then
+ * those that joined, b bits each.  A mask that changes little codes in a
+ * few bits a tensor, and none costs more than one bit over its fixed code.
+ * The decoder checks everything: counts within the tensor, positions
+ * ascending and inside it, each one that left set in prev and each one that
+ * joined clear, exactly k bits after, zero padding; it names the sender and
+ * the tensor. */
 size_t mdelta_bytes(const plan *p, size_t first, size_t count, const uint32_t *prev,
                     const uint32_t *next);
 scape_rc mdelta_encode(const plan *p, size_t first, size_t count, const uint32_t *prev,

@@ -36,20 +36,24 @@ typedef struct variant {
     double rho_start;   /* a density schedule from rho_start (0: none) */
     uint32_t rho_steps; /* over this many masked steps */
     int mask_deltas;    /* masks as deltas where smaller */
+    int bf16_params;    /* the trainers hold bf16 parameters (widened for the
+                           forward pass; the fp32 master stays in the engine) */
 } variant;
 
 static const variant s_variants[] = {
-    { "adamw", ENG_OPT_ADAMW, 1.0, 0, 0.0, 0, 0 },
-    { "adams", ENG_OPT_ADAMS, 1.0, 0, 0.0, 0, 0 },
-    { "scape-0.1", ENG_OPT_SCAPE, 0.1, 0, 0.0, 0, 0 },
-    { "scape-0.01", ENG_OPT_SCAPE, 0.01, 0, 0.0, 0, 0 },
-    { "topk-adamw-0.01", ENG_OPT_TOPK_ADAMW, 0.01, 0, 0.0, 0, 0 },
+    { "adamw", ENG_OPT_ADAMW, 1.0, 0, 0.0, 0, 0, 0 },
+    { "adams", ENG_OPT_ADAMS, 1.0, 0, 0.0, 0, 0, 0 },
+    { "scape-0.1", ENG_OPT_SCAPE, 0.1, 0, 0.0, 0, 0, 0 },
+    { "scape-0.01", ENG_OPT_SCAPE, 0.01, 0, 0.0, 0, 0, 0 },
+    { "topk-adamw-0.01", ENG_OPT_TOPK_ADAMW, 0.01, 0, 0.0, 0, 0, 0 },
     /* fewer bytes: values in bf16, masks as deltas, a density schedule
      * 0.16 -> 0.01 over 400 steps */
-    { "scape-0.1-bf16", ENG_OPT_SCAPE, 0.1, 1, 0.0, 0, 0 },
-    { "scape-0.01-bf16", ENG_OPT_SCAPE, 0.01, 1, 0.0, 0, 0 },
-    { "scape-0.01-delta", ENG_OPT_SCAPE, 0.01, 1, 0.0, 0, 1 },
-    { "scape-0.01-sched", ENG_OPT_SCAPE, 0.01, 1, 0.16, 400, 1 },
+    { "scape-0.1-bf16", ENG_OPT_SCAPE, 0.1, 1, 0.0, 0, 0, 0 },
+    { "scape-0.01-bf16", ENG_OPT_SCAPE, 0.01, 1, 0.0, 0, 0, 0 },
+    { "scape-0.01-delta", ENG_OPT_SCAPE, 0.01, 1, 0.0, 0, 1, 0 },
+    { "scape-0.01-sched", ENG_OPT_SCAPE, 0.01, 1, 0.16, 400, 1, 0 },
+    { "scape-0.01-bf16p", ENG_OPT_SCAPE, 0.01, 1, 0.0, 0, 1, 1 },
+    { "adams-bf16p", ENG_OPT_ADAMS, 1.0, 0, 0.0, 0, 0, 1 },
 };
 #define NVARIANTS (sizeof s_variants / sizeof s_variants[0])
 
@@ -64,6 +68,7 @@ typedef struct shared {
     float *train_loss; /* [steps][ranks] */
     double *val_loss;  /* [steps], NaN where not measured */
     uint64_t *bytes;   /* [steps], rank 0's payload */
+    uint64_t *mask;    /* [steps], of it the mask all-gather's */
 } shared;
 
 static double now_s(void)
@@ -94,23 +99,35 @@ static scape_rc rank_train(rank_arg *a)
     cfg.rho_start = sh->v->rho_start;
     cfg.rho_steps = sh->v->rho_steps;
     cfg.mask_deltas = sh->v->mask_deltas;
-    eng_layout lay = { sh->layout, (size_t)sh->ntensors, KERN_F32, KERN_F32, NULL, 0 };
+    int bp = sh->v->bf16_params;
+    uint16_t *ph = bp ? malloc(n * sizeof *ph) : NULL; /* the trainer's bf16 parameters */
+    if (bp && ph == NULL)
+        rc = scape_set_error(SCAPE_NOMEM, "out of memory");
+    void *pbuf = bp ? (void *)ph : (void *)p;
+    eng_layout lay = { sh->layout, (size_t)sh->ntensors, bp ? KERN_BF16 : KERN_F32, KERN_F32,
+                       NULL, 0 };
     if (rc == SCAPE_OK) {
         gpt_init(&r->model, p, r->model_seed);
+        for (size_t i = 0; bp && i < n; i++)
+            ph[i] = kern_bf16_from_f32(p[i]);
         rc = eng_create(&e, &cfg, &lay, a->comm, 1);
     }
     if (rc == SCAPE_OK)
-        rc = eng_init_params(e, (void *const *)&p);
+        rc = eng_init_params(e, (void *const *)&pbuf);
     uint64_t seed = r->seed + 1000u * (uint64_t)a->rank;
     for (uint64_t t = 1; rc == SCAPE_OK && t <= r->steps; t++) {
         if (gpt_run_batch(r, sh->corpus, seed, t, x, y) != 0) {
             rc = scape_set_error(SCAPE_INVALID, "the training split is shorter than --seq");
             break;
         }
+        for (size_t i = 0; bp && i < n; i++)
+            p[i] = kern_f32_from_bf16(ph[i]);
         float l = gpt_forward_backward(&r->model, w, p, g, x, y, r->batch, r->seq);
         sh->train_loss[(t - 1) * (uint64_t)sh->ranks + (uint64_t)a->rank] = l;
         const void *gs[1] = { g };
-        rc = eng_step(e, t, gpt_run_lr(r, t), gs, (void *const *)&p);
+        rc = eng_step(e, t, gpt_run_lr(r, t), gs, (void *const *)&pbuf);
+        for (size_t i = 0; bp && rc == SCAPE_OK && i < n; i++)
+            p[i] = kern_f32_from_bf16(ph[i]); /* what the evaluation reads */
         if (rc != SCAPE_OK || a->rank != 0)
             continue;
         eng_step_stats st;
@@ -119,6 +136,7 @@ static scape_rc rank_train(rank_arg *a)
         for (int op = 0; op < COMM_OP_COUNT; op++)
             b += st.comm.bytes[op];
         sh->bytes[t - 1] = b;
+        sh->mask[t - 1] = st.mask_bytes;
         int eval = (r->eval_every && t % r->eval_every == 0) || t == r->steps;
         sh->val_loss[t - 1] = eval ? gpt_run_val_loss(r, sh->corpus, w, p, x, y) : NAN;
         if (eval) {
@@ -130,6 +148,7 @@ static scape_rc rank_train(rank_arg *a)
     eng_destroy(&e);
     gpt_work_free(w);
     free(p);
+    free(ph);
     free(g);
     free(x);
     free(y);
@@ -145,14 +164,14 @@ static int write_csv(const char *dir, const shared *sh)
         perror(path);
         return 1;
     }
-    fprintf(f, "step,lr,loss,val_loss,bytes\n");
+    fprintf(f, "step,lr,loss,val_loss,bytes,mask_bytes\n");
     for (uint64_t t = 1; t <= sh->run->steps; t++) {
         double mean = 0.0;
         for (int q = 0; q < sh->ranks; q++)
             mean += sh->train_loss[(t - 1) * (uint64_t)sh->ranks + (uint64_t)q];
-        fprintf(f, "%llu,%.6g,%.6f,%.6f,%llu\n", (unsigned long long)t,
+        fprintf(f, "%llu,%.6g,%.6f,%.6f,%llu,%llu\n", (unsigned long long)t,
                 (double)gpt_run_lr(sh->run, t), mean / sh->ranks, sh->val_loss[t - 1],
-                (unsigned long long)sh->bytes[t - 1]);
+                (unsigned long long)sh->bytes[t - 1], (unsigned long long)sh->mask[t - 1]);
     }
     return fclose(f) != 0;
 }
@@ -207,8 +226,8 @@ int main(int argc, char **argv)
     eng_tensor *lay = calloc((size_t)nt, sizeof *lay);
     float *tl = calloc(run.steps * (uint64_t)ranks, sizeof *tl);
     double *vl = calloc(run.steps, sizeof *vl);
-    uint64_t *by = calloc(run.steps, sizeof *by);
-    if (!gt || !lay || !tl || !vl || !by) {
+    uint64_t *by = calloc(run.steps, sizeof *by), *mb = calloc(run.steps, sizeof *mb);
+    if (!gt || !lay || !tl || !vl || !by || !mb) {
         fprintf(stderr, "bench_quality: out of memory\n");
         return 1;
     }
@@ -229,7 +248,8 @@ int main(int argc, char **argv)
     for (size_t v = 0; v < NVARIANTS && rc == 0; v++) {
         if (only && strcmp(only, s_variants[v].name) != 0)
             continue;
-        shared sh = { &run, &corpus, &s_variants[v], lay, nt, ranks, (uint32_t)warmup, tl, vl, by };
+        shared sh = { &run, &corpus, &s_variants[v], lay, nt, ranks, (uint32_t)warmup, tl, vl, by,
+                      mb };
         rank_arg args[MAX_RANKS];
         double t0 = now_s();
         if (run_ranks(ranks, rank_train, &sh, args) != 0) {
@@ -266,6 +286,7 @@ int main(int argc, char **argv)
     free(tl);
     free(vl);
     free(by);
+    free(mb);
     gpt_corpus_free(&corpus);
     return rc;
 }

@@ -259,24 +259,41 @@ START_TEST(malformed_deltas_refused)
     uint32_t prev[40] = { 0 }, next[40] = { 0 };
     unsigned seed = 5;
     random_mask(p, prev, &seed);
-    random_mask(p, next, &seed);
+    /* next: t0's first position moved to the last free one, t1 unchanged,
+     * so t0 goes as its change (form bit 1 at bit 0, then its 11-bit count
+     * of positions that left at bits 1..11) */
+    memcpy(next, prev, sizeof next);
+    const plan_tensor *t0 = &p->t[0];
+    for (size_t i = 0; i < 1000; i++)
+        if (next[t0->word + i / 32] >> (i % 32) & 1) {
+            next[t0->word + i / 32] &= ~(1u << (i % 32));
+            break;
+        }
+    for (size_t i = 999;; i--)
+        if (!(prev[t0->word + i / 32] >> (i % 32) & 1)) {
+            next[t0->word + i / 32] |= 1u << (i % 32);
+            break;
+        }
     size_t nb = mdelta_bytes(p, 0, 2, prev, next);
     uint32_t code[64] = { 0 }, bad[64];
     ck_assert_int_eq(mdelta_encode(p, 0, 2, prev, next, code), SCAPE_OK);
+    ck_assert_uint_eq(code[0] & 1u, 1u);
     delta_refused(p, prev, code, nb - 4, "ends early");
     delta_refused(p, prev, code, nb + 4, "padding");
     delta_refused(p, prev, code, nb - 1, "not whole words");
-    /* t0's count of positions that left: 11 bits at bit 0, made 2000 */
     memcpy(bad, code, sizeof bad);
-    bad[0] = (bad[0] & ~0x7ffu) | 2000u;
+    bad[0] = (bad[0] & ~(0x7ffu << 1)) | (2000u << 1);
     delta_refused(p, prev, bad, nb, "tensor t0: delta counts past");
-    /* a last mask in which none of those positions is set: they cannot leave */
-    uint32_t other[40] = { 0 };
-    random_mask(p, other, &seed);
-    for (size_t w = 0; w < 40; w++)
-        other[w] &= ~prev[w];
-    delta_refused(p, other, code, nb, "tensor t0");
-    /* the same delta against itself: those that joined are already in */
+    /* a last mask without the position that left: it cannot leave */
+    uint32_t other[40];
+    memcpy(other, next, sizeof other);
+    for (size_t i = 999;; i--)
+        if (other[t0->word + i / 32] >> (i % 32) & 1) {
+            other[t0->word + i / 32] &= ~(1u << (i % 32)); /* the one that joins */
+            break;
+        }
+    delta_refused(p, other, code, nb, "tensor t0: a position left the mask that was not");
+    /* the same delta applied to the next mask: the one that joins is in */
     delta_refused(p, next, code, nb, "tensor t0");
     /* the sender's own mask must have exactly k bits: one fewer is refused */
     uint32_t fewer[40];
@@ -288,6 +305,14 @@ START_TEST(malformed_deltas_refused)
         }
     uint32_t cf[64] = { 0 };
     ck_assert_int_eq(mdelta_encode(p, 0, 2, prev, fewer, cf), SCAPE_INVALID);
+    /* a mask unlike the last one: its tensors go whole, and decode to it */
+    uint32_t whole[64] = { 0 };
+    uint32_t far[40] = { 0 };
+    random_mask(p, far, &seed);
+    size_t nw = mdelta_bytes(p, 0, 2, prev, far);
+    ck_assert_int_eq(mdelta_encode(p, 0, 2, prev, far, whole), SCAPE_OK);
+    ck_assert_int_eq(mdelta_decode(p, 0, 2, prev, whole, nw, other, 3), SCAPE_OK);
+    ck_assert_mem_eq(other, far, sizeof far);
     plan_destroy(&p);
 }
 END_TEST
