@@ -202,6 +202,21 @@ static void print_identity(printer *p, const Scape__StatusReply *st)
     if (st->has_max_grad_norm)
         pr_real(p, "max_grad_norm", "Max grad norm", st->max_grad_norm,
                 st->max_grad_norm > 0.0f ? NULL : "0 (no clipping)");
+    if (st->wire_values)
+        pr_str(p, "wire_values", "Values on wire", st->wire_values);
+    if (st->gather_values)
+        pr_str(p, "gather_values", "Gathers", st->gather_values);
+    if (st->has_mask_deltas)
+        pr_bool(p, "mask_deltas", "Mask deltas", st->mask_deltas);
+    if (st->has_rho_start) {
+        char b[96];
+        snprintf(b, sizeof b, "%g -> %g over %u masked steps", st->rho_start, st->rho,
+                 st->has_rho_steps ? st->rho_steps : 0u);
+        pr_real(p, "rho_start", "Rho schedule", st->rho_start,
+                st->rho_start > 0.0 ? b : "0 (none)");
+        if (st->has_rho_steps)
+            pr_uint(p, "rho_steps", NULL, st->rho_steps, NULL);
+    }
 }
 
 static void print_status(printer *p, const Scape__StatusReply *st)

@@ -215,6 +215,9 @@ uint64_t eng_state_bytes(const eng_t *e);
 /* Bytes of device memory and of pinned host memory the executor holds. */
 uint64_t eng_device_bytes(const eng_t *e);
 uint64_t eng_pinned_bytes(const eng_t *e);
+/* 1 when sharded gathers of the updated parameters go in bf16 (every
+ * rank's trainers hold bf16, gather_values params). */
+int eng_gathers_bf16(const eng_t *e);
 /* The executor that runs the step (host, cuda or sim). */
 eng_executor eng_get_executor(const eng_t *e);
 /* T, the trainers of all ranks. */

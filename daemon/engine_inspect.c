@@ -189,3 +189,8 @@ scape_rc eng_get_ghat(const eng_t *e, float *out, unsigned char *have)
     }
     return SCAPE_OK;
 }
+
+int eng_gathers_bf16(const eng_t *e)
+{
+    return e && e->vbf16 && e->cfg.mode == ENG_MODE_SHARDED;
+}

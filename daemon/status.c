@@ -76,6 +76,14 @@ static void fill_status(server *s, status_buf *b)
     st->pinned_bytes = eng_pinned_bytes(s->eng);
     st->has_max_grad_norm = 1;
     st->max_grad_norm = s->cfg.engine.max_grad_norm;
+    st->wire_values = (char *)(s->cfg.engine.wire_bf16 ? "bf16" : "f32");
+    st->gather_values = (char *)(eng_gathers_bf16(s->eng) ? "bf16" : "f32");
+    st->has_mask_deltas = 1;
+    st->mask_deltas = s->cfg.engine.mask_deltas != 0;
+    st->has_rho_start = 1;
+    st->rho_start = s->cfg.engine.rho_start;
+    st->has_rho_steps = 1;
+    st->rho_steps = s->cfg.engine.rho_steps;
     st->has_device_bytes_per_param = 1;
     st->device_bytes_per_param = s->numel ? (double)st->device_bytes / (double)s->numel : 0.0;
     uint64_t sent, recvd;
