@@ -130,16 +130,6 @@ static scape_rc check_config(const eng_config *c)
     return SCAPE_OK;
 }
 
-static uint64_t fnv(uint64_t h, const void *p, size_t n)
-{
-    const unsigned char *b = p;
-    for (size_t i = 0; i < n; i++) {
-        h ^= b[i];
-        h *= 0x100000001b3ull;
-    }
-    return h;
-}
-
 uint64_t eng_config_hash(const eng_config *c)
 {
     /* max_grad_norm, wire values and the schedule only when set, so that a
@@ -148,15 +138,15 @@ uint64_t eng_config_hash(const eng_config *c)
                    (double)c->hyper.beta1, (double)c->hyper.beta2,
                    (double)c->hyper.eps, (double)c->hyper.wd, (double)c->max_grad_norm };
     size_t nf = sizeof f / sizeof f[0] - (c->max_grad_norm > 0.0f ? 0 : 1);
-    uint64_t h = fnv(0xcbf29ce484222325ull, f, nf * sizeof f[0]);
+    uint64_t h = plan_fnv1a(0xcbf29ce484222325ull, f, nf * sizeof f[0]);
     if (c->wire_bf16)
-        h = fnv(h, "wire_values=bf16", 16);
+        h = plan_fnv1a(h, "wire_values=bf16", 16);
     if (c->rho_start > 0.0) {
         double sch[] = { c->rho_start, (double)c->rho_steps };
-        h = fnv(h, sch, sizeof sch);
+        h = plan_fnv1a(h, sch, sizeof sch);
     }
     if (c->mask_deltas)
-        h = fnv(h, "mask_deltas", 11);
+        h = plan_fnv1a(h, "mask_deltas", 11);
     return h;
 }
 

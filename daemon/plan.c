@@ -121,7 +121,7 @@ static void lay_out(plan *p, const keyed *by_off)
     p->nwords = word;
 }
 
-static uint64_t fnv1a(uint64_t h, const void *data, size_t len)
+uint64_t plan_fnv1a(uint64_t h, const void *data, size_t len)
 {
     const unsigned char *b = data;
     for (size_t i = 0; i < len; i++) {
@@ -136,11 +136,11 @@ static uint64_t layout_hash(const plan *p)
     uint64_t h = 0xcbf29ce484222325ull;
     for (size_t i = 0; i < p->ntensors; i++) {
         uint64_t ol[2] = { p->t[i].off, p->t[i].len };
-        h = fnv1a(h, ol, sizeof ol);
+        h = plan_fnv1a(h, ol, sizeof ol);
         if (p->t[i].group) /* a layout without groups hashes as before */
-            h = fnv1a(h, &p->t[i].group, sizeof p->t[i].group);
+            h = plan_fnv1a(h, &p->t[i].group, sizeof p->t[i].group);
         if (p->t[i].name)
-            h = fnv1a(h, p->t[i].name, strlen(p->t[i].name) + 1);
+            h = plan_fnv1a(h, p->t[i].name, strlen(p->t[i].name) + 1);
     }
     return h;
 }

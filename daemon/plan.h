@@ -45,6 +45,8 @@ typedef struct plan {
 size_t plan_k(double rho, size_t len);
 /* Validate the tensors (they must tile [0, N)) and build the plan. */
 scape_rc plan_build(plan **out, const eng_tensor *ts, size_t nt, int nranks, double rho);
+/* FNV-1a over len bytes, continuing from h (the hashes ranks compare). */
+uint64_t plan_fnv1a(uint64_t h, const void *data, size_t len);
 /* k_l and k_total for density rho (the owners and the layout do not
  * depend on it). */
 void plan_set_rho(plan *p, double rho);

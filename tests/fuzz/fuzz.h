@@ -70,6 +70,15 @@ static inline const uint8_t *fuzz_bytes(fuzz_in *in, size_t want, size_t *got)
 
 /* Framing the seeds use: a record is a selector byte, a 16-bit little-endian
  * length and that many bytes (fuzz_record reads one; fuzz_put writes one). */
+/* Set bits in nw words (mask checks of the mask-code targets). */
+static inline size_t fuzz_popcount(const uint32_t *w, size_t nw)
+{
+    size_t n = 0;
+    for (size_t i = 0; i < nw; i++)
+        n += (size_t)__builtin_popcount(w[i]);
+    return n;
+}
+
 typedef struct fuzz_buf {
     uint8_t data[65536];
     size_t len;

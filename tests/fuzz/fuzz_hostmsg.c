@@ -223,35 +223,26 @@ static void put_msg(fuzz_buf *b, int sender, int kind, int seq, int chunk, const
     fuzz_put(b, 0, buf, 4 + n);
 }
 
-/* A stream of count bf16 values in chunks (wire_values: bf16): 0.5, 1.5, ... */
-static void put_stream16(fuzz_buf *b, int sender, int kind, int seq, size_t count,
-                         size_t chunk_bytes)
-{
-    size_t cf = chunk_bytes / 4;
-    for (size_t i = 0; i * cf < count; i++) {
-        uint16_t v[MAX_N];
-        size_t len = count - i * cf < cf ? count - i * cf : cf;
-        for (size_t j = 0; j < len; j++) {
-            float f = 0.5f + (float)(i * cf + j);
-            uint32_t u;
-            memcpy(&u, &f, sizeof u);
-            v[j] = (uint16_t)(u >> 16);
-        }
-        put_msg(b, sender, kind, seq, (int)i, v, 2 * len);
-    }
-}
-
-/* A stream of count floats in chunks: 0.5, 1.5, ... */
+/* A stream of count values in chunks: 0.5, 1.5, ...; as floats, or (bf16,
+ * wire_values: bf16) as their upper halves. */
 static void put_stream(fuzz_buf *b, int sender, int kind, int seq, size_t count,
-                       size_t chunk_bytes)
+                       size_t chunk_bytes, int bf16)
 {
     size_t cf = chunk_bytes / 4;
     for (size_t i = 0; i * cf < count; i++) {
         float v[MAX_N];
+        uint16_t h[MAX_N];
         size_t len = count - i * cf < cf ? count - i * cf : cf;
-        for (size_t j = 0; j < len; j++)
+        for (size_t j = 0; j < len; j++) {
             v[j] = 0.5f + (float)(i * cf + j);
-        put_msg(b, sender, kind, seq, (int)i, v, 4 * len);
+            uint32_t u;
+            memcpy(&u, &v[j], sizeof u);
+            h[j] = (uint16_t)(u >> 16);
+        }
+        if (bf16)
+            put_msg(b, sender, kind, seq, (int)i, h, 2 * len);
+        else
+            put_msg(b, sender, kind, seq, (int)i, v, 4 * len);
     }
 }
 
@@ -272,18 +263,18 @@ void fuzz_seeds(fuzz_emit emit, void *ctx)
             case OP_BARRIER: /* rank 1 reports to rank 0, which releases it */
                 put_msg(b, me, me ? K_BAR_IN : K_BAR_OUT, 0, 0, NULL, 0);
                 break;
-            case OP_ALLGATHER: put_stream(b, me, K_AG, 0, cnt[me], chunk_bytes); break;
+            case OP_ALLGATHER: put_stream(b, me, K_AG, 0, cnt[me], chunk_bytes, 0); break;
             case OP_REDUCE_SCATTER:
-                put_stream(b, me, K_RS_PART, 0, cnt[real], chunk_bytes);
+                put_stream(b, me, K_RS_PART, 0, cnt[real], chunk_bytes, 0);
                 break;
             case OP_ALLREDUCE: /* a reduce-scatter (op 0), then an all-gather (op 1) */
-                put_stream(b, me, K_RS_PART, 0, cnt[real], chunk_bytes);
-                put_stream(b, me, K_AG, 1, cnt[me], chunk_bytes);
+                put_stream(b, me, K_RS_PART, 0, cnt[real], chunk_bytes, 0);
+                put_stream(b, me, K_AG, 1, cnt[me], chunk_bytes, 0);
                 break;
-            case OP_BROADCAST: put_stream(b, me, K_BC, 0, n, chunk_bytes); break;
-            case OP_IAG: put_stream(b, me, K_IAG, 0, cnt[me], chunk_bytes); break;
+            case OP_BROADCAST: put_stream(b, me, K_BC, 0, n, chunk_bytes, 0); break;
+            case OP_IAG: put_stream(b, me, K_IAG, 0, cnt[me], chunk_bytes, 0); break;
             case OP_RS_BF16:
-                put_stream16(b, me, K_RS_PART, 0, cnt[real], chunk_bytes);
+                put_stream(b, me, K_RS_PART, 0, cnt[real], chunk_bytes, 1);
                 break;
             case OP_N: break;
             }

@@ -92,14 +92,6 @@ static void draw_mask(const plan *p, const plan_shard *sh, uint64_t seed, uint32
     }
 }
 
-static size_t popcount_range(const uint32_t *w, size_t nw)
-{
-    size_t n = 0;
-    for (size_t i = 0; i < nw; i++)
-        n += (size_t)__builtin_popcount(w[i]);
-    return n;
-}
-
 void fuzz_setup(void) {}
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
@@ -126,8 +118,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             const plan_tensor *t = &p->t[p->order[j]];
             const uint32_t *tw = words + (t->word - sh->word0);
             size_t nw = (t->len + 31) / 32;
-            FUZZ_CHECK(popcount_range(tw, nw) == t->k, "tensor %s: %zu bits, k is %zu", t->name,
-                       popcount_range(tw, nw), t->k);
+            FUZZ_CHECK(fuzz_popcount(tw, nw) == t->k, "tensor %s: %zu bits, k is %zu", t->name,
+                       fuzz_popcount(tw, nw), t->k);
             FUZZ_CHECK(t->len % 32 == 0 || tw[nw - 1] >> (t->len % 32) == 0,
                        "tensor %s: bits past its end", t->name);
         }
