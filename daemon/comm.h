@@ -44,7 +44,7 @@ typedef struct comm_ops {
     /* In-place sum of n floats across ranks.  bf16: every input is a bf16
      * number held in fp32 (scape_f_wire_bf16), so the backend may send each
      * in 16 bits; the sum is fp32 in rank order all the same (nccl on device
-     * memory: NCCL's bf16 sum, rounded to bf16 along its order). */
+     * memory too: the parts go to their owners by send/receive). */
     scape_rc (*allreduce_sum)(comm_t *c, float *buf, size_t n, int bf16);
     /* send holds sum(counts) floats, segment r at offset sum(counts[0..r));
      * recv receives the sum of segment `rank` (counts[rank] floats).  recv may

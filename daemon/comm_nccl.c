@@ -312,14 +312,14 @@ static int on_device(const void *p)
 static scape_rc dev_grouped(nccl_impl *x, lane *l, const comm_t *c, char *buf,
                             const size_t *counts, size_t elem, int reduce, const char *what)
 {
-    ncclDataType_t rt = elem == 2 ? ncclBfloat16 : ncclFloat32; /* the reduce's values */
     size_t off = 0;
     ncclResult_t first = ncclSuccess;
     ncclResult_t r = ncclGroupStart();
     for (int q = 0; (r == ncclSuccess || r == ncclInProgress) && q < c->size; q++) {
         char *seg = buf + off * elem;
         if (counts[q])
-            note(reduce ? ncclReduce(seg, seg, counts[q], rt, ncclSum, q, l->comm, l->stream)
+            note(reduce ? ncclReduce(seg, seg, counts[q], ncclFloat32, ncclSum, q, l->comm,
+                                     l->stream)
                         : ncclBroadcast(seg, seg, counts[q] * elem, ncclUint8, q, l->comm,
                                         l->stream),
                  &first);
@@ -330,11 +330,17 @@ static scape_rc dev_grouped(nccl_impl *x, lane *l, const comm_t *c, char *buf,
     return end_group(x, l, first, what);
 }
 
-/* bf16 inputs on the device (wire_values: bf16): their bf16 form in a
- * stream-ordered buffer (cudaMallocAsync / cudaFreeAsync on the main
- * stream: nothing synchronises the device, which a stalled peer could hang),
- * NCCL's bf16 sum on it (each partial sum rounded to bf16 along NCCL's
- * order), the result widened into out.  Unverified on GPU. */
+/* bf16 inputs on the device (wire_values: bf16), summed as the host
+ * backend sums them: every rank sends each owner its part of the owner's
+ * segment in bf16 (grouped ncclSend / ncclRecv, the ring's bytes in one
+ * hop), and the owner adds the R parts in fp32 in rank order
+ * (kern_cuda_sum_bf16_parts), so the nccl and host backends give the same
+ * bits.  NCCL's own bf16 sum would round every partial sum to bf16 along
+ * its ring, which error feedback cannot give back (tests/bench/
+ * bf16_sum_model.py: a median relative error of 1e-3 at 2 ranks, 6e-3 at
+ * 64).  The bf16 values live in a stream-ordered buffer (cudaMallocAsync /
+ * cudaFreeAsync on the main stream: nothing synchronises the device, which
+ * a stalled peer could hang).  Unverified on GPU. */
 static scape_rc half_alloc(nccl_impl *x, lane *l, size_t n, uint16_t **out)
 {
     *out = NULL;
@@ -351,22 +357,74 @@ static scape_rc half_free(nccl_impl *x, lane *l, uint16_t *h, scape_rc rc)
     return rc;
 }
 
-static scape_rc dev_allreduce(nccl_impl *x, float *buf, size_t n, int bf16)
+/* send: sum(counts) floats of bf16 numbers; recv: this rank's sums. */
+static scape_rc dev_rs_bf16(nccl_impl *x, const comm_t *c, const float *send, float *recv,
+                            const size_t *counts)
+{
+    lane *l = &x->main;
+    size_t total = 0, mine = counts[c->rank], R = (size_t)c->size, at = 0;
+    for (int q = 0; q < c->size; q++)
+        total += counts[q];
+    uint16_t *h;
+    TRY(half_alloc(x, l, total + R * mine, &h));
+    uint16_t *parts = h + total; /* rank q's part of this rank's segment at q * mine */
+    scape_rc rc = kern_cuda_f32_to_bf16(send, h, total, l->stream);
+    for (int q = 0; rc == SCAPE_OK && q < c->size; at += counts[q], q++)
+        if (q == c->rank && mine) {
+            cudaError_t e = cudaMemcpyAsync(parts + (size_t)q * mine, h + at, mine * 2,
+                                            cudaMemcpyDeviceToDevice, l->stream);
+            if (e != cudaSuccess)
+                rc = cuda_fail(x, e, "copy of the own bf16 part");
+        }
+    if (rc == SCAPE_OK) {
+        ncclResult_t first = ncclSuccess;
+        ncclResult_t r = ncclGroupStart();
+        at = 0;
+        for (int q = 0; (r == ncclSuccess || r == ncclInProgress) && q < c->size;
+             at += counts[q], q++) {
+            if (q == c->rank)
+                continue;
+            if (counts[q])
+                note(ncclSend(h + at, counts[q], ncclBfloat16, q, l->comm, l->stream), &first);
+            if (mine)
+                note(ncclRecv(parts + (size_t)q * mine, mine, ncclBfloat16, q, l->comm,
+                              l->stream), &first);
+        }
+        if (r != ncclSuccess && r != ncclInProgress)
+            first = r;
+        rc = end_group(x, l, first, "reduce-scatter (bf16)");
+    }
+    if (rc == SCAPE_OK && mine)
+        rc = kern_cuda_sum_bf16_parts(parts, (unsigned)R, mine, recv, l->stream);
+    return half_free(x, l, h, rc);
+}
+
+static scape_rc dev_allgather(nccl_impl *x, lane *l, const comm_t *c, const void *send,
+                              void *recv, const size_t *counts, const char *what);
+
+static scape_rc dev_allreduce(nccl_impl *x, const comm_t *c, float *buf, size_t n, int bf16)
 {
     TRY(usable(x));
     lane *l = &x->main;
     if (!bf16)
         return settle(x, l, ncclAllReduce(buf, buf, n, ncclFloat32, ncclSum, l->comm,
                                           l->stream), "all-reduce");
-    uint16_t *h;
-    TRY(half_alloc(x, l, n, &h));
-    scape_rc rc = kern_cuda_f32_to_bf16(buf, h, n, l->stream);
+    /* equal segments, as the host backend's: its reduce-scatter, then an
+     * all-gather of the fp32 sums */
+    size_t R = (size_t)c->size, per = (n + R - 1) / R, *cnt = malloc(2 * R * sizeof *cnt);
+    if (cnt == NULL)
+        return scape_set_error(SCAPE_NOMEM, "comm nccl: out of memory");
+    for (size_t q = 0; q < R; q++) {
+        size_t off = per * q < n ? per * q : n;
+        cnt[q] = n - off < per ? n - off : per;
+        cnt[R + q] = cnt[q] * sizeof(float);
+    }
+    size_t own = per * (size_t)c->rank < n ? per * (size_t)c->rank : n;
+    scape_rc rc = dev_rs_bf16(x, c, buf, buf + own, cnt);
     if (rc == SCAPE_OK)
-        rc = settle(x, l, ncclAllReduce(h, h, n, ncclBfloat16, ncclSum, l->comm, l->stream),
-                    "all-reduce (bf16)");
-    if (rc == SCAPE_OK)
-        rc = kern_cuda_bf16_to_f32(h, buf, n, l->stream);
-    return half_free(x, l, h, rc);
+        rc = dev_allgather(x, l, c, buf + own, buf, cnt + R, "all-reduce (bf16 values)");
+    free(cnt);
+    return rc;
 }
 
 static scape_rc dev_broadcast(nccl_impl *x, void *buf, size_t bytes, int root)
@@ -383,26 +441,16 @@ static scape_rc dev_reduce_scatter(nccl_impl *x, const comm_t *c, const float *s
                                    float *recv, const size_t *counts, int bf16)
 {
     TRY(usable(x));
-    size_t mine = 0, total = 0;
-    for (int q = 0; q < c->size; q++) {
-        mine += q < c->rank ? counts[q] : 0;
-        total += counts[q];
-    }
+    size_t mine = 0;
+    for (int q = 0; q < c->rank; q++)
+        mine += counts[q];
     if (recv != send + mine)
         return scape_set_error(SCAPE_INVALID, "comm nccl: a reduce-scatter of device memory "
                                "runs in place only");
     if (!bf16)
         return dev_grouped(x, &x->main, c, (char *)send, counts, sizeof(float), 1,
                            "reduce-scatter");
-    lane *l = &x->main;
-    uint16_t *h;
-    TRY(half_alloc(x, l, total, &h));
-    scape_rc rc = kern_cuda_f32_to_bf16(send, h, total, l->stream);
-    if (rc == SCAPE_OK)
-        rc = dev_grouped(x, l, c, (char *)h, counts, 2, 1, "reduce-scatter (bf16)");
-    if (rc == SCAPE_OK && counts[c->rank])
-        rc = kern_cuda_bf16_to_f32(h + mine, recv, counts[c->rank], l->stream);
-    return half_free(x, l, h, rc);
+    return dev_rs_bf16(x, c, send, recv, counts);
 }
 
 /* Uneven segments: one ncclBroadcast per owner, in place; a send apart from
@@ -652,13 +700,14 @@ static ncclResult_t run_gather(const sop *o, lane *l, char *dev, const size_t *p
     return ncclSuccess;
 }
 
-/* bf16 inputs: on device memory NCCL's bf16 sum (nc_wire_bf16); host
- * memory goes through the staging slots as the fp32 numbers it holds. */
+/* bf16 inputs: on device memory 16 bits a value, summed in fp32 in rank
+ * order (dev_rs_bf16); host memory goes through the staging slots as the
+ * fp32 numbers it holds. */
 static scape_rc nc_allreduce(comm_t *c, float *buf, size_t n, int bf16)
 {
     nccl_impl *x = c->impl;
     if (n && on_device(buf))
-        return dev_allreduce(x, buf, n, bf16);
+        return dev_allreduce(x, c, buf, n, bf16);
     size_t off = 0, len = n * sizeof(float), pos, cnt;
     sop o = { .what = "all-reduce", .nseg = 1, .off = &off, .len = &len,
               .piece = piece_for(1, 0), .src = (const char *)buf, .dst = (char *)buf,

@@ -399,6 +399,33 @@ extern "C" scape_rc kern_cuda_bf16_to_f32(const uint16_t *src, float *dst, size_
     return launch_map(fn, from_bf16_op{src, dst}, n, vec4, as_stream(stream));
 }
 
+struct sum_bf16_parts_op {
+    const uint16_t *parts;
+    unsigned nparts;
+    size_t n;
+    float *out;
+    template <int V> __device__ void run(size_t v) const
+    {
+#pragma unroll
+        for (int i = 0; i < V; i++)
+            out[v * V + i] = scape_f_sum_bf16_parts(parts, nparts, n, v * V + i);
+    }
+};
+
+extern "C" scape_rc kern_cuda_sum_bf16_parts(const uint16_t *parts, unsigned nparts, size_t n,
+                                             float *out, void *stream)
+{
+    static const char fn[] = "kern_cuda_sum_bf16_parts";
+    KERN_NONNULL(fn, parts);
+    KERN_NONNULL(fn, out);
+    KERN_MAXN(fn, n);
+    if (nparts < 1)
+        return scape_set_error(SCAPE_INVALID, "%s: nparts must be >= 1", fn);
+    KERN_DISJOINT(fn, parts, (size_t)nparts * n * 2, out, n * 4);
+    return launch_map(fn, sum_bf16_parts_op{parts, nparts, n, out}, n, false,
+                      as_stream(stream));
+}
+
 struct or_op {
     uint32_t *dst;
     const uint32_t *src;

@@ -121,6 +121,18 @@ SCAPE_HD float scape_f_send(float a, int bf16, float *rest)
     return s;
 }
 
+/* Element i of the sum of nparts bf16 parts (part q at parts + q * n),
+ * widened exactly and added in part order in fp32, one rounding each: the
+ * rank-order sum of bf16 values that every backend takes. */
+SCAPE_HD float scape_f_sum_bf16_parts(const uint16_t *parts, unsigned nparts, size_t n,
+                                      size_t i)
+{
+    float acc = scape_f_from_bf16(parts[i]);
+    for (unsigned q = 1; q < nparts; q++)
+        acc = acc + scape_f_from_bf16(parts[(size_t)q * n + i]);
+    return acc;
+}
+
 /* ---- the mask statistic and its top-k key -------------------------------- */
 
 /* SCAPE: |beta1 m + (1 - beta1) (a / t_r)|, c1 = 1 - beta1 computed once. */

@@ -181,6 +181,10 @@ scape_rc kern_grad_accum(float *dst, const void *src, kern_dtype dt, size_t n,
 scape_rc kern_f32_to_bf16(const float *src, uint16_t *dst, size_t n);
 /* bf16 -> fp32 (exact). */
 scape_rc kern_bf16_to_f32(const uint16_t *src, float *dst, size_t n);
+/* out[i] = the fp32 sum, in part order, of the nparts bf16 parts (part q
+ * at parts + q * n): what an owner computes from every rank's bf16 values
+ * (scape_f_sum_bf16_parts). */
+scape_rc kern_sum_bf16_parts(const uint16_t *parts, unsigned nparts, size_t n, float *out);
 
 /* Scalar conversions (scape_formula.h), under their kernel names. */
 static inline uint16_t kern_bf16_from_f32(float x) { return scape_f_bf16(x); }
@@ -253,6 +257,8 @@ scape_rc kern_cuda_grad_accum(float *dst, const void *src, kern_dtype dt, size_t
                               int overwrite, void *stream);
 scape_rc kern_cuda_f32_to_bf16(const float *src, uint16_t *dst, size_t n, void *stream);
 scape_rc kern_cuda_bf16_to_f32(const uint16_t *src, float *dst, size_t n, void *stream);
+scape_rc kern_cuda_sum_bf16_parts(const uint16_t *parts, unsigned nparts, size_t n, float *out,
+                                  void *stream);
 
 #ifdef __cplusplus
 }

@@ -542,6 +542,19 @@ static void check_convert(ctx *c, size_t n)
     rc_ok(c, kern_bf16_to_f32(raw, f_cpu, n), "cpu");
     rc_ok(c, kern_cuda_bf16_to_f32(draw, dout, n, NULL), "gpu");
     cmp_bits(c, "dst", f_cpu, down(c, dout, n * 4), n, 4);
+
+    /* the owners' rank-order fp32 sum of bf16 parts (wire_values: bf16) */
+    begin(c, n, "sum_bf16_parts");
+    unsigned np = 3;
+    uint16_t *parts = gc_host(&c->arena, (size_t)np * n * 2);
+    for (size_t i = 0; i < (size_t)np * n; i++)
+        parts[i] = kern_bf16_from_f32( /* finite: NaN payloads differ between the two */
+            (float)((int)(gc_next(&c->rng) % 2001) - 1000) * 0.37f * (float)(1 + i / n));
+    uint16_t *dparts = up(c, parts, (size_t)np * n * 2);
+    float *s_cpu = host_poison(c, n * 4), *ds = dev_poison(c, n * 4);
+    rc_ok(c, kern_sum_bf16_parts(parts, np, n, s_cpu), "cpu");
+    rc_ok(c, kern_cuda_sum_bf16_parts(dparts, np, n, ds, NULL), "gpu");
+    cmp_bits(c, "dst", s_cpu, down(c, ds, n * 4), n, 4);
     gc_arena_free(&c->arena);
 }
 

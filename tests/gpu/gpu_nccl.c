@@ -89,11 +89,11 @@ static void check_collectives(void)
     printf("gpu_nccl: collectives of one rank: %s\n", s_fail ? "FAIL" : "ok");
 }
 
-/* wire_values: bf16 on device memory: the values go through NCCL's bf16
- * sum.  With one rank the sum is the input itself, so bf16 numbers must
- * come back unchanged (their conversion there and back is exact) and the
- * counters must say 2 bytes a value.  The per-hop rounding of the bf16 sum
- * needs two GPUs. */
+/* wire_values: bf16 on device memory: the parts go to their owners in
+ * bf16 and are summed in fp32 in rank order.  With one rank the sum is the
+ * input itself, so bf16 numbers must come back unchanged (their conversion
+ * there and back is exact) and the counters must say 2 bytes a value; the
+ * exchange between ranks needs two GPUs. */
 static void check_bf16_device(void)
 {
     comm_t *c = open_nccl();

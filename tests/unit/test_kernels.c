@@ -787,6 +787,41 @@ START_TEST(test_bf16_crafted)
 }
 END_TEST
 
+/* The owners' rank-order sum of bf16 parts: against the sum written out
+ * here in fp32, part after part, and an exact double sum where the fp32
+ * one is exact (small integers); refused arguments. */
+START_TEST(test_sum_bf16_parts)
+{
+    enum { N = 1000, P = 5 };
+    static uint16_t parts[P * N];
+    static float out[N];
+    unsigned seed = 7;
+    for (size_t i = 0; i < (size_t)P * N; i++) {
+        float v = (float)((int)(rand_r(&seed) % 2001) - 1000) * 0.37f;
+        parts[i] = kern_bf16_from_f32(v);
+    }
+    for (unsigned np = 1; np <= P; np++) {
+        assert_ok(kern_sum_bf16_parts(parts, np, N / 2, out), "kern_sum_bf16_parts", N / 2);
+        for (size_t i = 0; i < N / 2; i++) {
+            float want = kern_f32_from_bf16(parts[i]);
+            for (unsigned q = 1; q < np; q++)
+                want = want + kern_f32_from_bf16(parts[(size_t)q * (N / 2) + i]);
+            ck_assert_msg(memcmp(&want, &out[i], 4) == 0, "parts %u elem %zu: %.9g vs %.9g",
+                          np, i, (double)out[i], (double)want);
+        }
+    }
+    for (size_t i = 0; i < (size_t)3 * N; i++)
+        parts[i] = kern_bf16_from_f32((float)((int)(i % 255) - 127));
+    assert_ok(kern_sum_bf16_parts(parts, 3, N, out), "kern_sum_bf16_parts", N);
+    for (size_t i = 0; i < N; i++)
+        ck_assert_float_eq(out[i], (float)((int)(i % 255) - 127 + (int)((N + i) % 255) - 127 +
+                                           (int)((2 * N + i) % 255) - 127));
+    ck_assert_int_eq(kern_sum_bf16_parts(NULL, 1, 4, out), SCAPE_INVALID);
+    ck_assert_int_eq(kern_sum_bf16_parts(parts, 0, 4, out), SCAPE_INVALID);
+    ck_assert_int_eq(kern_sum_bf16_parts(parts, 2, 4, (float *)(void *)parts), SCAPE_INVALID);
+}
+END_TEST
+
 /* Every bf16 widens exactly and narrows back to itself (NaN stays NaN). */
 START_TEST(test_bf16_exhaustive)
 {
@@ -1598,6 +1633,7 @@ static Suite *kernels_suite(void)
     tcase_add_test(tc, test_topk_input_changing_underneath);
     tcase_add_test(tc, test_bf16_crafted);
     tcase_add_test(tc, test_bf16_exhaustive);
+    tcase_add_test(tc, test_sum_bf16_parts);
     suite_add_tcase(s, tc);
 
     tc = tcase_create("refused");
