@@ -69,6 +69,7 @@ typedef struct shared {
     double *val_loss;  /* [steps], NaN where not measured */
     uint64_t *bytes;   /* [steps], rank 0's payload */
     uint64_t *mask;    /* [steps], of it the mask all-gather's */
+    double *churn;     /* [steps], the mask's bits not in the last one (a fraction) */
 } shared;
 
 static double now_s(void)
@@ -137,6 +138,7 @@ static scape_rc rank_train(rank_arg *a)
             b += st.comm.bytes[op];
         sh->bytes[t - 1] = b;
         sh->mask[t - 1] = st.mask_bytes;
+        sh->churn[t - 1] = st.mask_churn;
         int eval = (r->eval_every && t % r->eval_every == 0) || t == r->steps;
         sh->val_loss[t - 1] = eval ? gpt_run_val_loss(r, sh->corpus, w, p, x, y) : NAN;
         if (eval) {
@@ -164,14 +166,15 @@ static int write_csv(const char *dir, const shared *sh)
         perror(path);
         return 1;
     }
-    fprintf(f, "step,lr,loss,val_loss,bytes,mask_bytes\n");
+    fprintf(f, "step,lr,loss,val_loss,bytes,mask_bytes,mask_churn\n");
     for (uint64_t t = 1; t <= sh->run->steps; t++) {
         double mean = 0.0;
         for (int q = 0; q < sh->ranks; q++)
             mean += sh->train_loss[(t - 1) * (uint64_t)sh->ranks + (uint64_t)q];
-        fprintf(f, "%llu,%.6g,%.6f,%.6f,%llu,%llu\n", (unsigned long long)t,
+        fprintf(f, "%llu,%.6g,%.6f,%.6f,%llu,%llu,%.4f\n", (unsigned long long)t,
                 (double)gpt_run_lr(sh->run, t), mean / sh->ranks, sh->val_loss[t - 1],
-                (unsigned long long)sh->bytes[t - 1], (unsigned long long)sh->mask[t - 1]);
+                (unsigned long long)sh->bytes[t - 1], (unsigned long long)sh->mask[t - 1],
+                sh->churn[t - 1]);
     }
     return fclose(f) != 0;
 }
@@ -227,7 +230,8 @@ int main(int argc, char **argv)
     float *tl = calloc(run.steps * (uint64_t)ranks, sizeof *tl);
     double *vl = calloc(run.steps, sizeof *vl);
     uint64_t *by = calloc(run.steps, sizeof *by), *mb = calloc(run.steps, sizeof *mb);
-    if (!gt || !lay || !tl || !vl || !by || !mb) {
+    double *ch = calloc(run.steps, sizeof *ch);
+    if (!gt || !lay || !tl || !vl || !by || !mb || !ch) {
         fprintf(stderr, "bench_quality: out of memory\n");
         return 1;
     }
@@ -249,7 +253,7 @@ int main(int argc, char **argv)
         if (only && strcmp(only, s_variants[v].name) != 0)
             continue;
         shared sh = { &run, &corpus, &s_variants[v], lay, nt, ranks, (uint32_t)warmup, tl, vl, by,
-                      mb };
+                      mb, ch };
         rank_arg args[MAX_RANKS];
         double t0 = now_s();
         if (run_ranks(ranks, rank_train, &sh, args) != 0) {
@@ -287,6 +291,7 @@ int main(int argc, char **argv)
     free(vl);
     free(by);
     free(mb);
+    free(ch);
     gpt_corpus_free(&corpus);
     return rc;
 }
