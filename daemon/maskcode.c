@@ -191,38 +191,79 @@ scape_rc mcode_decode(const plan *p, size_t first, size_t count, const uint32_t 
 
 /* ---- deltas ------------------------------------------------------------------ */
 
-/* Bits set in a but not in b over one tensor's words. */
+/* Bits set in a but not in b over one tensor's words (b NULL: none). */
 static size_t only_in(const uint32_t *a, const uint32_t *b, size_t nw)
 {
     size_t c = 0;
     for (size_t i = 0; i < nw; i++)
-        c += (size_t)__builtin_popcount(a[i] & ~b[i]);
+        c += (size_t)__builtin_popcount(a[i] & ~(b ? b[i] : 0u));
     return c;
 }
 
-/* One tensor's bits in the delta stream: whole (its k positions, or its
- * bitmap of len bits, as the fixed code has it), or as its change. */
-static uint64_t whole_bits(const plan_tensor *t)
+/* The Rice parameter of m ascending positions in [0, len), from len and m
+ * alone (so it is not sent): floor(log2) of their mean gap. */
+static unsigned rice_r(size_t len, size_t m)
 {
-    return mcode_by_index(t) ? (uint64_t)t->k * mcode_pos_bits(t->len) : (uint64_t)t->len;
+    uint64_t mean = m ? (uint64_t)(len - m) / (m + 1) : 0;
+    unsigned r = 0;
+    while (r < 40 && (2ull << r) <= mean)
+        r++;
+    return r;
 }
 
-static uint64_t change_bits(const plan_tensor *t, size_t left, size_t joined)
+/* Bits of the positions of a & ~b as a Rice-coded list: each gap g (the
+ * first position, then the distance to the last one minus one) as g >> r
+ * one bits and a zero, then g's low r bits. */
+static uint64_t list_bits(const uint32_t *a, const uint32_t *b, size_t nw, size_t len, size_t m)
 {
+    unsigned r = rice_r(len, m);
+    uint64_t bits = 0, next = 0;
+    for (size_t i = 0; i < nw; i++)
+        for (uint32_t x = a[i] & ~(b ? b[i] : 0u); x; x &= x - 1) {
+            uint64_t pos = 32 * i + (uint64_t)__builtin_ctz(x);
+            bits += ((pos - next) >> r) + 1 + r;
+            next = pos + 1;
+        }
+    return bits;
+}
+
+static void put_list(bitw *w, const uint32_t *a, const uint32_t *b, size_t nw, size_t len,
+                     size_t m)
+{
+    unsigned r = rice_r(len, m);
+    uint64_t next = 0;
+    for (size_t i = 0; i < nw; i++)
+        for (uint32_t x = a[i] & ~(b ? b[i] : 0u); x; x &= x - 1) {
+            uint64_t pos = 32 * i + (uint64_t)__builtin_ctz(x), g = pos - next;
+            for (uint64_t q = g >> r; q; q -= q > 32 ? 32 : q)
+                put(w, (q > 32 ? 0xffffffffull : (1ull << q) - 1), q > 32 ? 32 : (unsigned)q);
+            put(w, 0, 1);
+            if (r)
+                put(w, g & ((1ull << r) - 1), r);
+            next = pos + 1;
+        }
+}
+
+/* A tensor's forms in the delta stream (two bits), the shortest chosen,
+ * the lowest code on a tie: its positions as a Rice-coded list, its change
+ * from prev (counts of b + 1 bits, then the two lists), or its bitmap. */
+enum { DF_LIST = 0, DF_CHANGE = 1, DF_BITMAP = 2 };
+
+static int delta_form(const plan_tensor *t, const uint32_t *prev, const uint32_t *next,
+                      uint64_t *bits)
+{
+    size_t nw = words_of(t), left = only_in(prev, next, nw), joined = only_in(next, prev, nw);
     uint64_t b = mcode_pos_bits(t->len);
-    return 2 * (b + 1) + b * (uint64_t)(left + joined);
-}
-
-/* Whether tensor t goes as its change (1) or whole (0): the smaller, whole
- * on a tie; and the bits it takes, its form bit included. */
-static int by_change(const plan_tensor *t, const uint32_t *prev, const uint32_t *next,
-                     uint64_t *bits)
-{
-    size_t nw = words_of(t);
-    uint64_t c = change_bits(t, only_in(prev, next, nw), only_in(next, prev, nw));
-    uint64_t w = whole_bits(t);
-    *bits = 1 + (c < w ? c : w);
-    return c < w;
+    uint64_t f[3] = { list_bits(next, NULL, nw, t->len, t->k),
+                      2 * (b + 1) + list_bits(prev, next, nw, t->len, left) +
+                          list_bits(next, prev, nw, t->len, joined),
+                      (uint64_t)t->len };
+    int best = 0;
+    for (int q = 1; q < 3; q++)
+        if (f[q] < f[best])
+            best = q;
+    *bits = 2 + f[best];
+    return best;
 }
 
 size_t mdelta_bytes(const plan *p, size_t first, size_t count, const uint32_t *prev,
@@ -233,18 +274,10 @@ size_t mdelta_bytes(const plan *p, size_t first, size_t count, const uint32_t *p
     for (size_t j = first; j < first + count; j++) {
         const plan_tensor *t = at(p, j);
         uint64_t tb;
-        by_change(t, prev + (t->word - w0), next + (t->word - w0), &tb);
+        delta_form(t, prev + (t->word - w0), next + (t->word - w0), &tb);
         bits += tb;
     }
     return 4 * (size_t)((bits + 31) / 32);
-}
-
-/* The positions of the bits of a not in b, ascending. */
-static void put_only_in(bitw *w, const uint32_t *a, const uint32_t *b, size_t nw, unsigned bits)
-{
-    for (size_t i = 0; i < nw; i++)
-        for (uint32_t x = a[i] & ~b[i]; x; x &= x - 1)
-            put(w, 32 * i + (size_t)__builtin_ctz(x), bits);
 }
 
 scape_rc mdelta_encode(const plan *p, size_t first, size_t count, const uint32_t *prev,
@@ -256,24 +289,21 @@ scape_rc mdelta_encode(const plan *p, size_t first, size_t count, const uint32_t
         const plan_tensor *t = at(p, j);
         size_t o = t->word - w0, nw = words_of(t);
         unsigned b = mcode_pos_bits(t->len);
-        size_t ones = 0;
-        for (size_t i = 0; i < nw; i++)
-            ones += (size_t)__builtin_popcount(next[o + i]);
+        size_t ones = only_in(next + o, NULL, nw);
         if (ones != t->k || (t->len % 32 && next[o + nw - 1] >> (t->len % 32)))
             return scape_set_error(SCAPE_INVALID, "mask delta: tensor %s has %zu bits in "
                                    "range, k=%zu", t->name, ones, t->k);
         uint64_t tb;
-        int change = by_change(t, prev + o, next + o, &tb);
-        put(&w, (uint64_t)change, 1);
-        if (change) {
-            put(&w, only_in(prev + o, next + o, nw), b + 1);
-            put(&w, only_in(next + o, prev + o, nw), b + 1);
-            put_only_in(&w, prev + o, next + o, nw, b);
-            put_only_in(&w, next + o, prev + o, nw, b);
-        } else if (mcode_by_index(t)) {
-            for (size_t i = 0; i < nw; i++)
-                for (uint32_t x = next[o + i]; x; x &= x - 1)
-                    put(&w, 32 * i + (size_t)__builtin_ctz(x), b);
+        int form = delta_form(t, prev + o, next + o, &tb);
+        put(&w, (uint64_t)form, 2);
+        if (form == DF_CHANGE) {
+            size_t left = only_in(prev + o, next + o, nw), joined = only_in(next + o, prev + o, nw);
+            put(&w, left, b + 1);
+            put(&w, joined, b + 1);
+            put_list(&w, prev + o, next + o, nw, t->len, left);
+            put_list(&w, next + o, prev + o, nw, t->len, joined);
+        } else if (form == DF_LIST) {
+            put_list(&w, next + o, NULL, nw, t->len, t->k);
         } else {
             for (size_t i = 0; i < nw; i++)
                 put(&w, next[o + i], i + 1 < nw || t->len % 32 == 0 ? 32 : t->len % 32);
@@ -282,56 +312,39 @@ scape_rc mdelta_encode(const plan *p, size_t first, size_t count, const uint32_t
     put_flush(&w);
     return SCAPE_OK;
 }
-/* n ascending positions of one list: each inside the tensor, its bit in tw
- * `want` (1: a position that left, 0: one that joined), then flipped. */
-static scape_rc take_list(bitr *r, const plan_tensor *t, unsigned b, uint64_t n, uint32_t *tw,
-                          int want, int from)
+
+/* n positions of a Rice-coded list, ascending and inside the tensor, each
+ * one's bit in tw `want` (1: a position that left, 0: one that joined or,
+ * into a cleared tensor, one of a whole list) and clear in pw (when given:
+ * one that joins was not in the last mask), then flipped. */
+static scape_rc take_list(bitr *r, const plan_tensor *t, uint64_t n, uint32_t *tw, int want,
+                          const uint32_t *pw, int from)
 {
-    uint64_t last = 0;
+    unsigned rr = rice_r(t->len, (size_t)n);
+    uint64_t next = 0;
     for (uint64_t q = 0; q < n; q++) {
-        uint64_t pos;
-        if (get(r, b, &pos) != 0)
+        uint64_t ones = 0, bit, low = 0;
+        for (;;) {
+            if (get(r, 1, &bit) != 0)
+                return bad(from, t, "delta ends early");
+            if (!bit)
+                break;
+            if (++ones > (t->len >> rr))
+                return bad(from, t, "delta positions not ascending inside the tensor");
+        }
+        if (rr && get(r, rr, &low) != 0)
             return bad(from, t, "delta ends early");
-        if (pos >= t->len || (q && pos <= last))
+        uint64_t pos = next + ((ones << rr) | low);
+        if (pos >= t->len)
             return bad(from, t, "delta positions not ascending inside the tensor");
-        if ((int)((tw[pos / 32] >> (pos % 32)) & 1u) != want)
+        if ((int)((tw[pos / 32] >> (pos % 32)) & 1u) != want ||
+            (pw && (pw[pos / 32] >> (pos % 32)) & 1u))
             return bad(from, t, want ? "a position left the mask that was not in it"
                                      : "a position joined the mask that was already in it");
         tw[pos / 32] ^= 1u << (pos % 32);
-        last = pos;
+        next = pos + 1;
     }
     return SCAPE_OK;
-}
-
-/* A tensor sent whole in the delta stream: its k ascending positions, or
- * its bitmap of len bits; exactly k bits either way. */
-static scape_rc take_whole(bitr *r, const plan_tensor *t, uint32_t *tw, int from)
-{
-    size_t nw = words_of(t);
-    memset(tw, 0, nw * sizeof *tw);
-    if (mcode_by_index(t)) {
-        unsigned b = mcode_pos_bits(t->len);
-        uint64_t last = 0;
-        for (size_t q = 0; q < t->k; q++) {
-            uint64_t pos;
-            if (get(r, b, &pos) != 0)
-                return bad(from, t, "delta ends early");
-            if (pos >= t->len || (q && pos <= last))
-                return bad(from, t, "positions not ascending inside the tensor");
-            tw[pos / 32] |= 1u << (pos % 32);
-            last = pos;
-        }
-        return SCAPE_OK;
-    }
-    size_t ones = 0;
-    for (size_t i = 0; i < nw; i++) {
-        uint64_t v;
-        if (get(r, i + 1 < nw || t->len % 32 == 0 ? 32 : (unsigned)(t->len % 32), &v) != 0)
-            return bad(from, t, "delta ends early");
-        tw[i] = (uint32_t)v;
-        ones += (size_t)__builtin_popcount(tw[i]);
-    }
-    return ones == t->k ? SCAPE_OK : bad(from, t, "not exactly k bits");
 }
 
 scape_rc mdelta_decode(const plan *p, size_t first, size_t count, const uint32_t *prev,
@@ -347,26 +360,38 @@ scape_rc mdelta_decode(const plan *p, size_t first, size_t count, const uint32_t
         size_t o = t->word - w0, nw = words_of(t);
         unsigned b = mcode_pos_bits(t->len);
         uint32_t *tw = words + o;
-        uint64_t change;
-        if (get(&r, 1, &change) != 0)
+        uint64_t form;
+        if (get(&r, 2, &form) != 0)
             return bad(from, t, "delta ends early");
-        if (!change) {
-            TRY(take_whole(&r, t, tw, from));
-            continue;
+        if (form == DF_CHANGE) {
+            memcpy(tw, prev + o, nw * sizeof *tw);
+            uint64_t left, joined;
+            if (get(&r, b + 1, &left) != 0 || get(&r, b + 1, &joined) != 0)
+                return bad(from, t, "delta ends early");
+            if (left > t->len || joined > t->len)
+                return bad(from, t, "delta counts past the tensor's length");
+            TRY(take_list(&r, t, left, tw, 1, NULL, from));
+            TRY(take_list(&r, t, joined, tw, 0, prev + o, from)); /* not in prev either */
+        } else if (form == DF_LIST) {
+            memset(tw, 0, nw * sizeof *tw);
+            TRY(take_list(&r, t, t->k, tw, 0, NULL, from));
+        } else if (form == DF_BITMAP) {
+            for (size_t i = 0; i < nw; i++) {
+                uint64_t v;
+                if (get(&r, i + 1 < nw || t->len % 32 == 0 ? 32 : (unsigned)(t->len % 32),
+                        &v) != 0)
+                    return bad(from, t, "delta ends early");
+                tw[i] = (uint32_t)v;
+            }
+        } else {
+            return bad(from, t, "an unknown form in the delta");
         }
-        memcpy(tw, prev + o, nw * sizeof *tw);
-        uint64_t left, joined;
-        if (get(&r, b + 1, &left) != 0 || get(&r, b + 1, &joined) != 0)
-            return bad(from, t, "delta ends early");
-        if (left > t->len || joined > t->len)
-            return bad(from, t, "delta counts past the tensor's length");
-        TRY(take_list(&r, t, b, left, tw, 1, from));
-        TRY(take_list(&r, t, b, joined, tw, 0, from));
-        size_t ones = 0;
-        for (size_t i = 0; i < nw; i++)
-            ones += (size_t)__builtin_popcount(tw[i]);
-        if (ones != t->k)
+        if (only_in(tw, NULL, nw) != t->k)
             return bad(from, t, "not exactly k bits after the delta");
+        /* one mask, one delta: the sender must have taken the shortest form */
+        uint64_t tb;
+        if (delta_form(t, prev + o, tw, &tb) != (int)form)
+            return bad(from, t, "a tensor in a longer form than it needs");
     }
     if ((r.n && r.acc) || r.in != r.end)
         return bad(from, NULL, "padding is not zero");

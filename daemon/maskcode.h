@@ -42,20 +42,23 @@ scape_rc mcode_encode(const plan *p, size_t first, size_t count, const uint32_t 
 scape_rc mcode_decode(const plan *p, size_t first, size_t count, const uint32_t *code,
                       size_t nbytes, uint32_t *words, int merge, int from);
 
-/* Deltas (mask_deltas): the same tensors' mask with each tensor either
- * whole or as its change from the previous mask `prev` (words positioned as
- * for encode), whichever takes fewer bits (whole on a tie), in one bit
- * stream padded with zero bits to a whole uint32_t.  Per tensor, in comm
- * order: one form bit; whole (0): its k positions, ascending, b bits each
- * (b = mcode_pos_bits(len)), where the fixed code sends positions, else its
- * bitmap of len bits; change (1): the counts of positions that left and
- * that joined (b + 1 bits each), then those that left, ascending, then
- * those that joined, b bits each.  A mask that changes little codes in a
- * few bits a tensor, and none costs more than one bit over its fixed code.
- * The decoder checks everything: counts within the tensor, positions
- * ascending and inside it, each one that left set in prev and each one that
- * joined clear, exactly k bits after, zero padding; it names the sender and
- * the tensor. */
+/* Deltas (mask_deltas): the same tensors' mask, each tensor in the
+ * shortest of three forms (two bits; the lower on a tie), in one bit stream
+ * padded with zero bits to a whole uint32_t, in comm order:
+ *   0  its k positions as a Rice-coded list;
+ *   1  its change from the previous mask `prev` (words positioned as for
+ *      encode): the counts of positions that left and that joined (b + 1
+ *      bits each, b = mcode_pos_bits(len)), then the two Rice-coded lists;
+ *   2  its bitmap of len bits.
+ * A Rice-coded list of m positions in [0, len) sends each gap (the first
+ * position, then the distance from the last one minus one) as gap >> r one
+ * bits and a zero, then its low r bits, with r = floor(log2(mean gap))
+ * derived from len and m (not sent).  About log2(len / m) + 2 bits a
+ * position, where the fixed code spends log2(len).  The decoder checks
+ * everything and names the sender and the tensor: counts within the
+ * tensor, positions ascending and inside it, each one that left set in prev
+ * and each one that joined clear, exactly k bits after, the shortest form
+ * taken (one mask, one delta), zero padding. */
 size_t mdelta_bytes(const plan *p, size_t first, size_t count, const uint32_t *prev,
                     const uint32_t *next);
 scape_rc mdelta_encode(const plan *p, size_t first, size_t count, const uint32_t *prev,

@@ -260,8 +260,8 @@ START_TEST(malformed_deltas_refused)
     unsigned seed = 5;
     random_mask(p, prev, &seed);
     /* next: t0's first position moved to the last free one, t1 unchanged,
-     * so t0 goes as its change (form bit 1 at bit 0, then its 11-bit count
-     * of positions that left at bits 1..11) */
+     * so t0 goes as its change (form 1 in bits 0..1, then its 11-bit count
+     * of positions that left at bits 2..12) */
     memcpy(next, prev, sizeof next);
     const plan_tensor *t0 = &p->t[0];
     for (size_t i = 0; i < 1000; i++)
@@ -277,12 +277,12 @@ START_TEST(malformed_deltas_refused)
     size_t nb = mdelta_bytes(p, 0, 2, prev, next);
     uint32_t code[64] = { 0 }, bad[64];
     ck_assert_int_eq(mdelta_encode(p, 0, 2, prev, next, code), SCAPE_OK);
-    ck_assert_uint_eq(code[0] & 1u, 1u);
+    ck_assert_uint_eq(code[0] & 3u, 1u);
     delta_refused(p, prev, code, nb - 4, "ends early");
     delta_refused(p, prev, code, nb + 4, "padding");
     delta_refused(p, prev, code, nb - 1, "not whole words");
     memcpy(bad, code, sizeof bad);
-    bad[0] = (bad[0] & ~(0x7ffu << 1)) | (2000u << 1);
+    bad[0] = (bad[0] & ~(0x7ffu << 2)) | (2000u << 2);
     delta_refused(p, prev, bad, nb, "tensor t0: delta counts past");
     /* a last mask without the position that left: it cannot leave */
     uint32_t other[40];
@@ -295,6 +295,10 @@ START_TEST(malformed_deltas_refused)
     delta_refused(p, other, code, nb, "tensor t0: a position left the mask that was not");
     /* the same delta applied to the next mask: the one that joins is in */
     delta_refused(p, next, code, nb, "tensor t0");
+    /* an unknown form (3) */
+    memcpy(bad, code, sizeof bad);
+    bad[0] |= 3u;
+    delta_refused(p, prev, bad, nb, "tensor t0: an unknown form");
     /* the sender's own mask must have exactly k bits: one fewer is refused */
     uint32_t fewer[40];
     memcpy(fewer, prev, sizeof fewer);
