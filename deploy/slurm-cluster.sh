@@ -88,7 +88,7 @@ HOSTS_SH=$here/hosts.sh
 RATE=${SCAPE_SLURM_RATE:-1gbit}
 CLIENTS=(sinfo sbatch srun squeue scancel scontrol)
 # the network of a cluster that was started (loopback when none is recorded)
-NET=loopback HOSTS_NAME="" CTL_NS=""
+NET=loopback HOSTS_NAME="" CTL_NS="" NET_WHY=""
 
 export SLURM_CONF=$CONF
 # a Unix socket path holds at most 107 bytes
@@ -169,14 +169,17 @@ hosts_why_not() {  # prints why test hosts cannot be made here; nothing if they 
 choose_net() {  # sets NET from --hosts/--loopback/SCAPE_SLURM_HOSTS, saying why
   local why
   case "$net_opt" in
-    0|no|off|loopback) NET=loopback; say "network: loopback (asked for)"; return 0 ;;
+    0|no|off|loopback)
+      NET=loopback NET_WHY="asked for (SCAPE_SLURM_HOSTS=0 or --loopback)"
+      say "network: loopback, $NET_WHY"
+      return 0 ;;
     1|yes|on|hosts|auto) ;;
     *) die "SCAPE_SLURM_HOSTS=$net_opt: use auto, 1 or 0" ;;
   esac
   why=$(hosts_why_not)
-  if [ -z "$why" ]; then NET=hosts; return 0; fi
+  if [ -z "$why" ]; then NET=hosts NET_WHY=""; return 0; fi
   [ "$net_opt" = auto ] || die "test hosts asked for, but $why"
-  NET=loopback
+  NET=loopback NET_WHY=${why//[\"\$\`\\]/}
   say "network: loopback, not test hosts: $why"
 }
 
@@ -189,6 +192,7 @@ write_env() {
   {
     echo "# Written by deploy/slurm-cluster.sh: the network of this cluster."
     echo "SCAPE_SLURM_NET=$NET"
+    echo "SCAPE_SLURM_NET_WHY=\"$NET_WHY\""
     echo "SCAPE_SLURM_HOSTS_NAME=$HOSTS_NAME"
     echo "SCAPE_SLURM_CTL_NS=$CTL_NS"
     echo "SCAPE_SLURM_RATE=$rate"
