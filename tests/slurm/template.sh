@@ -55,10 +55,12 @@ if [ "$net" = hosts ]; then
 else
   echo "template: cluster on loopback ($(cenv SCAPE_SLURM_NET_WHY))"
 fi
-# bytes through node i's interface: "tx rx"
-counters() {
-  local d=/sys/class/net/eth0/statistics
-  ip netns exec "$hname-h$1" cat "$d/tx_bytes" "$d/rx_bytes" | tr '\n' ' '
+counters() {  # node index i: sets tx and rx to the bytes through its eth0 so far
+  local d=/sys/class/net/eth0/statistics v
+  v=$(ip netns exec "$hname-h$1" cat "$d/tx_bytes" "$d/rx_bytes" | tr '\n' ' ') ||
+    fail "cannot read the counters of $hname-h$1"
+  read -r tx rx <<<"$v"
+  [[ "$tx" =~ ^[0-9]+$ && "$rx" =~ ^[0-9]+$ ]] || fail "unreadable counters of $hname-h$1: $v"
 }
 # scaped and scapectl from the build tree, where scape-node.sh looks for them
 mkdir -p "$DIR/bin"
@@ -77,10 +79,10 @@ export SCAPE_AUTH=munge SCAPE_MUNGE_SOCKET=$DIR/munge/munge.socket.2
 export SCAPE_ARGS="--rho 0.1 --warmup 5 --comm-timeout-ms 60000"
 export TRAINER_CMD="$build/tests/integration/trainer_c --n 4000 --steps $steps"
 export SCAPE_CHECKPOINT_DIR=$DIR/ckpt-plain
-if [ "$net" = hosts ]; then for i in 0 1 2 3; do cnt0[i]=$(counters "$i"); done; fi
+if [ "$net" = hosts ]; then for i in 0 1 2 3; do counters "$i"; cnt0[i]="$tx $rx"; done; fi
 timeout 300 sbatch --wait --nodes=4 --output="$DIR/job.out" --export=ALL \
   "$root/slurm/generic.sbatch" >/dev/null || fail "the job failed"
-if [ "$net" = hosts ]; then for i in 0 1 2 3; do cnt1[i]=$(counters "$i"); done; fi
+if [ "$net" = hosts ]; then for i in 0 1 2 3; do counters "$i"; cnt1[i]="$tx $rx"; done; fi
 
 want=$((4 * trainers))
 done_lines=$(grep -c "steps 1..$steps done" "$DIR/job.out" || true)
@@ -272,9 +274,9 @@ if [ -z "$at_cut" ] || [ "$at_cut" -ge $((steps - 20)) ]; then
   fail "the job was not in its middle (step ${at_cut:-?})"
 fi
 link cut
-read -r _ rx0 <<<"$(counters "$victim")"
+counters "$victim"; rx0=$rx
 sleep 2
-read -r _ rx1 <<<"$(counters "$victim")"
+counters "$victim"; rx1=$rx
 link restore
 [ "$rx1" = "$rx0" ] || fail "n3 received $((rx1 - rx0)) B while its link was cut"
 [ "$(job_field "$job" JobState)" = RUNNING ] || fail "the short-cut job did not run on"
