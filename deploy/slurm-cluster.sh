@@ -13,7 +13,8 @@
 # Network: with --hosts (the default where root can make network
 # namespaces) each slurmd runs inside its own test host of deploy/hosts.sh:
 # n1..n4 are the namespaces NAME-h0..h3 at 10.231.0.1..4, and slurmctld runs
-# on a fifth one, NAME-h4 at 10.231.0.5, all on one private bridge; so the
+# on a fifth one, NAME-h4 at 10.231.0.5, all on one private bridge (NAME is
+# scsl- and 8 hex digits of DIR's md5, one group per DIR); so the
 # jobs' steps, and the daemons they start, talk over real (veth) interfaces
 # with a rate.  Nothing is added to the machine's own namespace: the Slurm
 # client commands reach the controller through the wrappers in DIR/client,
