@@ -192,7 +192,14 @@ scape_rc ckp_before_step(server *s, uint64_t t)
         return SCAPE_OK;
     int due = 0;
     scape_rc rc = agree(s, s->ckpt_now, &due);
-    if (rc != SCAPE_OK || !due)
+    if (rc != SCAPE_OK) {
+        /* as after a step: the daemons are no longer in step */
+        srv_mark_broken(s);
+        LOG_ERROR(SUB_COMM, "before step %llu: lost the other daemons: %s",
+                  (unsigned long long)t, scape_last_error());
+        return rc;
+    }
+    if (!due)
         return rc;
     s->ckpt_now = 0;
     LOG_INFO(SUB_ENGINE, "state_dict: saving the state after step %llu before step %llu",

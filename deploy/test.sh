@@ -43,9 +43,10 @@ echo "==> [fuzz] build $(echo $fuzz_targets)"
 cmake --build build-test/fuzz -j"$jobs" --target $fuzz_targets
 bash tests/fuzz/run.sh build-test/fuzz "${FUZZ_SECONDS:-30}"
 
-# tests/slurm: a real 4-node Slurm cluster on this machine (needs root).
+# tests/slurm: a real 4-node Slurm cluster on this machine (needs root), its
+# slurmds inside test hosts (network namespaces) where they can be made.
 echo "==> [slurm] local 4-node cluster"
 bash tests/slurm/smoke.sh
 bash tests/slurm/template.sh build-test/release 1 pair  # + two jobs at once
-bash tests/slurm/template.sh build-test/release 2 requeue  # + SIGUSR1, requeue, resume
+bash tests/slurm/template.sh build-test/release 2 requeue  # + SIGUSR1, requeue, resume; cut links
 echo "==> all tests passed (release and ASan+UBSan builds, libFuzzer campaign, Slurm cluster)"

@@ -5,11 +5,16 @@
 #   scape-node.sh wait SECONDS  until this node's scaped answers (rendezvous done)
 #   scape-node.sh run CMD...    exec CMD with this node's runtime dir exported
 #   scape-node.sh checkpoint S  checkpoint after the next step; wait up to S seconds
-#   scape-node.sh stop          ask this node's scaped to shut down
+#   scape-node.sh state         print this node's scaped state (broken: it lost
+#                               another daemon part-way through a step)
+#   scape-node.sh stop          print what this node's scaped sent on its data
+#                               plane, then ask it to shut down
 # Settings come from the environment:
 #   SCAPE_BIN         directory of scaped and scapectl     (default: found on PATH)
 #   SCAPE_RUN_BASE    where per-node runtime dirs go        (default: /tmp)
-#   SCAPE_COORD_HOST  host of rank 0's rendezvous           (default: first node of the job)
+#   SCAPE_COORD_HOST  host of rank 0's rendezvous           (default: the address Slurm
+#                     has for the job's first node, its NodeAddr, which is its
+#                     name unless slurm.conf says otherwise)
 #   SCAPE_RDV_PORT    its port            (default: 20000 + SLURM_JOB_ID % 10000)
 #   SCAPE_LISTEN_HOST this node's address for the data plane (default: first of hostname -I)
 #   SCAPE_LISTEN_IFACE or the interface whose IPv4 address to use, e.g. ib0
@@ -23,6 +28,14 @@ node=${SLURMD_NODENAME:-$(hostname -s)}
 export SCAPE_RUNTIME_DIR="${SCAPE_RUN_BASE:-/tmp}/scape-job${SLURM_JOB_ID}-${node}"
 bin() { if [ -n "${SCAPE_BIN:-}" ]; then echo "$SCAPE_BIN/$1"; else command -v "$1"; fi; }
 
+node_addr() {  # a node's address as Slurm knows it (NodeAddr), or its name
+    local a
+    a=$(scontrol show node "$1" 2>/dev/null | grep -o 'NodeAddr=[^ ]*' | head -n 1 | cut -d= -f2) || a=""
+    echo "${a:-$1}"
+}
+
+status_json() { "$(bin scapectl)" --timeout-ms 5000 status --json 2>/dev/null; }
+
 daemon() {
     : "${SLURM_PROCID:?}" "${SLURM_NTASKS:?}"
     local nodes first coord host listen
@@ -30,7 +43,7 @@ daemon() {
     first=$(scontrol show hostnames "$nodes" | head -n 1)
     # as scaped's own Slurm default: two jobs that share a first node do not
     # want the same port
-    coord="tcp://${SCAPE_COORD_HOST:-$first}:${SCAPE_RDV_PORT:-$((20000 + SLURM_JOB_ID % 10000))}"
+    coord="tcp://${SCAPE_COORD_HOST:-$(node_addr "$first")}:${SCAPE_RDV_PORT:-$((20000 + SLURM_JOB_ID % 10000))}"
     if [ -n "${SCAPE_LISTEN_IFACE:-}" ]; then
         host=$(ip -o -4 addr show dev "$SCAPE_LISTEN_IFACE" | awk '{ split($4, a, "/"); print a[1]; exit }')
         [ -n "$host" ] || { echo "scape-node: no IPv4 address on $SCAPE_LISTEN_IFACE" >&2; exit 1; }
@@ -65,7 +78,15 @@ wait) wait_ready "${2:-120}" ;;
 run) shift; exec "$@" ;;
 checkpoint) "$(bin scapectl)" --timeout-ms 5000 checkpoint --wait \
                --wait-ms "$((${2:-240} * 1000))" ;;
-stop) "$(bin scapectl)" --timeout-ms 5000 shutdown || true ;;
-*) echo "usage: scape-node.sh daemon | wait SECONDS | run CMD... | checkpoint SECONDS | stop" >&2
+state) status_json | grep -o '"state":"[a-z_]*"' | head -n 1 | cut -d'"' -f4 ;;
+stop) # a lone daemon has no data plane: nothing to print
+      if st=$(status_json); then
+          ep=$(echo "$st" | grep -o '"data_endpoint":"[^"]*"' | cut -d'"' -f4) || ep=""
+          tx=$(echo "$st" | grep -o '"data_sent_bytes":[0-9]*' | cut -d: -f2) || tx=""
+          rx=$(echo "$st" | grep -o '"data_recv_bytes":[0-9]*' | cut -d: -f2) || rx=""
+          [ -z "$tx" ] || echo "scape-node: $node: data plane ${ep:-?} sent $tx B, received $rx B"
+      fi
+      "$(bin scapectl)" --timeout-ms 5000 shutdown >/dev/null || true ;;
+*) echo "usage: scape-node.sh daemon | wait SECONDS | run CMD... | checkpoint SECONDS | state | stop" >&2
    exit 64 ;;
 esac

@@ -91,7 +91,7 @@ def test_groups_on_hosts_match_the_local_backend(daemon_factory, hosts_factory, 
 def test_a_cut_link_is_named_within_the_timeout(daemon_factory, hosts_factory):
     """Host 1's link goes down mid-job: no connection closes, so only the
     timeout (3 s) can tell; host 0's trainer gets an error naming rank 1
-    within it and a margin."""
+    within it and a margin, and host 0's daemon reports itself broken."""
     hosts = hosts_factory(2, rate="100mbit")
     daemons = start_on_hosts(daemon_factory, hosts, [1, 1], timeout_ms=3000)
     ts = [run_trainer(d.endpoint, 0, 2000, 10 ** 6, sleep_ms=5, seed=1 + 1000 * r, wait=False)
@@ -108,6 +108,12 @@ def test_a_cut_link_is_named_within_the_timeout(daemon_factory, hosts_factory):
         assert waited < 3.0 + 5.0, "named only after %.1f s" % waited
         print("cut named after %.1f s: %s" % (waited, e.strip().splitlines()[-1]))
         assert daemons[0].proc.poll() is None, "the daemon on host 0 exited"
+        # and it says so (what the sbatch template requeues on), whichever
+        # of the step's collectives the cut caught
+        deadline = time.time() + 10
+        while status_json(daemons[0]).get("state") != "broken":
+            assert time.time() < deadline, status_json(daemons[0])
+            time.sleep(0.1)
     finally:
         for t in ts:
             if t.poll() is None:

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Smoke test of the local 4-node Slurm cluster (deploy/slurm-cluster.sh):
 # starts it in a private state directory, runs an srun and an `sbatch --wait`
-# job across n1-n4, checks ranks / task count / node list, and always stops
-# the cluster again.  Exit 0 on success.
+# job across n1-n4, checks ranks / task count / node list and, when the
+# cluster runs on test hosts, that each node's tasks run inside its own host
+# (its network namespace, its 10.231.0.x address on eth0), and always stops
+# the cluster again.  Without test hosts the cluster falls back to loopback
+# and the host check is skipped with the reason.  Exit 0 on success.
 # Usage: bash tests/slurm/smoke.sh     (root; Debian packages munge slurmctld
 #                                       slurmd slurm-client, see deploy/setup.sh)
 set -euo pipefail
@@ -47,16 +50,33 @@ trap 'exit 143' TERM
 
 run_bg bash "$cluster" start "$DIR"
 export SLURM_CONF=$DIR/slurm.conf
-echo "smoke: cluster up after $(($(date +%s) - t0)) s"
+cenv() { sed -n "s/^$1=//p" "$DIR/cluster.env" | tr -d '"'; }
+net=$(cenv SCAPE_SLURM_NET)
+iface=$(cenv SCAPE_SLURM_IFACE)
+read -r -a addrs <<<"$(cenv SCAPE_SLURM_NODE_ADDRS)"
+[ ${#addrs[@]} -eq 4 ] || fail "cluster.env lists ${#addrs[@]} node addresses"
+[ "$net" != hosts ] || export PATH=$DIR/client:$PATH
+echo "smoke: cluster up after $(($(date +%s) - t0)) s, network $net"
 
-# ---- 1. interactive srun across the four nodes
+# ---- 1. interactive srun across the four nodes; each task says where it runs
 # shellcheck disable=SC2016  # expanded by the task's shell
-run_bg timeout 60 srun -N4 -n4 --time=1 bash -c 'echo "$SLURMD_NODENAME $(hostname)"' >"$DIR/srun.out" ||
-  { cat "$DIR/srun.out" >&2; fail "srun -N4 -n4 failed"; }
+run_bg timeout 60 srun -N4 -n4 --time=1 bash -c \
+  'echo "$SLURMD_NODENAME $(ip -o -4 addr show dev '"$iface"' | awk "{print \$4; exit}") $(ip netns identify) $(hostname)"' \
+  >"$DIR/srun.out" || { cat "$DIR/srun.out" >&2; fail "srun -N4 -n4 failed"; }
 out=$(cat "$DIR/srun.out")
 sed 's/^/smoke: srun: /' "$DIR/srun.out"
 nodes=$(echo "$out" | awk '{print $1}' | sort | tr '\n' ' ')
 [ "$nodes" = "n1 n2 n3 n4 " ] || fail "srun ran on '$nodes', expected 'n1 n2 n3 n4 '"
+if [ "$net" = hosts ]; then
+  hname=$(cenv SCAPE_SLURM_HOSTS_NAME)
+  for i in 0 1 2 3; do
+    want="n$((i + 1)) ${addrs[i]}/24 $hname-h$i"
+    echo "$out" | grep -q "^$want " || fail "n$((i + 1)) did not run on its host ($want)"
+  done
+  echo "smoke: every node's task ran on its own test host (${addrs[*]} on $iface)"
+else
+  echo "smoke: SKIP the test-host check: the cluster runs on loopback ($(cenv SCAPE_SLURM_NET_WHY))"
+fi
 
 # ---- 2. batch job (sbatch --wait) with one step of one task per node
 job=$DIR/job.sh

@@ -1,10 +1,20 @@
 #!/usr/bin/env bash
 # The generic sbatch template on the local 4-node Slurm cluster: one scaped
-# per node (4 daemons, host backend over loopback), TRAINERS trainers per node
-# (trainer_c through libscape), SCAPE at rho 0.1.  The job's output must show
-# every trainer of every node finishing with the same parameters and a loss
-# that fell.  No port is configured: rank 0's rendezvous port follows the job
-# id and every data plane takes a free port.
+# per node (4 daemons, host backend), TRAINERS trainers per node (trainer_c
+# through libscape), SCAPE at rho 0.1.  The job's output must show every
+# trainer of every node finishing with the same parameters and a loss that
+# fell.  No port is configured: rank 0's rendezvous port follows the job id
+# and every data plane takes a free port.
+#
+# Where the cluster runs on test hosts (deploy/slurm-cluster.sh, network
+# namespaces at 10.231.0.1..4), each daemon's data plane must be on its
+# node's address and each node's interface must have carried at least what
+# its daemon counted on its data plane; with `requeue`, a link cut for less
+# than the timeout must leave a job bitwise undisturbed, and a link cut for
+# longer must get the other daemons to name the lost one within the timeout,
+# the job requeued and resumed from its last checkpoint, bitwise equal to the
+# uninterrupted job.  On loopback (no namespaces here) those checks are
+# skipped with the reason.
 # Usage: tests/slurm/template.sh BUILD_DIR [TRAINERS [requeue|pair]]   (root)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -13,28 +23,55 @@ trainers=${2:-2}
 cluster=$root/deploy/slurm-cluster.sh
 DIR=$(mktemp -d /tmp/scape-slurm-tpl.XXXXXX)
 fail() { echo "template: FAIL: $*" >&2; exit 1; }
+cut_host=""  # a test host whose link is down now, restored by the cleanup
 cleanup() {
   local rc=$?
   trap - EXIT
   set +e
+  [ -n "$cut_host" ] && bash "$root/deploy/hosts.sh" restore "$cut_host" --name "$hname" >/dev/null
   [ "$rc" -ne 0 ] && [ -f "$DIR/job.out" ] && tail -n 40 "$DIR/job.out" >&2
   [ "$rc" -ne 0 ] && [ -f "$DIR/requeue.out" ] && tail -n 60 "$DIR/requeue.out" >&2
-  for f in "$DIR"/pair-*.out; do [ "$rc" -ne 0 ] && [ -f "$f" ] && tail -n 30 "$f" >&2; done
+  for f in "$DIR"/pair-*.out "$DIR"/cut-*.out; do
+    [ "$rc" -ne 0 ] && [ -f "$f" ] && { echo "----- $f" >&2; tail -n 40 "$f" >&2; }
+  done
   bash "$cluster" stop "$DIR" >/dev/null
   rm -rf "$DIR"
   exit "$rc"
 }
 trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
-bash "$cluster" start "$DIR" >/dev/null
+bash "$cluster" start "$DIR" >/dev/null || fail "the cluster did not start"
 export SLURM_CONF=$DIR/slurm.conf
+cenv() { sed -n "s/^$1=//p" "$DIR/cluster.env" | tr -d '"'; }
+net=$(cenv SCAPE_SLURM_NET)
+hname=$(cenv SCAPE_SLURM_HOSTS_NAME)
+read -r -a addrs <<<"$(cenv SCAPE_SLURM_NODE_ADDRS)"
+[ ${#addrs[@]} -eq 4 ] || fail "cluster.env lists ${#addrs[@]} node addresses"
+if [ "$net" = hosts ]; then
+  export PATH=$DIR/client:$PATH  # the client commands, run on the controller's host
+  echo "template: cluster on test hosts $hname-h0..h3 (${addrs[*]}), links $(cenv SCAPE_SLURM_RATE)"
+else
+  echo "template: cluster on loopback ($(cenv SCAPE_SLURM_NET_WHY))"
+fi
+counters() {  # node index i: sets tx and rx to the bytes through its eth0 so far
+  local d=/sys/class/net/eth0/statistics v
+  v=$(ip netns exec "$hname-h$1" cat "$d/tx_bytes" "$d/rx_bytes" | tr '\n' ' ') ||
+    fail "cannot read the counters of $hname-h$1"
+  read -r tx rx <<<"$v"
+  [[ "$tx" =~ ^[0-9]+$ && "$rx" =~ ^[0-9]+$ ]] || fail "unreadable counters of $hname-h$1: $v"
+}
 # scaped and scapectl from the build tree, where scape-node.sh looks for them
 mkdir -p "$DIR/bin"
 ln -s "$build/daemon/scaped" "$build/client/scapectl" "$DIR/bin/"
 steps=150
 export SCAPE_HOME=$root SCAPE_BIN=$DIR/bin SCAPE_RUN_BASE=$DIR READY_TIMEOUT=60
-export SCAPE_COORD_HOST=127.0.0.1 SCAPE_LISTEN_IFACE=lo TRAINERS_PER_NODE=$trainers
-unset SCAPE_RDV_PORT SCAPE_DATA_PORT
+# The coordinator: the first node's address as Slurm has it (scape-node.sh's
+# default); the data plane: the node's address on its interface.
+SCAPE_LISTEN_IFACE=$(cenv SCAPE_SLURM_IFACE)
+export SCAPE_LISTEN_IFACE TRAINERS_PER_NODE=$trainers
+unset SCAPE_RDV_PORT SCAPE_DATA_PORT SCAPE_COORD_HOST SCAPE_LISTEN_HOST
 # The cluster's own munged (not at munge's default socket): the daemons
 # authenticate their rendezvous with it and run CURVE between them, as on
 # Vista (where auth auto finds munged at its default socket).
@@ -42,8 +79,10 @@ export SCAPE_AUTH=munge SCAPE_MUNGE_SOCKET=$DIR/munge/munge.socket.2
 export SCAPE_ARGS="--rho 0.1 --warmup 5 --comm-timeout-ms 60000"
 export TRAINER_CMD="$build/tests/integration/trainer_c --n 4000 --steps $steps"
 export SCAPE_CHECKPOINT_DIR=$DIR/ckpt-plain
+if [ "$net" = hosts ]; then for i in 0 1 2 3; do counters "$i"; cnt0[i]="$tx $rx"; done; fi
 timeout 300 sbatch --wait --nodes=4 --output="$DIR/job.out" --export=ALL \
   "$root/slurm/generic.sbatch" >/dev/null || fail "the job failed"
+if [ "$net" = hosts ]; then for i in 0 1 2 3; do counters "$i"; cnt1[i]="$tx $rx"; done; fi
 
 want=$((4 * trainers))
 done_lines=$(grep -c "steps 1..$steps done" "$DIR/job.out" || true)
@@ -60,9 +99,34 @@ grep -q "scape: every daemon is up" "$DIR/job.out" || fail "the template did not
   fail "not every daemon runs CURVE"
 echo "template: 4 nodes x $trainers trainers, identical parameters, loss falling: ok"
 
-# Two jobs at the same time, as two jobs sharing nodes would be (every node
-# of this cluster is this one machine, so they share every address): each
-# finds its own daemons, and both end with the same parameters.
+# On test hosts: every daemon's data plane on its own node's address, and
+# each node's eth0 carried at least what its daemon counted on the data
+# plane (the interface also carries Slurm's own messages and the headers).
+if [ "$net" = hosts ]; then
+  for i in 0 1 2 3; do
+    line=$(grep "scape-node: n$((i + 1)): data plane" "$DIR/job.out") ||
+      fail "n$((i + 1)) did not report its data plane"
+    [[ "$line" =~ data\ plane\ tcp://([0-9.]+):[0-9]+\ sent\ ([0-9]+)\ B,\ received\ ([0-9]+)\ B ]] ||
+      fail "unreadable data-plane line: $line"
+    ep=${BASH_REMATCH[1]} sent=${BASH_REMATCH[2]} recvd=${BASH_REMATCH[3]}
+    [ "$ep" = "${addrs[i]}" ] || fail "n$((i + 1))'s data plane is on $ep, not ${addrs[i]}"
+    read -r tx0 rx0 <<<"${cnt0[i]}"
+    read -r tx1 rx1 <<<"${cnt1[i]}"
+    tx=$((tx1 - tx0)) rx=$((rx1 - rx0))
+    echo "template: n$((i + 1)) ${addrs[i]}: eth0 sent $tx B, received $rx B;" \
+         "its daemon's data plane sent $sent B, received $recvd B"
+    if [ "$sent" -eq 0 ] || [ "$recvd" -eq 0 ]; then fail "n$((i + 1))'s daemon moved no data"; fi
+    if [ "$tx" -lt "$sent" ] || [ "$rx" -lt "$recvd" ]; then
+      fail "n$((i + 1))'s eth0 carried less than its daemon's data plane"
+    fi
+  done
+  echo "template: the daemons talked over the hosts' interfaces (10.231.0.x): ok"
+fi
+
+# Two jobs at the same time, as two jobs sharing nodes would be (on loopback
+# every node of this cluster is this one machine, so they share every
+# address; on test hosts they share the nodes Slurm gives both): each finds
+# its own daemons, and both end with the same parameters.
 if [ "${3:-}" = pair ]; then
   pair_cmd="$TRAINER_CMD --sleep-ms 20"
   ids=()
@@ -88,7 +152,9 @@ if [ "${3:-}" = pair ]; then
        tr '\n' ' ')" = "$((2 * trainers)) $((2 * trainers)) " ] ||
     fail "not every trainer of the pair finished"
   [ "$(echo "$pair" | wc -l)" -eq 1 ] || fail "the two jobs' parameters differ: $pair"
-  echo "template: two 2-node jobs at once on shared addresses, each met its own daemons," \
+  where=$(for id in "${ids[@]}"; do
+            scontrol show job "$id" | grep -o " NodeList=[^ ]*" | cut -d= -f2; done | tr '\n' ' ')
+  echo "template: two 2-node jobs at once (on nodes ${where% }), each met its own daemons," \
        "the same parameters: ok"
 fi
 [ "${3:-}" = requeue ] || exit 0
@@ -147,3 +213,125 @@ grep -q "rank-00002.ckpt: section '[a-z_]*' checksum mismatch" "$DIR/corrupt.out
 after=$(cd "$SCAPE_CHECKPOINT_DIR" && find . -type f -exec sha256sum {} + | sort)
 [ "$before" = "$after" ] || fail "the refused resume changed the checkpoint directory"
 echo "template: a corrupted checkpoint is refused with its reason, the files untouched: ok"
+
+# ---- A link cut in the middle of a job (test hosts only).  Node n3's link
+# (its host's port on the switch) goes down and comes back: the node, its
+# slurmd and its daemon stay up, as when a cable or a switch port fails and
+# is fixed.
+if [ "$net" != hosts ]; then
+  echo "template: SKIP the cut-link cases: the cluster runs on loopback" \
+       "($(cenv SCAPE_SLURM_NET_WHY)), where no link can be cut"
+  exit 0
+fi
+victim=2  # host h2 = node n3
+job_field() { scontrol show job "$1" | grep -o " $2=[^ ]*" | head -n 1 | cut -d= -f2 || true; }
+daemon_step() {  # job, node: the last step its daemon finished (empty if it does not answer)
+  "$build/client/scapectl" --runtime-dir "$DIR/scape-job$1-$2" --timeout-ms 2000 status --json \
+    2>/dev/null | grep -o '"step":[0-9]*' | head -n 1 | cut -d: -f2 || true
+}
+wait_step() {  # job, step, seconds: until n1's daemon is past that step
+  local deadline=$((SECONDS + $3)) st
+  while :; do
+    st=$(daemon_step "$1" n1)
+    [ -n "$st" ] && [ "$st" -ge "$2" ] && return 0
+    [ "$SECONDS" -lt "$deadline" ] || fail "job $1 did not reach step $2 within $3 s (at ${st:-?})"
+    case "$(job_field "$1" JobState)" in
+      PENDING|CONFIGURING|RUNNING) ;;
+      *) fail "job $1 ended before step $2" ;;
+    esac
+    sleep 0.2
+  done
+}
+wait_end() {  # job, seconds: until the job is over; prints its state
+  local deadline=$((SECONDS + $2)) st
+  while :; do
+    st=$(job_field "$1" JobState)
+    case "$st" in
+      COMPLETED|FAILED|CANCELLED|TIMEOUT|NODE_FAIL|OUT_OF_MEMORY|BOOT_FAIL|DEADLINE) break ;;
+    esac
+    [ "$SECONDS" -lt "$deadline" ] || fail "job $1 did not end within $2 s (state $st)"
+    sleep 0.5
+  done
+  echo "$st"
+}
+link() {  # cut|restore
+  bash "$root/deploy/hosts.sh" "$1" "$victim" --name "$hname" >/dev/null ||
+    fail "deploy/hosts.sh $1 $victim failed"
+  if [ "$1" = cut ]; then cut_host=$victim; else cut_host=""; fi
+}
+
+# A cut of 2 s, far below the jobs' comm_timeout_ms (60 s), in the middle
+# of the job: nothing reaches n3 while it lasts (the cut is real; every step
+# needs n3's daemon), then the job goes on and ends as the uninterrupted job
+# did, bit for bit, without a requeue.
+t_case=$SECONDS
+export SCAPE_CHECKPOINT_DIR=$DIR/ckpt-cut-short
+job=$(sbatch --parsable --nodes=4 --output="$DIR/cut-short.out" --export=ALL \
+      "$root/slurm/generic.sbatch") || fail "sbatch refused the short-cut job"
+wait_step "$job" 30 120
+at_cut=$(daemon_step "$job" n1)
+if [ -z "$at_cut" ] || [ "$at_cut" -ge $((steps - 20)) ]; then
+  fail "the job was not in its middle (step ${at_cut:-?})"
+fi
+link cut
+counters "$victim"; rx0=$rx
+sleep 2
+counters "$victim"; rx1=$rx
+link restore
+[ "$rx1" = "$rx0" ] || fail "n3 received $((rx1 - rx0)) B while its link was cut"
+[ "$(job_field "$job" JobState)" = RUNNING ] || fail "the short-cut job did not run on"
+state=$(wait_end "$job" 300)
+[ "$state" = COMPLETED ] || fail "the short-cut job ended $state"
+[ "$(job_field "$job" Restarts)" = 0 ] || fail "the short-cut job was requeued"
+[ "$(grep -c "steps 1..$steps done" "$DIR/cut-short.out" || true)" -eq $((4 * trainers)) ] ||
+  fail "not every trainer of the short-cut job finished"
+short=$(grep -o "params [0-9a-f]*" "$DIR/cut-short.out" | sort -u)
+[ "$short" = "$plain" ] || fail "after a short cut: $short, uninterrupted $plain"
+echo "template: n3's link cut for 2 s after step $at_cut (0 B reached it) and restored:" \
+     "the job ran on, parameters equal to the uninterrupted job: ok ($((SECONDS - t_case)) s)"
+
+# A cut longer than comm_timeout_ms (10 s here): the other daemons name n3's
+# rank within the timeout (their trainers' errors say so); then the link comes
+# back (the node returns), the template requeues the job on the lost daemon,
+# and the job resumes from its last periodic checkpoint and ends with the
+# uninterrupted job's parameters, bit for bit.
+tmo=10 t_case=$SECONDS
+export SCAPE_CHECKPOINT_DIR=$DIR/ckpt-cut-lost
+job=$(SCAPE_ARGS="--rho 0.1 --warmup 5 --comm-timeout-ms $((tmo * 1000)) --checkpoint-every 20" \
+      sbatch --parsable --nodes=4 --output="$DIR/cut-lost.out" --export=ALL \
+      "$root/slurm/generic.sbatch") || fail "sbatch refused the lost-link job"
+wait_step "$job" 50 120
+at_cut=$(daemon_step "$job" n1)
+[ -f "$SCAPE_CHECKPOINT_DIR/LATEST" ] || fail "no periodic checkpoint by step 50"
+rank=$(sed -n "s/.*rendezvous: rank \([0-9]*\) of 4 via .*data plane on tcp:\/\/${addrs[victim]//./\\.}:.*/\1/p" \
+       "$DIR/cut-lost.out" | head -n 1)
+[ -n "$rank" ] || fail "no daemon says it is on ${addrs[victim]}"
+named_re="^trainer_c [0-9]*: step [0-9]*: .*rank ${rank}[^0-9]"
+link cut
+t_cut=$(date +%s.%N)
+deadline=$((SECONDS + tmo + 30))
+until grep -q "$named_re" "$DIR/cut-lost.out"; do
+  [ "$SECONDS" -lt "$deadline" ] || fail "no trainer named rank $rank within $((tmo + 30)) s of the cut"
+  sleep 0.1
+done
+named=$(awk -v a="$t_cut" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
+ckpt=$(cat "$SCAPE_CHECKPOINT_DIR/LATEST")
+link restore
+echo "template: n3's link cut after step $at_cut; rank $rank named after $named s" \
+     "(comm_timeout_ms $((tmo * 1000))): $(grep -m 1 "$named_re" "$DIR/cut-lost.out")"
+awk -v s="$named" -v t="$tmo" 'BEGIN { exit !(s <= t + 5) }' ||
+  fail "rank $rank was named only after $named s, the timeout is $tmo s"
+state=$(wait_end "$job" 300)
+[ "$state" = COMPLETED ] || fail "the lost-link job ended $state"
+[ "$(job_field "$job" Restarts)" -ge 1 ] || fail "the lost-link job was not requeued"
+grep -q "a daemon lost another part-way through a step; requeueing" "$DIR/cut-lost.out" ||
+  fail "the template did not requeue on the lost daemon"
+grep -q "resumes from $SCAPE_CHECKPOINT_DIR/$ckpt\$" "$DIR/cut-lost.out" ||
+  fail "the requeued job did not resume from $ckpt, the last checkpoint before the cut"
+from=$((${ckpt#step-} + 1))
+[ "$(grep -c "steps $from..$steps done" "$DIR/cut-lost.out" || true)" -eq $((4 * trainers)) ] ||
+  fail "not every trainer resumed at step $from and finished"
+lost=$(grep -o "params [0-9a-f]*" "$DIR/cut-lost.out" | sort -u)
+[ "$lost" = "$plain" ] || fail "after the lost link: $lost, uninterrupted $plain"
+echo "template: lost link -> requeue -> resume from $ckpt (steps $from..$steps)," \
+     "parameters equal to the uninterrupted job: ok ($((SECONDS - t_case)) s)"
