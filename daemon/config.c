@@ -229,7 +229,7 @@ static const cfg_key s_keys[] = {
       .doc = "clip the mean gradient to this global L2 norm before the update (torch's "
              "clip_grad_norm_; 0: no clipping)" },
     { .name = "wire_values", .type = KT_ENUM, .offset = OFF(engine.wire_bf16),
-      .parse = parse_wire, .name_of = name_wire, .def = "f32",
+      .parse = parse_wire, .name_of = name_wire, .def = "bf16",
       .doc = "masked steps send the reduced values as f32 or bf16 (the rounding stays in the "
              "residual: nothing is lost); alike on every daemon" },
     { .name = "gather_values", .type = KT_ENUM, .offset = OFF(engine.gather_f32),

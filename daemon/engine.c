@@ -36,6 +36,7 @@ void eng_config_default(eng_config *cfg)
     cfg->threads = 1;
     cfg->executor = ENG_EXEC_HOST;
     cfg->residual_chunk = 4u << 20;
+    cfg->wire_bf16 = 1; /* bf16 values cost no measurable quality (docs/benchmarks.md) */
 }
 
 const char *eng_optimizer_name(eng_optimizer opt)

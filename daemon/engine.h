@@ -70,8 +70,8 @@ typedef struct eng_config {
                                 docs/design.md); 0: no clipping (default) */
     int wire_bf16;           /* masked steps (scape, topk-adamw) send the packed
                                 values as bf16 and keep each one's rounding in
-                                the residual (docs/algorithm.md); 0: fp32
-                                (default).  Every rank must set it alike. */
+                                the residual (docs/algorithm.md; the default);
+                                0: fp32.  Every rank must set it alike. */
     int gather_f32;          /* sharded: gather the updated parameters in fp32
                                 even when every rank's trainers hold bf16
                                 (default 0: in the trainers' dtype, which gives

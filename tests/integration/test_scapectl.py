@@ -79,7 +79,7 @@ def test_status_labels(job):
         assert label in fields, (label, res.stdout)
     assert fields["Optimizer"] == "scape" and fields["Rho"] == "0.01"
     # the fewer-bytes settings, at their defaults
-    assert fields["Values on wire"] == "f32" and fields["Mask deltas"] in ("no", "false")
+    assert fields["Values on wire"] == "bf16" and fields["Mask deltas"] in ("no", "false")
     assert fields["Rho schedule"] == "0 (none)" and fields["Gathers"] == "f32"
     assert fields["State"] == "ready" and fields["Rank/World"] == "0/1"
     assert fields["Trainers"] == "2" and fields["Runtime dir"] == job.d.rt
@@ -106,7 +106,7 @@ def test_status_json_and_step_advances(job):
     assert set(a) == set(b)
     assert a["optimizer"] == "scape" and a["mode"] == "replicated"
     assert a["rho"] == pytest.approx(0.01) and a["rank"] == 0 and a["world"] == 1
-    assert a["wire_values"] == "f32" and a["mask_deltas"] is False and a["rho_start"] == 0
+    assert a["wire_values"] == "bf16" and a["mask_deltas"] is False and a["rho_start"] == 0
     assert a["numel"] >= N * 0.9 and a["runtime_dir"] == job.d.rt
     assert {t["pid"] for t in a["trainers"]} == {t.pid for t in job.trainers}
     assert sorted(t["index"] for t in a["trainers"]) == [0, 1]

@@ -797,6 +797,7 @@ static spec make_spec(eng_optimizer opt, eng_mode mode, int R, double rho, int s
     sp.cfg.warmup = 3;
     sp.cfg.hyper.wd = 0.01f;
     sp.cfg.intake_chunk = 64; /* several chunks per tensor when trainers are summed */
+    sp.cfg.wire_bf16 = 0;     /* fp32 values; bf16_values and its kin ask for bf16 */
     memcpy(sp.tr, s_tr, sizeof sp.tr);
     return sp;
 }
