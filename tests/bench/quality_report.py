@@ -17,7 +17,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import scape_plot  # noqa: E402
 
 ORDER = ["adamw", "adams", "scape-0.1", "scape-0.01", "topk-adamw-0.01", "scape-0.1-bf16",
-         "scape-0.01-bf16", "scape-0.01-delta", "scape-0.01-sched"]
+         "scape-0.01-bf16", "scape-0.01-delta", "scape-0.01-sched", "scape-0.01-bf16p",
+         "adams-bf16p"]
 
 
 def cpu_model():
