@@ -309,6 +309,24 @@ START_TEST(malformed_deltas_refused)
         }
     uint32_t cf[64] = { 0 };
     ck_assert_int_eq(mdelta_encode(p, 0, 2, prev, fewer, cf), SCAPE_INVALID);
+    /* one mask, one code: an unchanged t1 (40 long, k = 1) sent as its
+     * bitmap (form 2) where its position list is shorter is refused */
+    eng_tensor one_t[] = { { "t1", 0, 40, 0 } };
+    plan *q = NULL;
+    ck_assert_int_eq(plan_build(&q, one_t, 1, 1, 0.01), SCAPE_OK);
+    uint32_t qm[2] = { 1u << 7, 0 }, qc[2] = { 2u | (qm[0] << 2), qm[0] >> 30 };
+    uint32_t qo[2] = { 0 };
+    ck_assert_int_eq(mdelta_decode(q, 0, 1, qm, qc, 8, qo, 3), SCAPE_PROTO);
+    ck_assert_msg(strstr(scape_last_error(), "tensor t1: a tensor in a longer form"),
+                  "%s", scape_last_error());
+    /* and the same mask as the encoder writes it (its list) is taken */
+    uint32_t qe[2] = { 0 };
+    ck_assert_int_eq(mdelta_encode(q, 0, 1, qm, qm, qe), SCAPE_OK);
+    ck_assert_uint_eq(qe[0] & 3u, 0u);
+    ck_assert_int_eq(mdelta_decode(q, 0, 1, qm, qe, mdelta_bytes(q, 0, 1, qm, qm), qo, 3),
+                     SCAPE_OK);
+    ck_assert_uint_eq(qo[0], qm[0]);
+    plan_destroy(&q);
     /* a mask unlike the last one: its tensors go whole, and decode to it */
     uint32_t whole[64] = { 0 };
     uint32_t far[40] = { 0 };
