@@ -214,9 +214,10 @@ static scape_rc alloc_state(eng_t *e)
     e->code_cap = e->code_total;
     e->gcounts = e->code_bytes;
     if (eng_scape_masks(e) && e->cfg.mask_deltas) {
-        /* each rank's code gains a word saying which form it takes, and
-         * may be a delta up to dmax (every k_l at its largest, the
-         * schedule's first: all positions left and as many joined) */
+        /* each rank's code gains a word saying which form it takes; dmax
+         * is the most the rest can be: the fixed code, or a delta with
+         * every k_l at its largest (the schedule's first), all positions
+         * leaving and as many joining */
         e->dcounts = calloc(R, sizeof *e->dcounts);
         e->dsizes = calloc(R, sizeof *e->dsizes);
         e->dmax = calloc(R, sizeof *e->dmax);
@@ -231,9 +232,9 @@ static scape_rc alloc_state(eng_t *e)
                 uint64_t b = mcode_pos_bits(t->len);
                 bits += 2 * (b + 1) + 2 * b * t->k;
             }
-            e->dmax[r] = 4 * (size_t)((bits + 31) / 32);
-            size_t most = e->dmax[r] > e->code_bytes[r] ? e->dmax[r] : e->code_bytes[r];
-            e->code_cap += 4 + most;
+            size_t delta = 4 * (size_t)((bits + 31) / 32);
+            e->dmax[r] = delta > e->code_bytes[r] ? delta : e->code_bytes[r];
+            e->code_cap += 4 + e->dmax[r];
         }
         if ((e->dhost = malloc(e->code_cap)) == NULL)
             return scape_set_error(SCAPE_NOMEM, "engine: out of memory");

@@ -76,7 +76,7 @@ struct eng {
      * or its delta), the sizes exchanged for it, and the own code staged on
      * the host; gcounts is what the lagged all-gather in flight was started
      * with (code_bytes without deltas) */
-    size_t *dcounts, *dmax;
+    size_t *dcounts, *dmax; /* dmax: the most a rank's code can be after its form word */
     uint64_t *dsizes;
     uint32_t *dhost;
     const size_t *gcounts;

@@ -288,12 +288,11 @@ static scape_rc delta_code(eng_t *e, uint32_t **own)
     TRY(comm_allgather(e->comm, &mine, e->dsizes, e->counts));
     e->code_total = 0;
     for (int r = 0; r < e->comm->size; r++) {
-        size_t most = e->dmax[r] > e->code_bytes[r] ? e->dmax[r] : e->code_bytes[r];
-        if (e->dsizes[r] < 4 || e->dsizes[r] > 4 + most || e->dsizes[r] % 4)
+        if (e->dsizes[r] < 4 || e->dsizes[r] > 4 + e->dmax[r] || e->dsizes[r] % 4)
             return scape_set_error(SCAPE_PROTO, "mask from rank %d: a code of %llu bytes "
-                                   "(its shard's fixed code has %zu, a delta at most %zu)",
+                                   "(its shard's fixed code has %zu, a code at most %zu)",
                                    r, (unsigned long long)e->dsizes[r], e->code_bytes[r],
-                                   e->dmax[r]);
+                                   4 + e->dmax[r]);
         if (r == e->rank)
             e->code_off = e->code_total;
         e->dcounts[r] = (size_t)e->dsizes[r];

@@ -57,13 +57,7 @@ scape_rc kern_bf16_to_f32(const uint16_t *src, float *dst, size_t n)
 
 scape_rc kern_sum_bf16_parts(const uint16_t *parts, unsigned nparts, size_t n, float *out)
 {
-    static const char fn[] = "kern_sum_bf16_parts";
-    KERN_NONNULL(fn, parts);
-    KERN_NONNULL(fn, out);
-    KERN_MAXN(fn, n);
-    if (nparts < 1)
-        return scape_set_error(SCAPE_INVALID, "%s: nparts must be >= 1", fn);
-    KERN_DISJOINT(fn, parts, (size_t)nparts * n * 2, out, n * 4);
+    TRY(kern_check_parts("kern_sum_bf16_parts", parts, nparts, n, out));
     for (size_t i = 0; i < n; i++)
         out[i] = scape_f_sum_bf16_parts(parts, nparts, n, i);
     return SCAPE_OK;

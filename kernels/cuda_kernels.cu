@@ -416,12 +416,7 @@ extern "C" scape_rc kern_cuda_sum_bf16_parts(const uint16_t *parts, unsigned npa
                                              float *out, void *stream)
 {
     static const char fn[] = "kern_cuda_sum_bf16_parts";
-    KERN_NONNULL(fn, parts);
-    KERN_NONNULL(fn, out);
-    KERN_MAXN(fn, n);
-    if (nparts < 1)
-        return scape_set_error(SCAPE_INVALID, "%s: nparts must be >= 1", fn);
-    KERN_DISJOINT(fn, parts, (size_t)nparts * n * 2, out, n * 4);
+    TRY(kern_check_parts(fn, parts, nparts, n, out));
     return launch_map(fn, sum_bf16_parts_op{parts, nparts, n, out}, n, false,
                       as_stream(stream));
 }

@@ -59,6 +59,19 @@ static inline scape_rc kern_check_stat_args(const char *fn, size_t n, const floa
     return SCAPE_OK;
 }
 
+/* kern_sum_bf16_parts and its CUDA twin: nparts parts of n bf16 values. */
+static inline scape_rc kern_check_parts(const char *fn, const uint16_t *parts, unsigned nparts,
+                                        size_t n, const float *out)
+{
+    KERN_NONNULL(fn, parts);
+    KERN_NONNULL(fn, out);
+    KERN_MAXN(fn, n);
+    if (nparts < 1)
+        return scape_set_error(SCAPE_INVALID, "%s: nparts must be >= 1", fn);
+    KERN_DISJOINT(fn, parts, (size_t)nparts * n * 2, out, n * 4);
+    return SCAPE_OK;
+}
+
 /* 1 - beta^t, computed in double and rounded once to float. */
 static inline float kern_bias_correction(float beta, uint64_t t)
 {

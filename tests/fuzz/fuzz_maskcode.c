@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "fuzz.h"
+#include "fuzz_mask.h"
 #include "maskcode.h"
 #include "plan.h"
 
@@ -124,13 +125,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 
 static uint64_t s_rng = 88172645463325252ull;
 
-static uint64_t rnd(void)
-{
-    s_rng ^= s_rng << 13;
-    s_rng ^= s_rng >> 7;
-    s_rng ^= s_rng << 17;
-    return s_rng;
-}
 
 static void seed_one(fuzz_emit emit, void *ctx, const char *name, const setup *s)
 {
@@ -145,17 +139,7 @@ static void seed_one(fuzz_emit emit, void *ctx, const char *name, const setup *s
     uint32_t *code = calloc(nbytes / 4 + 1, 4);
     fuzz_buf *out = calloc(1, sizeof *out);
     FUZZ_CHECK(words && code && out, "out of memory");
-    for (size_t j = sh->first; j < sh->first + sh->count; j++) {
-        const plan_tensor *t = &p->t[p->order[j]];
-        uint32_t *tw = words + (t->word - sh->word0);
-        for (size_t set = 0; set < t->k;) {
-            size_t pos = (size_t)(rnd() % t->len);
-            if (!(tw[pos / 32] >> (pos % 32) & 1)) {
-                tw[pos / 32] |= 1u << (pos % 32);
-                set++;
-            }
-        }
-    }
+    fuzz_draw_mask(p, sh, &s_rng, words);
     FUZZ_CHECK(mcode_encode(p, sh->first, sh->count, words, code) == SCAPE_OK, "seed %s: %s",
                name, scape_last_error());
     write_setup(out, s);

@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "fuzz.h"
+#include "fuzz_mask.h"
 #include "maskcode.h"
 #include "plan.h"
 
@@ -66,30 +67,11 @@ static void write_setup(fuzz_buf *out, const setup *s)
     }
 }
 
-static uint64_t next_rnd(uint64_t *x)
-{
-    *x ^= *x << 13;
-    *x ^= *x >> 7;
-    *x ^= *x << 17;
-    return *x;
-}
-
 /* A valid mask of the plan's current k_l over shard sh, drawn from seed. */
 static void draw_mask(const plan *p, const plan_shard *sh, uint64_t seed, uint32_t *words)
 {
     uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
-    memset(words, 0, (sh->words + 1) * 4);
-    for (size_t j = sh->first; j < sh->first + sh->count; j++) {
-        const plan_tensor *t = &p->t[p->order[j]];
-        uint32_t *tw = words + (t->word - sh->word0);
-        for (size_t set = 0; set < t->k;) {
-            size_t pos = (size_t)(next_rnd(&x) % t->len);
-            if (!(tw[pos / 32] >> (pos % 32) & 1)) {
-                tw[pos / 32] |= 1u << (pos % 32);
-                set++;
-            }
-        }
-    }
+    fuzz_draw_mask(p, sh, &x, words);
 }
 
 void fuzz_setup(void) {}
