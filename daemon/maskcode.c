@@ -200,63 +200,99 @@ static size_t only_in(const uint32_t *a, const uint32_t *b, size_t nw)
     return c;
 }
 
-/* The Rice parameter of m ascending positions in [0, len), from len and m
- * alone (so it is not sent): floor(log2) of their mean gap. */
-static unsigned rice_r(size_t len, size_t m)
+/* The Rice parameter of m ascending indices in [0, u), from u and m alone
+ * (so it is not sent): floor(log2) of their mean gap. */
+static unsigned rice_r(size_t u, size_t m)
 {
-    uint64_t mean = m ? (uint64_t)(len - m) / (m + 1) : 0;
+    uint64_t mean = m ? (uint64_t)(u - m) / (m + 1) : 0;
     unsigned r = 0;
     while (r < 40 && (2ull << r) <= mean)
         r++;
     return r;
 }
 
-/* Bits of the positions of a & ~b as a Rice-coded list: each gap g (the
- * first position, then the distance to the last one minus one) as g >> r
- * one bits and a zero, then g's low r bits. */
-static uint64_t list_bits(const uint32_t *a, const uint32_t *b, size_t nw, size_t len, size_t m)
+/* Bits to hold a count in [0, n]. */
+static unsigned count_bits(size_t n)
 {
-    unsigned r = rice_r(len, m);
-    uint64_t bits = 0, next = 0;
-    for (size_t i = 0; i < nw; i++)
-        for (uint32_t x = a[i] & ~(b ? b[i] : 0u); x; x &= x - 1) {
-            uint64_t pos = 32 * i + (uint64_t)__builtin_ctz(x);
-            bits += ((pos - next) >> r) + 1 + r;
-            next = pos + 1;
-        }
-    return bits;
+    unsigned b = 0;
+    while (b < 64 && n >> b)
+        b++;
+    return b;
 }
 
-static void put_list(bitw *w, const uint32_t *a, const uint32_t *b, size_t nw, size_t len,
-                     size_t m)
+/* The positions a list's indices count, word i of a tensor: the set bits
+ * of sw (inv 0), its clear bits inside the tensor (inv ~0), or every
+ * position (sw NULL). */
+typedef struct lsel {
+    const uint32_t *sw;
+    uint32_t inv;
+} lsel;
+
+static const lsel EVERY = { NULL, 0 };
+
+static uint32_t sel_word(lsel s, const plan_tensor *t, size_t i)
 {
-    unsigned r = rice_r(len, m);
-    uint64_t next = 0;
-    for (size_t i = 0; i < nw; i++)
+    uint32_t x = s.sw ? s.sw[i] ^ s.inv : 0xffffffffu;
+    if (i + 1 == words_of(t) && t->len % 32)
+        x &= (1u << (t->len % 32)) - 1;
+    return x;
+}
+
+static size_t sel_count(lsel s, const plan_tensor *t)
+{
+    size_t c = 0;
+    for (size_t i = 0; i < words_of(t); i++)
+        c += (size_t)__builtin_popcount(sel_word(s, t, i));
+    return c;
+}
+
+/* The positions of a & ~b (b NULL: of a), all of them inside selector s of
+ * u positions, as a Rice-coded list of their indices in s: each gap g (the
+ * first index, then the distance from the last one minus one) as g >> r one
+ * bits and a zero, then g's low r bits.  Returns its bits; writes them too
+ * when w is given. */
+static uint64_t rice_list(bitw *w, const plan_tensor *t, const uint32_t *a, const uint32_t *b,
+                          lsel s, size_t u, size_t m)
+{
+    unsigned r = rice_r(u, m);
+    uint64_t bits = 0, next = 0, base = 0;
+    for (size_t i = 0; i < words_of(t); i++) {
+        uint32_t sw = sel_word(s, t, i);
         for (uint32_t x = a[i] & ~(b ? b[i] : 0u); x; x &= x - 1) {
-            uint64_t pos = 32 * i + (uint64_t)__builtin_ctz(x), g = pos - next;
-            for (uint64_t q = g >> r; q; q -= q > 32 ? 32 : q)
-                put(w, (q > 32 ? 0xffffffffull : (1ull << q) - 1), q > 32 ? 32 : (unsigned)q);
-            put(w, 0, 1);
-            if (r)
-                put(w, g & ((1ull << r) - 1), r);
-            next = pos + 1;
+            unsigned j = (unsigned)__builtin_ctz(x);
+            uint64_t idx = base + (uint64_t)__builtin_popcount(sw & ((1u << j) - 1)), g = idx - next;
+            bits += (g >> r) + 1 + r;
+            if (w) {
+                for (uint64_t q = g >> r; q; q -= q > 32 ? 32 : q)
+                    put(w, (q > 32 ? 0xffffffffull : (1ull << q) - 1), q > 32 ? 32 : (unsigned)q);
+                put(w, 0, 1);
+                if (r)
+                    put(w, g & ((1ull << r) - 1), r);
+            }
+            next = idx + 1;
         }
+        base += (uint64_t)__builtin_popcount(sw);
+    }
+    return bits;
 }
 
 /* A tensor's forms in the delta stream (two bits), the shortest chosen,
  * the lowest code on a tie: its positions as a Rice-coded list, its change
- * from prev (counts of b + 1 bits, then the two lists), or its bitmap. */
+ * from prev, or its bitmap.  The change sends how many of prev's kp
+ * positions left (count_bits(kp) bits; as many minus kp plus k joined),
+ * then those as indices among prev's positions, then the ones that joined
+ * as indices among the positions prev does not hold. */
 enum { DF_LIST = 0, DF_CHANGE = 1, DF_BITMAP = 2 };
 
 static int delta_form(const plan_tensor *t, const uint32_t *prev, const uint32_t *next,
                       uint64_t *bits)
 {
     size_t nw = words_of(t), left = only_in(prev, next, nw), joined = only_in(next, prev, nw);
-    uint64_t b = mcode_pos_bits(t->len);
-    uint64_t f[3] = { list_bits(next, NULL, nw, t->len, t->k),
-                      2 * (b + 1) + list_bits(prev, next, nw, t->len, left) +
-                          list_bits(next, prev, nw, t->len, joined),
+    lsel held = { prev, 0 }, free_ = { prev, ~0u };
+    size_t kp = sel_count(held, t);
+    uint64_t f[3] = { rice_list(NULL, t, next, NULL, EVERY, t->len, t->k),
+                      count_bits(kp) + rice_list(NULL, t, prev, next, held, kp, left) +
+                          rice_list(NULL, t, next, prev, free_, t->len - kp, joined),
                       (uint64_t)t->len };
     int best = 0;
     for (int q = 1; q < 3; q++)
@@ -280,6 +316,16 @@ size_t mdelta_bytes(const plan *p, size_t first, size_t count, const uint32_t *p
     return 4 * (size_t)((bits + 31) / 32);
 }
 
+/* A mask must have exactly k bits, none past the tensor's end. */
+static scape_rc check_mask(const plan_tensor *t, const uint32_t *m, const char *which)
+{
+    size_t nw = words_of(t), ones = only_in(m, NULL, nw);
+    if (ones != t->k || (t->len % 32 && m[nw - 1] >> (t->len % 32)))
+        return scape_set_error(SCAPE_INVALID, "mask delta: %s mask of tensor %s has %zu bits "
+                               "in range, k=%zu", which, t->name, ones, t->k);
+    return SCAPE_OK;
+}
+
 scape_rc mdelta_encode(const plan *p, size_t first, size_t count, const uint32_t *prev,
                        const uint32_t *next, uint32_t *out)
 {
@@ -288,22 +334,21 @@ scape_rc mdelta_encode(const plan *p, size_t first, size_t count, const uint32_t
     for (size_t j = first; j < first + count; j++) {
         const plan_tensor *t = at(p, j);
         size_t o = t->word - w0, nw = words_of(t);
-        unsigned b = mcode_pos_bits(t->len);
-        size_t ones = only_in(next + o, NULL, nw);
-        if (ones != t->k || (t->len % 32 && next[o + nw - 1] >> (t->len % 32)))
-            return scape_set_error(SCAPE_INVALID, "mask delta: tensor %s has %zu bits in "
-                                   "range, k=%zu", t->name, ones, t->k);
+        TRY(check_mask(t, next + o, "the next"));
+        if (t->len % 32 && prev[o + nw - 1] >> (t->len % 32))
+            return scape_set_error(SCAPE_INVALID, "mask delta: the last mask of tensor %s "
+                                   "has bits past its end", t->name);
         uint64_t tb;
         int form = delta_form(t, prev + o, next + o, &tb);
         put(&w, (uint64_t)form, 2);
         if (form == DF_CHANGE) {
-            size_t left = only_in(prev + o, next + o, nw), joined = only_in(next + o, prev + o, nw);
-            put(&w, left, b + 1);
-            put(&w, joined, b + 1);
-            put_list(&w, prev + o, next + o, nw, t->len, left);
-            put_list(&w, next + o, prev + o, nw, t->len, joined);
+            lsel held = { prev + o, 0 }, free_ = { prev + o, ~0u };
+            size_t kp = sel_count(held, t), left = only_in(prev + o, next + o, nw);
+            put(&w, left, count_bits(kp));
+            rice_list(&w, t, prev + o, next + o, held, kp, left);
+            rice_list(&w, t, next + o, prev + o, free_, t->len - kp, left + t->k - kp);
         } else if (form == DF_LIST) {
-            put_list(&w, next + o, NULL, nw, t->len, t->k);
+            rice_list(&w, t, next + o, NULL, EVERY, t->len, t->k);
         } else {
             for (size_t i = 0; i < nw; i++)
                 put(&w, next[o + i], i + 1 < nw || t->len % 32 == 0 ? 32 : t->len % 32);
@@ -313,15 +358,14 @@ scape_rc mdelta_encode(const plan *p, size_t first, size_t count, const uint32_t
     return SCAPE_OK;
 }
 
-/* n positions of a Rice-coded list, ascending and inside the tensor, each
- * one's bit in tw `want` (1: a position that left, 0: one that joined or,
- * into a cleared tensor, one of a whole list) and clear in pw (when given:
- * one that joins was not in the last mask), then flipped. */
-static scape_rc take_list(bitr *r, const plan_tensor *t, uint64_t n, uint32_t *tw, int want,
-                          const uint32_t *pw, int from)
+/* n indices of a Rice-coded list, ascending and below u (the positions of
+ * selector s), each position's bit in tw flipped. */
+static scape_rc take_list(bitr *r, const plan_tensor *t, uint64_t n, lsel s, uint64_t u,
+                          uint32_t *tw, int from)
 {
-    unsigned rr = rice_r(t->len, (size_t)n);
-    uint64_t next = 0;
+    unsigned rr = rice_r((size_t)u, (size_t)n);
+    uint64_t next = 0, base = 0;
+    size_t i = 0, nw = words_of(t);
     for (uint64_t q = 0; q < n; q++) {
         uint64_t ones = 0, bit, low = 0;
         for (;;) {
@@ -329,20 +373,25 @@ static scape_rc take_list(bitr *r, const plan_tensor *t, uint64_t n, uint32_t *t
                 return bad(from, t, "delta ends early");
             if (!bit)
                 break;
-            if (++ones > (t->len >> rr))
-                return bad(from, t, "delta positions not ascending inside the tensor");
+            if (++ones > (u >> rr))
+                return bad(from, t, "a delta index past the positions it counts");
         }
         if (rr && get(r, rr, &low) != 0)
             return bad(from, t, "delta ends early");
-        uint64_t pos = next + ((ones << rr) | low);
-        if (pos >= t->len)
-            return bad(from, t, "delta positions not ascending inside the tensor");
-        if ((int)((tw[pos / 32] >> (pos % 32)) & 1u) != want ||
-            (pw && (pw[pos / 32] >> (pos % 32)) & 1u))
-            return bad(from, t, want ? "a position left the mask that was not in it"
-                                     : "a position joined the mask that was already in it");
-        tw[pos / 32] ^= 1u << (pos % 32);
-        next = pos + 1;
+        uint64_t idx = next + ((ones << rr) | low);
+        if (idx >= u)
+            return bad(from, t, "a delta index past the positions it counts");
+        uint32_t sw = 0;
+        while (i < nw && base + (uint64_t)__builtin_popcount(sw = sel_word(s, t, i)) <= idx) {
+            base += (uint64_t)__builtin_popcount(sw);
+            i++;
+        }
+        if (i == nw) /* u is the selector's size: not reached */
+            return bad(from, t, "a delta index past the positions it counts");
+        for (uint64_t skip = idx - base; skip; skip--)
+            sw &= sw - 1;
+        tw[i] ^= 1u << __builtin_ctz(sw);
+        next = idx + 1;
     }
     return SCAPE_OK;
 }
@@ -358,23 +407,26 @@ scape_rc mdelta_decode(const plan *p, size_t first, size_t count, const uint32_t
     for (size_t j = first; j < first + count; j++) {
         const plan_tensor *t = at(p, j);
         size_t o = t->word - w0, nw = words_of(t);
-        unsigned b = mcode_pos_bits(t->len);
         uint32_t *tw = words + o;
         uint64_t form;
         if (get(&r, 2, &form) != 0)
             return bad(from, t, "delta ends early");
         if (form == DF_CHANGE) {
+            lsel held = { prev + o, 0 }, free_ = { prev + o, ~0u };
+            size_t kp = sel_count(held, t);
             memcpy(tw, prev + o, nw * sizeof *tw);
-            uint64_t left, joined;
-            if (get(&r, b + 1, &left) != 0 || get(&r, b + 1, &joined) != 0)
+            if (t->len % 32)
+                tw[nw - 1] &= (1u << (t->len % 32)) - 1;
+            uint64_t left;
+            if (get(&r, count_bits(kp), &left) != 0)
                 return bad(from, t, "delta ends early");
-            if (left > t->len || joined > t->len)
-                return bad(from, t, "delta counts past the tensor's length");
-            TRY(take_list(&r, t, left, tw, 1, NULL, from));
-            TRY(take_list(&r, t, joined, tw, 0, prev + o, from)); /* not in prev either */
+            if (left > kp || left + t->k < kp || left + t->k - kp > t->len - kp)
+                return bad(from, t, "delta counts past the tensor's positions");
+            TRY(take_list(&r, t, left, held, kp, tw, from));
+            TRY(take_list(&r, t, left + t->k - kp, free_, t->len - kp, tw, from));
         } else if (form == DF_LIST) {
             memset(tw, 0, nw * sizeof *tw);
-            TRY(take_list(&r, t, t->k, tw, 0, NULL, from));
+            TRY(take_list(&r, t, t->k, EVERY, t->len, tw, from));
         } else if (form == DF_BITMAP) {
             for (size_t i = 0; i < nw; i++) {
                 uint64_t v;

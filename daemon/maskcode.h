@@ -45,20 +45,23 @@ scape_rc mcode_decode(const plan *p, size_t first, size_t count, const uint32_t 
 /* Deltas (mask_deltas): the same tensors' mask, each tensor in the
  * shortest of three forms (two bits; the lower on a tie), in one bit stream
  * padded with zero bits to a whole uint32_t, in comm order:
- *   0  its k positions as a Rice-coded list;
+ *   0  its k positions as a Rice-coded list of positions;
  *   1  its change from the previous mask `prev` (words positioned as for
- *      encode): the counts of positions that left and that joined (b + 1
- *      bits each, b = mcode_pos_bits(len)), then the two Rice-coded lists;
+ *      encode), which holds kp positions: how many of them left (in
+ *      count_bits(kp) bits; the count that joined follows, left + k - kp),
+ *      then those that left as a Rice-coded list of their indices among
+ *      prev's kp positions, then those that joined as one of their indices
+ *      among the len - kp positions prev does not hold;
  *   2  its bitmap of len bits.
- * A Rice-coded list of m positions in [0, len) sends each gap (the first
- * position, then the distance from the last one minus one) as gap >> r one
- * bits and a zero, then its low r bits, with r = floor(log2(mean gap))
- * derived from len and m (not sent).  About log2(len / m) + 2 bits a
- * position, where the fixed code spends log2(len).  The decoder checks
+ * A Rice-coded list of m ascending indices in [0, u) sends each gap (the
+ * first index, then the distance from the last one minus one) as gap >> r
+ * one bits and a zero, then its low r bits, with r = floor(log2(mean gap))
+ * derived from u and m (not sent): about log2(u / m) + 2 bits an index,
+ * where the fixed code spends log2(len) a position.  So a position that
+ * left costs about 2 bits when half the mask changes.  The decoder checks
  * everything and names the sender and the tensor: counts within the
- * tensor, positions ascending and inside it, each one that left set in prev
- * and each one that joined clear, exactly k bits after, the shortest form
- * taken (one mask, one delta), zero padding. */
+ * positions they count, indices ascending and inside them, exactly k bits
+ * after, the shortest form taken (one mask, one delta), zero padding. */
 size_t mdelta_bytes(const plan *p, size_t first, size_t count, const uint32_t *prev,
                     const uint32_t *next);
 scape_rc mdelta_encode(const plan *p, size_t first, size_t count, const uint32_t *prev,

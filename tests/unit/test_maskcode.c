@@ -214,9 +214,12 @@ START_TEST(delta_round_trips)
         free(out);
         plan_destroy(&p);
     }
-    /* by hand: one tensor of 1000 (b = 10), k = 10, one position moved:
-     * 2 x 11 bits of counts + 2 x 10 bits of positions = 42 bits, 2 words,
-     * against the fixed code's 100 bits (4 words); unchanged: 22 bits */
+    /* by hand: one tensor of 1000, k = 10, one position moved, the first
+     * left for the last free one: form (2 bits), the count that left (4
+     * bits, up to kp = 10), index 0 among prev's 10 (r = 2: 3 bits), index
+     * 989 among the 990 free (r = 8: 989 >> 8 = 3 ones, a zero, 8 bits:
+     * 12), 21 bits in all, one word, against the fixed code's 100 bits (4
+     * words); unchanged: 6 bits */
     size_t one[] = { 1000 };
     plan *p = build(one, 1, 1, 0.01);
     uint32_t prev[32] = { 0 }, next[32] = { 0 };
@@ -235,7 +238,7 @@ START_TEST(delta_round_trips)
             next[pos / 32] |= 1u << (pos % 32);
             break;
         }
-    ck_assert_uint_eq(mdelta_bytes(p, 0, 1, prev, next), 8);
+    ck_assert_uint_eq(mdelta_bytes(p, 0, 1, prev, next), 4);
     ck_assert_uint_eq(mcode_bytes(p, 0, 1), 16);
     plan_destroy(&p);
 }
@@ -260,8 +263,8 @@ START_TEST(malformed_deltas_refused)
     unsigned seed = 5;
     random_mask(p, prev, &seed);
     /* next: t0's first position moved to the last free one, t1 unchanged,
-     * so t0 goes as its change (form 1 in bits 0..1, then its 11-bit count
-     * of positions that left at bits 2..12) */
+     * so t0 goes as its change (form 1 in bits 0..1, then its 4-bit count
+     * of positions that left, up to kp = 10, at bits 2..5) */
     memcpy(next, prev, sizeof next);
     const plan_tensor *t0 = &p->t[0];
     for (size_t i = 0; i < 1000; i++)
@@ -282,19 +285,8 @@ START_TEST(malformed_deltas_refused)
     delta_refused(p, prev, code, nb + 4, "padding");
     delta_refused(p, prev, code, nb - 1, "not whole words");
     memcpy(bad, code, sizeof bad);
-    bad[0] = (bad[0] & ~(0x7ffu << 2)) | (2000u << 2);
+    bad[0] = (bad[0] & ~(0xfu << 2)) | (15u << 2); /* 15 of 10 left */
     delta_refused(p, prev, bad, nb, "tensor t0: delta counts past");
-    /* a last mask without the position that left: it cannot leave */
-    uint32_t other[40];
-    memcpy(other, next, sizeof other);
-    for (size_t i = 999;; i--)
-        if (other[t0->word + i / 32] >> (i % 32) & 1) {
-            other[t0->word + i / 32] &= ~(1u << (i % 32)); /* the one that joins */
-            break;
-        }
-    delta_refused(p, other, code, nb, "tensor t0: a position left the mask that was not");
-    /* the same delta applied to the next mask: the one that joins is in */
-    delta_refused(p, next, code, nb, "tensor t0");
     /* an unknown form (3) */
     memcpy(bad, code, sizeof bad);
     bad[0] |= 3u;
@@ -310,7 +302,9 @@ START_TEST(malformed_deltas_refused)
     uint32_t cf[64] = { 0 };
     ck_assert_int_eq(mdelta_encode(p, 0, 2, prev, fewer, cf), SCAPE_INVALID);
     /* one mask, one code: an unchanged t1 (40 long, k = 1) sent as its
-     * bitmap (form 2) where its position list is shorter is refused */
+     * bitmap (form 2) or its position list (form 0: a zero, then 7 in r =
+     * 4 bits) where its change (form 1: the count 0 in one bit) is
+     * shorter, is refused */
     eng_tensor one_t[] = { { "t1", 0, 40, 0 } };
     plan *q = NULL;
     ck_assert_int_eq(plan_build(&q, one_t, 1, 1, 0.01), SCAPE_OK);
@@ -319,16 +313,43 @@ START_TEST(malformed_deltas_refused)
     ck_assert_int_eq(mdelta_decode(q, 0, 1, qm, qc, 8, qo, 3), SCAPE_PROTO);
     ck_assert_msg(strstr(scape_last_error(), "tensor t1: a tensor in a longer form"),
                   "%s", scape_last_error());
-    /* and the same mask as the encoder writes it (its list) is taken */
+    uint32_t ql[1] = { 7u << 3 };
+    ck_assert_int_eq(mdelta_decode(q, 0, 1, qm, ql, 4, qo, 3), SCAPE_PROTO);
+    ck_assert_msg(strstr(scape_last_error(), "tensor t1: a tensor in a longer form"),
+                  "%s", scape_last_error());
+    /* and the same mask as the encoder writes it (no change: 3 bits) is taken */
     uint32_t qe[2] = { 0 };
     ck_assert_int_eq(mdelta_encode(q, 0, 1, qm, qm, qe), SCAPE_OK);
-    ck_assert_uint_eq(qe[0] & 3u, 0u);
+    ck_assert_uint_eq(qe[0], 1u);
     ck_assert_int_eq(mdelta_decode(q, 0, 1, qm, qe, mdelta_bytes(q, 0, 1, qm, qm), qo, 3),
                      SCAPE_OK);
     ck_assert_uint_eq(qo[0], qm[0]);
     plan_destroy(&q);
+    /* indices past the positions they count, by hand: t1 of 40, k = 2,
+     * the last mask {3, 9}; form 1 (bits 0..1), one left (bits 2..3) */
+    eng_tensor two_t[] = { { "t1", 0, 40, 0 } };
+    ck_assert_int_eq(plan_build(&q, two_t, 1, 1, 0.05), SCAPE_OK);
+    ck_assert_uint_eq(q->t[0].k, 2);
+    uint32_t tm[2] = { 1u << 3 | 1u << 9, 0 };
+    /* the one that left as index 2 of prev's 2 (r = 0: two ones, a zero) */
+    uint32_t past_left[1] = { 1u | 1u << 2 | 1u << 4 | 1u << 5 };
+    ck_assert_int_eq(mdelta_decode(q, 0, 1, tm, past_left, 4, qo, 3), SCAPE_PROTO);
+    ck_assert_msg(strstr(scape_last_error(), "tensor t1: a delta index past the positions"),
+                  "%s", scape_last_error());
+    /* index 0 left, and the one that joined as index 38 of the 38 free
+     * (r = 4: two ones, a zero, then 38 & 15 = 6 in 4 bits) */
+    uint32_t past_joined[1] = { 1u | 1u << 2 | 1u << 5 | 1u << 6 | 6u << 8 };
+    ck_assert_int_eq(mdelta_decode(q, 0, 1, tm, past_joined, 4, qo, 3), SCAPE_PROTO);
+    ck_assert_msg(strstr(scape_last_error(), "tensor t1: a delta index past the positions"),
+                  "%s", scape_last_error());
+    /* index 37 of the free ones is position 39: {9, 39}, taken */
+    uint32_t in_range[1] = { 1u | 1u << 2 | 1u << 5 | 1u << 6 | 5u << 8 };
+    ck_assert_int_eq(mdelta_decode(q, 0, 1, tm, in_range, 4, qo, 3), SCAPE_OK);
+    ck_assert_uint_eq(qo[0], 1u << 9);
+    ck_assert_uint_eq(qo[1], 1u << (39 - 32));
+    plan_destroy(&q);
     /* a mask unlike the last one: its tensors go whole, and decode to it */
-    uint32_t whole[64] = { 0 };
+    uint32_t whole[64] = { 0 }, other[40] = { 0 };
     uint32_t far[40] = { 0 };
     random_mask(p, far, &seed);
     size_t nw = mdelta_bytes(p, 0, 2, prev, far);
