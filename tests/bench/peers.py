@@ -23,7 +23,13 @@ fails on nothing but the runs themselves. Needs root (namespaces), torch.
 
 usage: tests/bench/peers.py BUILD_DIR [--rates 100mbit,10mbit] [--steps N]
            [--lrs 1e-3,3e-3] [--runs adamw,psgd1,psgd4,adams,scape0.1,scape0.01]
-           [--eval-every E] [--markdown FILE] [--plot FILE.svg]
+           [--eval-every E] [--time-rates 1gbit,10mbit] [--time-steps S]
+           [--markdown FILE] [--plot FILE.svg]
+   --time-rates: after the full runs (at the first of --rates), each run again
+   for S steps at its best learning rate on links of each of these rates, for
+   the step times there; the time to each loss level at such a rate is then
+   derived (the full run's steps, timed as measured at that rate), and the
+   crossover link rate is fitted through all of them against 1/rate.
    (worker mode, run by the benchmark itself on each host: peers.py --worker ...)
 """
 import argparse
@@ -90,7 +96,7 @@ def worker(a):
         step = lambda loss: opt.step(lambda: loss)  # noqa: E731
     targs = argparse.Namespace(lr=a.lr, lr_warmup=a.lr_warmup, steps=a.steps)
     nograd = lambda: torch.autocast(device_type="cpu", enabled=False)  # noqa: E731
-    trained, curve = 0.0, []
+    trained, curve, step_s = 0.0, [], []
     for t in range(1, a.steps + 1):
         t0 = time.perf_counter()
         gen = torch.Generator().manual_seed((1 + a.rank) * 1000003 + t)
@@ -101,13 +107,14 @@ def worker(a):
         for g in opt.param_groups:
             g["lr"] = tt.lr_at(targs, t)
         step(loss)
-        trained += time.perf_counter() - t0
+        step_s.append(time.perf_counter() - t0)
+        trained += step_s[-1]
         if a.rank == 0 and (t % a.eval_every == 0 or t == a.steps):
             curve.append((t, trained, tt.evaluate(model, val, a.ctx, a.eval_windows, "cpu",
                                                   nograd)))
     if a.rank == 0:
         with open(a.out, "w") as f:
-            json.dump({"curve": curve, "train_s": trained}, f)
+            json.dump({"curve": curve, "train_s": trained, "step_s": step_s}, f)
     if a.family == "ddp":
         import torch.distributed as dist
         dist.barrier()  # nobody leaves while another still talks to it
@@ -133,11 +140,13 @@ def tx_bytes(ns):
     return json.loads(r.stdout)[0]["stats64"]["tx"]["bytes"]
 
 
-def one_run(a, name, rate, lr, work, key, port):
+def one_run(a, name, rate, lr, work, key, port, steps=None):
     family, settings = RUNS[name]
-    out = os.path.join(work, "%s-%s-%g.json" % (name, rate, lr))
-    common = ["--corpus", a.corpus, "--steps", str(a.steps), "--lr", str(lr),
-              "--eval-every", str(a.eval_every), "--family", family, "--out", out]
+    steps = steps or a.steps
+    out = os.path.join(work, "%s-%s-%g-%d.json" % (name, rate, lr, steps))
+    common = ["--corpus", a.corpus, "--steps", str(steps), "--lr", str(lr),
+              "--eval-every", str(a.eval_every if steps == a.steps else steps),
+              "--family", family, "--out", out]
     if family == "ddp":
         common += ["--powersgd", str(settings["powersgd"])]
     procs, logs = [], []
@@ -188,8 +197,8 @@ def one_run(a, name, rate, lr, work, key, port):
     after = [tx_bytes("%s-h%d" % (a.hosts, r)) for r in range(WORLD)]
     with open(out) as f:
         res = json.load(f)
-    res["tx_per_step"] = sum(b - c for b, c in zip(after, before)) / WORLD / a.steps
-    res["step_ms"] = 1e3 * res["train_s"] / a.steps
+    res["tx_per_step"] = sum(b - c for b, c in zip(after, before)) / WORLD / steps
+    res["step_ms"] = 1e3 * res["train_s"] / steps
     res["final"] = res["curve"][-1][2]
     return res
 
@@ -201,16 +210,20 @@ def time_to(curve, level):
     return None
 
 
+def levels_of(a, best, rate):
+    """The shared loss levels: what dense AdamS and PowerSGD rank 4 end at."""
+    levels = []
+    if "adams" in a.runs:
+        levels.append(("dense AdamS's final", best[rate, "adams"]["final"]))
+    if "psgd4" in a.runs:
+        levels.append(("PowerSGD rank 4's final", best[rate, "psgd4"]["final"]))
+    return levels
+
+
 def report(a, best, rates):
     lines = []
     for rate in rates:
-        dense = best[rate, "adams"] if ("adams" in a.runs) else None
-        psgd4 = best[rate, "psgd4"] if ("psgd4" in a.runs) else None
-        levels = []
-        if dense:
-            levels.append(("dense AdamS's final", dense["final"]))
-        if psgd4:
-            levels.append(("PowerSGD rank 4's final", psgd4["final"]))
+        levels = levels_of(a, best, rate)
         lines.append("")
         lines.append("Links of %s, 4 hosts, %d steps, each run at its best learning rate of %s:"
                      % (rate, a.steps, ", ".join("%g" % x for x in a.lrs)))
@@ -229,6 +242,90 @@ def report(a, best, rates):
                 cells.append("%d, %.1f s" % hit if hit else "not reached")
             lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def derived_time(curve_run, timed, level):
+    """Training seconds a run needs to reach level at a timed rate: the steps
+    it took in the full run, timed as the short run at that rate measured
+    them (its own steps, then the mean of its steps after the warm-up)."""
+    hit = time_to(curve_run["curve"], level)
+    if not hit:
+        return None
+    n, st = hit[0], timed["step_s"]
+    sparse = st[WARMUP:] or st
+    return sum(st[:n]) + max(0, n - len(st)) * sum(sparse) / len(sparse)
+
+
+def fit_line(xs, ys):
+    """Least squares y = p + q x."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    q = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return my - q * mx, q
+
+
+RATE_UNIT = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+
+
+def rate_bps(rate):
+    for u, f in RATE_UNIT.items():
+        if rate.endswith(u):
+            return float(rate[:-len(u)]) * f
+    return float(rate)
+
+
+def timing_report(a, best, main, timed, levels):
+    """Step times at the other rates, the derived times to each level, and
+    the crossover link rate, by a line fitted in 1/rate through them."""
+    rates = [main] + a.time_rates
+    lines = ["", "Step times at every link rate (the full runs at %s; at the others %d-step "
+             "runs at each run's best learning rate), and the training time to each "
+             "level: the steps the full run took, timed at that rate (derived):" % (
+                 main, a.time_steps), ""]
+    head = "| run | link | bytes/step/host | warm-up ms/step | sparse ms/step | " + \
+        " | ".join("s to %s" % n for n, _ in levels) + " |"
+    lines += [head, "|" + "---|" * (5 + len(levels))]
+    tt = {}
+    for name in a.runs:
+        for rate in rates:
+            r = best[main, name] if rate == main else timed[rate, name]
+            st = r["step_s"]
+            warm, sparse = st[:WARMUP], st[WARMUP:] or st
+            cells = [LABEL[name], rate, "%.0f" % r["tx_per_step"],
+                     "%.1f" % (1e3 * sum(warm) / max(1, len(warm))),
+                     "%.1f" % (1e3 * sum(sparse) / len(sparse))]
+            for ln, v in levels:
+                d = derived_time(best[main, name], r, v)
+                tt[name, rate, ln] = d
+                cells.append("%.1f" % d if d is not None else "not reached")
+            lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Crossover: the link rate below which a SCAPE run reaches the level in "
+              "less training time than the peer (a line fitted through the times above "
+              "against 1/rate; a projection outside %s..%s):" % (
+                  min(rates, key=rate_bps), max(rates, key=rate_bps)), ""]
+    lines += ["| SCAPE run | peer | level | crossover |", "|---|---|---|---|"]
+    for sn in [n for n in a.runs if n.startswith("scape")]:
+        for pn in [n for n in a.runs if not n.startswith("scape")]:
+            for ln, _ in levels:
+                pts = [(1 / rate_bps(r), tt[sn, r, ln], tt[pn, r, ln]) for r in rates]
+                if any(s_ is None for _, s_, _ in pts):
+                    cell = "SCAPE does not reach it"
+                elif any(p_ is None for _, _, p_ in pts):
+                    cell = "the peer does not reach it"
+                else:
+                    sp, sq = fit_line([x for x, _, _ in pts], [y for _, y, _ in pts])
+                    pp, pq = fit_line([x for x, _, _ in pts], [y for _, _, y in pts])
+                    if pq <= sq:
+                        cell = ("SCAPE faster at every rate" if sp < pp else
+                                "none: the peer is faster at every rate")
+                    else:
+                        x = (sp - pp) / (pq - sq)
+                        cell = ("SCAPE faster at every rate" if x <= 0 else
+                                "%.1f Mbit/s" % (1e-6 / x))
+                lines.append("| %s | %s | %s | %s |" % (LABEL[sn], LABEL[pn], ln, cell))
+    return lines
+
 
 
 def plot(a, best, rates, path):
@@ -271,6 +368,9 @@ def main():
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--eval-windows", type=int, default=32)
     ap.add_argument("--timeout", type=int, default=3600, help="longest run, s")
+    ap.add_argument("--time-rates", default="",
+                    help="more link rates, each run timed there for --time-steps steps")
+    ap.add_argument("--time-steps", type=int, default=60)
     ap.add_argument("--markdown")
     ap.add_argument("--plot")
     # the model and the schedule: torch_train.py's defaults
@@ -303,6 +403,7 @@ def main():
             ap.error("unknown run %r (%s)" % (r, ", ".join(RUNS)))
     a.lrs = [float(x) for x in a.lrs.split(",")]
     rates = a.rates.split(",")
+    a.time_rates = [r for r in a.time_rates.split(",") if r]
     work = tempfile.mkdtemp(prefix="scape-peers-")
     a.corpus = os.path.join(work, "fortunes.txt")
     subprocess.run(["sh", os.path.join(ROOT, "client", "examples", "fortunes-corpus.sh"),
@@ -312,7 +413,7 @@ def main():
                    capture_output=True)
     a.hosts = "peers%d" % os.getpid()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("peers: stopped (SIGTERM)"))
-    best, port, t0 = {}, PORT, time.time()
+    best, timed, port, t0 = {}, {}, PORT, time.time()
     try:
         for rate in rates:
             hosts(a.hosts, "up", str(WORLD), "--rate", rate)
@@ -328,12 +429,23 @@ def main():
                     if (rate, name) not in best or res["final"] < best[rate, name]["final"]:
                         best[rate, name] = res
             hosts(a.hosts, "down")
+        for rate in a.time_rates:  # step times only, at each run's best lr
+            hosts(a.hosts, "up", str(WORLD), "--rate", rate)
+            for name in a.runs:
+                port += 1
+                lr = best[rates[0], name]["lr"]
+                print("peers: timing %s at %s, lr %g ... (%.0f s so far)" % (
+                    name, rate, lr, time.time() - t0), file=sys.stderr, flush=True)
+                timed[rate, name] = one_run(a, name, rate, lr, work, key, port, a.time_steps)
+            hosts(a.hosts, "down")
     finally:
         subprocess.run(["bash", HOSTS_SH, "down", "--name", a.hosts], capture_output=True)
     lines = ["peers.py: 4 trainers on 4 test hosts, torch_train.py's GPT (d %d, %d layers, "
              "ctx %d, batch %d per trainer), %d steps, eval on %d fixed windows; "
              "command: %s" % (a.d, a.layers, a.ctx, a.batch, a.steps, a.eval_windows,
                               " ".join(sys.argv))] + report(a, best, rates)
+    if a.time_rates:
+        lines += timing_report(a, best, rates[0], timed, levels_of(a, best, rates[0]))
     print("\n".join(lines))
     if a.markdown:
         with open(a.markdown, "w") as f:
