@@ -316,6 +316,19 @@ static scape_rc pull(trainer **ts, int n, int grads, size_t bytes, uint64_t *cop
     return SCAPE_OK;
 }
 
+/* Trainers that hand over by event (grad_event) have recorded it on the
+ * stream that made their gradients: wait for each, bounded, naming the one
+ * that does not get there. */
+static scape_rc await_grads(const server *s, trainer **ts, int n)
+{
+    for (int i = 0; i < n; i++) {
+        char what[64];
+        snprintf(what, sizeof what, "step: trainer %d", ts[i]->index);
+        TRY(shm_map_wait_event(&ts[i]->grads, s->cfg.comm_timeout_ms, what));
+    }
+    return SCAPE_OK;
+}
+
 static scape_rc push_params(trainer **ts, int n, size_t bytes, uint64_t *copied)
 {
     for (int i = 0; i < n; i++)
@@ -384,6 +397,15 @@ static scape_rc on_register(server *s, trainer *t, const Scape__Register *g)
                                t->index, (double)g->max_grad_norm,
                                (double)s->cfg.engine.max_grad_norm, (double)g->max_grad_norm,
                                (double)s->cfg.engine.max_grad_norm);
+    if (g->has_grad_event && (g->grads->kind != SCAPE__MEM_KIND__CUDA_IPC ||
+                              g->params->kind != SCAPE__MEM_KIND__CUDA_IPC))
+        return scape_set_error(SCAPE_INVALID, "register: trainer %d sent a gradient-ready "
+                               "event, but its buffers are not both CUDA IPC buffers (events "
+                               "order device memory only)", t->index);
+    if (g->has_grad_event && g->grad_event.len != SHM_IPC_HANDLE_BYTES)
+        return scape_set_error(SCAPE_INVALID, "register: trainer %d's grad_event: an "
+                               "interprocess event handle has %d bytes, not %zu", t->index,
+                               SHM_IPC_HANDLE_BYTES, g->grad_event.len);
     eng_group groups[ENG_MAX_GROUPS];
     size_t ngroups = 0;
     kern_dtype pdt = KERN_F32, gdt = KERN_F32;
@@ -403,6 +425,13 @@ static scape_rc on_register(server *s, trainer *t, const Scape__Register *g)
         s->numel = numel;
         rc = map_buffers(s, g, numel, pdt, gdt, t);
     }
+    unsigned char pev[SHM_IPC_HANDLE_BYTES];
+    if (rc == SCAPE_OK && g->has_grad_event) {
+        rc = shm_map_open_event(&t->grads, g->grad_event.data, g->grad_event.len,
+                                "register: grad_event");
+        if (rc == SCAPE_OK)
+            rc = shm_map_export_event(&t->params, pev, "register: params_event");
+    }
     if (rc != SCAPE_OK) {
         if (!had_layout && s->layout && ctl_registered(s) == 0 && s->eng == NULL) {
             for (size_t i = 0; i < s->ntensors; i++)
@@ -418,6 +447,9 @@ static scape_rc on_register(server *s, trainer *t, const Scape__Register *g)
     Scape__Registered rg = SCAPE__REGISTERED__INIT;
     rg.numel = numel;
     rg.trainers = (uint32_t)ctl_registered(s);
+    rg.has_params_event = g->has_grad_event;
+    rg.params_event.data = pev;
+    rg.params_event.len = g->has_grad_event ? sizeof pev : 0;
     Scape__Reply r = SCAPE__REPLY__INIT;
     r.body_case = SCAPE__REPLY__BODY_REGISTERED;
     r.registered = &rg;
@@ -701,11 +733,15 @@ static void run_step(server *s, trainer **ts, int n)
     if (rc == SCAPE_OK)
         rc = follow_trainers(s, n);
     if (rc == SCAPE_OK)
+        rc = await_grads(s, ts, n);
+    if (rc == SCAPE_OK)
         rc = pull(ts, n, 1, gb, &copied);
     if (rc == SCAPE_OK) {
         rc = eng_step_groups(s->eng, t, ts[0]->lr, grads, params);
         if (rc == SCAPE_OK)
             rc = push_params(ts, n, pb, &copied);
+        for (int i = 0; i < n && rc == SCAPE_OK; i++)
+            rc = shm_map_record_event(&ts[i]->params, "step");
         if (rc != SCAPE_OK) {
             srv_mark_broken(s);
             LOG_ERROR(SUB_ENGINE, "step %llu failed: %s", (unsigned long long)t,

@@ -16,6 +16,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 
 #include <cuda_runtime.h>
 
@@ -190,8 +191,94 @@ scape_rc shm_map_write(shm_map *m, const void *src, size_t bytes)
     return move(m->dev, src, bytes, "write into the trainer's device buffer");
 }
 
+/* ---- events --------------------------------------------------------------- */
+
+_Static_assert(sizeof(cudaIpcEventHandle_t) == SHM_IPC_HANDLE_BYTES, "IPC event handle size");
+
+scape_rc shm_map_open_event(shm_map *m, const void *handle, size_t handle_len,
+                            const char *what)
+{
+    if (handle == NULL || handle_len != SHM_IPC_HANDLE_BYTES)
+        return scape_set_error(SCAPE_INVALID, "%s: an interprocess event handle has %d bytes, "
+                               "not %zu", what, SHM_IPC_HANDLE_BYTES, handle_len);
+    cudaIpcEventHandle_t h;
+    memcpy(&h, handle, sizeof h);
+    cudaEvent_t ev = NULL;
+    cudaError_t e = cudaIpcOpenEventHandle(&ev, h);
+    if (e != cudaSuccess)
+        return scape_set_error(SCAPE_INVALID, "%s: cudaIpcOpenEventHandle: %s (an event of "
+                               "another process on this node, made with cudaEventInterprocess "
+                               "and cudaEventDisableTiming?)", what, cudaGetErrorString(e));
+    if (m->event)
+        cudaEventDestroy((cudaEvent_t)m->event);
+    m->event = ev;
+    return SCAPE_OK;
+}
+
+scape_rc shm_map_export_event(shm_map *m, unsigned char *handle, const char *what)
+{
+    cudaEvent_t ev = NULL;
+    cudaError_t e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming | cudaEventInterprocess);
+    if (e != cudaSuccess)
+        return scape_set_error(SCAPE_CUDA, "%s: cudaEventCreateWithFlags: %s", what,
+                               cudaGetErrorString(e));
+    cudaIpcEventHandle_t h;
+    if ((e = cudaIpcGetEventHandle(&h, ev)) != cudaSuccess) {
+        cudaEventDestroy(ev);
+        return scape_set_error(SCAPE_CUDA, "%s: cudaIpcGetEventHandle: %s", what,
+                               cudaGetErrorString(e));
+    }
+    memcpy(handle, &h, sizeof h);
+    if (m->event)
+        cudaEventDestroy((cudaEvent_t)m->event);
+    m->event = ev;
+    return SCAPE_OK;
+}
+
+scape_rc shm_map_wait_event(const shm_map *m, int timeout_ms, const char *what)
+{
+    if (m->event == NULL)
+        return SCAPE_OK;
+    struct timespec t0, now, nap = { 0, 20000 }; /* 20 us between polls */
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (;;) {
+        cudaError_t e = cudaEventQuery((cudaEvent_t)m->event);
+        if (e == cudaSuccess)
+            return SCAPE_OK;
+        if (e != cudaErrorNotReady)
+            return scape_set_error(SCAPE_CUDA, "%s: cudaEventQuery: %s", what,
+                                   cudaGetErrorString(e));
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        double ms = (double)(now.tv_sec - t0.tv_sec) * 1e3 +
+                    (double)(now.tv_nsec - t0.tv_nsec) / 1e6;
+        if (ms > (double)timeout_ms)
+            return scape_set_error(SCAPE_TIMEOUT, "%s: the trainer's gradient-ready event has "
+                                   "not completed after %d ms (its stream is stuck or its "
+                                   "process gone)", what, timeout_ms);
+        nanosleep(&nap, NULL);
+    }
+}
+
+scape_rc shm_map_record_event(shm_map *m, const char *what)
+{
+    static cudaStream_t quiet; /* a stream of the daemon's own, with nothing on it */
+    if (m->event == NULL)
+        return SCAPE_OK;
+    cudaError_t e = cudaSuccess;
+    if (quiet == NULL)
+        e = cudaStreamCreateWithFlags(&quiet, cudaStreamNonBlocking);
+    if (e == cudaSuccess)
+        e = cudaEventRecord((cudaEvent_t)m->event, quiet);
+    if (e != cudaSuccess)
+        return scape_set_error(SCAPE_CUDA, "%s: recording the parameters-ready event: %s", what,
+                               cudaGetErrorString(e));
+    return SCAPE_OK;
+}
+
 void shm_map_close_cuda(shm_map *m)
 {
+    if (m->event)
+        cudaEventDestroy((cudaEvent_t)m->event);
     if (m->mapped)
         cudaIpcCloseMemHandle(m->mapped);
     if (m->addr)

@@ -64,3 +64,36 @@ scape_rc shm_map_write(shm_map *m, const void *src, size_t bytes)
     memcpy(m->addr, src, bytes);
     return SCAPE_OK;
 }
+
+scape_rc shm_map_open_event(shm_map *m, const void *handle, size_t handle_len,
+                            const char *what)
+{
+    (void)m;
+    (void)handle;
+    (void)handle_len;
+    return scape_set_error(SCAPE_UNSUPPORTED, "register: %s: interprocess CUDA events need a "
+                           "scaped built with CUDA (this one is CPU-only)", what);
+}
+
+scape_rc shm_map_export_event(shm_map *m, unsigned char *handle, const char *what)
+{
+    (void)m;
+    (void)handle;
+    return scape_set_error(SCAPE_UNSUPPORTED, "register: %s: interprocess CUDA events need a "
+                           "scaped built with CUDA (this one is CPU-only)", what);
+}
+
+scape_rc shm_map_wait_event(const shm_map *m, int timeout_ms, const char *what)
+{
+    (void)m;
+    (void)timeout_ms;
+    (void)what;
+    return SCAPE_OK;
+}
+
+scape_rc shm_map_record_event(shm_map *m, const char *what)
+{
+    (void)m;
+    (void)what;
+    return SCAPE_OK;
+}

@@ -28,6 +28,9 @@ typedef struct shm_map {
                                                 whole allocation */
     size_t offset;           /* CUDA IPC: the buffer's place in that allocation */
     int device;              /* CUDA IPC: the trainer's device ordinal */
+    void *event;             /* CUDA IPC, a cudaEvent_t: the trainer's
+                                gradient-ready event (grads), or the daemon's
+                                parameters-ready event (params); NULL: none */
 } shm_map;
 
 /* What the engine reads and writes: the pinned copy or the mapping, else
@@ -70,6 +73,22 @@ scape_rc shm_map_write(shm_map *m, const void *src, size_t bytes);
  * and for CUDA IPC buffers without a copy. */
 scape_rc shm_map_pull(shm_map *m, size_t bytes, uint64_t *copied);
 scape_rc shm_map_push(shm_map *m, size_t bytes, uint64_t *copied);
+/* Events instead of device synchronisations (Register.grad_event,
+ * Registered.params_event), interprocess events of SHM_IPC_HANDLE_BYTES:
+ *  - open: the trainer's gradient-ready event, which it records on the
+ *    stream that made the gradients before each Step, kept with m;
+ *  - export: an event of the daemon's, kept with m, its handle written out;
+ *  - wait: until the last record of m's event has completed, polled and
+ *    given up after timeout_ms (nothing to do without an event), so that a
+ *    trainer whose stream never gets there is named, not waited for;
+ *  - record: m's event, once the step's parameters are in place (the engine
+ *    has returned: it is complete at once).
+ * UNSUPPORTED in a build without CUDA.  The event goes with shm_map_close. */
+scape_rc shm_map_open_event(shm_map *m, const void *handle, size_t handle_len,
+                            const char *what);
+scape_rc shm_map_export_event(shm_map *m, unsigned char *handle, const char *what);
+scape_rc shm_map_wait_event(const shm_map *m, int timeout_ms, const char *what);
+scape_rc shm_map_record_event(shm_map *m, const char *what);
 /* Close a CUDA IPC buffer (called by shm_map_close). */
 void shm_map_close_cuda(shm_map *m);
 

@@ -47,6 +47,7 @@ struct scape_session {
     uint64_t next_step;
     shm_buf params, grads;
     lsc_dev_buf dparams, dgrads;  /* SCAPE_MEMORY_CUDA */
+    lsc_dev_events dev_ev;        /* SCAPE_MEMORY_CUDA: ordering with the daemon */
     int in_flight;  /* a step was begun and not yet waited for */
     int dead;       /* the daemon said goodbye */
     int dev_shared; /* the daemon may have dparams/dgrads open (CUDA IPC) */
@@ -417,15 +418,26 @@ static scape_rc register_layout(scape_session *s, const scape_tensor *layout, si
     g.group_weight_decay = (float *)s->opts.group_weight_decay;
     g.has_max_grad_norm = s->opts.max_grad_norm >= 0.0f;
     g.max_grad_norm = s->opts.max_grad_norm;
+    g.has_grad_event = on_device(s);
+    g.grad_event.data = s->dev_ev.grad_handle;
+    g.grad_event.len = on_device(s) ? sizeof s->dev_ev.grad_handle : 0;
     Scape__Request q = SCAPE__REQUEST__INIT;
     q.body_case = SCAPE__REQUEST__BODY_REGISTER;
     q.register_ = &g;
     /* From here the daemon may open the device buffers; only its answer to
      * a detach says that it has closed them again. */
     s->dev_shared = on_device(s);
-    scape_rc rc = call(s, &q, SCAPE__REPLY__BODY_REGISTERED, NULL);
+    Scape__Reply *r = NULL;
+    scape_rc rc = call(s, &q, SCAPE__REPLY__BODY_REGISTERED, &r);
     free(ts);
     free(tp);
+    /* a daemon that knows events answers with its own; one that does not
+     * ignored ours, and each step then synchronises the stream instead */
+    if (rc == SCAPE_OK && on_device(s) && r->registered->has_params_event)
+        rc = lsc_cuda_events_open_params(&s->dev_ev, r->registered->params_event.data,
+                                         r->registered->params_event.len);
+    if (r)
+        scape__reply__free_unpacked(r, NULL);
     return rc;
 }
 
@@ -444,8 +456,9 @@ static void session_free(scape_session *s)
                 "buffers (%zu bytes); they stay allocated until the process ends\n",
                 s->dparams.bytes + s->dgrads.bytes);
     } else {
-        lsc_cuda_free(&s->dparams);
-        lsc_cuda_free(&s->dgrads);
+        lsc_cuda_free(&s->dparams, s->dev_ev.stream);
+        lsc_cuda_free(&s->dgrads, s->dev_ev.stream);
+        lsc_cuda_events_free(&s->dev_ev);
     }
     free(s);
 }
@@ -495,7 +508,11 @@ scape_rc scape_attach(const char *endpoint, const scape_tensor *layout, size_t n
     size_t pb = numel * (o.param_dtype == SCAPE_DTYPE_BF16 ? 2 : 4);
     size_t gb = numel * (o.grad_dtype == SCAPE_DTYPE_BF16 ? 2 : 4);
     if (on_device(s)) {
-        rc = lsc_cuda_alloc(&s->dparams, o.device, pb);
+        rc = lsc_cuda_check_ipc(o.device);
+        if (rc == SCAPE_OK)
+            rc = lsc_cuda_events_create(&s->dev_ev, o.device);
+        if (rc == SCAPE_OK)
+            rc = lsc_cuda_alloc(&s->dparams, o.device, pb);
         if (rc == SCAPE_OK)
             rc = lsc_cuda_alloc(&s->dgrads, o.device, gb);
     } else {
@@ -544,7 +561,7 @@ scape_rc scape_sync(scape_session *s)
         return scape_set_error(SCAPE_INVALID, "scape_sync: session is NULL");
     if (s->in_flight)
         return scape_set_error(SCAPE_INVALID, "scape_sync: a step is in flight");
-    if (on_device(s) && lsc_cuda_sync(s->opts.device) != SCAPE_OK)
+    if (on_device(s) && lsc_cuda_grads_ready(&s->dev_ev, 1) != SCAPE_OK)
         return SCAPE_CUDA; /* the initial parameters must be in place */
     Scape__Sync y = SCAPE__SYNC__INIT;
     Scape__Request q = SCAPE__REQUEST__INIT;
@@ -651,8 +668,9 @@ scape_rc scape_step_begin_groups(scape_session *s, uint64_t step, const float *l
         return scape_set_error(SCAPE_INVALID, "scape_step_begin: a step is already in flight");
     if (s->dead)
         return scape_set_error(SCAPE_REMOTE, "scaped has shut down this session");
-    /* The daemon reads the gradients as soon as it has the step. */
-    if (on_device(s) && lsc_cuda_sync(s->opts.device) != SCAPE_OK)
+    /* The daemon reads the gradients once the stream that made them has
+     * got to this point: the event it waits for (no device sync). */
+    if (on_device(s) && lsc_cuda_grads_ready(&s->dev_ev, 0) != SCAPE_OK)
         return SCAPE_CUDA;
     Scape__Step st = SCAPE__STEP__INIT;
     st.step = step;
@@ -708,10 +726,26 @@ scape_rc scape_step_wait(scape_session *s, scape_step_info *info)
     if (r->body_case != SCAPE__REPLY__BODY_STEP_DONE)
         rc = scape_set_error(SCAPE_PROTO, "unexpected reply to a step (body %d)",
                              (int)r->body_case);
+    else if (on_device(s) && lsc_cuda_params_ready(&s->dev_ev) != SCAPE_OK)
+        rc = SCAPE_CUDA; /* the stream (or the host) after the new parameters */
     else if (info)
         fill_info(r->step_done, info);
     scape__reply__free_unpacked(r, NULL);
     return rc;
+}
+
+scape_rc scape_set_stream(scape_session *s, void *stream, int blocking)
+{
+    if (s == NULL)
+        return scape_set_error(SCAPE_INVALID, "scape_set_stream: session is NULL");
+    if (!on_device(s))
+        return scape_set_error(SCAPE_INVALID, "scape_set_stream: this session's buffers are "
+                               "in host memory (SCAPE_MEMORY_HOST): no stream to order");
+    if (s->in_flight)
+        return scape_set_error(SCAPE_INVALID, "scape_set_stream: a step is in flight");
+    s->dev_ev.stream = stream;
+    s->dev_ev.blocking = blocking != 0;
+    return SCAPE_OK;
 }
 
 scape_rc scape_step(scape_session *s, uint64_t step, float lr, const float *loss,

@@ -285,8 +285,9 @@ static void reg_groups(fuzz_buf *b, uint8_t who, int slot, int groups)
 static void reg(fuzz_buf *b, uint8_t who, int slot) { reg_groups(b, who, slot, 0); }
 
 /* A registration of two CUDA IPC buffers in one (forged) allocation, at
- * the offsets given: the range checks' input (no handle here can open). */
-static void reg_ipc(fuzz_buf *b, uint8_t who, uint64_t poff, uint64_t goff)
+ * the offsets given, with a gradient-ready event handle of ev_len bytes (0:
+ * none): the range and event checks' input (no handle here can open). */
+static void reg_ipc(fuzz_buf *b, uint8_t who, uint64_t poff, uint64_t goff, size_t ev_len)
 {
     static uint8_t handle[64];
     for (int i = 0; i < 64; i++)
@@ -315,6 +316,9 @@ static void reg_ipc(fuzz_buf *b, uint8_t who, uint64_t poff, uint64_t goff)
     g.param_dtype = g.grad_dtype = SCAPE__DTYPE__F32;
     g.params = &ph;
     g.grads = &gh;
+    g.has_grad_event = ev_len > 0;
+    g.grad_event.data = handle;
+    g.grad_event.len = ev_len;
     Scape__Request q = SCAPE__REQUEST__INIT;
     q.body_case = SCAPE__REQUEST__BODY_REGISTER;
     q.register_ = &g;
@@ -433,11 +437,20 @@ void fuzz_seeds(fuzz_emit emit, void *ctx)
      * and one whose offset overflows; none can open here. */
     b->len = 0;
     hello(b, 0, -1);
-    reg_ipc(b, 0, 0, NUMEL * sizeof(float) - 4);
-    reg_ipc(b, 0, 0, NUMEL * sizeof(float));
-    reg_ipc(b, 0, UINT64_MAX - 8, 0);
+    reg_ipc(b, 0, 0, NUMEL * sizeof(float) - 4, 0);
+    reg_ipc(b, 0, 0, NUMEL * sizeof(float), 0);
+    reg_ipc(b, 0, UINT64_MAX - 8, 0, 0);
     bare(b, 3, SCAPE__REQUEST__BODY_STATUS);
     emit(ctx, "cuda-ipc-ranges", b->data, b->len);
+
+    /* ... with gradient-ready events: a handle of the wrong size, and a
+     * well-formed one on buffers apart in one allocation */
+    b->len = 0;
+    hello(b, 0, -1);
+    reg_ipc(b, 0, 0, NUMEL * sizeof(float), 63);
+    reg_ipc(b, 0, 0, NUMEL * sizeof(float), 64);
+    bare(b, 3, SCAPE__REQUEST__BODY_STATUS);
+    emit(ctx, "cuda-ipc-events", b->data, b->len);
 
     /* Parameter groups: a registration with a group that is not there, then
      * two trainers with two groups; steps with the right number of group

@@ -3,10 +3,16 @@
  * scaped.  Each step it copies the parameters to the host, computes the
  * gradients of synth.h there, copies them into the device buffer and posts
  * the step; the final parameters must match trainer_c's and the in-process
- * reference's bit for bit (tests/gpu/run.sh).
+ * reference's bit for bit (tests/gpu/run.sh).  With --stream 1 every copy
+ * runs on a non-blocking stream of its own, handed to libscape
+ * (scape_set_stream, not blocking): the daemon takes the gradients by the
+ * event recorded on it, the stream waits for the new parameters by the
+ * daemon's event, and nothing else orders the two processes, so a wrong
+ * ordering shows as parameters unlike the reference's.  The current device
+ * is checked around every libscape call: it must be what it was.
  *
  * usage: gpu_trainer --endpoint EP --index I --n N --steps S [--seed X]
- *                    [--lr LR] [--device D] --out FILE
+ *                    [--lr LR] [--device D] [--stream 0|1] --out FILE
  */
 #define _POSIX_C_SOURCE 200809L
 #include <stdio.h>
@@ -18,6 +24,13 @@
 #include "scape/scape.h"
 #include "synth.h"
 
+/* The calling thread's current device is still `device`. */
+static int same_device(int device)
+{
+    int now = -1;
+    return cudaGetDevice(&now) == cudaSuccess && now == device;
+}
+
 static int fail(const char *what, const char *why)
 {
     fprintf(stderr, "gpu_trainer: %s: %s\n", what, why);
@@ -27,7 +40,7 @@ static int fail(const char *what, const char *why)
 int main(int argc, char **argv)
 {
     const char *endpoint = NULL, *out = NULL;
-    int index = -1, device = 0;
+    int index = -1, device = 0, use_stream = 0;
     size_t n = 1000;
     uint64_t steps = 10, seed = 1;
     float lr = 1e-2f;
@@ -45,6 +58,7 @@ int main(int argc, char **argv)
         else if (!strcmp(k, "--out")) out = v;
         else if (!strcmp(k, "--index")) index = atoi(v);
         else if (!strcmp(k, "--device")) device = atoi(v);
+        else if (!strcmp(k, "--stream")) use_stream = atoi(v);
         else if (!strcmp(k, "--n")) n = strtoull(v, NULL, 0);
         else if (!strcmp(k, "--steps")) steps = strtoull(v, NULL, 0);
         else if (!strcmp(k, "--seed")) seed = strtoull(v, NULL, 0);
@@ -63,8 +77,17 @@ int main(int argc, char **argv)
     o.memory = SCAPE_MEMORY_CUDA;
     o.device = device;
     scape_session *s = NULL;
+    if (cudaSetDevice(device) != cudaSuccess)
+        return fail("cudaSetDevice", "the trainer's device");
+    cudaStream_t st = NULL; /* NULL: the legacy default stream, libscape blocking */
+    if (use_stream && cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking) != cudaSuccess)
+        return fail("cudaStreamCreateWithFlags", "the trainer's stream");
     if (scape_attach(endpoint, ts, nt, &o, &s) != SCAPE_OK)
         return fail("attach", scape_last_error());
+    if (!same_device(device))
+        return fail("attach", "libscape left another current device");
+    if (use_stream && scape_set_stream(s, st, 0) != SCAPE_OK)
+        return fail("scape_set_stream", scape_last_error());
     index = scape_index(s);
     n = scape_numel(s);
     float *p = malloc(n * sizeof *p), *g = malloc(n * sizeof *g);
@@ -72,33 +95,42 @@ int main(int argc, char **argv)
         return fail("malloc", "out of memory");
     for (size_t i = 0; i < n; i++)
         p[i] = synth_init(seed, index, i);
-    if (cudaMemcpy(scape_params(s), p, n * sizeof *p, cudaMemcpyHostToDevice) != cudaSuccess)
-        return fail("cudaMemcpy", "params in");
+    if (cudaMemcpyAsync(scape_params(s), p, n * sizeof *p, cudaMemcpyHostToDevice, st) !=
+        cudaSuccess)
+        return fail("cudaMemcpyAsync", "params in");
     if (scape_sync(s) != SCAPE_OK)
         return fail("sync", scape_last_error());
     uint64_t first = scape_next_step(s), sent = 0;
     for (uint64_t t = first; t <= steps; t++) {
-        if (cudaMemcpy(p, scape_params(s), n * sizeof *p, cudaMemcpyDeviceToHost) != cudaSuccess)
-            return fail("cudaMemcpy", "params out");
+        if (cudaMemcpyAsync(p, scape_params(s), n * sizeof *p, cudaMemcpyDeviceToHost, st) !=
+                cudaSuccess ||
+            cudaStreamSynchronize(st) != cudaSuccess)
+            return fail("cudaMemcpyAsync", "params out");
         for (size_t l = 0; l < nt; l++)
             for (size_t i = off[l]; i < off[l] + len[l]; i++)
                 g[i] = synth_grad(seed, index, t, i, p[i], synth_scale(l));
-        if (cudaMemcpy(scape_grads(s), g, n * sizeof *g, cudaMemcpyHostToDevice) != cudaSuccess)
-            return fail("cudaMemcpy", "grads in");
+        if (cudaMemcpyAsync(scape_grads(s), g, n * sizeof *g, cudaMemcpyHostToDevice, st) !=
+            cudaSuccess)
+            return fail("cudaMemcpyAsync", "grads in");
         scape_step_info info;
         if (scape_step(s, t, lr, NULL, &info) != SCAPE_OK)
             return fail("step", scape_last_error());
+        if (!same_device(device))
+            return fail("step", "libscape left another current device");
         sent = info.bytes;
     }
-    if (cudaMemcpy(p, scape_params(s), n * sizeof *p, cudaMemcpyDeviceToHost) != cudaSuccess)
-        return fail("cudaMemcpy", "final params");
+    if (cudaMemcpyAsync(p, scape_params(s), n * sizeof *p, cudaMemcpyDeviceToHost, st) !=
+            cudaSuccess ||
+        cudaStreamSynchronize(st) != cudaSuccess)
+        return fail("cudaMemcpyAsync", "final params");
     FILE *f = out ? fopen(out, "wb") : NULL;
     if (out && (f == NULL || fwrite(p, sizeof *p, n, f) != n || fclose(f) != 0))
         return fail(out, "cannot write");
-    printf("gpu_trainer %d: steps %llu..%llu done on CUDA device %d, N=%zu, last step sent "
-           "%llu B, params %016llx\n", index, (unsigned long long)first,
-           (unsigned long long)steps, device, n, (unsigned long long)sent,
-           (unsigned long long)synth_hash(p, n));
+    printf("gpu_trainer %d: steps %llu..%llu done on CUDA device %d (%s), N=%zu, last step "
+           "sent %llu B, params %016llx\n", index, (unsigned long long)first,
+           (unsigned long long)steps, device, use_stream ? "its own stream, by events"
+                                                         : "the default stream, blocking",
+           n, (unsigned long long)sent, (unsigned long long)synth_hash(p, n));
     free(p);
     free(g);
     return scape_detach(&s) == SCAPE_OK ? 0 : fail("detach", scape_last_error());

@@ -377,7 +377,7 @@ run_nccl() {
             --steps 100 --out "$rt/t0" >"$LOGS/trainer_0.txt" 2>&1 &
         tp+=($!)
         timeout "$t" "$BIN/gpu_trainer" --endpoint "ipc://$rt/rt/control" --index 1 \
-            --n 1000000 --steps 100 --out "$rt/t1" >"$LOGS/trainer_1.txt" 2>&1 &
+            --n 1000000 --steps 100 --stream 1 --out "$rt/t1" >"$LOGS/trainer_1.txt" 2>&1 &
         tp+=($!)
         for p in "${tp[@]}"; do wait "$p" || { ok=0 why="a trainer failed"; }; done
     fi
@@ -392,7 +392,7 @@ run_nccl() {
             { ok=0 why="${why:-the reference failed}"; }
     fi
     if [ "$ok" = 1 ] && cmp -s "$rt/t0" "$rt/ref" && cmp -s "$rt/t1" "$rt/ref"; then
-        NCCL_STATUS="$NCCL_STATUS; scaped (cuda executor) on nccl, a host and a CUDA IPC trainer, 100 steps == reference: ok"
+        NCCL_STATUS="$NCCL_STATUS; scaped (cuda executor) on nccl, a host and a CUDA IPC trainer (ordered by events on its own stream), 100 steps == reference: ok"
     else
         NCCL_STATUS="$NCCL_STATUS; scaped on nccl vs reference: FAIL (${why:-parameters differ}; see $LOGS)"
         NCCL_RC=1

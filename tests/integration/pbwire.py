@@ -58,10 +58,12 @@ def mem_ipc(handle, nbytes, offset=None, device=0):
     return body
 
 
-def register(tensors, params, grads, pdt=0, gdt=0):
+def register(tensors, params, grads, pdt=0, gdt=0, grad_event=None):
     body = b"".join(field(1, LEN, tensor(*t)) for t in tensors)
     body += field(2, VARINT, pdt) + field(3, VARINT, gdt)
     body += field(4, LEN, params) + field(5, LEN, grads)
+    if grad_event is not None:  # an interprocess event handle (64 bytes)
+        body += field(8, LEN, grad_event)
     return field(2, LEN, body)
 
 

@@ -151,7 +151,8 @@ def bad_inputs(ctx, endpoint, layout, n):
 def test_cuda_ipc_ranges_checked_before_opening(daemon_factory, tmp_path):
     """A CUDA IPC handle names a whole allocation: forged registrations whose
     buffers overlap in one allocation, with a handle of the wrong size or an
-    offset that overflows are refused with the trainer and the buffer named,
+    offset that overflows, with a gradient-ready event handle of the wrong
+    size or on buffers that are not both CUDA IPC ones, are refused with the trainer and the buffer named,
     before the daemon opens anything (so also in a build without CUDA, or
     without a GPU); a well-formed one gets as far as opening the handle,
     which fails here; and the daemon goes on serving a real trainer."""
@@ -174,6 +175,13 @@ def test_cuda_ipc_ranges_checked_before_opening(daemon_factory, tmp_path):
             layout, pbwire.mem_ipc(h[:63], 4 * total), pbwire.mem_ipc(h, 4 * total, 4 * total)))
         p.refused(INVALID, "bytes overflow", pbwire.register(
             layout, pbwire.mem_ipc(h, 4 * total, 2 ** 64 - 8), pbwire.mem_ipc(h, 4 * total, 0)))
+        # gradient-ready events: the handle's size, and only with CUDA buffers
+        p.refused(INVALID, "grad_event: an interprocess event handle has 64 bytes, not 63",
+                  pbwire.register(layout, pbwire.mem_ipc(h, 4 * total, 0),
+                                  pbwire.mem_ipc(h, 4 * total, 4 * total), grad_event=h[:63]))
+        p.refused(INVALID, "sent a gradient-ready event, but its buffers are not both CUDA IPC",
+                  pbwire.register(layout, pbwire.mem_shm("/scape-none-p", 4 * total),
+                                  pbwire.mem_ipc(h, 4 * total, 0), grad_event=h))
         # apart in one allocation: past the checks, refused where the handle is opened
         status, msg, _ = p.ask(pbwire.register(
             layout, pbwire.mem_ipc(h, 4 * total, 0), pbwire.mem_ipc(h, 4 * total, 4 * total)))

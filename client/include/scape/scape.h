@@ -125,6 +125,16 @@ scape_rc scape_step_begin(scape_session *s, uint64_t step, float lr, const float
 scape_rc scape_step_begin_groups(scape_session *s, uint64_t step, const float *lrs,
                                  int nlrs, const float *loss);
 scape_rc scape_step_wait(scape_session *s, scape_step_info *info);
+/* SCAPE_MEMORY_CUDA: the stream (a cudaStream_t; NULL, the default, for the
+ * legacy default stream) on which the trainer makes its gradients and runs
+ * its next forward.  scape_step_begin records an event on it for the daemon
+ * to wait for, instead of synchronising the device; scape_step_wait, once
+ * the daemon has answered, makes that stream wait for the new parameters
+ * and returns (blocking 0), or waits for them on the host (blocking 1, the
+ * default).  scape_sync synchronises that stream once, for the initial
+ * parameters.  libscape sets the buffers' device only around its own CUDA
+ * calls and gives the caller's current device back.  Between steps. */
+scape_rc scape_set_stream(scape_session *s, void *stream, int blocking);
 
 /* state_dict: the job's checkpoint of the state after the last completed
  * step, asked for on the daemon's status socket (next to an ipc://DIR/control

@@ -166,6 +166,16 @@ class Session:
         _check(lib.scape_sync(self._live()))
         self.next_step = lib.scape_next_step(self._handle)
 
+    def set_stream(self, stream, blocking=False):
+        """CUDA buffers: order the hand-over on `stream` (a cudaStream_t as an
+        int, e.g. torch.cuda.current_stream().cuda_stream; 0 for the legacy
+        default stream) instead of synchronising the device: each step's
+        gradients are taken once that stream has made them, and the stream
+        waits for the new parameters (blocking=True: step_wait waits for them
+        on the host)."""
+        _check(lib.scape_set_stream(self._live(), ctypes.c_void_p(stream or None),
+                                    1 if blocking else 0))
+
     def step(self, lr, step=None, loss=None):
         """Post step `step` (default: next_step) with the gradients in place and
         wait for the new parameters; returns the daemon's StepInfo.  lr: one

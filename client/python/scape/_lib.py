@@ -140,6 +140,7 @@ def _declare(lib):
         "scape_step_begin_groups": (rc, [sess, ctypes.c_uint64, P(ctypes.c_float), ctypes.c_int,
                                          P(ctypes.c_float)]),
         "scape_step_wait": (rc, [sess, P(StepInfo)]),
+        "scape_set_stream": (rc, [sess, ctypes.c_void_p, ctypes.c_int]),
         "scape_checkpoint": (rc, [sess, P(CheckpointInfo)]),
         "scape_resume": (rc, [sess, ctypes.c_char_p, ctypes.c_uint64, ctypes.c_uint64]),
         "scape_detach": (rc, [P(sess)]),

@@ -118,7 +118,9 @@ class ScapeOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for p, off, n in spans:
                 flat_p[off:off + n].copy_(p.reshape(-1))
+        self._device = device if device.type == "cuda" else None
         try:
+            self._follow_stream()  # the initial copies are on torch's current stream
             self.session.sync()
         except scape.ScapeError:
             self.session.detach()
@@ -172,11 +174,19 @@ class ScapeOptimizer(torch.optim.Optimizer):
                 loss = closure()
         lr = ([g["lr"] for g in self.param_groups] if self._grouped
               else self.param_groups[0]["lr"])
+        self._follow_stream()
         self.last_info = self.session.step(lr,
                                            loss=None if loss is None else
                                            float(loss.detach() if torch.is_tensor(loss)
                                                  else loss))
         return loss
+
+    def _follow_stream(self):
+        """On CUDA: hand over on torch's current stream, which waits for the new
+        parameters on the GPU (no device synchronisation, no host wait)."""
+        if self._device is not None:
+            self.session.set_stream(torch.cuda.current_stream(self._device).cuda_stream,
+                                    blocking=False)
 
     def detach(self):
         """Give the parameters private copies of their values, drop .grad, and
