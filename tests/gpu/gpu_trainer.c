@@ -10,11 +10,17 @@
  * daemon's event, and nothing else orders the two processes, so a wrong
  * ordering shows as parameters unlike the reference's.  The current device
  * is checked around every libscape call: it must be what it was.
+ * --die-after-post T kills the trainer (SIGKILL) right after it has posted
+ * step T, its buffers and events still open in the daemon.  A step abandoned
+ * because another trainer died is posted again; a trainer that attaches to a
+ * running job starts at the daemon's next step.
  *
  * usage: gpu_trainer --endpoint EP --index I --n N --steps S [--seed X]
- *                    [--lr LR] [--device D] [--stream 0|1] --out FILE
+ *                    [--lr LR] [--device D] [--stream 0|1] [--die-after-post T]
+ *                    --out FILE
  */
 #define _POSIX_C_SOURCE 200809L
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,7 +48,7 @@ int main(int argc, char **argv)
     const char *endpoint = NULL, *out = NULL;
     int index = -1, device = 0, use_stream = 0;
     size_t n = 1000;
-    uint64_t steps = 10, seed = 1;
+    uint64_t steps = 10, seed = 1, die_at = 0;
     float lr = 1e-2f;
     for (int i = 1; i < argc; i += 2) {
         const char *k = argv[i], *v = argv[i + 1];
@@ -59,6 +65,7 @@ int main(int argc, char **argv)
         else if (!strcmp(k, "--index")) index = atoi(v);
         else if (!strcmp(k, "--device")) device = atoi(v);
         else if (!strcmp(k, "--stream")) use_stream = atoi(v);
+        else if (!strcmp(k, "--die-after-post")) die_at = strtoull(v, NULL, 0);
         else if (!strcmp(k, "--n")) n = strtoull(v, NULL, 0);
         else if (!strcmp(k, "--steps")) steps = strtoull(v, NULL, 0);
         else if (!strcmp(k, "--seed")) seed = strtoull(v, NULL, 0);
@@ -113,7 +120,21 @@ int main(int argc, char **argv)
             cudaSuccess)
             return fail("cudaMemcpyAsync", "grads in");
         scape_step_info info;
-        if (scape_step(s, t, lr, NULL, &info) != SCAPE_OK)
+        if (t == die_at) {
+            if (scape_step_begin(s, t, lr, NULL) != SCAPE_OK)
+                return fail("step", scape_last_error());
+            fprintf(stderr, "gpu_trainer %d: posted step %llu, dying\n", index,
+                    (unsigned long long)t);
+            raise(SIGKILL);
+        }
+        scape_rc rc;
+        for (int tries = 0;; tries++) {
+            rc = scape_step(s, t, lr, NULL, &info);
+            if (rc != SCAPE_REMOTE || !strstr(scape_last_error(), "abandoned") || tries > 100)
+                break;
+            fprintf(stderr, "gpu_trainer %d: %s; posting again\n", index, scape_last_error());
+        }
+        if (rc != SCAPE_OK)
             return fail("step", scape_last_error());
         if (!same_device(device))
             return fail("step", "libscape left another current device");

@@ -7,6 +7,8 @@
 # gpu_check (CUDA twins against the CPU reference), gpu_exec (the cuda
 # executor against the host executor, bitwise), the nccl backend with one
 # rank and a whole scaped on it with a host and a CUDA IPC trainer (run_nccl),
+# CUDA IPC trainers handing over in place, by events, and one killed mid-job
+# (run_handover),
 # the Python binding's CUDA path with torch (run_torch_scape), gpu_bench (GB/s
 # against a device copy) and, when PyTorch with CUDA is importable, the
 # torch.topk timing; with --service also the CPU service benchmark (the
@@ -401,6 +403,101 @@ run_nccl() {
     rm -rf "$rt"
 }
 
+# Hand-over in place (issue 16): one scaped (cuda executor, host comm) with
+# two CUDA IPC trainers, one blocking on the default stream and one ordered
+# only by events on its own stream, against the in-process reference bit for
+# bit, at N = 1e5 (400 KB buffers, under the 2 MiB the allocator may carve
+# one block into) and N = 3e7 (120 MB); then a trainer killed right after
+# posting a step, its buffers and events open in the daemon, a replacement
+# that joins, and the survivor and the replacement equal at the end.
+daemon_up() { # $1: runtime dir; the rest: scaped options.  Sets DPID.
+    local rt=$1
+    shift
+    "$DAEMON" --runtime-dir "$rt" --executor cuda --comm-timeout-ms 60000 "$@" \
+        >>"$LOGS/scaped_handover.txt" 2>&1 &
+    DPID=$!
+    for _ in $(seq 150); do
+        [ -S "$rt/control" ] && return 0
+        kill -0 "$DPID" 2>/dev/null || return 1
+        sleep 0.1
+    done
+    return 1
+}
+
+run_handover() {
+    HANDOVER_STATUS="" HANDOVER_RC=0
+    if [ -z "${DAEMON:-}" ] || [ ! -x "$BIN/gpu_trainer" ]; then
+        HANDOVER_STATUS="not run: scaped or gpu_trainer not built here (carry build-gpu-pack)"
+        not_run "hand-over in place"
+        return
+    fi
+    local ti=${TI:-$BUILD/tests/integration} rt n steps t ok why
+    rt=$(mktemp -d /tmp/scape-hand.XXXXXX)
+    for n in 100000 30000000; do
+        steps=$([ "$n" -gt 1000000 ] && echo 12 || echo 60)
+        t=$(tmo 150)
+        [ "$t" = 0 ] && { HANDOVER_STATUS="$HANDOVER_STATUS; N=$n: not run (out of time)"; not_run "hand-over at N=$n"; continue; }
+        ok=1 why=""
+        rm -rf "$rt/rt"
+        if ! daemon_up "$rt/rt" --trainers 2 --rho 0.01 --warmup 3; then
+            ok=0 why="scaped did not start"
+        else
+            timeout "$t" "$BIN/gpu_trainer" --endpoint "ipc://$rt/rt/control" --index 0 \
+                --n "$n" --steps "$steps" --out "$rt/a" >"$LOGS/hand_a_$n.txt" 2>&1 &
+            local pa=$!
+            timeout "$t" "$BIN/gpu_trainer" --endpoint "ipc://$rt/rt/control" --index 1 \
+                --n "$n" --steps "$steps" --stream 1 --out "$rt/b" >"$LOGS/hand_b_$n.txt" 2>&1 ||
+                { ok=0 why="trainer 1 failed"; }
+            wait "$pa" || { ok=0 why="trainer 0 failed"; }
+            timeout "$t" "$ti/reference" --trainers 2 --n "$n" --steps "$steps" --rho 0.01 \
+                --warmup 3 --out "$rt/ref" >"$LOGS/hand_ref_$n.txt" 2>&1 ||
+                { ok=0 why="${why:-the reference failed}"; }
+        fi
+        kill "$DPID" 2>/dev/null; wait "$DPID" 2>/dev/null
+        DPID=""
+        if [ "$ok" = 1 ] && cmp -s "$rt/a" "$rt/ref" && cmp -s "$rt/b" "$rt/ref"; then
+            HANDOVER_STATUS="$HANDOVER_STATUS; N=$n, two CUDA trainers (blocking, by events) == reference: ok"
+        else
+            HANDOVER_STATUS="$HANDOVER_STATUS; N=$n vs reference: FAIL (${why:-parameters differ}; see $LOGS)"
+            HANDOVER_RC=1
+        fi
+    done
+    t=$(tmo 150)
+    if [ "$t" = 0 ]; then
+        HANDOVER_STATUS="$HANDOVER_STATUS; killed trainer: not run (out of time)"
+        not_run "hand-over with a killed trainer"
+    else
+        ok=1 why=""
+        rm -rf "$rt/rt" "$rt/a" "$rt/c"
+        if ! daemon_up "$rt/rt" --trainers 2 --rho 0.01 --warmup 3; then
+            ok=0 why="scaped did not start"
+        else
+            timeout "$t" "$BIN/gpu_trainer" --endpoint "ipc://$rt/rt/control" --index 0 \
+                --n 1000000 --steps 200 --stream 1 --out "$rt/a" >"$LOGS/kill_a.txt" 2>&1 &
+            local pa=$!
+            timeout "$t" "$BIN/gpu_trainer" --endpoint "ipc://$rt/rt/control" --index 1 \
+                --n 1000000 --steps 200 --die-after-post 20 >"$LOGS/kill_b.txt" 2>&1
+            grep -q "dying" "$LOGS/kill_b.txt" || { ok=0 why="the victim did not die after posting"; }
+            timeout "$t" "$BIN/gpu_trainer" --endpoint "ipc://$rt/rt/control" --index 1 \
+                --n 1000000 --steps 200 --out "$rt/c" >"$LOGS/kill_c.txt" 2>&1 ||
+                { ok=0 why="${why:-the replacement failed}"; }
+            wait "$pa" || { ok=0 why="${why:-the survivor failed}"; }
+            kill -0 "$DPID" 2>/dev/null || { ok=0 why="${why:-scaped died}"; }
+        fi
+        kill "$DPID" 2>/dev/null; wait "$DPID" 2>/dev/null
+        DPID=""
+        if [ "$ok" = 1 ] && cmp -s "$rt/a" "$rt/c"; then
+            HANDOVER_STATUS="$HANDOVER_STATUS; a trainer killed after posting step 20, a replacement joined, survivor == replacement after 200 steps: ok"
+        else
+            HANDOVER_STATUS="$HANDOVER_STATUS; killed trainer: FAIL (${why:-survivor and replacement differ}; see $LOGS)"
+            HANDOVER_RC=1
+        fi
+    fi
+    rm -rf "$rt"
+    HANDOVER_STATUS=${HANDOVER_STATUS#; }
+    progress "handover: $HANDOVER_STATUS"
+}
+
 # The Python binding's CUDA path: torch tensors over CUDA IPC buffers, and a
 # CUDA and a CPU ScapeOptimizer agreeing bitwise (tests/gpu/torch_scape.py).
 run_torch_scape() {
@@ -474,6 +571,7 @@ print_summary() {
     echo "check     : ${status:-gpu_check exited with status $CHECK_RC}"
     echo "exec      : ${EXEC_STATUS:-not run}"
     echo "nccl      : ${NCCL_STATUS:-not run}"
+    echo "handover  : ${HANDOVER_STATUS:-not run}"
     echo "python    : ${TORCH_STATUS:-not run}"
     echo "service   : ${SERVICE_STATUS:-not run}"
     awk '$1 != "BENCH" { next }
@@ -523,12 +621,13 @@ progress "build: $HOW"
 run_check
 run_exec
 run_nccl
+run_handover
 run_torch_scape
 run_bench
 run_service_bench
 print_summary | tee "$LOGS/summary.txt"
 [ "$CHECK_RC" -eq 0 ] && [ "$EXEC_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$NCCL_RC" -eq 0 ] &&
-    [ "$TORCH_RC" -eq 0 ] &&
+    [ "$TORCH_RC" -eq 0 ] && [ "${HANDOVER_RC:-0}" -eq 0 ] &&
     [ "$OTHER_RC" -eq 0 ] || exit 1
 [ "${#NOT_RUN[@]}" -eq 0 ] || [ "$PARTIAL_OK" = 1 ] || exit 3
 exit 0
