@@ -15,15 +15,23 @@
  * because another trainer died is posted again; a trainer that attaches to a
  * running job starts at the daemon's next step.
  *
+ * --bench times the hand-over instead (issue 16's benchmark): the gradients
+ * are set once on the device, nothing is computed on the host, and each
+ * step's call (post to parameters ready) is timed against the daemon's own
+ * engine step (StepDone's total); it prints one line
+ *   BENCH handover N call_ms engine_ms handover_ms handover/engine
+ * of medians over the steps after the dense warm-up (--warmup W, default 3).
+ *
  * usage: gpu_trainer --endpoint EP --index I --n N --steps S [--seed X]
  *                    [--lr LR] [--device D] [--stream 0|1] [--die-after-post T]
- *                    --out FILE
+ *                    [--bench 1 [--warmup W]] --out FILE
  */
 #define _POSIX_C_SOURCE 200809L
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <cuda_runtime.h>
 
@@ -43,10 +51,64 @@ static int fail(const char *what, const char *why)
     return 1;
 }
 
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int by_value(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(double *v, size_t n)
+{
+    qsort(v, n, sizeof *v, by_value);
+    return n ? (n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2])) : 0.0;
+}
+
+/* --bench: the hand-over's cost per step against the engine's. */
+static int bench_handover(scape_session *s, cudaStream_t st, size_t n, uint64_t first,
+                          uint64_t steps, float lr, int warmup)
+{
+    /* 0x3c3c3c3c: a float of about 0.0115, the same gradient every step */
+    if (cudaMemsetAsync(scape_grads(s), 0x3c, n * sizeof(float), st) != cudaSuccess ||
+        cudaStreamSynchronize(st) != cudaSuccess)
+        return fail("cudaMemsetAsync", "the bench's gradients");
+    size_t m = 0, cap = (size_t)(steps - first + 1);
+    double *call = calloc(cap, sizeof *call), *eng = calloc(cap, sizeof *eng),
+           *hand = calloc(cap, sizeof *hand);
+    if (call == NULL || eng == NULL || hand == NULL)
+        return fail("calloc", "out of memory");
+    for (uint64_t t = first; t <= steps; t++) {
+        scape_step_info info;
+        double t0 = now_s();
+        if (scape_step(s, t, lr, NULL, &info) != SCAPE_OK ||
+            (st && cudaStreamSynchronize(st) != cudaSuccess))
+            return fail("step", scape_last_error());
+        double dt = now_s() - t0;
+        if (t <= (uint64_t)warmup)
+            continue;
+        call[m] = dt * 1e3;
+        eng[m] = info.step_seconds * 1e3;
+        hand[m] = call[m] - eng[m];
+        m++;
+    }
+    double c = median(call, m), e = median(eng, m), h = median(hand, m);
+    printf("BENCH handover %zu %.3f %.3f %.3f %.4f\n", n, c, e, h, e > 0 ? h / e : 0.0);
+    free(call);
+    free(eng);
+    free(hand);
+    return scape_detach(&s) == SCAPE_OK ? 0 : fail("detach", scape_last_error());
+}
+
 int main(int argc, char **argv)
 {
     const char *endpoint = NULL, *out = NULL;
-    int index = -1, device = 0, use_stream = 0;
+    int index = -1, device = 0, use_stream = 0, bench = 0, warmup = 3;
     size_t n = 1000;
     uint64_t steps = 10, seed = 1, die_at = 0;
     float lr = 1e-2f;
@@ -65,6 +127,8 @@ int main(int argc, char **argv)
         else if (!strcmp(k, "--index")) index = atoi(v);
         else if (!strcmp(k, "--device")) device = atoi(v);
         else if (!strcmp(k, "--stream")) use_stream = atoi(v);
+        else if (!strcmp(k, "--bench")) bench = atoi(v);
+        else if (!strcmp(k, "--warmup")) warmup = atoi(v);
         else if (!strcmp(k, "--die-after-post")) die_at = strtoull(v, NULL, 0);
         else if (!strcmp(k, "--n")) n = strtoull(v, NULL, 0);
         else if (!strcmp(k, "--steps")) steps = strtoull(v, NULL, 0);
@@ -108,6 +172,8 @@ int main(int argc, char **argv)
     if (scape_sync(s) != SCAPE_OK)
         return fail("sync", scape_last_error());
     uint64_t first = scape_next_step(s), sent = 0;
+    if (bench)
+        return bench_handover(s, st, n, first, steps, lr, warmup);
     for (uint64_t t = first; t <= steps; t++) {
         if (cudaMemcpyAsync(p, scape_params(s), n * sizeof *p, cudaMemcpyDeviceToHost, st) !=
                 cudaSuccess ||

@@ -45,6 +45,7 @@ CHECK_ARGS=()
 EXEC_ARGS=()
 BENCH_ARGS=(--sizes "1e6,1e7,1e8")
 STEP_ARGS=(--sizes "1e8,1e9")
+HANDOVER_SIZES=(100000000 1000000000)
 TORCH_SIZES=(1e6 1e7 1e8)
 SERVICE=0 PARTIAL_OK=0 STAMP_ONLY=0
 for arg in "$@"; do
@@ -53,6 +54,7 @@ for arg in "$@"; do
         CHECK_ARGS=(--max-n 1048583)
         EXEC_ARGS=(--quick)
         STEP_ARGS=(--sizes 1e8)
+        HANDOVER_SIZES=(100000000)
         BENCH_ARGS=(--sizes "1e6,1e7")
         TORCH_SIZES=(1e6 1e7) ;;
     --service) SERVICE=1 ;;
@@ -413,7 +415,7 @@ run_nccl() {
 daemon_up() { # $1: runtime dir; the rest: scaped options.  Sets DPID.
     local rt=$1
     shift
-    "$DAEMON" --runtime-dir "$rt" --executor cuda --comm-timeout-ms 60000 "$@" \
+    "$DAEMON" --runtime-dir "$rt" --comm-timeout-ms 60000 "$@" \
         >>"$LOGS/scaped_handover.txt" 2>&1 &
     DPID=$!
     for _ in $(seq 150); do
@@ -439,7 +441,7 @@ run_handover() {
         [ "$t" = 0 ] && { HANDOVER_STATUS="$HANDOVER_STATUS; N=$n: not run (out of time)"; not_run "hand-over at N=$n"; continue; }
         ok=1 why=""
         rm -rf "$rt/rt"
-        if ! daemon_up "$rt/rt" --trainers 2 --rho 0.01 --warmup 3; then
+        if ! daemon_up "$rt/rt" --executor cuda --trainers 2 --rho 0.01 --warmup 3; then
             ok=0 why="scaped did not start"
         else
             timeout "$t" "$BIN/gpu_trainer" --endpoint "ipc://$rt/rt/control" --index 0 \
@@ -469,7 +471,7 @@ run_handover() {
     else
         ok=1 why=""
         rm -rf "$rt/rt" "$rt/a" "$rt/c"
-        if ! daemon_up "$rt/rt" --trainers 2 --rho 0.01 --warmup 3; then
+        if ! daemon_up "$rt/rt" --executor cuda --trainers 2 --rho 0.01 --warmup 3; then
             ok=0 why="scaped did not start"
         else
             timeout "$t" "$BIN/gpu_trainer" --endpoint "ipc://$rt/rt/control" --index 0 \
@@ -496,6 +498,47 @@ run_handover() {
     rm -rf "$rt"
     HANDOVER_STATUS=${HANDOVER_STATUS#; }
     progress "handover: $HANDOVER_STATUS"
+}
+
+# The hand-over's cost per step (issue 16's benchmark): one CUDA IPC trainer
+# (gpu_trainer --bench, by events on its own stream), the call from post to
+# parameters ready against the daemon's engine step, in place (cuda
+# executor) and staged through pinned host copies (host executor), at each
+# of HANDOVER_SIZES; medians of the sparse steps.  Target: under 5% of the
+# step in place.
+run_handover_bench() {
+    HANDBENCH_STATUS=""
+    if [ -z "${DAEMON:-}" ] || [ ! -x "$BIN/gpu_trainer" ]; then
+        HANDBENCH_STATUS="not run: scaped or gpu_trainer not built here"
+        return
+    fi
+    local rt n ex t
+    rt=$(mktemp -d /tmp/scape-handb.XXXXXX)
+    for n in "${HANDOVER_SIZES[@]}"; do
+        for ex in cuda host; do
+            t=$(tmo 120)
+            if [ "$t" = 0 ]; then
+                HANDBENCH_STATUS="$HANDBENCH_STATUS; $ex N=$n: not run (out of time)"
+                continue
+            fi
+            rm -rf "$rt/rt"
+            if daemon_up "$rt/rt" --executor "$ex" --trainers 1 --rho 0.01 --warmup 3 &&
+                timeout "$t" "$BIN/gpu_trainer" --endpoint "ipc://$rt/rt/control" --index 0 \
+                    --n "$n" --steps 13 --stream 1 --bench 1 --warmup 3 \
+                    >"$LOGS/handbench_${ex}_$n.txt" 2>&1; then
+                awk -v ex="$ex" '$1 == "BENCH" { print $0, ex }' \
+                    "$LOGS/handbench_${ex}_$n.txt" >>"$LOGS/handbench.txt"
+            else
+                HANDBENCH_STATUS="$HANDBENCH_STATUS; $ex N=$n: failed (see $LOGS/handbench_${ex}_$n.txt)"
+                OTHER_RC=1
+            fi
+            kill "$DPID" 2>/dev/null; wait "$DPID" 2>/dev/null
+            DPID=""
+        done
+    done
+    rm -rf "$rt"
+    HANDBENCH_STATUS=${HANDBENCH_STATUS#; }
+    progress "handover bench: ${HANDBENCH_STATUS:-done}"
 }
 
 # The Python binding's CUDA path: torch tensors over CUDA IPC buffers, and a
@@ -603,6 +646,11 @@ print_summary() {
          $1 == "BENCH" && $2 == "topk_seg" {
              printf "    segmented top-k, one tensor of %d, k = 1%%: %.3f ms\n", $3, $4 }' \
         "$LOGS/gpu_step.txt" 2>/dev/null
+    awk '$1 == "BENCH" && $2 == "handover" {
+             if (!n++) printf "handover  : call (post to parameters ready) against the engine step, medians\n"
+             printf "    %-5s N = %-11d call %9.3f ms, engine %9.3f ms, hand-over %8.3f ms = %6.2f%% of the step\n",
+                    $8, $3, $4, $5, $6, 100 * $7 }' "$LOGS/handbench.txt" 2>/dev/null
+    [ -z "${HANDBENCH_STATUS:-}" ] || echo "handover  : $HANDBENCH_STATUS"
     [ "$BENCH_RC" -eq 0 ] || echo "bench     : gpu_bench exited with status $BENCH_RC"
     local part
     for part in ${NOT_RUN[@]+"${NOT_RUN[@]}"}; do echo "NOT RUN   : $part"; done
@@ -624,6 +672,7 @@ run_nccl
 run_handover
 run_torch_scape
 run_bench
+run_handover_bench
 run_service_bench
 print_summary | tee "$LOGS/summary.txt"
 [ "$CHECK_RC" -eq 0 ] && [ "$EXEC_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$NCCL_RC" -eq 0 ] &&
