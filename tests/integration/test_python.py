@@ -195,6 +195,9 @@ def test_errors(daemon_factory, tmp_path):
             scape.attach(d.endpoint, [("w", 11)], timeout_ms=5000)
         assert e.value.code == scape.Rc.INVALID
         assert s.step(0.1).step == 1
+        with pytest.raises(scape.ScapeError, match="in host memory") as e:
+            s.set_stream(0)  # a stream orders CUDA buffers only
+        assert e.value.code == scape.Rc.INVALID
 
     if not cuda_usable():
         # A CPU-only libscape refuses device buffers; a CUDA build on a
