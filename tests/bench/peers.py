@@ -24,7 +24,8 @@ fails on nothing but the runs themselves. Needs root (namespaces), torch.
 usage: tests/bench/peers.py BUILD_DIR [--rates 100mbit,10mbit] [--steps N]
            [--lrs 1e-3,3e-3] [--runs adamw,psgd1,psgd4,adams,scape0.1,scape0.01]
            [--eval-every E] [--time-rates 1gbit,10mbit] [--time-steps S]
-           [--markdown FILE] [--plot FILE.svg]
+           [--markdown FILE] [--plot FILE.svg] [--results FILE.json]
+       tests/bench/peers.py --replot FILE.json [--markdown FILE] [--plot FILE.svg]
    --time-rates: after the full runs (at the first of --rates), each run again
    for S steps at its best learning rate on links of each of these rates, for
    the step times there; the time to each loss level at such a rate is then
@@ -34,6 +35,7 @@ usage: tests/bench/peers.py BUILD_DIR [--rates 100mbit,10mbit] [--steps N]
 """
 import argparse
 import json
+import math
 import os
 import shutil
 import signal
@@ -96,7 +98,14 @@ def worker(a):
         step = lambda loss: opt.step(lambda: loss)  # noqa: E731
     targs = argparse.Namespace(lr=a.lr, lr_warmup=a.lr_warmup, steps=a.steps)
     nograd = lambda: torch.autocast(device_type="cpu", enabled=False)  # noqa: E731
-    trained, curve, step_s = 0.0, [], []
+    trained, curve, step_s, step_tx = 0.0, [], [], []
+
+    def tx():  # this host's interface (the worker runs in its namespace)
+        try:
+            with open("/sys/class/net/eth0/statistics/tx_bytes") as f:
+                return int(f.read())
+        except (OSError, ValueError):
+            return None
     for t in range(1, a.steps + 1):
         t0 = time.perf_counter()
         gen = torch.Generator().manual_seed((1 + a.rank) * 1000003 + t)
@@ -108,13 +117,15 @@ def worker(a):
             g["lr"] = tt.lr_at(targs, t)
         step(loss)
         step_s.append(time.perf_counter() - t0)
+        step_tx.append(tx())
         trained += step_s[-1]
         if a.rank == 0 and (t % a.eval_every == 0 or t == a.steps):
             curve.append((t, trained, tt.evaluate(model, val, a.ctx, a.eval_windows, "cpu",
                                                   nograd)))
     if a.rank == 0:
         with open(a.out, "w") as f:
-            json.dump({"curve": curve, "train_s": trained, "step_s": step_s}, f)
+            json.dump({"curve": curve, "train_s": trained, "step_s": step_s,
+                       "step_tx": step_tx}, f)
     if a.family == "ddp":
         import torch.distributed as dist
         dist.barrier()  # nobody leaves while another still talks to it
@@ -211,12 +222,15 @@ def time_to(curve, level):
 
 
 def levels_of(a, best, rate):
-    """The shared loss levels: what dense AdamS and PowerSGD rank 4 end at."""
+    """The shared loss levels: what dense AdamS and PowerSGD rank 4 end at,
+    and the highest final loss of all runs (a level every run reaches)."""
     levels = []
     if "adams" in a.runs:
         levels.append(("dense AdamS's final", best[rate, "adams"]["final"]))
     if "psgd4" in a.runs:
         levels.append(("PowerSGD rank 4's final", best[rate, "psgd4"]["final"]))
+    worst = max(a.runs, key=lambda n: best[rate, n]["final"])
+    levels.append(("every run's (%s's final)" % LABEL[worst], best[rate, worst]["final"]))
     return levels
 
 
@@ -283,16 +297,21 @@ def timing_report(a, best, main, timed, levels):
              "runs at each run's best learning rate), and the training time to each "
              "level: the steps the full run took, timed at that rate (derived):" % (
                  main, a.time_steps), ""]
-    head = "| run | link | bytes/step/host | warm-up ms/step | sparse ms/step | " + \
-        " | ".join("s to %s" % n for n, _ in levels) + " |"
-    lines += [head, "|" + "---|" * (5 + len(levels))]
+    head = ("| run | link | bytes/step/host (all steps) | bytes/sparse step (host 0) | "
+            "warm-up ms/step | sparse ms/step | " +
+            " | ".join("s to %s" % n for n, _ in levels) + " |")
+    lines += [head, "|" + "---|" * (6 + len(levels))]
     tt = {}
     for name in a.runs:
         for rate in rates:
             r = best[main, name] if rate == main else timed[rate, name]
             st = r["step_s"]
             warm, sparse = st[:WARMUP], st[WARMUP:] or st
-            cells = [LABEL[name], rate, "%.0f" % r["tx_per_step"],
+            txs = r.get("step_tx") or []
+            sparse_tx = ("%.0f" % ((txs[-1] - txs[WARMUP - 1]) / (len(txs) - WARMUP))
+                         if len(txs) > WARMUP and None not in (txs[-1], txs[WARMUP - 1])
+                         else "-")
+            cells = [LABEL[name], rate, "%.0f" % r["tx_per_step"], sparse_tx,
                      "%.1f" % (1e3 * sum(warm) / max(1, len(warm))),
                      "%.1f" % (1e3 * sum(sparse) / len(sparse))]
             for ln, v in levels:
@@ -327,34 +346,63 @@ def timing_report(a, best, main, timed, levels):
     return lines
 
 
-
 def plot(a, best, rates, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("peers: no matplotlib, no plot", file=sys.stderr)
-        return
-    fig, axes = plt.subplots(len(rates), 2, figsize=(11, 3.6 * len(rates)), squeeze=False)
-    for i, rate in enumerate(rates):
+    """Validation loss against training time and against bytes sent per host,
+    at each rate of the full runs (scape_plot: SVG, no plotting library)."""
+    sys.path.insert(0, os.path.join(ROOT, "client", "examples"))
+    import scape_plot
+    panels = []
+    for rate in rates:
+        by_time, by_bytes = [], []
         for name in a.runs:
             r = best[rate, name]
-            ts = [s for _, s, _ in r["curve"]]
-            bs = [t * r["tx_per_step"] for t, _, _ in r["curve"]]
-            vs = [v for _, _, v in r["curve"]]
-            axes[i][0].plot(ts, vs, marker=".", label=LABEL[name])
-            axes[i][1].plot(bs, vs, marker=".", label=LABEL[name])
-        axes[i][0].set_xlabel("training wall time, s (links of %s)" % rate)
-        axes[i][1].set_xlabel("bytes sent per host (interface)")
-        axes[i][1].set_xscale("log")
-        for ax in axes[i]:
-            ax.set_ylabel("validation loss")
-            ax.grid(alpha=0.3)
-        axes[i][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
+            by_time.append((LABEL[name], [(s_, v) for _, s_, v in r["curve"]],
+                            name.startswith("scape")))
+            by_bytes.append((LABEL[name], [(math.log10(t * r["tx_per_step"]), v)
+                                           for t, _, v in r["curve"]], name.startswith("scape")))
+        panels.append(scape_plot.panel("links of %s: loss against time" % rate,
+                                       "training wall time, s", "validation loss", by_time))
+        panels.append(scape_plot.panel("links of %s: loss against bytes" % rate,
+                                       "log10(bytes sent per host, interface)",
+                                       "validation loss", by_bytes))
+    scape_plot.write_svg(path, panels, width=560, height=360)
     print("peers: plot in %s" % path, file=sys.stderr)
+
+
+def save_results(a, best, timed, rates, path):
+    """Everything the report needs, to report again with --replot."""
+    out = {"steps": a.steps, "lrs": a.lrs, "runs": a.runs, "rates": rates,
+           "time_rates": a.time_rates, "time_steps": a.time_steps, "eval_windows": a.eval_windows,
+           "model": [a.d, a.layers, a.ctx, a.batch],
+           "best": {"%s|%s" % k: v for k, v in best.items()},
+           "timed": {"%s|%s" % k: v for k, v in timed.items()}}
+    with open(path, "w") as f:
+        json.dump(out, f)
+
+
+def load_results(a, path):
+    with open(path) as f:
+        r = json.load(f)
+    a.steps, a.lrs, a.runs = r["steps"], r["lrs"], r["runs"]
+    a.time_rates, a.time_steps, a.eval_windows = r["time_rates"], r["time_steps"], r["eval_windows"]
+    a.d, a.layers, a.ctx, a.batch = r["model"]
+    split = lambda d: {tuple(k.split("|", 1)): v for k, v in d.items()}  # noqa: E731
+    return split(r["best"]), split(r["timed"]), r["rates"]
+
+
+def write_report(a, best, timed, rates, command):
+    lines = ["peers.py: 4 trainers on 4 test hosts, torch_train.py's GPT (d %d, %d layers, "
+             "ctx %d, batch %d per trainer), %d steps, eval on %d fixed windows; "
+             "command: %s" % (a.d, a.layers, a.ctx, a.batch, a.steps, a.eval_windows,
+                              command)] + report(a, best, rates)
+    if a.time_rates:
+        lines += timing_report(a, best, rates[0], timed, levels_of(a, best, rates[0]))
+    print("\n".join(lines))
+    if a.markdown:
+        with open(a.markdown, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    if a.plot:
+        plot(a, best, rates, a.plot)
 
 
 def main():
@@ -372,7 +420,9 @@ def main():
                     help="more link rates, each run timed there for --time-steps steps")
     ap.add_argument("--time-steps", type=int, default=60)
     ap.add_argument("--markdown")
-    ap.add_argument("--plot")
+    ap.add_argument("--plot", help="an SVG of loss against time and bytes")
+    ap.add_argument("--results", help="write every run's figures here (JSON)")
+    ap.add_argument("--replot", help="report again from a --results file, running nothing")
     # the model and the schedule: torch_train.py's defaults
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
@@ -392,6 +442,9 @@ def main():
     a = ap.parse_args()
     if a.worker:
         return worker(a)
+    if a.replot:
+        best, timed, rates = load_results(a, a.replot)
+        return write_report(a, best, timed, rates, "peers.py --replot %s" % a.replot)
     if not a.build:
         ap.error("BUILD_DIR is needed")
     if os.geteuid() != 0:
@@ -440,19 +493,11 @@ def main():
             hosts(a.hosts, "down")
     finally:
         subprocess.run(["bash", HOSTS_SH, "down", "--name", a.hosts], capture_output=True)
-    lines = ["peers.py: 4 trainers on 4 test hosts, torch_train.py's GPT (d %d, %d layers, "
-             "ctx %d, batch %d per trainer), %d steps, eval on %d fixed windows; "
-             "command: %s" % (a.d, a.layers, a.ctx, a.batch, a.steps, a.eval_windows,
-                              " ".join(sys.argv))] + report(a, best, rates)
-    if a.time_rates:
-        lines += timing_report(a, best, rates[0], timed, levels_of(a, best, rates[0]))
-    print("\n".join(lines))
-    if a.markdown:
-        with open(a.markdown, "w") as f:
-            f.write("\n".join(lines) + "\n")
-    if a.plot:
-        plot(a, best, rates, a.plot)
+    if a.results:
+        save_results(a, best, timed, rates, a.results)
+    write_report(a, best, timed, rates, " ".join(sys.argv))
     shutil.rmtree(work, ignore_errors=True)
+
 
 
 if __name__ == "__main__":
