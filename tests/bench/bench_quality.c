@@ -52,6 +52,10 @@ static const variant s_variants[] = {
     { "scape-0.01-bf16", ENG_OPT_SCAPE, 0.01, 1, 0.0, 0, 0, 0 },
     { "scape-0.01-delta", ENG_OPT_SCAPE, 0.01, 1, 0.0, 0, 1, 0 },
     { "scape-0.01-sched", ENG_OPT_SCAPE, 0.01, 1, 0.16, 400, 1, 0 },
+    /* gentler schedules: 0.04 halved twice over 1,000 masked steps, and
+     * 0.02 for 2,000 masked steps */
+    { "scape-0.01-sched-slow", ENG_OPT_SCAPE, 0.01, 1, 0.04, 1000, 1, 0 },
+    { "scape-0.01-sched-long", ENG_OPT_SCAPE, 0.01, 1, 0.02, 2000, 1, 0 },
     { "scape-0.01-bf16p", ENG_OPT_SCAPE, 0.01, 1, 0.0, 0, 1, 1 },
     { "adams-bf16p", ENG_OPT_ADAMS, 1.0, 0, 0.0, 0, 0, 1 },
 };

@@ -17,8 +17,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import scape_plot  # noqa: E402
 
 ORDER = ["adamw", "adams", "scape-0.1", "scape-0.01", "topk-adamw-0.01", "scape-0.1-bf16",
-         "scape-0.01-bf16", "scape-0.01-delta", "scape-0.01-sched", "scape-0.01-bf16p",
-         "adams-bf16p"]
+         "scape-0.01-bf16", "scape-0.01-delta", "scape-0.01-sched", "scape-0.01-sched-slow",
+         "scape-0.01-sched-long", "scape-0.01-bf16p", "adams-bf16p"]
 
 
 def cpu_model():
@@ -76,6 +76,10 @@ def main():
                              0.006, 0),
         "scape-0.01-sched": ("mean bytes <= 2% of dense, val <= adams + 0.15", "adams", 0.15,
                              0.02, 1),
+        "scape-0.01-sched-slow": ("mean bytes <= 2% of dense, val <= adams + 0.15", "adams",
+                                  0.15, 0.02, 1),
+        "scape-0.01-sched-long": ("mean bytes <= 2% of dense, val <= adams + 0.15", "adams",
+                                  0.15, 0.02, 1),
     }
     lines = []
     for n in ORDER:
