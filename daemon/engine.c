@@ -216,8 +216,11 @@ static scape_rc alloc_state(eng_t *e)
     if (eng_scape_masks(e) && e->cfg.mask_deltas) {
         /* each rank's code gains a word saying which form it takes; dmax
          * is the most the rest can be: the fixed code, or a delta with
-         * every k_l at its largest (the schedule's first), all positions
-         * leaving and as many joining */
+         * every k_l at its largest (the schedule's first).  A delta takes
+         * each tensor's shortest form, so at most its 2-bit form and its
+         * bitmap (len bits) or its position list: k indices of r + 1 <= b
+         * bits, and unary parts under 2 (k + 1) bits in all, since their
+         * gaps sum to under len and r = floor(log2(mean gap)) */
         e->dcounts = calloc(R, sizeof *e->dcounts);
         e->dsizes = calloc(R, sizeof *e->dsizes);
         e->dmax = calloc(R, sizeof *e->dmax);
@@ -229,8 +232,8 @@ static scape_rc alloc_state(eng_t *e)
             uint64_t bits = 0;
             for (size_t j = sh->first; j < sh->first + sh->count; j++) {
                 const plan_tensor *t = eng_tensor_at(e, j);
-                uint64_t b = mcode_pos_bits(t->len);
-                bits += 2 * (b + 1) + 2 * b * t->k;
+                uint64_t b = mcode_pos_bits(t->len), list = t->k * (b + 2) + 2;
+                bits += 2 + (list < t->len ? list : t->len);
             }
             size_t delta = 4 * (size_t)((bits + 31) / 32);
             e->dmax[r] = delta > e->code_bytes[r] ? delta : e->code_bytes[r];

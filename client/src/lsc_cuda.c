@@ -213,7 +213,7 @@ scape_rc lsc_cuda_grads_ready(lsc_dev_events *ev, int initial)
     /* scape_sync's answer does not wait for events: the initial parameters
      * must be there when it is asked; so must everything for a daemon that
      * knows no events */
-    if (initial || ev->params == NULL || ev->grad == NULL)
+    if (initial || ev->params == NULL)
         LSC_GUARDED(&g, cudaStreamSynchronize((cudaStream_t)ev->stream));
     else
         LSC_GUARDED(&g, cudaEventRecord((cudaEvent_t)ev->grad, (cudaStream_t)ev->stream));

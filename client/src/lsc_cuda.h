@@ -50,7 +50,7 @@ scape_rc lsc_cuda_alloc(lsc_dev_buf *b, int device, size_t bytes);
 /* After `stream`'s work on it (what the caller did with the buffer). */
 void lsc_cuda_free(lsc_dev_buf *b, void *stream);
 /* Our gradient-ready event, exported into ev->grad_handle; the stream is
- * the legacy default one, blocking, until lsc_cuda_set_stream. */
+ * the legacy default one, blocking, until scape_set_stream sets them. */
 scape_rc lsc_cuda_events_create(lsc_dev_events *ev, int device);
 /* The daemon's parameters-ready event from its Registered. */
 scape_rc lsc_cuda_events_open_params(lsc_dev_events *ev, const void *handle, size_t len);

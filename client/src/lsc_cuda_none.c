@@ -28,7 +28,6 @@ scape_rc lsc_cuda_check_ipc(int device)
 scape_rc lsc_cuda_events_create(lsc_dev_events *ev, int device)
 {
     memset(ev, 0, sizeof *ev);
-    (void)device;
     return lsc_cuda_check_ipc(device);
 }
 

@@ -322,6 +322,22 @@ run_exec() {
     progress "exec: $EXEC_STATUS"
 }
 
+# Start scaped in the background, its output into log $1, runtime dir $2,
+# the rest its options; sets DPID.  Fails when it exits or has no control
+# socket after 15 s.
+daemon_up() {
+    local log=$1 rt=$2
+    shift 2
+    "$DAEMON" --runtime-dir "$rt" --comm-timeout-ms 60000 "$@" >>"$log" 2>&1 &
+    DPID=$!
+    for _ in $(seq 150); do
+        [ -S "$rt/control" ] && return 0
+        kill -0 "$DPID" 2>/dev/null || return 1
+        sleep 0.1
+    done
+    return 1
+}
+
 # The nccl backend with one rank: its collectives and the engine on it
 # (gpu_nccl), then a whole scaped on it with two trainer processes, one with
 # host shared memory (trainer_c) and one with CUDA IPC buffers (gpu_trainer),
@@ -362,19 +378,10 @@ run_nccl() {
     fi
     local rt ti=${TI:-$BUILD/tests/integration}
     rt=$(mktemp -d /tmp/scape-gpu.XXXXXX)
-    timeout "$t" "$DAEMON" --runtime-dir "$rt/rt" --comm-backend nccl --executor cuda \
-        --trainers 2 --rho 0.01 --warmup 3 --comm-timeout-ms 60000 \
-        >"$LOGS/scaped_nccl.txt" 2>&1 &
-    local dpid=$!
-    DPID=$dpid
-    for _ in $(seq 150); do
-        [ -S "$rt/rt/control" ] && break
-        kill -0 "$dpid" 2>/dev/null || break
-        sleep 0.1
-    done
     local ok=1 tp=() why=""
-    if ! kill -0 "$dpid" 2>/dev/null; then
-        ok=0 why="scaped exited at start"
+    if ! daemon_up "$LOGS/scaped_nccl.txt" "$rt/rt" --comm-backend nccl --executor cuda \
+        --trainers 2 --rho 0.01 --warmup 3; then
+        ok=0 why="scaped did not start"
         tail -n 5 "$LOGS/scaped_nccl.txt"
     else
         timeout "$t" "$ti/trainer_c" --endpoint "ipc://$rt/rt/control" --index 0 --n 1000000 \
@@ -385,7 +392,7 @@ run_nccl() {
         tp+=($!)
         for p in "${tp[@]}"; do wait "$p" || { ok=0 why="a trainer failed"; }; done
     fi
-    kill "$dpid" 2>/dev/null; wait "$dpid"
+    kill "$DPID" 2>/dev/null; wait "$DPID"
     DPID=""
     t=$(tmo 120)
     if [ "$t" = 0 ]; then
@@ -412,20 +419,6 @@ run_nccl() {
 # one block into) and N = 3e7 (120 MB); then a trainer killed right after
 # posting a step, its buffers and events open in the daemon, a replacement
 # that joins, and the survivor and the replacement equal at the end.
-daemon_up() { # $1: runtime dir; the rest: scaped options.  Sets DPID.
-    local rt=$1
-    shift
-    "$DAEMON" --runtime-dir "$rt" --comm-timeout-ms 60000 "$@" \
-        >>"$LOGS/scaped_handover.txt" 2>&1 &
-    DPID=$!
-    for _ in $(seq 150); do
-        [ -S "$rt/control" ] && return 0
-        kill -0 "$DPID" 2>/dev/null || return 1
-        sleep 0.1
-    done
-    return 1
-}
-
 run_handover() {
     HANDOVER_STATUS="" HANDOVER_RC=0
     if [ -z "${DAEMON:-}" ] || [ ! -x "$BIN/gpu_trainer" ]; then
@@ -441,7 +434,7 @@ run_handover() {
         [ "$t" = 0 ] && { HANDOVER_STATUS="$HANDOVER_STATUS; N=$n: not run (out of time)"; not_run "hand-over at N=$n"; continue; }
         ok=1 why=""
         rm -rf "$rt/rt"
-        if ! daemon_up "$rt/rt" --executor cuda --trainers 2 --rho 0.01 --warmup 3; then
+        if ! daemon_up "$LOGS/scaped_handover.txt" "$rt/rt" --executor cuda --trainers 2 --rho 0.01 --warmup 3; then
             ok=0 why="scaped did not start"
         else
             timeout "$t" "$BIN/gpu_trainer" --endpoint "ipc://$rt/rt/control" --index 0 \
@@ -471,7 +464,7 @@ run_handover() {
     else
         ok=1 why=""
         rm -rf "$rt/rt" "$rt/a" "$rt/c"
-        if ! daemon_up "$rt/rt" --executor cuda --trainers 2 --rho 0.01 --warmup 3; then
+        if ! daemon_up "$LOGS/scaped_handover.txt" "$rt/rt" --executor cuda --trainers 2 --rho 0.01 --warmup 3; then
             ok=0 why="scaped did not start"
         else
             timeout "$t" "$BIN/gpu_trainer" --endpoint "ipc://$rt/rt/control" --index 0 \
@@ -522,7 +515,7 @@ run_handover_bench() {
                 continue
             fi
             rm -rf "$rt/rt"
-            if daemon_up "$rt/rt" --executor "$ex" --trainers 1 --rho 0.01 --warmup 3 &&
+            if daemon_up "$LOGS/scaped_handover.txt" "$rt/rt" --executor "$ex" --trainers 1 --rho 0.01 --warmup 3 &&
                 timeout "$t" "$BIN/gpu_trainer" --endpoint "ipc://$rt/rt/control" --index 0 \
                     --n "$n" --steps 13 --stream 1 --bench 1 --warmup 3 \
                     >"$LOGS/handbench_${ex}_$n.txt" 2>&1; then
