@@ -18,11 +18,15 @@ links of the given rates); under scaped each host runs its daemon too
   - the training time each run needed to reach a few validation-loss levels.
 
 Each optimizer family runs at every learning rate of --lrs and is reported at
-its best final validation loss. A benchmark: it prints figures and passes or
-fails on nothing but the runs themselves. Needs root (namespaces), torch.
+its best final validation loss; --lr-for runs the named ones at one rate each
+instead (the best of a shorter grid, where the full grid at many steps would
+take hours). With --results, the figures are written after every run, so a
+failure part-way loses nothing already run. A benchmark: it prints figures
+and passes or fails on nothing but the runs themselves. Needs root
+(namespaces), torch.
 
 usage: tests/bench/peers.py BUILD_DIR [--rates 100mbit,10mbit] [--steps N]
-           [--lrs 1e-3,3e-3] [--runs adamw,psgd1,psgd4,adams,scape0.1,scape0.01]
+           [--lrs 1e-3,3e-3] [--lr-for RUN=LR,...] [--runs adamw,psgd1,psgd4,adams,scape0.1,scape0.01]
            [--eval-every E] [--time-rates 1gbit,10mbit] [--time-steps S]
            [--markdown FILE] [--plot FILE.svg] [--results FILE.json]
        tests/bench/peers.py --replot FILE.json [--markdown FILE] [--plot FILE.svg]
@@ -239,8 +243,11 @@ def report(a, best, rates):
     for rate in rates:
         levels = levels_of(a, best, rate)
         lines.append("")
-        lines.append("Links of %s, 4 hosts, %d steps, each run at its best learning rate of %s:"
-                     % (rate, a.steps, ", ".join("%g" % x for x in a.lrs)))
+        fixed = getattr(a, "lr_for", {})
+        lines.append("Links of %s, 4 hosts, %d steps, each run at its best learning rate of %s%s:"
+                     % (rate, a.steps, ", ".join("%g" % x for x in a.lrs),
+                        "; at one fixed rate: " + ", ".join(
+                            "%s %g" % (LABEL[n], v) for n, v in fixed.items()) if fixed else ""))
         lines.append("")
         head = ("| run | best lr | bytes/step/host (interface tx) | step ms (training) | "
                 "val loss at " + ", ".join(str(t) for t, _, _ in best[rate, a.runs[0]]["curve"])
@@ -371,8 +378,11 @@ def plot(a, best, rates, path):
 
 def save_results(a, best, timed, rates, path):
     """Everything the report needs, to report again with --replot."""
-    out = {"steps": a.steps, "lrs": a.lrs, "runs": a.runs, "rates": rates,
-           "time_rates": a.time_rates, "time_steps": a.time_steps, "eval_windows": a.eval_windows,
+    # only what has run: a file written part-way reports the runs done so far
+    done = [n for n in a.runs if all((r, n) in best for r in rates)]
+    timed_rates = [r for r in a.time_rates if all((r, n) in timed for n in done)]
+    out = {"steps": a.steps, "lrs": a.lrs, "lr_for": a.lr_for, "runs": done, "rates": rates,
+           "time_rates": timed_rates, "time_steps": a.time_steps, "eval_windows": a.eval_windows,
            "model": [a.d, a.layers, a.ctx, a.batch],
            "best": {"%s|%s" % k: v for k, v in best.items()},
            "timed": {"%s|%s" % k: v for k, v in timed.items()}}
@@ -384,6 +394,7 @@ def load_results(a, path):
     with open(path) as f:
         r = json.load(f)
     a.steps, a.lrs, a.runs = r["steps"], r["lrs"], r["runs"]
+    a.lr_for = r.get("lr_for", {})
     a.time_rates, a.time_steps, a.eval_windows = r["time_rates"], r["time_steps"], r["eval_windows"]
     a.d, a.layers, a.ctx, a.batch = r["model"]
     split = lambda d: {tuple(k.split("|", 1)): v for k, v in d.items()}  # noqa: E731
@@ -412,6 +423,9 @@ def main():
     ap.add_argument("--rates", default="100mbit")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--lrs", default="1e-3,3e-3")
+    ap.add_argument("--lr-for", default="",
+                    help="RUN=LR,...: these runs at this one rate instead of the grid "
+                         "(the best of an earlier grid, for long runs)")
     ap.add_argument("--runs", default=",".join(RUNS))
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--eval-windows", type=int, default=32)
@@ -455,6 +469,13 @@ def main():
         if r not in RUNS:
             ap.error("unknown run %r (%s)" % (r, ", ".join(RUNS)))
     a.lrs = [float(x) for x in a.lrs.split(",")]
+    try:
+        a.lr_for = {n: float(v) for n, v in (x.split("=", 1) for x in a.lr_for.split(",") if x)}
+    except ValueError:
+        ap.error("--lr-for takes RUN=LR,... (e.g. adamw=3e-3,scape0.1=3e-3)")
+    for n in a.lr_for:
+        if n not in a.runs:
+            ap.error("--lr-for names %r, which is not among --runs" % n)
     rates = a.rates.split(",")
     a.time_rates = [r for r in a.time_rates.split(",") if r]
     work = tempfile.mkdtemp(prefix="scape-peers-")
@@ -471,7 +492,7 @@ def main():
         for rate in rates:
             hosts(a.hosts, "up", str(WORLD), "--rate", rate)
             for name in a.runs:
-                for lr in a.lrs:
+                for lr in ([a.lr_for[name]] if name in a.lr_for else a.lrs):
                     port += 1
                     print("peers: %s at %s, lr %g ... (%.0f s so far)" % (
                         name, rate, lr, time.time() - t0), file=sys.stderr, flush=True)
@@ -481,6 +502,8 @@ def main():
                         res["final"], res["step_ms"], res["tx_per_step"]), file=sys.stderr)
                     if (rate, name) not in best or res["final"] < best[rate, name]["final"]:
                         best[rate, name] = res
+                    if a.results:  # a later failure loses nothing already run
+                        save_results(a, best, timed, rates, a.results)
             hosts(a.hosts, "down")
         for rate in a.time_rates:  # step times only, at each run's best lr
             hosts(a.hosts, "up", str(WORLD), "--rate", rate)
@@ -490,6 +513,8 @@ def main():
                 print("peers: timing %s at %s, lr %g ... (%.0f s so far)" % (
                     name, rate, lr, time.time() - t0), file=sys.stderr, flush=True)
                 timed[rate, name] = one_run(a, name, rate, lr, work, key, port, a.time_steps)
+                if a.results:
+                    save_results(a, best, timed, rates, a.results)
             hosts(a.hosts, "down")
     finally:
         subprocess.run(["bash", HOSTS_SH, "down", "--name", a.hosts], capture_output=True)
