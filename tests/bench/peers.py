@@ -98,7 +98,8 @@ def worker(a):
     else:
         import scape.torch
         net = model
-        opt = scape.torch.ScapeOptimizer(groups, lr=a.lr)
+        opt = scape.torch.ScapeOptimizer(groups, lr=a.lr,
+                                         max_grad_norm=a.max_grad_norm or None)
         step = lambda loss: opt.step(lambda: loss)  # noqa: E731
     targs = argparse.Namespace(lr=a.lr, lr_warmup=a.lr_warmup, steps=a.steps)
     nograd = lambda: torch.autocast(device_type="cpu", enabled=False)  # noqa: E731
@@ -117,6 +118,10 @@ def worker(a):
         opt.zero_grad()
         loss = net(x, y)
         loss.backward()
+        if a.family == "ddp" and a.max_grad_norm:
+            # DDP's .grad is the all-reduced mean by now: the norm torch clips
+            # is the global one, as the daemon's max_grad_norm clips its g_hat
+            torch.nn.utils.clip_grad_norm_(model.parameters(), a.max_grad_norm)
         for g in opt.param_groups:
             g["lr"] = tt.lr_at(targs, t)
         step(loss)
@@ -161,7 +166,7 @@ def one_run(a, name, rate, lr, work, key, port, steps=None):
     out = os.path.join(work, "%s-%s-%g-%d.json" % (name, rate, lr, steps))
     common = ["--corpus", a.corpus, "--steps", str(steps), "--lr", str(lr),
               "--eval-every", str(a.eval_every if steps == a.steps else steps),
-              "--family", family, "--out", out]
+              "--family", family, "--out", out, "--max-grad-norm", str(a.max_grad_norm)]
     if family == "ddp":
         common += ["--powersgd", str(settings["powersgd"])]
     procs, logs = [], []
@@ -174,7 +179,8 @@ def one_run(a, name, rate, lr, work, key, port, steps=None):
         if family == "scaped":
             sets = ["--set", "mode=sharded", "--set", "auth=secret", "--set",
                     "auth_key_file=" + key, "--set", "warmup=%d" % WARMUP,
-                    "--set", "comm_timeout_ms=600000", "--set", "log_level=warn"]
+                    "--set", "comm_timeout_ms=600000", "--set", "log_level=warn",
+                    "--set", "max_grad_norm=%g" % a.max_grad_norm]
             for k, v in settings.items():
                 sets += ["--set", "%s=%s" % (k, v)]
             me = [sys.executable, "-m", "scape.run", "--nnodes", str(WORLD), "--node-rank",
@@ -383,7 +389,7 @@ def save_results(a, best, timed, rates, path):
     timed_rates = [r for r in a.time_rates if all((r, n) in timed for n in done)]
     out = {"steps": a.steps, "lrs": a.lrs, "lr_for": a.lr_for, "runs": done, "rates": rates,
            "time_rates": timed_rates, "time_steps": a.time_steps, "eval_windows": a.eval_windows,
-           "model": [a.d, a.layers, a.ctx, a.batch],
+           "model": [a.d, a.layers, a.ctx, a.batch], "max_grad_norm": a.max_grad_norm,
            "best": {"%s|%s" % k: v for k, v in best.items()},
            "timed": {"%s|%s" % k: v for k, v in timed.items()}}
     with open(path, "w") as f:
@@ -397,14 +403,17 @@ def load_results(a, path):
     a.lr_for = r.get("lr_for", {})
     a.time_rates, a.time_steps, a.eval_windows = r["time_rates"], r["time_steps"], r["eval_windows"]
     a.d, a.layers, a.ctx, a.batch = r["model"]
+    a.max_grad_norm = r.get("max_grad_norm", 0.0)
     split = lambda d: {tuple(k.split("|", 1)): v for k, v in d.items()}  # noqa: E731
     return split(r["best"]), split(r["timed"]), r["rates"]
 
 
 def write_report(a, best, timed, rates, command):
     lines = ["peers.py: 4 trainers on 4 test hosts, torch_train.py's GPT (d %d, %d layers, "
-             "ctx %d, batch %d per trainer), %d steps, eval on %d fixed windows; "
+             "ctx %d, batch %d per trainer), %d steps, eval on %d fixed windows, %s; "
              "command: %s" % (a.d, a.layers, a.ctx, a.batch, a.steps, a.eval_windows,
+                              "gradients clipped to a global norm of %g" % a.max_grad_norm
+                              if a.max_grad_norm else "no gradient clipping",
                               command)] + report(a, best, rates)
     if a.time_rates:
         lines += timing_report(a, best, rates[0], timed, levels_of(a, best, rates[0]))
@@ -445,6 +454,9 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr-warmup", type=int, default=20)
     ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--max-grad-norm", type=float, default=0.0,
+                    help="clip every run's global gradient norm to this (0: off): torch's "
+                         "clip_grad_norm_ on DDP's reduced gradient, the daemon's max_grad_norm")
     # worker only
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--master")
