@@ -13,6 +13,8 @@
  *
  * usage: bench_quality --corpus FILE [--ranks R] [--out DIR] [--only NAME]
  *                      [--warmup W (dense warm-up of the sparse optimizers, 10)]
+ *                      [--max-grad-norm C (clip g_hat's global norm, every
+ *                       optimizer; 0 = off, the default)]
  *                      [gpt_run options: --steps --lr --d --layers ...]
  */
 #define _POSIX_C_SOURCE 200809L
@@ -69,6 +71,7 @@ typedef struct shared {
     int ntensors;
     int ranks;
     uint32_t warmup;   /* W of the sparse optimizers */
+    float max_grad_norm; /* every optimizer's clipping bound, 0: none */
     float *train_loss; /* [steps][ranks] */
     double *val_loss;  /* [steps], NaN where not measured */
     uint64_t *bytes;   /* [steps], rank 0's payload */
@@ -104,6 +107,7 @@ static scape_rc rank_train(rank_arg *a)
     cfg.rho_start = sh->v->rho_start;
     cfg.rho_steps = sh->v->rho_steps;
     cfg.mask_deltas = sh->v->mask_deltas;
+    cfg.max_grad_norm = sh->max_grad_norm;
     int bp = sh->v->bf16_params;
     uint16_t *ph = bp ? malloc(n * sizeof *ph) : NULL; /* the trainer's bf16 parameters */
     if (bp && ph == NULL)
@@ -192,6 +196,7 @@ int main(int argc, char **argv)
     run.eval_batches = 16;
     int ranks = 4;
     long warmup = 10;
+    double clip = 0.0;
     const char *out = ".", *only = NULL;
     for (int i = 1; i < argc; i++) {
         int took = gpt_run_option(&run, argc, argv, &i);
@@ -203,16 +208,17 @@ int main(int argc, char **argv)
         else if (i + 1 < argc && !strcmp(argv[i], "--out")) out = argv[++i];
         else if (i + 1 < argc && !strcmp(argv[i], "--only")) only = argv[++i];
         else if (i + 1 < argc && !strcmp(argv[i], "--warmup")) warmup = atol(argv[++i]);
+        else if (i + 1 < argc && !strcmp(argv[i], "--max-grad-norm")) clip = atof(argv[++i]);
         else {
             fprintf(stderr, "usage: bench_quality --corpus FILE [--ranks R] [--out DIR] "
-                            "[--only NAME] [--warmup W] [options]\n%s", gpt_run_usage());
+                            "[--only NAME] [--warmup W] [--max-grad-norm C] [options]\n%s", gpt_run_usage());
             return 2;
         }
     }
     if (run.corpus == NULL || ranks < 1 || ranks > MAX_RANKS || warmup < 1 ||
-        warmup > 1000000) {
+        warmup > 1000000 || !(clip >= 0.0 && clip <= 1e6)) {
         fprintf(stderr, "bench_quality: --corpus is required; --ranks in [1, %d]; --warmup in "
-                        "[1, 1000000]\n", MAX_RANKS);
+                        "[1, 1000000]; --max-grad-norm in [0, 1e6]\n", MAX_RANKS);
         return 2;
     }
     gpt_corpus corpus;
@@ -244,11 +250,11 @@ int main(int argc, char **argv)
         lay[i] = (eng_tensor){ gt[i].name, gt[i].offset, gt[i].length, 0 };
     size_t n = gpt_num_params(&run.model);
     printf("bench_quality: GPT d=%d layers=%d heads=%d ctx=%d vocab=%d, N=%zu; %d ranks x "
-           "batch %d x seq %d; %llu steps, lr %g (warm-up %llu, cosine), sharded, W=%ld; "
-           "corpus %zu train / %zu val tokens\n",
+           "batch %d x seq %d; %llu steps, lr %g (warm-up %llu, cosine), sharded, W=%ld, "
+           "max_grad_norm %g; corpus %zu train / %zu val tokens\n",
            run.model.d, run.model.layers, run.model.heads, run.model.ctx, run.model.vocab, n,
            ranks, run.batch, run.seq, (unsigned long long)run.steps, (double)run.lr,
-           (unsigned long long)run.lr_warmup, warmup, corpus.n_train, corpus.n_val);
+           (unsigned long long)run.lr_warmup, warmup, clip, corpus.n_train, corpus.n_val);
     printf("%-16s %10s %10s %14s %9s %9s\n", "optimizer", "val loss", "train loss",
            "bytes/step", "of adams", "wall s");
     double adams_bytes = 4.0 * (double)n * 2.0; /* dense sharded: reduce-scatter + all-gather */
@@ -256,8 +262,8 @@ int main(int argc, char **argv)
     for (size_t v = 0; v < NVARIANTS && rc == 0; v++) {
         if (only && strcmp(only, s_variants[v].name) != 0)
             continue;
-        shared sh = { &run, &corpus, &s_variants[v], lay, nt, ranks, (uint32_t)warmup, tl, vl, by,
-                      mb, ch };
+        shared sh = { &run, &corpus, &s_variants[v], lay, nt, ranks, (uint32_t)warmup, (float)clip, tl,
+                      vl, by, mb, ch };
         rank_arg args[MAX_RANKS];
         double t0 = now_s();
         if (run_ranks(ranks, rank_train, &sh, args) != 0) {
