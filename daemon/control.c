@@ -6,6 +6,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "log.h"
 #include "plan.h"
@@ -59,6 +60,10 @@ static scape_rc pick_slot(server *s, int want, int *out)
         return scape_set_error(SCAPE_INVALID, "slot %d is outside [0, %d) (max_trainers)",
                                want, s->cfg.max_trainers);
     if (want >= 0) {
+        /* a trainer restarted at once may ask for its slot before the
+         * liveness check has seen the old process go: drop that one now */
+        if (s->slots[want].used && srv_pid_dead(s->slots[want].pid))
+            ctl_drop(s, &s->slots[want], 1);
         if (s->slots[want].used)
             return scape_set_error(SCAPE_INVALID, "slot %d is taken by %s", want,
                                    s->slots[want].identity);
@@ -317,16 +322,52 @@ static scape_rc pull(trainer **ts, int n, int grads, size_t bytes, uint64_t *cop
 }
 
 /* Trainers that hand over by event (grad_event) have recorded it on the
- * stream that made their gradients: wait for each, bounded, naming the one
- * that does not get there. */
-static scape_rc await_grads(const server *s, trainer **ts, int n)
+ * stream that made their gradients: poll every such event under one
+ * deadline (comm_timeout_ms for them all), naming a trainer whose event does
+ * not get there.  Every 50 ms the pids of those still awaited are looked at:
+ * a trainer that died after posting leaves an event that may never complete,
+ * so it is returned in *dead (the step is then abandoned as for any death)
+ * instead of holding the daemon until the deadline. */
+static scape_rc await_grads(const server *s, trainer **ts, int n, trainer **dead)
 {
+    int done[SRV_MAX_SLOTS], left = 0;
     for (int i = 0; i < n; i++) {
-        if (ts[i]->grads.event == NULL) /* shared memory, or a trainer without events */
-            continue;
-        char what[64];
-        snprintf(what, sizeof what, "step: trainer %d", ts[i]->index);
-        TRY(shm_map_wait_event(&ts[i]->grads, s->cfg.comm_timeout_ms, what));
+        done[i] = ts[i]->grads.event == NULL; /* shared memory, or no events */
+        left += !done[i];
+    }
+    *dead = NULL;
+    double start = srv_now(), look = start + 0.05;
+    const struct timespec nap = { 0, 20000 }; /* 20 us between polls */
+    while (left > 0) {
+        for (int i = 0; i < n; i++) {
+            if (done[i])
+                continue;
+            char what[64];
+            snprintf(what, sizeof what, "step: trainer %d", ts[i]->index);
+            TRY(shm_map_event_done(&ts[i]->grads, &done[i], what));
+            left -= done[i];
+        }
+        if (left == 0)
+            break;
+        double now = srv_now();
+        if (now >= look) {
+            look = now + 0.05;
+            for (int i = 0; i < n; i++)
+                if (!done[i] && srv_pid_dead(ts[i]->pid)) {
+                    *dead = ts[i];
+                    return SCAPE_OK;
+                }
+        }
+        if (now - start > 1e-3 * s->cfg.comm_timeout_ms) {
+            for (int i = 0; i < n; i++)
+                if (!done[i])
+                    return scape_set_error(SCAPE_TIMEOUT, "step: trainer %d (pid %d): its "
+                                           "gradient-ready event has not completed after "
+                                           "%d ms (its stream is stuck: comm_timeout_ms)",
+                                           ts[i]->index, (int)ts[i]->pid,
+                                           s->cfg.comm_timeout_ms);
+        }
+        nanosleep(&nap, NULL);
     }
     return SCAPE_OK;
 }
@@ -734,8 +775,13 @@ static void run_step(server *s, trainer **ts, int n)
     scape_rc rc = ckp_before_step(s, t); /* a state_dict asked for since the last step */
     if (rc == SCAPE_OK)
         rc = follow_trainers(s, n);
+    trainer *dead = NULL;
     if (rc == SCAPE_OK)
-        rc = await_grads(s, ts, n);
+        rc = await_grads(s, ts, n, &dead);
+    if (rc == SCAPE_OK && dead) { /* answers the others: abandoned, post again */
+        ctl_drop(s, dead, 1);
+        return;
+    }
     if (rc == SCAPE_OK)
         rc = pull(ts, n, 1, gb, &copied);
     if (rc == SCAPE_OK) {

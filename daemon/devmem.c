@@ -16,13 +16,29 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
-#include <time.h>
 
 #include <cuda_runtime.h>
 
 #include "shm.h"
 
 _Static_assert(sizeof(cudaIpcMemHandle_t) == SHM_IPC_HANDLE_BYTES, "IPC handle size");
+
+/* The message of a failed call, its error taken off the thread: the runtime
+ * keeps a failure as the last error, and the next kernel launch's check
+ * would report it as its own (and break the job for a refused trainer). */
+static const char *failed(cudaError_t e)
+{
+    (void)cudaGetLastError();
+    return cudaGetErrorString(e);
+}
+
+/* A call whose failure changes nothing for the caller (a close, a destroy):
+ * its error is dropped for the same reason. */
+static void quietly(cudaError_t e)
+{
+    if (e != cudaSuccess)
+        (void)cudaGetLastError();
+}
 
 typedef int (*get_range_fn)(unsigned long long *base, size_t *size, unsigned long long ptr);
 
@@ -54,13 +70,13 @@ scape_rc shm_map_open_cuda(shm_map *m, const void *handle, size_t handle_len, si
     cudaError_t e = cudaSetDevice(device);
     if (e != cudaSuccess)
         return scape_set_error(SCAPE_CUDA, "%s: cudaSetDevice(%d): %s", what, device,
-                               cudaGetErrorString(e));
+                               failed(e));
     if (from < 0)
         from = device;
     int peer = from == device;
     if (!peer && (e = cudaDeviceCanAccessPeer(&peer, device, from)) != cudaSuccess)
         return scape_set_error(SCAPE_CUDA, "%s: cudaDeviceCanAccessPeer(%d, %d): %s", what,
-                               device, from, cudaGetErrorString(e));
+                               device, from, failed(e));
     if (!peer)
         return scape_set_error(SCAPE_UNSUPPORTED,
                                "%s: the trainer's buffers are on CUDA device %d, and this "
@@ -73,7 +89,7 @@ scape_rc shm_map_open_cuda(shm_map *m, const void *handle, size_t handle_len, si
     e = cudaIpcOpenMemHandle(&dev, h, cudaIpcMemLazyEnablePeerAccess);
     if (e != cudaSuccess)
         return scape_set_error(SCAPE_INVALID, "%s: cudaIpcOpenMemHandle: %s (a handle of "
-                               "another process on this node?)", what, cudaGetErrorString(e));
+                               "another process on this node?)", what, failed(e));
     get_range_fn range = address_range();
     unsigned long long base = 0;
     size_t size = 0;
@@ -92,9 +108,9 @@ scape_rc shm_map_open_cuda(shm_map *m, const void *handle, size_t handle_len, si
     if (rc == SCAPE_OK && mirror &&
         (e = cudaMallocHost(&host, declared ? declared : 1)) != cudaSuccess)
         rc = scape_set_error(SCAPE_NOMEM, "%s: cudaMallocHost(%zu): %s", what, declared,
-                             cudaGetErrorString(e));
+                             failed(e));
     if (rc != SCAPE_OK) {
-        cudaIpcCloseMemHandle(dev);
+        quietly(cudaIpcCloseMemHandle(dev));
         return rc;
     }
     *m = (shm_map){ .addr = host, .bytes = declared, .dev = (char *)dev + offset,
@@ -115,8 +131,7 @@ static scape_rc copy(shm_map *m, size_t bytes, uint64_t *copied, int to_host)
                             : cudaMemcpy(m->dev, m->addr, bytes, cudaMemcpyHostToDevice);
     if (e != cudaSuccess)
         return scape_set_error(SCAPE_CUDA, "devmem: %s copy of %zu bytes: %s",
-                               to_host ? "device-to-host" : "host-to-device", bytes,
-                               cudaGetErrorString(e));
+                               to_host ? "device-to-host" : "host-to-device", bytes, failed(e));
     if (copied)
         *copied += bytes;
     return SCAPE_OK;
@@ -137,33 +152,35 @@ scape_rc shm_map_pin(shm_map *m, const char *what)
     if (m->addr == NULL || m->dev || m->pinned)
         return SCAPE_OK;
     cudaError_t e = cudaHostRegister(m->addr, m->bytes ? m->bytes : 1, cudaHostRegisterDefault);
-    if (e != cudaSuccess) {
-        (void)cudaGetLastError();
+    if (e != cudaSuccess)
         return scape_set_error(SCAPE_CUDA, "%s: cudaHostRegister of the trainer's shared memory "
                                "(%zu bytes): %s; the cuda executor reads such buffers through "
                                "it (executor host does not need it)", what, m->bytes,
-                               cudaGetErrorString(e));
-    }
+                               failed(e));
     m->pinned = 1;
     return SCAPE_OK;
 }
 
 void shm_map_unpin(shm_map *m)
 {
-    if (m->pinned && cudaHostUnregister(m->addr) != cudaSuccess)
-        (void)cudaGetLastError();
+    if (m->pinned)
+        quietly(cudaHostUnregister(m->addr));
     m->pinned = 0;
 }
 
-/* Between host memory and a buffer; the device buffer only without a copy. */
+/* Between host memory and a buffer; the device buffer only without a copy.
+ * From pageable host memory cudaMemcpy may return once the bytes are staged,
+ * before they have landed (the runtime's "API synchronization behavior"):
+ * the default stream it used is synchronised, so that a trainer told its
+ * parameters are in place (Synced, a step's reply) finds them there. */
 static scape_rc move(void *dst, const void *src, size_t bytes, const char *what)
 {
     cudaError_t e = cudaMemcpy(dst, src, bytes, cudaMemcpyDefault);
-    if (e != cudaSuccess) {
-        (void)cudaGetLastError();
+    if (e == cudaSuccess)
+        e = cudaStreamSynchronize(0); /* the default stream cudaMemcpy used */
+    if (e != cudaSuccess)
         return scape_set_error(SCAPE_CUDA, "devmem: %s of %zu bytes: %s", what, bytes,
-                               cudaGetErrorString(e));
-    }
+                               failed(e));
     return SCAPE_OK;
 }
 
@@ -208,9 +225,9 @@ scape_rc shm_map_open_event(shm_map *m, const void *handle, size_t handle_len,
     if (e != cudaSuccess)
         return scape_set_error(SCAPE_INVALID, "%s: cudaIpcOpenEventHandle: %s (an event of "
                                "another process on this node, made with cudaEventInterprocess "
-                               "and cudaEventDisableTiming?)", what, cudaGetErrorString(e));
+                               "and cudaEventDisableTiming?)", what, failed(e));
     if (m->event)
-        cudaEventDestroy((cudaEvent_t)m->event);
+        quietly(cudaEventDestroy((cudaEvent_t)m->event));
     m->event = ev;
     return SCAPE_OK;
 }
@@ -221,42 +238,34 @@ scape_rc shm_map_export_event(shm_map *m, unsigned char *handle, const char *wha
     cudaError_t e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming | cudaEventInterprocess);
     if (e != cudaSuccess)
         return scape_set_error(SCAPE_CUDA, "%s: cudaEventCreateWithFlags: %s", what,
-                               cudaGetErrorString(e));
+                               failed(e));
     cudaIpcEventHandle_t h;
     if ((e = cudaIpcGetEventHandle(&h, ev)) != cudaSuccess) {
-        cudaEventDestroy(ev);
-        return scape_set_error(SCAPE_CUDA, "%s: cudaIpcGetEventHandle: %s", what,
-                               cudaGetErrorString(e));
+        const char *why = failed(e);
+        quietly(cudaEventDestroy(ev));
+        return scape_set_error(SCAPE_CUDA, "%s: cudaIpcGetEventHandle: %s", what, why);
     }
     memcpy(handle, &h, sizeof h);
     if (m->event)
-        cudaEventDestroy((cudaEvent_t)m->event);
+        quietly(cudaEventDestroy((cudaEvent_t)m->event));
     m->event = ev;
     return SCAPE_OK;
 }
 
-scape_rc shm_map_wait_event(const shm_map *m, int timeout_ms, const char *what)
+scape_rc shm_map_event_done(const shm_map *m, int *done, const char *what)
 {
+    *done = 1;
     if (m->event == NULL)
         return SCAPE_OK;
-    struct timespec t0, now, nap = { 0, 20000 }; /* 20 us between polls */
-    clock_gettime(CLOCK_MONOTONIC, &t0);
-    for (;;) {
-        cudaError_t e = cudaEventQuery((cudaEvent_t)m->event);
-        if (e == cudaSuccess)
-            return SCAPE_OK;
-        if (e != cudaErrorNotReady)
-            return scape_set_error(SCAPE_CUDA, "%s: cudaEventQuery: %s", what,
-                                   cudaGetErrorString(e));
-        clock_gettime(CLOCK_MONOTONIC, &now);
-        double ms = (double)(now.tv_sec - t0.tv_sec) * 1e3 +
-                    (double)(now.tv_nsec - t0.tv_nsec) / 1e6;
-        if (ms > (double)timeout_ms)
-            return scape_set_error(SCAPE_TIMEOUT, "%s: the trainer's gradient-ready event has "
-                                   "not completed after %d ms (its stream is stuck or its "
-                                   "process gone)", what, timeout_ms);
-        nanosleep(&nap, NULL);
+    cudaError_t e = cudaEventQuery((cudaEvent_t)m->event);
+    if (e == cudaErrorNotReady) {
+        (void)cudaGetLastError(); /* "not yet" is no error to keep */
+        *done = 0;
+        return SCAPE_OK;
     }
+    if (e != cudaSuccess)
+        return scape_set_error(SCAPE_CUDA, "%s: cudaEventQuery: %s", what, failed(e));
+    return SCAPE_OK;
 }
 
 scape_rc shm_map_record_event(shm_map *m, const char *what)
@@ -271,17 +280,17 @@ scape_rc shm_map_record_event(shm_map *m, const char *what)
         e = cudaEventRecord((cudaEvent_t)m->event, quiet);
     if (e != cudaSuccess)
         return scape_set_error(SCAPE_CUDA, "%s: recording the parameters-ready event: %s", what,
-                               cudaGetErrorString(e));
+                               failed(e));
     return SCAPE_OK;
 }
 
 void shm_map_close_cuda(shm_map *m)
 {
     if (m->event)
-        cudaEventDestroy((cudaEvent_t)m->event);
+        quietly(cudaEventDestroy((cudaEvent_t)m->event));
     if (m->mapped)
-        cudaIpcCloseMemHandle(m->mapped);
+        quietly(cudaIpcCloseMemHandle(m->mapped));
     if (m->addr)
-        cudaFreeHost(m->addr);
+        quietly(cudaFreeHost(m->addr));
     memset(m, 0, sizeof *m);
 }

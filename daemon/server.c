@@ -427,8 +427,7 @@ static void control_recv(server *s)
         scape__request__free_unpacked(q, NULL);
 }
 
-/* A pid that is gone, or a zombie nobody has reaped yet. */
-static int pid_dead(pid_t pid)
+int srv_pid_dead(pid_t pid)
 {
     if (kill(pid, 0) != 0 && errno == ESRCH)
         return 1;
@@ -447,7 +446,7 @@ static int pid_dead(pid_t pid)
 static void check_liveness(server *s)
 {
     for (int i = 0; i < SRV_MAX_SLOTS; i++)
-        if (s->slots[i].used && pid_dead(s->slots[i].pid))
+        if (s->slots[i].used && srv_pid_dead(s->slots[i].pid))
             ctl_drop(s, &s->slots[i], 1);
 }
 

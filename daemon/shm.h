@@ -78,16 +78,16 @@ scape_rc shm_map_push(shm_map *m, size_t bytes, uint64_t *copied);
  *  - open: the trainer's gradient-ready event, which it records on the
  *    stream that made the gradients before each Step, kept with m;
  *  - export: an event of the daemon's, kept with m, its handle written out;
- *  - wait: until the last record of m's event has completed, polled and
- *    given up after timeout_ms (nothing to do without an event), so that a
- *    trainer whose stream never gets there is named, not waited for;
+ *  - done: whether the last record of m's event has completed (*done 1;
+ *    also without an event), one query that never blocks: the step's
+ *    wait polls it (control.c), bounded and watching the trainer's pid;
  *  - record: m's event, once the step's parameters are in place (the engine
  *    has returned: it is complete at once).
  * UNSUPPORTED in a build without CUDA.  The event goes with shm_map_close. */
 scape_rc shm_map_open_event(shm_map *m, const void *handle, size_t handle_len,
                             const char *what);
 scape_rc shm_map_export_event(shm_map *m, unsigned char *handle, const char *what);
-scape_rc shm_map_wait_event(const shm_map *m, int timeout_ms, const char *what);
+scape_rc shm_map_event_done(const shm_map *m, int *done, const char *what);
 scape_rc shm_map_record_event(shm_map *m, const char *what);
 /* Close a CUDA IPC buffer (called by shm_map_close). */
 void shm_map_close_cuda(shm_map *m);

@@ -12,42 +12,81 @@
 _Static_assert(sizeof(cudaIpcMemHandle_t) == LSC_IPC_HANDLE_BYTES, "IPC handle size");
 
 typedef int (*get_range_fn)(unsigned long long *base, size_t *size, unsigned long long ptr);
+typedef int (*ctx_get_fn)(void **ctx);
+typedef int (*ctx_set_fn)(void *ctx);
 
-/* The driver's cuMemGetAddressRange, from the libcuda the runtime loaded. */
+/* A function of the driver, from the libcuda the runtime loaded. */
+static void *driver(const char *name)
+{
+    void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (h == NULL)
+        h = dlopen("libcuda.so.1", RTLD_NOW);
+    return h ? dlsym(h, name) : NULL;
+}
+
 static get_range_fn address_range(void)
 {
     static get_range_fn fn;
-    if (fn == NULL) {
-        void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-        if (h == NULL)
-            h = dlopen("libcuda.so.1", RTLD_NOW);
-        if (h)
-            fn = (get_range_fn)dlsym(h, "cuMemGetAddressRange_v2");
-    }
+    if (fn == NULL)
+        fn = (get_range_fn)driver("cuMemGetAddressRange_v2");
     return fn;
 }
 
+/* The message of a failed call, its error taken off the thread: the runtime
+ * keeps a failure as the caller's last error, and the caller's next launch
+ * check (torch's among them) would report it as its own. */
+static const char *failed(cudaError_t e)
+{
+    (void)cudaGetLastError();
+    return cudaGetErrorString(e);
+}
+
+/* A call whose failure changes nothing (a destroy, a free): dropped so. */
+static void quietly(cudaError_t e)
+{
+    if (e != cudaSuccess)
+        (void)cudaGetLastError();
+}
+
 /* The caller's current device, set to `device` for the calls between
- * guard_on and guard_off and given back after them. */
+ * guard_on and guard_off and given back after them.  What is given back is
+ * the thread's current context as it was (the driver's cuCtxGetCurrent /
+ * cuCtxSetCurrent), not a device number: a thread that had no context yet
+ * (cudaGetDevice says 0 then) is left without one, instead of getting a
+ * context on GPU 0 that cudaSetDevice(0) would create there. */
 typedef struct guard {
     int prev, changed;
+    void *prev_ctx;
+    int have_ctx;
 } guard;
 
 static cudaError_t guard_on(guard *g, int device)
 {
+    static ctx_get_fn get;
+    if (get == NULL)
+        get = (ctx_get_fn)driver("cuCtxGetCurrent");
     g->changed = 0;
+    g->have_ctx = get && get(&g->prev_ctx) == 0;
     cudaError_t e = cudaGetDevice(&g->prev);
     if (e == cudaSuccess && g->prev != device) {
         e = cudaSetDevice(device);
         g->changed = e == cudaSuccess;
     }
+    if (e != cudaSuccess)
+        (void)cudaGetLastError();
     return e;
 }
 
 static void guard_off(const guard *g)
 {
-    if (g->changed)
-        cudaSetDevice(g->prev);
+    static ctx_set_fn set;
+    if (!g->changed)
+        return;
+    if (set == NULL)
+        set = (ctx_set_fn)driver("cuCtxSetCurrent");
+    if (g->have_ctx && set && set(g->prev_ctx) == 0)
+        return;
+    quietly(cudaSetDevice(g->prev));
 }
 
 #define LSC_GUARDED(g, call)                                                   \
@@ -56,7 +95,7 @@ static void guard_off(const guard *g)
         if (e_ != cudaSuccess) {                                               \
             guard_off(g);                                                      \
             return scape_set_error(SCAPE_CUDA, "libscape: %s: %s", #call,      \
-                                   cudaGetErrorString(e_));                    \
+                                   failed(e_));                                \
         }                                                                      \
     } while (0)
 
@@ -75,7 +114,7 @@ scape_rc lsc_cuda_check_ipc(int device)
         e = cudaDeviceGetAttribute(&ipc_ev, cudaDevAttrIpcEventSupport, device);
     if (e != cudaSuccess)
         return scape_set_error(SCAPE_CUDA, "scape_attach: CUDA device %d: %s", device,
-                               cudaGetErrorString(e));
+                               failed(e));
     if (on_mig())
         return scape_set_error(SCAPE_UNSUPPORTED, "scape_attach: CUDA device %d is a MIG "
                                "instance (CUDA_VISIBLE_DEVICES names MIG-...), and MIG has no "
@@ -110,7 +149,7 @@ scape_rc lsc_cuda_alloc(lsc_dev_buf *b, int device, size_t bytes)
     if (e == cudaSuccess)
         e = cudaStreamSynchronize(z);
     if (z)
-        cudaStreamDestroy(z);
+        quietly(cudaStreamDestroy(z));
     int ipc_failed = 0;
     if (e == cudaSuccess && (e = cudaIpcGetMemHandle(&h, b->ptr)) != cudaSuccess)
         ipc_failed = 1;
@@ -120,19 +159,20 @@ scape_rc lsc_cuda_alloc(lsc_dev_buf *b, int device, size_t bytes)
     if (e == cudaSuccess && (range == NULL ||
                              range(&base, &size, (unsigned long long)(uintptr_t)b->ptr) != 0))
         e = cudaErrorUnknown; /* the offset cannot be told: do not hand out the buffer */
+    const char *why = e == cudaSuccess ? "" : failed(e);
     if (e != cudaSuccess) {
-        cudaFree(b->ptr);
+        quietly(cudaFree(b->ptr));
         memset(b, 0, sizeof *b);
         guard_off(&g);
         if (ipc_failed)
             return scape_set_error(SCAPE_UNSUPPORTED, "scape_attach: CUDA IPC is not available "
                                    "on device %d (cudaIpcGetMemHandle: %s%s): attach with host "
                                    "memory (SCAPE_MEMORY_HOST, device='cpu')", device,
-                                   cudaGetErrorString(e), on_mig() ? "; a MIG instance" : "");
+                                   why, on_mig() ? "; a MIG instance" : "");
         return scape_set_error(SCAPE_CUDA, "libscape: exporting a device buffer: %s",
                                e == cudaErrorUnknown ? "cannot measure its allocation "
                                                       "(cuMemGetAddressRange)"
-                                                    : cudaGetErrorString(e));
+                                                    : why);
     }
     memcpy(b->handle, &h, sizeof h);
     b->offset = (size_t)((unsigned long long)(uintptr_t)b->ptr - base);
@@ -144,8 +184,8 @@ void lsc_cuda_free(lsc_dev_buf *b, void *stream)
 {
     guard g;
     if (b->ptr && guard_on(&g, b->device) == cudaSuccess) {
-        cudaStreamSynchronize((cudaStream_t)stream); /* the caller's last use of it */
-        cudaFree(b->ptr);
+        quietly(cudaStreamSynchronize((cudaStream_t)stream)); /* the caller's last use */
+        quietly(cudaFree(b->ptr));
         guard_off(&g);
     }
     memset(b, 0, sizeof *b);
@@ -163,12 +203,12 @@ scape_rc lsc_cuda_events_create(lsc_dev_events *ev, int device)
     cudaIpcEventHandle_t h;
     cudaError_t r = cudaIpcGetEventHandle(&h, e);
     if (r != cudaSuccess) {
-        cudaEventDestroy(e);
+        const char *why = failed(r);
+        quietly(cudaEventDestroy(e));
         guard_off(&g);
         return scape_set_error(SCAPE_UNSUPPORTED, "scape_attach: cannot export an "
                                "interprocess event on CUDA device %d (cudaIpcGetEventHandle: "
-                               "%s): attach with host memory (SCAPE_MEMORY_HOST)", device,
-                               cudaGetErrorString(r));
+                               "%s): attach with host memory (SCAPE_MEMORY_HOST)", device, why);
     }
     _Static_assert(sizeof h == LSC_IPC_HANDLE_BYTES, "IPC event handle size");
     memcpy(ev->grad_handle, &h, sizeof h);
@@ -198,9 +238,9 @@ void lsc_cuda_events_free(lsc_dev_events *ev)
     guard g;
     if ((ev->grad || ev->params) && guard_on(&g, ev->device) == cudaSuccess) {
         if (ev->grad)
-            cudaEventDestroy((cudaEvent_t)ev->grad);
+            quietly(cudaEventDestroy((cudaEvent_t)ev->grad));
         if (ev->params)
-            cudaEventDestroy((cudaEvent_t)ev->params);
+            quietly(cudaEventDestroy((cudaEvent_t)ev->params));
         guard_off(&g);
     }
     memset(ev, 0, sizeof *ev);

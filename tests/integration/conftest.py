@@ -84,11 +84,12 @@ class Daemon:
         assert status == 0, msg
         return [{k: v[0] for k, v in pbwire.parse(raw).items()} for raw in st.get(10, [])]
 
-    def kill_mid_step(self, waiting_pid, stopped, step):
+    def kill_mid_step(self, waiting_pid, stopped, step, noticed=True):
         """Kill `stopped` (a trainer run with stop_before=step) once it has
         stopped before posting step and the trainer of waiting_pid has posted
         it: a death in the middle of the step, for certain, however loaded the
-        machine.  Returns once the daemon has let the dead trainer go."""
+        machine.  Returns once the daemon has let the dead trainer go (with
+        noticed=False at once, before the daemon may have looked)."""
         deadline = time.time() + 60
         while not (process_stopped(stopped.pid) and
                    any(ti[3] == waiting_pid and ti[4] == step for ti in self.trainers())):
@@ -97,7 +98,7 @@ class Daemon:
             time.sleep(0.01)
         stopped.send_signal(signal.SIGKILL)
         stopped.wait()
-        while any(ti[3] == stopped.pid for ti in self.trainers()):
+        while noticed and any(ti[3] == stopped.pid for ti in self.trainers()):
             assert time.time() < deadline, "the daemon never noticed the death"
             time.sleep(0.01)
 

@@ -6,6 +6,10 @@
  *                  [--optimizer O] [--mode M] [--rho R] [--warmup W]
  *                  [--max-grad-norm MAX] [--groups WD0,WD1,...] --out FILE
  *                  [--timing FILE]   (rank 0's engine step per step, seconds)
+ *                  [--members S:C,...]  (one rank: from step S on, trainers
+ *                   0..C-1 step, as when a trainer died and another took its
+ *                   place; one that comes back starts from trainer 0's
+ *                   parameters, as the daemon hands a joiner the job's)
  */
 #define _POSIX_C_SOURCE 200809L
 #include <stdio.h>
@@ -18,6 +22,7 @@
 #include "synth.h"
 
 #define MAX_RANKS 16
+#define MAX_MEMBERS 16
 
 typedef struct args {
     int ranks;
@@ -30,6 +35,9 @@ typedef struct args {
     eng_group groups[ENG_MAX_GROUPS]; /* --groups: tensor l in group l % ngroups,
                                          group g's lr (1 + g) * lr */
     size_t ngroups;
+    uint64_t member_step[MAX_MEMBERS]; /* --members: from these steps on ... */
+    int member_count[MAX_MEMBERS];     /* ... this many trainers */
+    int nmembers;
 } args;
 
 static scape_rc parse_groups(const char *v, args *a)
@@ -59,11 +67,35 @@ static scape_rc parse_trainers(const char *v, args *a)
     return a->ranks ? SCAPE_OK : scape_set_error(SCAPE_INVALID, "bad --trainers '%s'", v);
 }
 
+static scape_rc parse_members(const char *v, args *a)
+{
+    a->nmembers = 0;
+    for (const char *p = v; *p;) {
+        char *end;
+        unsigned long long st = strtoull(p, &end, 10);
+        if (end == p || *end != ':' || a->nmembers == MAX_MEMBERS)
+            return scape_set_error(SCAPE_INVALID, "--members takes STEP:COUNT,... (at most %d)",
+                                   MAX_MEMBERS);
+        p = end + 1;
+        long c = strtol(p, &end, 10);
+        if (end == p || c < 1 || c > 64 || st < 1 ||
+            (a->nmembers && st <= a->member_step[a->nmembers - 1]))
+            return scape_set_error(SCAPE_INVALID, "--members: steps rising from 1, counts in "
+                                   "[1, 64]");
+        a->member_step[a->nmembers] = st;
+        a->member_count[a->nmembers++] = (int)c;
+        p = *end == ',' ? end + 1 : end;
+        if (*end && *end != ',')
+            return scape_set_error(SCAPE_INVALID, "--members takes STEP:COUNT,...");
+    }
+    return SCAPE_OK;
+}
+
 static const char s_usage[] =
     "usage: reference [--trainers T0,T1,...] [--n N] [--steps S] [--seed X] [--lr LR]\n"
     "                 [--rho RHO] [--warmup W] [--optimizer OPT] [--mode MODE]\n"
     "                 [--max-grad-norm MAX] [--groups WD0,WD1,...] [--weight-decay WD]\n"
-    "                 [--out FILE] [--timing FILE]\n"
+    "                 [--out FILE] [--timing FILE] [--members STEP:COUNT,...]\n"
     "The in-process engine (ranks as threads, the host executor) on the synthetic\n"
     "problem the test trainers train, for comparison with a daemon's results.\n";
 
@@ -94,6 +126,7 @@ static int parse(int argc, char **argv, args *a)
         else if (!strcmp(k, "--warmup")) a->cfg.warmup = (uint32_t)atoi(v);
         else if (!strcmp(k, "--max-grad-norm")) a->cfg.max_grad_norm = strtof(v, NULL);
         else if (!strcmp(k, "--groups")) rc = parse_groups(v, a);
+        else if (!strcmp(k, "--members")) rc = parse_members(v, a);
         else if (!strcmp(k, "--weight-decay")) a->cfg.hyper.wd = strtof(v, NULL);
         else if (!strcmp(k, "--optimizer")) rc = eng_optimizer_parse(v, &a->cfg.optimizer);
         else if (!strcmp(k, "--mode")) rc = eng_mode_parse(v, &a->cfg.mode);
@@ -123,8 +156,23 @@ static scape_rc train(rank_job *j, eng_t *e, float **p, float **g)
 {
     const args *a = j->a;
     uint64_t seed = a->seed + 1000u * (uint64_t)j->rank;
+    int now = a->tr[j->rank], next = 0;
     for (uint64_t t = 1; t <= a->steps; t++) {
-        for (int q = 0; q < a->tr[j->rank]; q++)
+        if (next < a->nmembers && a->member_step[next] == t) {
+            int c = a->member_count[next++];
+            if (c > a->tr[j->rank])
+                return scape_set_error(SCAPE_INVALID, "--members: %d trainers, more than the "
+                                       "%d of --trainers", c, a->tr[j->rank]);
+            for (int q = now; q < c; q++) /* a joiner gets the job's parameters */
+                memcpy(p[q], p[0], j->n * sizeof(float));
+            if (c != now) {
+                scape_rc rc = eng_set_local_trainers(e, c);
+                if (rc != SCAPE_OK)
+                    return rc;
+                now = c;
+            }
+        }
+        for (int q = 0; q < now; q++)
             for (size_t l = 0; l < j->nt; l++)
                 for (size_t i = j->ts[l].offset; i < j->ts[l].offset + j->ts[l].length; i++)
                     g[q][i] = synth_grad(seed, q, t, i, p[q][i], synth_scale(l));
@@ -182,6 +230,10 @@ int main(int argc, char **argv)
     int how = parse(argc, argv, &a);
     if (how)
         return how == 1 ? 0 : 2;
+    if (a.nmembers && a.ranks != 1) {
+        fprintf(stderr, "reference: --members is for one rank\n");
+        return 2;
+    }
     size_t off[SYNTH_MAX_TENSORS], len[SYNTH_MAX_TENSORS];
     char names[SYNTH_MAX_TENSORS][16];
     size_t nt = synth_layout(a.n, off, len, names);

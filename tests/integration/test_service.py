@@ -1,6 +1,7 @@
 """The single-node service with real processes: scaped, C trainers through
 libscape, raw ZeroMQ peers that send bad input, a trainer killed mid-step."""
 import os
+import re
 import shutil
 import signal
 import stat
@@ -227,12 +228,44 @@ def test_trainer_killed_mid_step(daemon_factory, tmp_path):
     d.kill_mid_step(a.pid, b, 5)
     # A replacement takes the dead trainer's slot and joins at the next step.
     c = run_trainer(d.endpoint, 1, n, steps, out=str(tmp_path / "c"), wait=False)
+    outs = {}
     for name, p in (("a", a), ("c", c)):
         o, e = p.communicate(timeout=300)
         assert p.returncode == 0, name + o + e
+        outs[name] = o
         if name == "a":
-            assert "abandoned" in e, e
+            assert "step 5 abandoned" in e, e
     assert read(tmp_path / "a") == read(tmp_path / "c"), "replicas differ after re-attach"
+    # Not only equal to each other (the daemon writes both): equal to the
+    # engine run in process with the same history, two trainers for steps
+    # 1-4, a alone from the abandoned step 5, both again from c's first step.
+    joined = int(re.search(r"steps (\d+)\.\.%d done" % steps, outs["c"]).group(1))
+    members = ["--members", "5:1,%d:2" % joined] if joined > 5 else []
+    run_reference(str(tmp_path / "ref"), 2, n, steps, *ENGINE, *members)
+    assert read(tmp_path / "a") == read(tmp_path / "ref"), (
+        "after the death and the re-attach at step %d the parameters are not the "
+        "reference's" % joined)
+    assert "died" in d.output()
+    assert d.stop() == 0
+    leftovers = [f for f in os.listdir("/dev/shm") if f.startswith("scape-%d-" % b.pid)]
+    assert not leftovers, "the dead trainer's shared memory was not unlinked: %s" % leftovers
+
+
+def test_replacement_takes_a_dead_trainers_slot_at_once(daemon_factory, tmp_path):
+    """A trainer restarted at once asks for its slot before the daemon's
+    liveness check (every 200 ms) has seen the old process go: the slot is
+    the dead one's, so the daemon lets it go then and there, instead of
+    refusing the replacement as "slot 1 is taken"."""
+    n, steps = 2000, 40
+    d = daemon_factory(*ENGINE, "--trainers", "2")
+    a = run_trainer(d.endpoint, 0, n, steps, out=str(tmp_path / "a"), wait=False)
+    b = run_trainer(d.endpoint, 1, n, steps, stop_before=5, wait=False)
+    d.kill_mid_step(a.pid, b, 5, noticed=False)
+    c = run_trainer(d.endpoint, 1, n, steps, out=str(tmp_path / "c"), wait=False)
+    for name, p in (("a", a), ("c", c)):
+        o, e = p.communicate(timeout=120)
+        assert p.returncode == 0, name + o + e
+    assert read(tmp_path / "a") == read(tmp_path / "c")
     assert "died" in d.output()
     assert d.stop() == 0
     leftovers = [f for f in os.listdir("/dev/shm") if f.startswith("scape-%d-" % b.pid)]
