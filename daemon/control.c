@@ -604,7 +604,8 @@ static scape_rc follow_trainers(server *s, int n)
     scape_rc rc = eng_set_local_trainers(s->eng, n);
     if (rc != SCAPE_OK)
         return rc;
-    LOG_INFO(SUB_ENGINE, "now %d trainer(s) (was %d)", n, s->eng_trainers);
+    LOG_INFO(SUB_ENGINE, "step %llu: now %d trainer(s) (was %d)",
+             (unsigned long long)s->next_step, n, s->eng_trainers);
     s->eng_trainers = n;
     return SCAPE_OK;
 }

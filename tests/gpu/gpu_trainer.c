@@ -13,7 +13,10 @@
  * --die-after-post T kills the trainer (SIGKILL) right after it has posted
  * step T, its buffers and events still open in the daemon.  A step abandoned
  * because another trainer died is posted again; a trainer that attaches to a
- * running job starts at the daemon's next step.
+ * running job starts at the daemon's next step.  --ready-file F writes F once
+ * the trainer has synced; --hold-at T --hold-file F waits (60 s at most)
+ * before step T until F exists: so a replacement joins while its survivor
+ * still trains, and the run's history (who stepped when) is known.
  *
  * --bench times the hand-over instead (issue 16's benchmark): the gradients
  * are set once on the device, nothing is computed on the host, and each
@@ -32,6 +35,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <cuda_runtime.h>
 
@@ -107,10 +111,10 @@ static int bench_handover(scape_session *s, cudaStream_t st, size_t n, uint64_t 
 
 int main(int argc, char **argv)
 {
-    const char *endpoint = NULL, *out = NULL;
+    const char *endpoint = NULL, *out = NULL, *ready_file = NULL, *hold_file = NULL;
     int index = -1, device = 0, use_stream = 0, bench = 0, warmup = 3;
     size_t n = 1000;
-    uint64_t steps = 10, seed = 1, die_at = 0;
+    uint64_t steps = 10, seed = 1, die_at = 0, hold_at = 0;
     float lr = 1e-2f;
     for (int i = 1; i < argc; i += 2) {
         const char *k = argv[i], *v = argv[i + 1];
@@ -130,6 +134,9 @@ int main(int argc, char **argv)
         else if (!strcmp(k, "--bench")) bench = atoi(v);
         else if (!strcmp(k, "--warmup")) warmup = atoi(v);
         else if (!strcmp(k, "--die-after-post")) die_at = strtoull(v, NULL, 0);
+        else if (!strcmp(k, "--ready-file")) ready_file = v;
+        else if (!strcmp(k, "--hold-file")) hold_file = v;
+        else if (!strcmp(k, "--hold-at")) hold_at = strtoull(v, NULL, 0);
         else if (!strcmp(k, "--n")) n = strtoull(v, NULL, 0);
         else if (!strcmp(k, "--steps")) steps = strtoull(v, NULL, 0);
         else if (!strcmp(k, "--seed")) seed = strtoull(v, NULL, 0);
@@ -172,9 +179,24 @@ int main(int argc, char **argv)
     if (scape_sync(s) != SCAPE_OK)
         return fail("sync", scape_last_error());
     uint64_t first = scape_next_step(s), sent = 0;
+    if (ready_file) {
+        FILE *rf = fopen(ready_file, "w");
+        if (rf == NULL || fprintf(rf, "%llu\n", (unsigned long long)first) < 0 ||
+            fclose(rf) != 0)
+            return fail(ready_file, "cannot write");
+    }
     if (bench)
         return bench_handover(s, st, n, first, steps, lr, warmup);
     for (uint64_t t = first; t <= steps; t++) {
+        if (t == hold_at && hold_file) {
+            double until = now_s() + 60.0;
+            const struct timespec nap = { 0, 10000000 };
+            while (access(hold_file, F_OK) != 0) {
+                if (now_s() > until)
+                    return fail(hold_file, "did not appear within 60 s");
+                nanosleep(&nap, NULL);
+            }
+        }
         if (cudaMemcpyAsync(p, scape_params(s), n * sizeof *p, cudaMemcpyDeviceToHost, st) !=
                 cudaSuccess ||
             cudaStreamSynchronize(st) != cudaSuccess)

@@ -462,29 +462,45 @@ run_handover() {
         HANDOVER_STATUS="$HANDOVER_STATUS; killed trainer: not run (out of time)"
         not_run "hand-over with a killed trainer"
     else
-        ok=1 why=""
-        rm -rf "$rt/rt" "$rt/a" "$rt/c"
-        if ! daemon_up "$LOGS/scaped_handover.txt" "$rt/rt" --executor cuda --trainers 2 --rho 0.01 --warmup 3; then
+        # The survivor holds before step 100 until the replacement has synced,
+        # so the replacement really trains with it; the history (the step
+        # the survivor went on alone, from the daemon's log, and the one the
+        # replacement joined at, from its own) is replayed by the reference.
+        ok=1 why="" alone="" joined=""
+        rm -rf "$rt/rt" "$rt/a" "$rt/c" "$rt/ref" "$rt/joined"
+        if ! daemon_up "$LOGS/scaped_kill.txt" "$rt/rt" --executor cuda --trainers 2 --rho 0.01 --warmup 3; then
             ok=0 why="scaped did not start"
         else
             timeout "$t" "$BIN/gpu_trainer" --endpoint "ipc://$rt/rt/control" --index 0 \
-                --n 1000000 --steps 200 --stream 1 --out "$rt/a" >"$LOGS/kill_a.txt" 2>&1 &
+                --n 1000000 --steps 200 --stream 1 --hold-at 100 --hold-file "$rt/joined" \
+                --out "$rt/a" >"$LOGS/kill_a.txt" 2>&1 &
             local pa=$!
             timeout "$t" "$BIN/gpu_trainer" --endpoint "ipc://$rt/rt/control" --index 1 \
                 --n 1000000 --steps 200 --die-after-post 20 >"$LOGS/kill_b.txt" 2>&1
             grep -q "dying" "$LOGS/kill_b.txt" || { ok=0 why="the victim did not die after posting"; }
             timeout "$t" "$BIN/gpu_trainer" --endpoint "ipc://$rt/rt/control" --index 1 \
-                --n 1000000 --steps 200 --out "$rt/c" >"$LOGS/kill_c.txt" 2>&1 ||
-                { ok=0 why="${why:-the replacement failed}"; }
+                --n 1000000 --steps 200 --ready-file "$rt/joined" --out "$rt/c" \
+                >"$LOGS/kill_c.txt" 2>&1 || { ok=0 why="${why:-the replacement failed}"; }
             wait "$pa" || { ok=0 why="${why:-the survivor failed}"; }
             kill -0 "$DPID" 2>/dev/null || { ok=0 why="${why:-scaped died}"; }
+            alone=$(grep -o "step [0-9]*: now 1 trainer" "$LOGS/scaped_kill.txt" | head -1 | grep -o "[0-9]*" | head -1)
+            joined=$(grep -o "steps [0-9]*\.\.200 done" "$LOGS/kill_c.txt" | grep -o "[0-9]*" | head -1)
+            if [ "$ok" = 1 ] && [ -n "$alone" ] && [ -n "$joined" ] && [ "$joined" -gt "$alone" ] &&
+                [ "$joined" -le 100 ]; then
+                timeout "$t" "$ti/reference" --trainers 2 --n 1000000 --steps 200 --rho 0.01 \
+                    --warmup 3 --members "$alone:1,$joined:2" --out "$rt/ref" \
+                    >"$LOGS/kill_ref.txt" 2>&1 || { ok=0 why="the reference failed"; }
+            else
+                [ -n "$why" ] || why="the history is not as planned: alone from step [$alone], the replacement from [$joined], where alone < joined <= 100"
+                ok=0
+            fi
         fi
         kill "$DPID" 2>/dev/null; wait "$DPID" 2>/dev/null
         DPID=""
-        if [ "$ok" = 1 ] && cmp -s "$rt/a" "$rt/c"; then
-            HANDOVER_STATUS="$HANDOVER_STATUS; a trainer killed after posting step 20, a replacement joined, survivor == replacement after 200 steps: ok"
+        if [ "$ok" = 1 ] && cmp -s "$rt/a" "$rt/ref" && cmp -s "$rt/c" "$rt/ref"; then
+            HANDOVER_STATUS="$HANDOVER_STATUS; a trainer killed after posting step 20, the survivor alone from step $alone, a replacement from step $joined, both == the reference with that history after 200 steps: ok"
         else
-            HANDOVER_STATUS="$HANDOVER_STATUS; killed trainer: FAIL (${why:-survivor and replacement differ}; see $LOGS)"
+            HANDOVER_STATUS="$HANDOVER_STATUS; killed trainer: FAIL (${why:-the parameters differ from the reference}; see $LOGS)"
             HANDOVER_RC=1
         fi
     fi
