@@ -291,10 +291,16 @@ static scape_rc map_one(const server *s, const trainer *t, const Scape__MemHandl
     if (h->kind != SCAPE__MEM_KIND__CUDA_IPC)
         return scape_set_error(SCAPE_INVALID, "register: %s: unknown memory kind %d", what,
                                (int)h->kind);
+    if (h->has_device_uuid && h->device_uuid.len != SHM_GPU_UUID_BYTES)
+        return scape_set_error(SCAPE_INVALID, "register: %s: a GPU UUID has %d bytes, not %zu",
+                               what, SHM_GPU_UUID_BYTES, h->device_uuid.len);
     TRY(check_ipc_range(s, t, h, what));
+    int from = h->has_device ? h->device : -1; /* the trainer's numbering */
+    if (h->has_device_uuid) /* ours, whatever CUDA_VISIBLE_DEVICES each process has */
+        TRY(shm_map_cuda_device(h->device_uuid.data, &from, what));
     return shm_map_open_cuda(m, h->ipc_handle.data, h->ipc_handle.len,
                              h->has_offset ? (size_t)h->offset : 0, (size_t)h->bytes, need,
-                             s->cfg.cuda_device, h->has_device ? h->device : -1, !cuda, what);
+                             s->cfg.cuda_device, from, !cuda, what);
 }
 
 static scape_rc map_buffers(server *s, const Scape__Register *g, size_t numel,

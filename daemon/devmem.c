@@ -208,6 +208,34 @@ scape_rc shm_map_write(shm_map *m, const void *src, size_t bytes)
     return move(m->dev, src, bytes, "write into the trainer's device buffer");
 }
 
+scape_rc shm_map_cuda_device(const unsigned char *uuid, int *ordinal, const char *what)
+{
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess)
+        return scape_set_error(SCAPE_CUDA, "%s: cudaGetDeviceCount: %s", what, failed(e));
+    for (int d = 0; d < n; d++) {
+        struct cudaDeviceProp p;
+        if ((e = cudaGetDeviceProperties(&p, d)) != cudaSuccess)
+            return scape_set_error(SCAPE_CUDA, "%s: cudaGetDeviceProperties(%d): %s", what, d,
+                                   failed(e));
+        _Static_assert(sizeof p.uuid.bytes == SHM_GPU_UUID_BYTES, "a GPU UUID has 16 bytes");
+        if (memcmp(p.uuid.bytes, uuid, SHM_GPU_UUID_BYTES) == 0) {
+            *ordinal = d;
+            return SCAPE_OK;
+        }
+    }
+    char text[64]; /* as nvidia-smi -L writes it */
+    const unsigned char *u = uuid;
+    snprintf(text, sizeof text, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-"
+             "%02x%02x%02x%02x%02x%02x", u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8],
+             u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
+    return scape_set_error(SCAPE_UNSUPPORTED, "%s: the trainer's buffers are on GPU %s, which "
+                           "is not one of the %d this daemon sees (its CUDA_VISIBLE_DEVICES): "
+                           "run the node's daemon with every trainer's GPU visible, or one "
+                           "daemon per GPU (cuda_device, its own runtime_dir)", what, text, n);
+}
+
 /* ---- events --------------------------------------------------------------- */
 
 _Static_assert(sizeof(cudaIpcEventHandle_t) == SHM_IPC_HANDLE_BYTES, "IPC event handle size");

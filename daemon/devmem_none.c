@@ -83,6 +83,14 @@ scape_rc shm_map_export_event(shm_map *m, unsigned char *handle, const char *wha
                            "scaped built with CUDA (this one is CPU-only)", what);
 }
 
+scape_rc shm_map_cuda_device(const unsigned char *uuid, int *ordinal, const char *what)
+{
+    (void)uuid;
+    (void)ordinal;
+    return scape_set_error(SCAPE_UNSUPPORTED, "register: %s: CUDA IPC buffers need a scaped "
+                           "built with CUDA (this one is CPU-only)", what);
+}
+
 scape_rc shm_map_event_done(const shm_map *m, int *done, const char *what)
 {
     (void)m;

@@ -89,6 +89,11 @@ scape_rc shm_map_open_event(shm_map *m, const void *handle, size_t handle_len,
 scape_rc shm_map_export_event(shm_map *m, unsigned char *handle, const char *what);
 scape_rc shm_map_event_done(const shm_map *m, int *done, const char *what);
 scape_rc shm_map_record_event(shm_map *m, const char *what);
+/* The ordinal, among the GPUs this daemon sees, of the one with this UUID
+ * (SHM_GPU_UUID_BYTES, cudaDeviceProp.uuid); UNSUPPORTED, naming the UUID,
+ * when it sees no such GPU (or is built without CUDA). */
+#define SHM_GPU_UUID_BYTES 16
+scape_rc shm_map_cuda_device(const unsigned char *uuid, int *ordinal, const char *what);
 /* Close a CUDA IPC buffer (called by shm_map_close). */
 void shm_map_close_cuda(shm_map *m);
 

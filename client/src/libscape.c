@@ -400,6 +400,9 @@ static scape_rc register_layout(scape_session *s, const scape_tensor *layout, si
             m[i]->bytes = b[i]->bytes;
             m[i]->has_offset = 1;
             m[i]->offset = b[i]->offset;
+            m[i]->has_device_uuid = 1;
+            m[i]->device_uuid.data = b[i]->uuid;
+            m[i]->device_uuid.len = sizeof b[i]->uuid;
         }
     } else {
         mp.shm_name = s->params.name;

@@ -21,6 +21,7 @@ typedef struct lsc_dev_buf {
     int device;
     unsigned char handle[LSC_IPC_HANDLE_BYTES];
     size_t offset;    /* ptr's place in the allocation the handle names */
+    unsigned char uuid[16]; /* the device's UUID (cudaDeviceProp.uuid) */
 } lsc_dev_buf;
 
 /* Ordering with the daemon by events, on the caller's stream:

@@ -287,7 +287,8 @@ static void reg(fuzz_buf *b, uint8_t who, int slot) { reg_groups(b, who, slot, 0
 /* A registration of two CUDA IPC buffers in one (forged) allocation, at
  * the offsets given, with a gradient-ready event handle of ev_len bytes (0:
  * none): the range and event checks' input (no handle here can open). */
-static void reg_ipc(fuzz_buf *b, uint8_t who, uint64_t poff, uint64_t goff, size_t ev_len)
+static void reg_ipc(fuzz_buf *b, uint8_t who, uint64_t poff, uint64_t goff, size_t ev_len,
+                    size_t uuid_len)
 {
     static uint8_t handle[64];
     for (int i = 0; i < 64; i++)
@@ -309,6 +310,9 @@ static void reg_ipc(fuzz_buf *b, uint8_t who, uint64_t poff, uint64_t goff, size
         hs[i]->has_offset = 1;
         hs[i]->offset = off[i];
         hs[i]->has_device = 1;
+        hs[i]->has_device_uuid = uuid_len > 0; /* the GPU by its UUID (16 bytes) */
+        hs[i]->device_uuid.data = handle;
+        hs[i]->device_uuid.len = uuid_len;
     }
     Scape__Register g = SCAPE__REGISTER__INIT;
     g.n_tensors = 1;
@@ -437,9 +441,9 @@ void fuzz_seeds(fuzz_emit emit, void *ctx)
      * and one whose offset overflows; none can open here. */
     b->len = 0;
     hello(b, 0, -1);
-    reg_ipc(b, 0, 0, NUMEL * sizeof(float) - 4, 0);
-    reg_ipc(b, 0, 0, NUMEL * sizeof(float), 0);
-    reg_ipc(b, 0, UINT64_MAX - 8, 0, 0);
+    reg_ipc(b, 0, 0, NUMEL * sizeof(float) - 4, 0, 0);
+    reg_ipc(b, 0, 0, NUMEL * sizeof(float), 0, 0);
+    reg_ipc(b, 0, UINT64_MAX - 8, 0, 0, 0);
     bare(b, 3, SCAPE__REQUEST__BODY_STATUS);
     emit(ctx, "cuda-ipc-ranges", b->data, b->len);
 
@@ -447,10 +451,18 @@ void fuzz_seeds(fuzz_emit emit, void *ctx)
      * well-formed one on buffers apart in one allocation */
     b->len = 0;
     hello(b, 0, -1);
-    reg_ipc(b, 0, 0, NUMEL * sizeof(float), 63);
-    reg_ipc(b, 0, 0, NUMEL * sizeof(float), 64);
+    reg_ipc(b, 0, 0, NUMEL * sizeof(float), 63, 0);
+    reg_ipc(b, 0, 0, NUMEL * sizeof(float), 64, 0);
     bare(b, 3, SCAPE__REQUEST__BODY_STATUS);
     emit(ctx, "cuda-ipc-events", b->data, b->len);
+
+    /* ... naming their GPU by UUID: one of the wrong size, one no GPU has */
+    b->len = 0;
+    hello(b, 0, -1);
+    reg_ipc(b, 0, 0, NUMEL * sizeof(float), 0, 15);
+    reg_ipc(b, 0, 0, NUMEL * sizeof(float), 64, 16);
+    bare(b, 3, SCAPE__REQUEST__BODY_STATUS);
+    emit(ctx, "cuda-ipc-uuid", b->data, b->len);
 
     /* Parameter groups: a registration with a group that is not there, then
      * two trainers with two groups; steps with the right number of group

@@ -49,12 +49,14 @@ def mem_shm(name, nbytes):
     return field(1, VARINT, 0) + field(2, LEN, name) + field(4, VARINT, nbytes)
 
 
-def mem_ipc(handle, nbytes, offset=None, device=0):
+def mem_ipc(handle, nbytes, offset=None, device=0, uuid=None):
     """A CUDA IPC MemHandle: the handle's bytes as given (forged in tests)."""
     body = field(1, VARINT, 1) + field(3, LEN, handle) + field(4, VARINT, nbytes)
     body += field(5, VARINT, device)
     if offset is not None:
         body += field(6, VARINT, offset)
+    if uuid is not None:  # the GPU's UUID (16 bytes)
+        body += field(7, LEN, uuid)
     return body
 
 
