@@ -19,26 +19,11 @@
 
 #include <cuda_runtime.h>
 
+#include "scape_cuda_err.h"
+
 #include "shm.h"
 
 _Static_assert(sizeof(cudaIpcMemHandle_t) == SHM_IPC_HANDLE_BYTES, "IPC handle size");
-
-/* The message of a failed call, its error taken off the thread: the runtime
- * keeps a failure as the last error, and the next kernel launch's check
- * would report it as its own (and break the job for a refused trainer). */
-static const char *failed(cudaError_t e)
-{
-    (void)cudaGetLastError();
-    return cudaGetErrorString(e);
-}
-
-/* A call whose failure changes nothing for the caller (a close, a destroy):
- * its error is dropped for the same reason. */
-static void quietly(cudaError_t e)
-{
-    if (e != cudaSuccess)
-        (void)cudaGetLastError();
-}
 
 typedef int (*get_range_fn)(unsigned long long *base, size_t *size, unsigned long long ptr);
 
@@ -70,13 +55,13 @@ scape_rc shm_map_open_cuda(shm_map *m, const void *handle, size_t handle_len, si
     cudaError_t e = cudaSetDevice(device);
     if (e != cudaSuccess)
         return scape_set_error(SCAPE_CUDA, "%s: cudaSetDevice(%d): %s", what, device,
-                               failed(e));
+                               scape_cuda_failed(e));
     if (from < 0)
         from = device;
     int peer = from == device;
     if (!peer && (e = cudaDeviceCanAccessPeer(&peer, device, from)) != cudaSuccess)
         return scape_set_error(SCAPE_CUDA, "%s: cudaDeviceCanAccessPeer(%d, %d): %s", what,
-                               device, from, failed(e));
+                               device, from, scape_cuda_failed(e));
     if (!peer)
         return scape_set_error(SCAPE_UNSUPPORTED,
                                "%s: the trainer's buffers are on CUDA device %d, and this "
@@ -89,7 +74,7 @@ scape_rc shm_map_open_cuda(shm_map *m, const void *handle, size_t handle_len, si
     e = cudaIpcOpenMemHandle(&dev, h, cudaIpcMemLazyEnablePeerAccess);
     if (e != cudaSuccess)
         return scape_set_error(SCAPE_INVALID, "%s: cudaIpcOpenMemHandle: %s (a handle of "
-                               "another process on this node?)", what, failed(e));
+                               "another process on this node?)", what, scape_cuda_failed(e));
     get_range_fn range = address_range();
     unsigned long long base = 0;
     size_t size = 0;
@@ -108,9 +93,9 @@ scape_rc shm_map_open_cuda(shm_map *m, const void *handle, size_t handle_len, si
     if (rc == SCAPE_OK && mirror &&
         (e = cudaMallocHost(&host, declared ? declared : 1)) != cudaSuccess)
         rc = scape_set_error(SCAPE_NOMEM, "%s: cudaMallocHost(%zu): %s", what, declared,
-                             failed(e));
+                             scape_cuda_failed(e));
     if (rc != SCAPE_OK) {
-        quietly(cudaIpcCloseMemHandle(dev));
+        scape_cuda_quietly(cudaIpcCloseMemHandle(dev));
         return rc;
     }
     *m = (shm_map){ .addr = host, .bytes = declared, .dev = (char *)dev + offset,
@@ -131,7 +116,8 @@ static scape_rc copy(shm_map *m, size_t bytes, uint64_t *copied, int to_host)
                             : cudaMemcpy(m->dev, m->addr, bytes, cudaMemcpyHostToDevice);
     if (e != cudaSuccess)
         return scape_set_error(SCAPE_CUDA, "devmem: %s copy of %zu bytes: %s",
-                               to_host ? "device-to-host" : "host-to-device", bytes, failed(e));
+                               to_host ? "device-to-host" : "host-to-device", bytes,
+                               scape_cuda_failed(e));
     if (copied)
         *copied += bytes;
     return SCAPE_OK;
@@ -156,7 +142,7 @@ scape_rc shm_map_pin(shm_map *m, const char *what)
         return scape_set_error(SCAPE_CUDA, "%s: cudaHostRegister of the trainer's shared memory "
                                "(%zu bytes): %s; the cuda executor reads such buffers through "
                                "it (executor host does not need it)", what, m->bytes,
-                               failed(e));
+                               scape_cuda_failed(e));
     m->pinned = 1;
     return SCAPE_OK;
 }
@@ -164,7 +150,7 @@ scape_rc shm_map_pin(shm_map *m, const char *what)
 void shm_map_unpin(shm_map *m)
 {
     if (m->pinned)
-        quietly(cudaHostUnregister(m->addr));
+        scape_cuda_quietly(cudaHostUnregister(m->addr));
     m->pinned = 0;
 }
 
@@ -180,7 +166,7 @@ static scape_rc move(void *dst, const void *src, size_t bytes, const char *what)
         e = cudaStreamSynchronize(0); /* the default stream cudaMemcpy used */
     if (e != cudaSuccess)
         return scape_set_error(SCAPE_CUDA, "devmem: %s of %zu bytes: %s", what, bytes,
-                               failed(e));
+                               scape_cuda_failed(e));
     return SCAPE_OK;
 }
 
@@ -213,12 +199,13 @@ scape_rc shm_map_cuda_device(const unsigned char *uuid, int *ordinal, const char
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess)
-        return scape_set_error(SCAPE_CUDA, "%s: cudaGetDeviceCount: %s", what, failed(e));
+        return scape_set_error(SCAPE_CUDA, "%s: cudaGetDeviceCount: %s", what,
+                               scape_cuda_failed(e));
     for (int d = 0; d < n; d++) {
         struct cudaDeviceProp p;
         if ((e = cudaGetDeviceProperties(&p, d)) != cudaSuccess)
             return scape_set_error(SCAPE_CUDA, "%s: cudaGetDeviceProperties(%d): %s", what, d,
-                                   failed(e));
+                                   scape_cuda_failed(e));
         _Static_assert(sizeof p.uuid.bytes == SHM_GPU_UUID_BYTES, "a GPU UUID has 16 bytes");
         if (memcmp(p.uuid.bytes, uuid, SHM_GPU_UUID_BYTES) == 0) {
             *ordinal = d;
@@ -253,9 +240,9 @@ scape_rc shm_map_open_event(shm_map *m, const void *handle, size_t handle_len,
     if (e != cudaSuccess)
         return scape_set_error(SCAPE_INVALID, "%s: cudaIpcOpenEventHandle: %s (an event of "
                                "another process on this node, made with cudaEventInterprocess "
-                               "and cudaEventDisableTiming?)", what, failed(e));
+                               "and cudaEventDisableTiming?)", what, scape_cuda_failed(e));
     if (m->event)
-        quietly(cudaEventDestroy((cudaEvent_t)m->event));
+        scape_cuda_quietly(cudaEventDestroy((cudaEvent_t)m->event));
     m->event = ev;
     return SCAPE_OK;
 }
@@ -266,16 +253,16 @@ scape_rc shm_map_export_event(shm_map *m, unsigned char *handle, const char *wha
     cudaError_t e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming | cudaEventInterprocess);
     if (e != cudaSuccess)
         return scape_set_error(SCAPE_CUDA, "%s: cudaEventCreateWithFlags: %s", what,
-                               failed(e));
+                               scape_cuda_failed(e));
     cudaIpcEventHandle_t h;
     if ((e = cudaIpcGetEventHandle(&h, ev)) != cudaSuccess) {
-        const char *why = failed(e);
-        quietly(cudaEventDestroy(ev));
+        const char *why = scape_cuda_failed(e);
+        scape_cuda_quietly(cudaEventDestroy(ev));
         return scape_set_error(SCAPE_CUDA, "%s: cudaIpcGetEventHandle: %s", what, why);
     }
     memcpy(handle, &h, sizeof h);
     if (m->event)
-        quietly(cudaEventDestroy((cudaEvent_t)m->event));
+        scape_cuda_quietly(cudaEventDestroy((cudaEvent_t)m->event));
     m->event = ev;
     return SCAPE_OK;
 }
@@ -292,7 +279,7 @@ scape_rc shm_map_event_done(const shm_map *m, int *done, const char *what)
         return SCAPE_OK;
     }
     if (e != cudaSuccess)
-        return scape_set_error(SCAPE_CUDA, "%s: cudaEventQuery: %s", what, failed(e));
+        return scape_set_error(SCAPE_CUDA, "%s: cudaEventQuery: %s", what, scape_cuda_failed(e));
     return SCAPE_OK;
 }
 
@@ -308,17 +295,17 @@ scape_rc shm_map_record_event(shm_map *m, const char *what)
         e = cudaEventRecord((cudaEvent_t)m->event, quiet);
     if (e != cudaSuccess)
         return scape_set_error(SCAPE_CUDA, "%s: recording the parameters-ready event: %s", what,
-                               failed(e));
+                               scape_cuda_failed(e));
     return SCAPE_OK;
 }
 
 void shm_map_close_cuda(shm_map *m)
 {
     if (m->event)
-        quietly(cudaEventDestroy((cudaEvent_t)m->event));
+        scape_cuda_quietly(cudaEventDestroy((cudaEvent_t)m->event));
     if (m->mapped)
-        quietly(cudaIpcCloseMemHandle(m->mapped));
+        scape_cuda_quietly(cudaIpcCloseMemHandle(m->mapped));
     if (m->addr)
-        quietly(cudaFreeHost(m->addr));
+        scape_cuda_quietly(cudaFreeHost(m->addr));
     memset(m, 0, sizeof *m);
 }

@@ -7,6 +7,8 @@
 
 #include <cuda_runtime.h>
 
+#include "scape_cuda_err.h"
+
 #include "lsc_cuda.h"
 
 _Static_assert(sizeof(cudaIpcMemHandle_t) == LSC_IPC_HANDLE_BYTES, "IPC handle size");
@@ -30,22 +32,6 @@ static get_range_fn address_range(void)
     if (fn == NULL)
         fn = (get_range_fn)driver("cuMemGetAddressRange_v2");
     return fn;
-}
-
-/* The message of a failed call, its error taken off the thread: the runtime
- * keeps a failure as the caller's last error, and the caller's next launch
- * check (torch's among them) would report it as its own. */
-static const char *failed(cudaError_t e)
-{
-    (void)cudaGetLastError();
-    return cudaGetErrorString(e);
-}
-
-/* A call whose failure changes nothing (a destroy, a free): dropped so. */
-static void quietly(cudaError_t e)
-{
-    if (e != cudaSuccess)
-        (void)cudaGetLastError();
 }
 
 /* The caller's current device, set to `device` for the calls between
@@ -86,7 +72,7 @@ static void guard_off(const guard *g)
         set = (ctx_set_fn)driver("cuCtxSetCurrent");
     if (g->have_ctx && set && set(g->prev_ctx) == 0)
         return;
-    quietly(cudaSetDevice(g->prev));
+    scape_cuda_quietly(cudaSetDevice(g->prev));
 }
 
 #define LSC_GUARDED(g, call)                                                   \
@@ -95,7 +81,7 @@ static void guard_off(const guard *g)
         if (e_ != cudaSuccess) {                                               \
             guard_off(g);                                                      \
             return scape_set_error(SCAPE_CUDA, "libscape: %s: %s", #call,      \
-                                   failed(e_));                                \
+                                   scape_cuda_failed(e_));               \
         }                                                                      \
     } while (0)
 
@@ -114,7 +100,7 @@ scape_rc lsc_cuda_check_ipc(int device)
         e = cudaDeviceGetAttribute(&ipc_ev, cudaDevAttrIpcEventSupport, device);
     if (e != cudaSuccess)
         return scape_set_error(SCAPE_CUDA, "scape_attach: CUDA device %d: %s", device,
-                               failed(e));
+                               scape_cuda_failed(e));
     if (on_mig())
         return scape_set_error(SCAPE_UNSUPPORTED, "scape_attach: CUDA device %d is a MIG "
                                "instance (CUDA_VISIBLE_DEVICES names MIG-...), and MIG has no "
@@ -155,7 +141,7 @@ scape_rc lsc_cuda_alloc(lsc_dev_buf *b, int device, size_t bytes)
     if (e == cudaSuccess)
         e = cudaStreamSynchronize(z);
     if (z)
-        quietly(cudaStreamDestroy(z));
+        scape_cuda_quietly(cudaStreamDestroy(z));
     int ipc_failed = 0;
     if (e == cudaSuccess && (e = cudaIpcGetMemHandle(&h, b->ptr)) != cudaSuccess)
         ipc_failed = 1;
@@ -165,9 +151,9 @@ scape_rc lsc_cuda_alloc(lsc_dev_buf *b, int device, size_t bytes)
     if (e == cudaSuccess && (range == NULL ||
                              range(&base, &size, (unsigned long long)(uintptr_t)b->ptr) != 0))
         e = cudaErrorUnknown; /* the offset cannot be told: do not hand out the buffer */
-    const char *why = e == cudaSuccess ? "" : failed(e);
+    const char *why = e == cudaSuccess ? "" : scape_cuda_failed(e);
     if (e != cudaSuccess) {
-        quietly(cudaFree(b->ptr));
+        scape_cuda_quietly(cudaFree(b->ptr));
         memset(b, 0, sizeof *b);
         guard_off(&g);
         if (ipc_failed)
@@ -190,8 +176,8 @@ void lsc_cuda_free(lsc_dev_buf *b, void *stream)
 {
     guard g;
     if (b->ptr && guard_on(&g, b->device) == cudaSuccess) {
-        quietly(cudaStreamSynchronize((cudaStream_t)stream)); /* the caller's last use */
-        quietly(cudaFree(b->ptr));
+        scape_cuda_quietly(cudaStreamSynchronize((cudaStream_t)stream)); /* the caller's last use */
+        scape_cuda_quietly(cudaFree(b->ptr));
         guard_off(&g);
     }
     memset(b, 0, sizeof *b);
@@ -209,8 +195,8 @@ scape_rc lsc_cuda_events_create(lsc_dev_events *ev, int device)
     cudaIpcEventHandle_t h;
     cudaError_t r = cudaIpcGetEventHandle(&h, e);
     if (r != cudaSuccess) {
-        const char *why = failed(r);
-        quietly(cudaEventDestroy(e));
+        const char *why = scape_cuda_failed(r);
+        scape_cuda_quietly(cudaEventDestroy(e));
         guard_off(&g);
         return scape_set_error(SCAPE_UNSUPPORTED, "scape_attach: cannot export an "
                                "interprocess event on CUDA device %d (cudaIpcGetEventHandle: "
@@ -244,9 +230,9 @@ void lsc_cuda_events_free(lsc_dev_events *ev)
     guard g;
     if ((ev->grad || ev->params) && guard_on(&g, ev->device) == cudaSuccess) {
         if (ev->grad)
-            quietly(cudaEventDestroy((cudaEvent_t)ev->grad));
+            scape_cuda_quietly(cudaEventDestroy((cudaEvent_t)ev->grad));
         if (ev->params)
-            quietly(cudaEventDestroy((cudaEvent_t)ev->params));
+            scape_cuda_quietly(cudaEventDestroy((cudaEvent_t)ev->params));
         guard_off(&g);
     }
     memset(ev, 0, sizeof *ev);

@@ -211,7 +211,8 @@ int main(int argc, char **argv)
         else if (i + 1 < argc && !strcmp(argv[i], "--max-grad-norm")) clip = atof(argv[++i]);
         else {
             fprintf(stderr, "usage: bench_quality --corpus FILE [--ranks R] [--out DIR] "
-                            "[--only NAME] [--warmup W] [--max-grad-norm C] [options]\n%s", gpt_run_usage());
+                            "[--only NAME] [--warmup W] [--max-grad-norm C] [options]\n%s",
+                    gpt_run_usage());
             return 2;
         }
     }
@@ -262,8 +263,8 @@ int main(int argc, char **argv)
     for (size_t v = 0; v < NVARIANTS && rc == 0; v++) {
         if (only && strcmp(only, s_variants[v].name) != 0)
             continue;
-        shared sh = { &run, &corpus, &s_variants[v], lay, nt, ranks, (uint32_t)warmup, (float)clip, tl,
-                      vl, by, mb, ch };
+        shared sh = { &run, &corpus, &s_variants[v], lay, nt, ranks, (uint32_t)warmup,
+                      (float)clip, tl, vl, by, mb, ch };
         rank_arg args[MAX_RANKS];
         double t0 = now_s();
         if (run_ranks(ranks, rank_train, &sh, args) != 0) {
