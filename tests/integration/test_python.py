@@ -305,6 +305,52 @@ def test_torch_optimizer_trains_in_shared_memory(daemon_factory):
     assert float(torch.nn.functional.mse_loss(model(x), y)) < losses[0]
 
 
+def test_torch_gradients_reach_the_daemon_however_grads_are_zeroed(daemon_factory):
+    """model.zero_grad() sets .grad to None (torch 2's default), and backward
+    then makes a fresh gradient outside the daemon's buffer: step() copies
+    it in and points .grad at the buffer again, so training equals the run
+    that zeroes with opt.zero_grad(), bit for bit; a parameter the loss does
+    not reach counts as a zero gradient; a parameter whose .data was
+    replaced is refused, saying why."""
+    torch = pytest.importorskip("torch")
+    import scape.torch
+
+    def run(zero_with_model):
+        torch.manual_seed(0)
+        d = daemon_factory("--rho", "0.5", "--warmup", "2")
+        model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 1))
+        unused = torch.nn.Linear(3, 1)  # trained by nothing: its gradient is zero
+        x = torch.randn(64, 8)
+        y = x @ torch.randn(8, 1)
+        named = list(model.named_parameters()) + [("u." + n, p)
+                                                  for n, p in unused.named_parameters()]
+        opt = scape.torch.ScapeOptimizer(named, endpoint=d.endpoint, lr=0.05)
+        try:
+            for _ in range(12):
+                if zero_with_model:
+                    # torch 2's default (1.13 zeroes in place): .grad is None now
+                    model.zero_grad(set_to_none=True)
+                    unused.zero_grad(set_to_none=True)
+                    assert model[0].weight.grad is None
+                else:
+                    opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+            out = [p.detach().clone() for _, p in named]
+            ptr = opt.session.grads.ctypes.data
+            assert model[0].weight.grad.data_ptr() == ptr  # the view again
+            model[1].bias.data = model[1].bias.data.clone()
+            with pytest.raises(RuntimeError, match="no longer holds the daemon's buffer"):
+                opt.step()
+        finally:
+            opt.detach()
+            d.stop()
+        return out
+
+    for a, b in zip(run(False), run(True)):
+        assert torch.equal(a, b)
+
+
 def test_torch_optimizer_keeps_bfloat16_parameters(daemon_factory):
     """bfloat16 parameters through ScapeOptimizer: the model stays bfloat16,
     its parameters and .grad alias the shared bf16 buffers, the first step is

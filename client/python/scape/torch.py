@@ -125,10 +125,12 @@ class ScapeOptimizer(torch.optim.Optimizer):
         except scape.ScapeError:
             self.session.detach()
             raise
+        self._views = []  # (parameter, its view of the params buffer, of the grads one)
         with torch.no_grad():
             for p, off, n in spans:
                 p.data = flat_p[off:off + n].view(p.shape)
                 p.grad = flat_g[off:off + n].view(p.shape)
+                self._views.append((p, p.data, p.grad))
         self._flat_grads = flat_g
         self.last_info = None  # the StepInfo of the latest step
 
@@ -156,6 +158,7 @@ class ScapeOptimizer(torch.optim.Optimizer):
         if len(groups) != len(self.param_groups):
             raise ValueError("ScapeOptimizer.load_state_dict: %d parameter groups saved, "
                              "this optimizer has %d" % (len(groups), len(self.param_groups)))
+        self._follow_stream()  # the model's own load_state_dict copies land first
         self.session.resume(state_dict["scaped_checkpoint"], state_dict["step"],
                             state_dict["layout_hash"])
         for g, saved in zip(self.param_groups, groups):
@@ -167,19 +170,49 @@ class ScapeOptimizer(torch.optim.Optimizer):
 
     def step(self, closure=None):
         """Evaluate closure (if any) for the loss, hand the step to scaped and
-        return the loss.  The new parameters are in place on return."""
+        return the loss.  The new parameters are in place on return.  A loss
+        the closure returns is sent to the daemon for its metrics; on CUDA
+        reading it waits for the stream that made it, as loss.item() does."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         lr = ([g["lr"] for g in self.param_groups] if self._grouped
               else self.param_groups[0]["lr"])
+        self._own_grads()
         self._follow_stream()
         self.last_info = self.session.step(lr,
                                            loss=None if loss is None else
                                            float(loss.detach() if torch.is_tensor(loss)
                                                  else loss))
         return loss
+
+    def _own_grads(self):
+        """The daemon reads the gradients from its buffer, which each .grad is
+        a view of.  model.zero_grad() (set_to_none, torch's default) drops
+        that view, and backward then puts the gradient in a fresh tensor: its
+        values are copied into the buffer (on the current stream, so before
+        the hand-over's event) and .grad is the view again; a parameter the
+        loss did not reach (.grad None) has a zero gradient.  A parameter
+        whose .data is no longer the buffer's is refused: the daemon's
+        parameters would not reach it."""
+        with torch.no_grad():
+            for p, pv, gv in self._views:
+                if p.data_ptr() != pv.data_ptr():
+                    raise RuntimeError(
+                        "ScapeOptimizer.step: a parameter of shape %s no longer holds the "
+                        "daemon's buffer (its .data was replaced, e.g. by "
+                        "load_state_dict(assign=True) or .to()); the daemon's parameters "
+                        "would not reach it: load values with load_state_dict() without "
+                        "assign, or copy_() into the parameter" % (tuple(p.shape),))
+                g = p.grad
+                if g is not None and g.data_ptr() == gv.data_ptr():
+                    continue
+                if g is None:
+                    gv.zero_()
+                else:
+                    gv.copy_(g)
+                p.grad = gv
 
     def _follow_stream(self):
         """On CUDA: hand over on torch's current stream, which waits for the new
@@ -198,4 +231,5 @@ class ScapeOptimizer(torch.optim.Optimizer):
                         p.data = p.data.clone()
                         p.grad = None
         self._flat_grads = None
+        self._views = []
         self.session.detach()
