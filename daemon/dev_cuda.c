@@ -250,8 +250,10 @@ static double cu_elapsed(dev_t *d, int ev0, int ev1)
     return 1e-3 * (double)ms;
 }
 
-/* Device memory of this device, or pinned host memory: what the kernels
- * can address; anything else is refused with what to do instead. */
+/* Device memory of this device or of a peer it can reach (a trainer's CUDA
+ * IPC buffer on another GPU of the node, opened with peer access enabled as
+ * needed: cudaIpcMemLazyEnablePeerAccess), or pinned host memory: what the
+ * kernels can address; anything else is refused with what to do instead. */
 static scape_rc cu_resolve(dev_t *d, const void *p, size_t bytes, const void **out,
                            int *on_host)
 {
@@ -261,10 +263,15 @@ static scape_rc cu_resolve(dev_t *d, const void *p, size_t bytes, const void **o
     if (e != cudaSuccess)
         return cuda_err(e, "cudaPointerGetAttributes on a trainer's buffer");
     if (at.type == cudaMemoryTypeDevice || at.type == cudaMemoryTypeManaged) {
-        if (at.type == cudaMemoryTypeDevice && at.device != d->device)
+        int peer = 1;
+        if (at.type == cudaMemoryTypeDevice && at.device != d->device &&
+            (e = cudaDeviceCanAccessPeer(&peer, d->device, at.device)) != cudaSuccess)
+            return cuda_err(e, "cudaDeviceCanAccessPeer for a trainer's buffer");
+        if (!peer)
             return scape_set_error(SCAPE_INVALID, "executor cuda: a trainer's buffer of %zu "
-                                   "bytes is on CUDA device %d, the daemon's is %d: run one "
-                                   "daemon per GPU (cuda_device) with its trainers on it",
+                                   "bytes is on CUDA device %d, which the daemon's device %d "
+                                   "has no peer access to: run one daemon per GPU "
+                                   "(cuda_device) with its trainers on it",
                                    bytes, at.device, d->device);
         *out = p;
         *on_host = 0;

@@ -638,6 +638,11 @@ scape_rc scape_resume(scape_session *s, const char *dir, uint64_t step, uint64_t
         return scape_set_error(SCAPE_INVALID, "scape_resume: NULL argument");
     if (s->in_flight)
         return scape_set_error(SCAPE_INVALID, "scape_resume: a step is in flight");
+    /* The daemon writes the checkpoint's parameters into our buffer: what
+     * the caller's stream still has queued on it (a model's load_state_dict)
+     * must have landed first, or it would land after them. */
+    if (on_device(s) && lsc_cuda_grads_ready(&s->dev_ev, 1) != SCAPE_OK)
+        return SCAPE_CUDA;
     Scape__Resume m = SCAPE__RESUME__INIT;
     m.dir = (char *)dir;
     m.has_step = step != 0;
