@@ -5,11 +5,16 @@ nothing but torch and numpy (the GPU machine has no pyzmq or Check):
   1. scape.attach(device="cuda") hands over torch CUDA tensors over
      libscape's IPC buffers (float32 and bfloat16), at the addresses it
      reports;
-  2. two ScapeOptimizer trainers on one daemon, one torch.nn.Linear on the
-     CPU (shared memory) and one on the GPU (CUDA IPC), the same data: after
-     every one of 20 steps both hold the same parameters, bit for bit.
+  2. ScapeOptimizer on CUDA against the same run on the CPU: two trainers
+     with fixed, different gradients (one written into .grad in place, one
+     assigned), float32 and bfloat16 parameters (float32 master weights in
+     the daemon); the host executor with two CPU trainers is the reference,
+     and the daemon's own executor (cuda on a GPU machine) with a CPU and a
+     CUDA trainer, and with two CUDA trainers, must give the same bits at
+     every one of 20 steps.
 
 Usage: torch_scape.py --daemon PATH/scaped --lib PATH/libscape.so [--log FILE]
+                      [--cpu-check]  (every run on the CPU: the script's own logic)
 Prints "torch_scape: PASS ..." and exits 0, "SKIP: ..." and 77 without a
 usable torch/CUDA, or "torch_scape: FAIL ..." and 1.  The two checks are also
 tests/integration/test_python.py's CUDA tests (where pyzmq and pytest exist).
@@ -69,46 +74,86 @@ def check_session_tensors(torch, scape, endpoint, dtype):
             fail("%s session: writing the device buffer did not read back" % dtype)
 
 
-def check_optimizers(torch, scape_torch, endpoint, steps=20):
-    torch.manual_seed(0)
-    x = torch.randn(64, 8)
-    y = x @ torch.randn(8, 1)
-    models = [torch.nn.Linear(8, 1), torch.nn.Linear(8, 1).cuda()]
-    opts, errs = [None, None], []
+def threads(fns):
+    """Run fns at once; the first exception any raised is raised here."""
+    errs = []
 
-    def make(i):
+    def wrap(f, i):
         try:
-            opts[i] = scape_torch.ScapeOptimizer(models[i].named_parameters(),
-                                                 endpoint=endpoint, lr=0.05, index=i)
-        except Exception as e:  # reported below
-            errs.append("trainer %d: %s" % (i, e))
+            f()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errs.append("trainer %d: %s: %s" % (i, type(e).__name__, e))
 
-    ts = [threading.Thread(target=make, args=(i,)) for i in (0, 1)]
+    ts = [threading.Thread(target=wrap, args=(f, i)) for i, f in enumerate(fns)]
     [t.start() for t in ts]
     [t.join() for t in ts]
     if errs:
         fail("; ".join(errs))
+
+
+def train(torch, scape_torch, endpoint, devices, dtype, steps):
+    """Two ScapeOptimizer trainers on one daemon, one per device of
+    `devices`, each a small two-layer model in `dtype` from the same seed.
+    Their gradients are fixed numbers made on the CPU (trainer i's differ
+    from the other's), not backward's: a CUDA and a CPU backward need not
+    agree bitwise, the hand-over must.  Trainer 0 writes them into .grad in
+    place, trainer 1 assigns a fresh tensor (step() copies it into the
+    daemon's buffer on the current stream).  Returns every step's
+    parameters of both trainers, as float32 on the CPU."""
+    models = []
+    for dev in devices:
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 3))
+        models.append(m.to(device=dev, dtype=dtype))
+    opts = [None, None]
+
+    def make(i):
+        opts[i] = scape_torch.ScapeOptimizer(models[i].named_parameters(),
+                                             endpoint=endpoint, lr=0.05, index=i)
+
+    threads([lambda i=i: make(i) for i in (0, 1)])
+    history = []
     try:
         for step in range(1, steps + 1):
-            for m, o in zip(models, opts):
-                o.zero_grad()
-                dev = m.weight.device
-                torch.nn.functional.mse_loss(m(x.to(dev)), y.to(dev)).backward()
-            ws = [threading.Thread(target=o.step) for o in opts]
-            [w.start() for w in ws]
-            [w.join() for w in ws]
-            a, b = models[0].weight.detach(), models[1].weight.detach().cpu()
-            if not torch.equal(a, b):
-                fail("step %d: the CPU and the CUDA trainer differ: %s vs %s" % (step, a, b))
-        s = opts[1].session
-        if not (models[1].weight.is_cuda and s.params.is_cuda and
-                s.params.data_ptr() == s.device_ptrs[0]):
-            fail("the CUDA trainer's parameters are not libscape's device buffer")
-        if opts[1].last_info.step != steps:
-            fail("last step %d, want %d" % (opts[1].last_info.step, steps))
+            for i, (m, dev) in enumerate(zip(models, devices)):
+                gen = torch.Generator().manual_seed(1000 * step + i)
+                for p in m.parameters():
+                    g = (0.1 * torch.randn(p.shape, generator=gen)).to(device=dev,
+                                                                         dtype=dtype)
+                    if i == 0:
+                        p.grad.copy_(g)
+                    else:
+                        p.grad = g
+            threads([o.step for o in opts])
+            history.append([[p.detach().float().cpu().clone() for p in m.parameters()]
+                            for m in models])
+        for i, (o, dev) in enumerate(zip(opts, devices)):
+            if o.last_info.step != steps:
+                fail("trainer %d: last step %d, want %d" % (i, o.last_info.step, steps))
+            if dev == "cuda" and not (o.session.params.is_cuda and
+                                      o.session.params.data_ptr() == o.session.device_ptrs[0]):
+                fail("trainer %d's parameters are not libscape's device buffer" % i)
     finally:
         for o in opts:
-            o.detach()
+            if o is not None:
+                o.detach()
+    return history
+
+
+def compare(what, got, want):
+    """Both trainers of every step of got against want's trainer 0, bitwise."""
+    for step, (g, w) in enumerate(zip(got, want), 1):
+        for i, params in enumerate(g):
+            for j, (a, b) in enumerate(zip(params, w[0])):
+                if not torch_equal(a, b):
+                    fail("%s: step %d, trainer %d, parameter %d differs from the "
+                         "host-executor run with two CPU trainers: %s vs %s"
+                         % (what, step, i, j, a.flatten()[:4], b.flatten()[:4]))
+
+
+def torch_equal(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and \
+        a.numpy().tobytes() == b.numpy().tobytes()
 
 
 def main():
@@ -116,13 +161,15 @@ def main():
     ap.add_argument("--daemon", required=True)
     ap.add_argument("--lib", required=True)
     ap.add_argument("--log", default=os.devnull)
+    ap.add_argument("--cpu-check", action="store_true",
+                    help="every run on the CPU (host executor): the script's own logic")
     a = ap.parse_args()
     try:
         import torch
     except ImportError:
         print("SKIP: torch is not importable")
         sys.exit(77)
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not a.cpu_check:
         print("SKIP: torch sees no CUDA device")
         sys.exit(77)
     os.environ["SCAPE_LIB"] = os.path.abspath(a.lib)
@@ -139,25 +186,48 @@ def main():
         sys.exit(1)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print("torch_scape: PASS: CUDA sessions are torch tensors (float32, bfloat16); a CUDA "
-          "and a CPU ScapeOptimizer agree bitwise for 20 steps (torch %s)" % torch.__version__)
+    if a.cpu_check:
+        print("torch_scape: PASS (--cpu-check): three host-executor runs of the two-trainer "
+              "check agree bitwise at each of 20 steps, float32 and bfloat16 (torch %s)"
+              % torch.__version__)
+        return
+    print("torch_scape: PASS: CUDA sessions are torch tensors (float32, bfloat16); "
+          "ScapeOptimizer trainers on CUDA (one beside a CPU trainer, and two) equal the "
+          "host executor's run with two CPU trainers bitwise at each of 20 steps, float32 "
+          "and bfloat16 parameters, fixed gradients (torch %s)" % torch.__version__)
 
 
-def run(a, torch, scape, work):
+def run(a, torch, scape, work, steps=20):
     with open(a.log, "w") as log:
-        for dtype in ("float32", "bfloat16"):
+        for dtype in () if a.cpu_check else ("float32", "bfloat16"):
             rt = os.path.join(work, "rt-" + dtype)
             d = start(a.daemon, rt, log)
             try:
                 check_session_tensors(torch, scape, "ipc://%s/control" % rt, dtype)
             finally:
                 stop(d)
-        rt = os.path.join(work, "rt-optimizers")
-        d = start(a.daemon, rt, log, "--rho", "0.5", "--warmup", "5", "--trainers", "2")
-        try:
-            check_optimizers(torch, scape.torch, "ipc://%s/control" % rt)
-        finally:
-            stop(d)
+        engine = ["--rho", "0.5", "--warmup", "5", "--trainers", "2"]
+        for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+            runs = {}
+            # the reference: the host executor, both trainers in shared memory;
+            # then the daemon's own choice (cuda on a GPU machine) with a CPU
+            # and a CUDA trainer, and with two CUDA trainers
+            plan = (("ref", "host", ("cpu", "cpu")), ("mixed", "auto", ("cpu", "cuda")),
+                    ("cuda", "auto", ("cuda", "cuda")))
+            if a.cpu_check:  # the script's own check where there is no GPU
+                plan = (("ref", "host", ("cpu", "cpu")), ("mixed", "host", ("cpu", "cpu")),
+                        ("cuda", "host", ("cpu", "cpu")))
+            for key, executor, devices in plan:
+                rt = os.path.join(work, "rt-%s-%s" % (name, key))
+                d = start(a.daemon, rt, log, *engine, "--executor", executor)
+                try:
+                    runs[key] = train(torch, scape.torch, "ipc://%s/control" % rt, devices,
+                                      dtype, steps)
+                finally:
+                    stop(d)
+            compare("%s, a CPU and a CUDA trainer" % name, runs["mixed"], runs["ref"])
+            compare("%s, two CUDA trainers" % name, runs["cuda"], runs["ref"])
+            compare("%s, the reference's own trainers" % name, runs["ref"], runs["ref"])
 
 
 if __name__ == "__main__":

@@ -351,6 +351,20 @@ def test_torch_gradients_reach_the_daemon_however_grads_are_zeroed(daemon_factor
         assert torch.equal(a, b)
 
 
+def test_gpu_torch_check_runs_on_cpu(tmp_path):
+    """tests/gpu/torch_scape.py is run only where a GPU is lent: its logic
+    (daemons, threads, fixed gradients, the bitwise comparison) runs here
+    with every trainer on the CPU (--cpu-check), so it cannot rot unseen."""
+    pytest.importorskip("torch")
+    script = os.path.join(SOURCE, "tests", "gpu", "torch_scape.py")
+    r = subprocess.run([sys.executable, script, "--daemon", binary("daemon", "scaped"),
+                        "--lib", binary("client", "libscape.so"), "--cpu-check",
+                        "--log", str(tmp_path / "scaped.log")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "torch_scape: PASS (--cpu-check)" in r.stdout, (
+        r.stdout + r.stderr)
+
+
 def test_torch_optimizer_keeps_bfloat16_parameters(daemon_factory):
     """bfloat16 parameters through ScapeOptimizer: the model stays bfloat16,
     its parameters and .grad alias the shared bf16 buffers, the first step is
