@@ -225,9 +225,18 @@ def one_run(a, name, rate, lr, work, key, port, steps=None):
 
 
 def time_to(curve, level):
+    """The step, and the training seconds, at which the validation loss gets
+    to level: linear between the first evaluation at or below it and the
+    one before (the loss is measured every --eval-every steps only); at the
+    first evaluation itself when that is already there."""
+    prev = None
     for t, s, v in curve:
         if v <= level:
-            return t, s
+            if prev is None or prev[2] <= v:
+                return float(t), s
+            f = (prev[2] - level) / (prev[2] - v)
+            return prev[0] + f * (t - prev[0]), prev[1] + f * (s - prev[1])
+        prev = (t, s, v)
     return None
 
 
@@ -266,7 +275,7 @@ def report(a, best, rates):
                      "%.1f" % r["step_ms"], " / ".join("%.4f" % v for _, _, v in r["curve"])]
             for _, v in levels:
                 hit = time_to(r["curve"], v)
-                cells.append("%d, %.1f s" % hit if hit else "not reached")
+                cells.append("%.0f, %.1f s" % hit if hit else "not reached")
             lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -274,13 +283,17 @@ def report(a, best, rates):
 def derived_time(curve_run, timed, level):
     """Training seconds a run needs to reach level at a timed rate: the steps
     it took in the full run, timed as the short run at that rate measured
-    them (its own steps, then the mean of its steps after the warm-up)."""
+    them (its own steps, then the mean of its steps after the warm-up; the
+    step count interpolated between evaluations, as time_to does)."""
     hit = time_to(curve_run["curve"], level)
     if not hit:
         return None
     n, st = hit[0], timed["step_s"]
     sparse = st[WARMUP:] or st
-    return sum(st[:n]) + max(0, n - len(st)) * sum(sparse) / len(sparse)
+    mean = sum(sparse) / len(sparse)
+    whole = int(n)
+    return (sum(st[:whole]) + max(0, whole - len(st)) * mean +
+            (n - whole) * (st[whole] if whole < len(st) else mean))
 
 
 def fit_line(xs, ys):
