@@ -337,24 +337,28 @@ static scape_rc pull(trainer **ts, int n, int grads, size_t bytes, uint64_t *cop
 static scape_rc await_grads(const server *s, trainer **ts, int n, trainer **dead)
 {
     int done[SRV_MAX_SLOTS], left = 0;
+    char what[SRV_MAX_SLOTS][32];
+    *dead = NULL;
     for (int i = 0; i < n; i++) {
         done[i] = ts[i]->grads.event == NULL; /* shared memory, or no events */
-        left += !done[i];
+        if (!done[i]) {
+            snprintf(what[i], sizeof what[i], "step: trainer %d", ts[i]->index);
+            left++;
+        }
     }
-    *dead = NULL;
+    if (left == 0)
+        return SCAPE_OK;
     double start = srv_now(), look = start + 0.05;
     const struct timespec nap = { 0, 20000 }; /* 20 us between polls */
-    while (left > 0) {
+    for (;;) {
         for (int i = 0; i < n; i++) {
             if (done[i])
                 continue;
-            char what[64];
-            snprintf(what, sizeof what, "step: trainer %d", ts[i]->index);
-            TRY(shm_map_event_done(&ts[i]->grads, &done[i], what));
+            TRY(shm_map_event_done(&ts[i]->grads, &done[i], what[i]));
             left -= done[i];
         }
         if (left == 0)
-            break;
+            return SCAPE_OK;
         double now = srv_now();
         if (now >= look) {
             look = now + 0.05;
@@ -375,7 +379,6 @@ static scape_rc await_grads(const server *s, trainer **ts, int n, trainer **dead
         }
         nanosleep(&nap, NULL);
     }
-    return SCAPE_OK;
 }
 
 static scape_rc push_params(trainer **ts, int n, size_t bytes, uint64_t *copied)

@@ -122,14 +122,12 @@ scape_rc lsc_cuda_alloc(lsc_dev_buf *b, int device, size_t bytes)
     LSC_GUARDED(&g, guard_on(&g, device));
     struct cudaDeviceProp prop;
     LSC_GUARDED(&g, cudaGetDeviceProperties(&prop, device));
-    unsigned char uuid[16];
-    _Static_assert(sizeof prop.uuid.bytes == sizeof uuid, "a GPU UUID has 16 bytes");
-    memcpy(uuid, prop.uuid.bytes, sizeof uuid);
+    _Static_assert(sizeof prop.uuid.bytes == sizeof b->uuid, "a GPU UUID has 16 bytes");
+    memcpy(b->uuid, prop.uuid.bytes, sizeof b->uuid);
     size_t whole = (bytes + LSC_ALLOC_GRANULE - 1) / LSC_ALLOC_GRANULE * LSC_ALLOC_GRANULE;
     LSC_GUARDED(&g, cudaMalloc(&b->ptr, whole ? whole : LSC_ALLOC_GRANULE));
     b->bytes = bytes;
     b->device = device;
-    memcpy(b->uuid, uuid, sizeof uuid);
     cudaIpcMemHandle_t h;
     /* The daemon reads the buffers from another process: the zeros must be
      * there before anyone can be told about them (a stream of our own,

@@ -82,11 +82,11 @@ static scape_rc parse_members(const char *v, args *a)
             (a->nmembers && st <= a->member_step[a->nmembers - 1]))
             return scape_set_error(SCAPE_INVALID, "--members: steps rising from 1, counts in "
                                    "[1, 64]");
+        if (*end != ',' && *end != '\0')
+            return scape_set_error(SCAPE_INVALID, "--members takes STEP:COUNT,...");
         a->member_step[a->nmembers] = st;
         a->member_count[a->nmembers++] = (int)c;
-        p = *end == ',' ? end + 1 : end;
-        if (*end && *end != ',')
-            return scape_set_error(SCAPE_INVALID, "--members takes STEP:COUNT,...");
+        p = *end ? end + 1 : end;
     }
     return SCAPE_OK;
 }
