@@ -217,6 +217,12 @@ static void print_identity(printer *p, const Scape__StatusReply *st)
         if (st->has_rho_steps)
             pr_uint(p, "rho_steps", NULL, st->rho_steps, NULL);
     }
+    if (st->has_dense_below) {
+        char b[64];
+        snprintf(b, sizeof b, "those of <= %u coordinates", st->dense_below);
+        pr_uint(p, "dense_below", "Whole tensors", st->dense_below,
+                st->dense_below ? b : "0 (none)");
+    }
 }
 
 static void print_status(printer *p, const Scape__StatusReply *st)

@@ -243,6 +243,11 @@ static const cfg_key s_keys[] = {
     { .name = "rho_steps", .type = KT_U32, .offset = OFF(engine.rho_steps), .min = 1,
       .max = UINT32_MAX, .def = "1000",
       .doc = "masked steps over which the density schedule reaches rho" },
+    { .name = "dense_below", .type = KT_U32, .offset = OFF(engine.dense_below), .min = 0,
+      .max = UINT32_MAX, .def = "0",
+      .doc = "scape, topk-adamw: a tensor of at most this many coordinates (norms, biases) "
+             "is sent whole every step, as PowerSGD leaves vectors uncompressed (0: none); "
+             "alike on every daemon" },
     { .name = "mask_deltas", .type = KT_ENUM, .offset = OFF(engine.mask_deltas),
       .parse = parse_bool, .name_of = name_bool, .def = "false",
       .doc = "scape: send each next mask as its change from the last one when that is "

@@ -148,6 +148,11 @@ uint64_t eng_config_hash(const eng_config *c)
     }
     if (c->mask_deltas)
         h = plan_fnv1a(h, "mask_deltas", 11);
+    if (c->dense_below) {
+        uint64_t d = c->dense_below;
+        h = plan_fnv1a(h, "dense_below", 11);
+        h = plan_fnv1a(h, &d, sizeof d);
+    }
     return h;
 }
 
@@ -345,6 +350,8 @@ scape_rc eng_create(eng_t **out, const eng_config *cfg, const eng_layout *layout
     e->pdt = layout->param_dtype;
     e->gdt = layout->grad_dtype;
     scape_rc rc = plan_build(&e->p, layout->tensors, layout->ntensors, comm->size, cfg->rho);
+    if (rc == SCAPE_OK)
+        plan_set_dense(e->p, cfg->dense_below, cfg->rho);
     if (rc == SCAPE_OK)
         rc = set_groups(e, layout);
     if (rc == SCAPE_OK)

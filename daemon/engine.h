@@ -87,6 +87,11 @@ typedef struct eng_config {
                                 all-gather of 8 bytes a rank (default 0; 2, for
                                 tests: a delta whenever there is a last mask).
                                 Every rank must set it alike. */
+    uint32_t dense_below;    /* scape, topk-adamw: a tensor of at most this many
+                                coordinates is sent whole on every step
+                                (k_l = |L_l|), as PowerSGD leaves vectors
+                                uncompressed; 0 (default): none.  Every rank
+                                must set it alike. */
 } eng_config;
 
 typedef struct eng_tensor {

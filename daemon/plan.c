@@ -214,9 +214,16 @@ void plan_set_rho(plan *p, double rho)
 {
     p->k_total = 0;
     for (size_t i = 0; i < p->ntensors; i++) {
-        p->t[i].k = plan_k(rho, p->t[i].len);
+        size_t len = p->t[i].len;
+        p->t[i].k = len <= p->dense_below ? len : plan_k(rho, len);
         p->k_total += p->t[i].k;
     }
+}
+
+void plan_set_dense(plan *p, size_t dense_below, double rho)
+{
+    p->dense_below = dense_below;
+    plan_set_rho(p, rho);
 }
 
 /* The halvings from rho_start down to rho: the least h >= 1 with

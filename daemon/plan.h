@@ -19,7 +19,7 @@ typedef struct plan_tensor {
     const char *name;
     size_t off;  /* coordinate offset in the flat vector */
     size_t len;
-    size_t k;    /* k_l = max(1, ceil(rho * len)) */
+    size_t k;    /* k_l = max(1, ceil(rho * len)), or len when len <= dense_below */
     int owner;
     size_t word; /* first mask word, comm space */
     size_t pos;  /* first element in comm-order state vectors */
@@ -34,6 +34,7 @@ typedef struct plan_shard {
 
 typedef struct plan {
     size_t n, ntensors, nwords, max_len, k_total;
+    size_t dense_below;  /* tensors of at most this many coordinates go whole */
     int nranks;
     plan_tensor *t;      /* layout order */
     size_t *order;       /* comm order: indices into t */
@@ -48,8 +49,11 @@ scape_rc plan_build(plan **out, const eng_tensor *ts, size_t nt, int nranks, dou
 /* FNV-1a over len bytes, continuing from h (the hashes ranks compare). */
 uint64_t plan_fnv1a(uint64_t h, const void *data, size_t len);
 /* k_l and k_total for density rho (the owners and the layout do not
- * depend on it). */
+ * depend on it); a tensor of at most dense_below coordinates keeps all. */
 void plan_set_rho(plan *p, double rho);
+/* Tensors of at most dense_below coordinates go whole from now on (0:
+ * none); k_l and k_total for density rho. */
+void plan_set_dense(plan *p, size_t dense_below, double rho);
 /* The density of step t's mask under c's schedule (docs/algorithm.md):
  * c->rho without one (rho_start 0) and in warm-up; else rho_start, halved
  * at equal intervals over rho_steps masked steps, never below rho.  Only

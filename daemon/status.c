@@ -84,6 +84,8 @@ static void fill_status(server *s, status_buf *b)
     st->rho_start = s->cfg.engine.rho_start;
     st->has_rho_steps = 1;
     st->rho_steps = s->cfg.engine.rho_steps;
+    st->has_dense_below = 1;
+    st->dense_below = s->cfg.engine.dense_below;
     st->has_device_bytes_per_param = 1;
     st->device_bytes_per_param = s->numel ? (double)st->device_bytes / (double)s->numel : 0.0;
     uint64_t sent, recvd;

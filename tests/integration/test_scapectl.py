@@ -107,6 +107,7 @@ def test_status_json_and_step_advances(job):
     assert a["optimizer"] == "scape" and a["mode"] == "replicated"
     assert a["rho"] == pytest.approx(0.01) and a["rank"] == 0 and a["world"] == 1
     assert a["wire_values"] == "bf16" and a["mask_deltas"] is False and a["rho_start"] == 0
+    assert a["dense_below"] == 0
     assert a["numel"] >= N * 0.9 and a["runtime_dir"] == job.d.rt
     assert {t["pid"] for t in a["trainers"]} == {t.pid for t in job.trainers}
     assert sorted(t["index"] for t in a["trainers"]) == [0, 1]

@@ -75,6 +75,33 @@ def test_c_trainers_match_in_process_engine(daemon_factory, tmp_path, executor, 
     assert d.stop() == 0
 
 
+def test_small_tensors_whole(daemon_factory, tmp_path):
+    """dense_below through a real daemon: status shows it, a masked step
+    reduces the small tensors whole and rho's share of the others (K from
+    the layout, computed here), and both trainers end bitwise equal to the
+    in-process engine with the same setting."""
+    n, steps, below = 20000, 30, 1500
+    engine = ENGINE + ["--dense-below", str(below)]
+    d = daemon_factory(*engine, "--trainers", "2")
+    procs = [run_trainer(d.endpoint, i, n, steps, out=str(tmp_path / ("t%d" % i)), wait=False)
+             for i in range(2)]
+    for i, p in enumerate(procs):
+        o, e = p.communicate(timeout=300)
+        assert p.returncode == 0, "trainer %d: %s %s" % (i, o, e)
+    status, msg, st, done = pbwire.query_status(d.status_endpoint)
+    assert status == 0, msg
+    assert st[41][0] == below, st.get(41)
+    lens = [t[2] for t in synth_layout(n)]
+    want = sum(x if x <= below else -(-x // 100) for x in lens)  # ceil(0.01 x)
+    assert sum(x for x in lens if x <= below) > 1000, lens  # the setting does something
+    assert done[1][0] == steps and done[3][0] == want, (done, want)
+    run_reference(str(tmp_path / "ref"), 2, n, steps, *engine)
+    ref = read(tmp_path / "ref")
+    for i in range(2):
+        assert read(tmp_path / ("t%d" % i)) == ref, "trainer %d differs from the engine" % i
+    assert d.stop() == 0
+
+
 class Probe:
     """A raw DEALER peer speaking scape.proto by hand."""
 

@@ -14,7 +14,7 @@
 #include "exec.h"
 #include "check_run.h"
 
-#define NKEYS 40
+#define NKEYS 41
 
 /* Every key with a valid value other than its default. */
 static const struct {
@@ -35,6 +35,7 @@ static const struct {
     { "gather_values", "f32" },
     { "rho_start", "0.25" },
     { "rho_steps", "500" },
+    { "dense_below", "256" },
     { "mask_deltas", "true" },
     { "engine_threads", "6" },
     { "executor", "sim" },
@@ -529,7 +530,7 @@ START_TEST(print_format)
         "beta1: 0.9",         "beta2: 0.95",           "eps: 1e-08",
         "weight_decay: 0",    "max_grad_norm: 0",      "wire_values: bf16",
         "gather_values: params", "rho_start: 0",       "rho_steps: 1000",
-        "mask_deltas: false",
+        "dense_below: 0",     "mask_deltas: false",
         "engine_threads: 1",
         "executor: auto",
         "residual_on_device: false",                   "residual_chunk: 4194304",

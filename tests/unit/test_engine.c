@@ -222,10 +222,13 @@ static double rho_at(const spec *sp, uint64_t t)
 }
 
 /* k_l of tensor l in step t's mask: the plan's rule (docs/algorithm.md) at
- * the step's density, computed here. */
+ * the step's density, computed here; a tensor of at most dense_below
+ * coordinates whole. */
 static size_t want_k(const ctx *c, uint64_t t, size_t l)
 {
     size_t len = c->ts[l].length;
+    if (len <= c->sp->cfg.dense_below)
+        return len;
     double x = rho_at(c->sp, t) * (double)len, k = ceil(x - 1e-12 * x);
     return k < 1.0 ? 1 : k > (double)len ? len : (size_t)k;
 }
@@ -1118,6 +1121,54 @@ START_TEST(density_schedule)
 }
 END_TEST
 
+/* dense_below: the tensors of at most 64 coordinates (six of the ten, 137
+ * of 1,184 coordinates) go whole on every masked step, the others at rho.
+ * Every step's mask against want_k (exactly k_l bits, len for the small
+ * ones, no fill-in), conservation and the lag (the per-step checks);
+ * replicated equals sharded for every R; the host and sim executors agree,
+ * with bf16 values, mask deltas and a density schedule too; topk-adamw's
+ * own masks take the small tensors whole as well. */
+static void vary_deltas(spec *sp, int k);
+
+START_TEST(small_tensors_whole)
+{
+    static const int rs[] = { 1, 3, 4 };
+    for (size_t ri = 0; ri < sizeof rs / sizeof rs[0]; ri++) {
+        float *fin[2];
+        size_t *kh[2], n = 0;
+        for (int mode = 0; mode < 2; mode++) {
+            spec sp = make_spec(ENG_OPT_SCAPE, (eng_mode)mode, rs[ri], 0.02, 60);
+            sp.cfg.dense_below = 64;
+            run_spec(&sp, &fin[mode], &kh[mode], &n);
+            /* K: the whole small tensors plus the large ones' k_l at 0.02
+             * (100 -> 2, 257 -> 6, 500 -> 10, 190 -> 4) */
+            ck_assert_uint_eq(kh[mode][sp.steps - 1], 137 + 2 + 6 + 10 + 4);
+        }
+        char what[96];
+        snprintf(what, sizeof what, "dense_below 64, R=%d: replicated vs sharded", rs[ri]);
+        expect_same(fin[0], fin[1], n, what);
+        for (int mode = 0; mode < 2; mode++) {
+            free(fin[mode]);
+            free(kh[mode]);
+        }
+    }
+    spec sp = make_spec(ENG_OPT_SCAPE, ENG_MODE_SHARDED, 3, 0.02, 60);
+    sp.cfg.dense_below = 64;
+    sp.cfg.wire_bf16 = 1;
+    expect_variants_agree(&sp, 3, vary_executor, "dense_below 64, bf16 values: host / sim");
+    sp.cfg.rho_start = 0.25;
+    sp.cfg.rho_steps = 30;
+    expect_variants_agree(&sp, 3, vary_deltas, "dense_below 64, schedule: fixed / deltas");
+    spec tk = make_spec(ENG_OPT_TOPK_ADAMW, ENG_MODE_SHARDED, 3, 0.02, 40);
+    tk.cfg.dense_below = 64;
+    float *fin;
+    size_t *kh, n = 0;
+    run_spec(&tk, &fin, &kh, &n);
+    free(fin);
+    free(kh);
+}
+END_TEST
+
 /* variant 0: fixed codes; 1: deltas where smaller; 2: deltas whenever
  * there is a last mask, the selection deferred */
 static void vary_deltas(spec *sp, int k)
@@ -1618,6 +1669,7 @@ int main(void)
     tcase_add_test(inv, gather_in_param_dtype);
     tcase_add_test(inv, density_schedule);
     tcase_add_test(inv, mask_deltas_decode_to_the_same_masks);
+    tcase_add_test(inv, small_tensors_whole);
     tcase_add_test(inv, dense_equivalence);
     tcase_add_test(inv, adamw_dense);
     tcase_add_test(inv, topk_adamw_fills_in);

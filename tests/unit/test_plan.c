@@ -72,6 +72,31 @@ START_TEST(unordered_layout_tiles)
 }
 END_TEST
 
+/* dense_below: tensors of at most that many coordinates keep k_l = len, at
+ * every density the plan is set to; the owners and the layout stay. */
+START_TEST(small_tensors_whole)
+{
+    eng_tensor ts[] = { { "w", 0, 1000, 0 }, { "g", 1000, 64, 0 }, { "b", 1064, 65, 0 } };
+    plan *p = NULL;
+    ck_assert_int_eq(plan_build(&p, ts, 3, 2, 0.01), SCAPE_OK);
+    ck_assert_uint_eq(p->k_total, 10 + 1 + 1);
+    int owner = p->t[1].owner;
+    size_t pos = p->t[1].pos;
+    plan_set_dense(p, 64, 0.01);
+    ck_assert_uint_eq(p->t[0].k, 10);
+    ck_assert_uint_eq(p->t[1].k, 64);
+    ck_assert_uint_eq(p->t[2].k, 1);
+    ck_assert_uint_eq(p->k_total, 10 + 64 + 1);
+    plan_set_rho(p, 0.1); /* a schedule's step: the small tensor stays whole */
+    ck_assert_uint_eq(p->k_total, 100 + 64 + 7);
+    ck_assert_int_eq(p->t[1].owner, owner);
+    ck_assert_uint_eq(p->t[1].pos, pos);
+    plan_set_dense(p, 0, 0.01);
+    ck_assert_uint_eq(p->k_total, 10 + 1 + 1);
+    plan_destroy(&p);
+}
+END_TEST
+
 static void expect_bad(const eng_tensor *ts, size_t nt, int R, double rho, const char *needle)
 {
     plan *p = NULL;
@@ -108,6 +133,7 @@ int main(void)
     tcase_add_test(tc, greedy_owners);
     tcase_add_test(tc, ties_lower_rank);
     tcase_add_test(tc, unordered_layout_tiles);
+    tcase_add_test(tc, small_tensors_whole);
     tcase_add_test(tc, bad_layouts);
     suite_add_tcase(s, tc);
     return check_run(s);
