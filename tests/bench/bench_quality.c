@@ -40,26 +40,31 @@ typedef struct variant {
     int mask_deltas;    /* masks as deltas where smaller */
     int bf16_params;    /* the trainers hold bf16 parameters (widened for the
                            forward pass; the fp32 master stays in the engine) */
+    uint32_t dense_below; /* tensors of at most this many coordinates go whole */
 } variant;
 
 static const variant s_variants[] = {
-    { "adamw", ENG_OPT_ADAMW, 1.0, 0, 0.0, 0, 0, 0 },
-    { "adams", ENG_OPT_ADAMS, 1.0, 0, 0.0, 0, 0, 0 },
-    { "scape-0.1", ENG_OPT_SCAPE, 0.1, 0, 0.0, 0, 0, 0 },
-    { "scape-0.01", ENG_OPT_SCAPE, 0.01, 0, 0.0, 0, 0, 0 },
-    { "topk-adamw-0.01", ENG_OPT_TOPK_ADAMW, 0.01, 0, 0.0, 0, 0, 0 },
+    { "adamw", ENG_OPT_ADAMW, 1.0, 0, 0.0, 0, 0, 0, 0 },
+    { "adams", ENG_OPT_ADAMS, 1.0, 0, 0.0, 0, 0, 0, 0 },
+    { "scape-0.1", ENG_OPT_SCAPE, 0.1, 0, 0.0, 0, 0, 0, 0 },
+    { "scape-0.01", ENG_OPT_SCAPE, 0.01, 0, 0.0, 0, 0, 0, 0 },
+    { "topk-adamw-0.01", ENG_OPT_TOPK_ADAMW, 0.01, 0, 0.0, 0, 0, 0, 0 },
     /* fewer bytes: values in bf16, masks as deltas, a density schedule
      * 0.16 -> 0.01 over 400 steps */
-    { "scape-0.1-bf16", ENG_OPT_SCAPE, 0.1, 1, 0.0, 0, 0, 0 },
-    { "scape-0.01-bf16", ENG_OPT_SCAPE, 0.01, 1, 0.0, 0, 0, 0 },
-    { "scape-0.01-delta", ENG_OPT_SCAPE, 0.01, 1, 0.0, 0, 1, 0 },
-    { "scape-0.01-sched", ENG_OPT_SCAPE, 0.01, 1, 0.16, 400, 1, 0 },
+    { "scape-0.1-bf16", ENG_OPT_SCAPE, 0.1, 1, 0.0, 0, 0, 0, 0 },
+    { "scape-0.01-bf16", ENG_OPT_SCAPE, 0.01, 1, 0.0, 0, 0, 0, 0 },
+    { "scape-0.01-delta", ENG_OPT_SCAPE, 0.01, 1, 0.0, 0, 1, 0, 0 },
+    { "scape-0.01-sched", ENG_OPT_SCAPE, 0.01, 1, 0.16, 400, 1, 0, 0 },
     /* gentler schedules: 0.04 halved twice over 1,000 masked steps, and
      * 0.02 for 2,000 masked steps */
-    { "scape-0.01-sched-slow", ENG_OPT_SCAPE, 0.01, 1, 0.04, 1000, 1, 0 },
-    { "scape-0.01-sched-long", ENG_OPT_SCAPE, 0.01, 1, 0.02, 2000, 1, 0 },
-    { "scape-0.01-bf16p", ENG_OPT_SCAPE, 0.01, 1, 0.0, 0, 1, 1 },
-    { "adams-bf16p", ENG_OPT_ADAMS, 1.0, 0, 0.0, 0, 0, 1 },
+    { "scape-0.01-sched-slow", ENG_OPT_SCAPE, 0.01, 1, 0.04, 1000, 1, 0, 0 },
+    { "scape-0.01-sched-long", ENG_OPT_SCAPE, 0.01, 1, 0.02, 2000, 1, 0, 0 },
+    { "scape-0.01-bf16p", ENG_OPT_SCAPE, 0.01, 1, 0.0, 0, 1, 1, 0 },
+    { "adams-bf16p", ENG_OPT_ADAMS, 1.0, 0, 0.0, 0, 0, 1, 0 },
+    /* small tensors whole (dense_below 256: this GPT's norms and biases,
+     * 1,792 of its 118,784 coordinates), as PowerSGD leaves them */
+    { "scape-0.01-small", ENG_OPT_SCAPE, 0.01, 1, 0.0, 0, 1, 0, 256 },
+    { "scape-0.1-small", ENG_OPT_SCAPE, 0.1, 1, 0.0, 0, 1, 0, 256 },
 };
 #define NVARIANTS (sizeof s_variants / sizeof s_variants[0])
 
@@ -107,6 +112,7 @@ static scape_rc rank_train(rank_arg *a)
     cfg.rho_start = sh->v->rho_start;
     cfg.rho_steps = sh->v->rho_steps;
     cfg.mask_deltas = sh->v->mask_deltas;
+    cfg.dense_below = sh->v->dense_below;
     cfg.max_grad_norm = sh->max_grad_norm;
     int bp = sh->v->bf16_params;
     uint16_t *ph = bp ? malloc(n * sizeof *ph) : NULL; /* the trainer's bf16 parameters */

@@ -26,7 +26,8 @@ and passes or fails on nothing but the runs themselves. Needs root
 (namespaces), torch.
 
 usage: tests/bench/peers.py BUILD_DIR [--rates 100mbit,10mbit] [--steps N]
-           [--lrs 1e-3,3e-3] [--lr-for RUN=LR,...] [--runs adamw,psgd1,psgd4,adams,scape0.1,scape0.01]
+           [--lrs 1e-3,3e-3] [--lr-for RUN=LR,...]
+           [--runs adamw,psgd1,psgd4,adams,scape0.1,scape0.01,scape0.1s,scape0.13s]
            [--eval-every E] [--time-rates 1gbit,10mbit] [--time-steps S]
            [--markdown FILE] [--plot FILE.svg] [--results FILE.json]
        tests/bench/peers.py --replot FILE.json [--markdown FILE] [--plot FILE.svg]
@@ -61,10 +62,18 @@ RUNS = {  # name: (family, settings)
     "adams": ("scaped", {"optimizer": "adams"}),
     "scape0.1": ("scaped", {"optimizer": "scape", "rho": "0.1"}),
     "scape0.01": ("scaped", {"optimizer": "scape", "rho": "0.01"}),
+    # the GPT's norms and biases (at most 256 coordinates) whole every step,
+    # as PowerSGD leaves them, and masks as deltas
+    "scape0.1s": ("scaped", {"optimizer": "scape", "rho": "0.1", "dense_below": "256",
+                             "mask_deltas": "true"}),
+    "scape0.13s": ("scaped", {"optimizer": "scape", "rho": "0.13", "dense_below": "256",
+                              "mask_deltas": "true"}),
 }
 LABEL = {"adamw": "DDP AdamW (dense)", "psgd1": "DDP PowerSGD rank 1 + AdamW",
          "psgd4": "DDP PowerSGD rank 4 + AdamW", "adams": "scaped dense AdamS",
-         "scape0.1": "scaped SCAPE rho 0.1", "scape0.01": "scaped SCAPE rho 0.01"}
+         "scape0.1": "scaped SCAPE rho 0.1", "scape0.01": "scaped SCAPE rho 0.01",
+         "scape0.1s": "scaped SCAPE rho 0.1, small tensors whole, mask deltas",
+         "scape0.13s": "scaped SCAPE rho 0.13, small tensors whole, mask deltas"}
 WARMUP = 10  # PowerSGD's vanilla all-reduce steps = SCAPE's dense warm-up
 
 
