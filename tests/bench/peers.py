@@ -27,7 +27,7 @@ and passes or fails on nothing but the runs themselves. Needs root
 
 usage: tests/bench/peers.py BUILD_DIR [--rates 100mbit,10mbit] [--steps N]
            [--lrs 1e-3,3e-3] [--lr-for RUN=LR,...]
-           [--runs adamw,psgd1,psgd4,adams,scape0.1,scape0.01,scape0.1s,scape0.13s]
+           [--runs adamw,psgd1,psgd3,psgd4,adams,scape0.1,scape0.01,scape0.1s,scape0.13s]
            [--eval-every E] [--time-rates 1gbit,10mbit] [--time-steps S]
            [--markdown FILE] [--plot FILE.svg] [--results FILE.json]
        tests/bench/peers.py --replot FILE.json [--markdown FILE] [--plot FILE.svg]
@@ -58,6 +58,7 @@ PORT = 29600
 RUNS = {  # name: (family, settings)
     "adamw": ("ddp", {"powersgd": 0}),
     "psgd1": ("ddp", {"powersgd": 1}),
+    "psgd3": ("ddp", {"powersgd": 3}),
     "psgd4": ("ddp", {"powersgd": 4}),
     "adams": ("scaped", {"optimizer": "adams"}),
     "scape0.1": ("scaped", {"optimizer": "scape", "rho": "0.1"}),
@@ -70,7 +71,8 @@ RUNS = {  # name: (family, settings)
                               "mask_deltas": "true"}),
 }
 LABEL = {"adamw": "DDP AdamW (dense)", "psgd1": "DDP PowerSGD rank 1 + AdamW",
-         "psgd4": "DDP PowerSGD rank 4 + AdamW", "adams": "scaped dense AdamS",
+         "psgd3": "DDP PowerSGD rank 3 + AdamW", "psgd4": "DDP PowerSGD rank 4 + AdamW",
+         "adams": "scaped dense AdamS",
          "scape0.1": "scaped SCAPE rho 0.1", "scape0.01": "scaped SCAPE rho 0.01",
          "scape0.1s": "scaped SCAPE rho 0.1, small tensors whole, mask deltas",
          "scape0.13s": "scaped SCAPE rho 0.13, small tensors whole, mask deltas"}
