@@ -175,11 +175,22 @@ static scape_rc parse_wire(const char *s, void *f)
     return parse_pair(s, f, "wire_values", "f32", "bf16");
 }
 static const char *name_wire(const void *f) { return *(const int *)f ? "bf16" : "f32"; }
+static const char *const s_gather_names[] = { "params", "f32", "delta" };
 static scape_rc parse_gather(const char *s, void *f)
 {
-    return parse_pair(s, f, "gather_values", "params", "f32");
+    for (int i = 0; s && i < 3; i++)
+        if (strcmp(s, s_gather_names[i]) == 0) {
+            *(eng_gather *)f = (eng_gather)i;
+            return SCAPE_OK;
+        }
+    return scape_set_error(SCAPE_INVALID, "unknown gather_values '%s' (params, f32, delta)",
+                           s ? s : "(null)");
 }
-static const char *name_gather(const void *f) { return *(const int *)f ? "f32" : "params"; }
+static const char *name_gather(const void *f)
+{
+    unsigned g = (unsigned)*(const eng_gather *)f;
+    return g < 3 ? s_gather_names[g] : "?";
+}
 
 /* Booleans as YAML 1.1 writes them; an int field. */
 static scape_rc parse_bool(const char *s, void *f)
@@ -232,10 +243,12 @@ static const cfg_key s_keys[] = {
       .parse = parse_wire, .name_of = name_wire, .def = "bf16",
       .doc = "masked steps send the reduced values as f32 or bf16 (the rounding stays in the "
              "residual: nothing is lost); alike on every daemon" },
-    { .name = "gather_values", .type = KT_ENUM, .offset = OFF(engine.gather_f32),
+    { .name = "gather_values", .type = KT_ENUM, .offset = OFF(engine.gather),
       .parse = parse_gather, .name_of = name_gather, .def = "params",
       .doc = "sharded: gather the updated parameters in the trainers' dtype (params: bf16 "
-             "when every trainer holds bf16, the same bits in half the bytes) or in f32" },
+             "when every trainer holds bf16, the same bits in half the bytes), in f32, or, "
+             "when every trainer holds fp32, as their changes in bf16 (delta: the update is "
+             "rounded so; half the gather's bytes); alike on every daemon" },
     { .name = "rho_start", .type = KT_DOUBLE, .offset = OFF(engine.rho_start), .min = 0,
       .max = 1, .def = "0",
       .doc = "scape density schedule: the first masked step's density, in (rho, 1], halved "

@@ -291,37 +291,48 @@ static scape_rc handshake(eng_t *e)
 {
     e->t_total = 0;
     int R = e->comm->size;
-    /* defer_select is not in the config hash (checkpoints do not depend on
-     * it) but must agree: it moves the mask all-gather among the collectives */
-    uint64_t mine[5] = { (uint64_t)e->tr, e->p->hash, eng_config_hash(&e->cfg),
-                         (uint64_t)(e->cfg.defer_select != 0), (uint64_t)e->pdt };
-    uint64_t *all = calloc((size_t)R * 5, sizeof *all);
+    /* defer_select and the gather are not in the config hash (checkpoints
+     * do not depend on them) but must agree: the one moves the mask
+     * all-gather among the collectives, the other (delta) rounds updates */
+    uint64_t mine[6] = { (uint64_t)e->tr, e->p->hash, eng_config_hash(&e->cfg),
+                         (uint64_t)(e->cfg.defer_select != 0), (uint64_t)e->pdt,
+                         (uint64_t)(e->cfg.gather == ENG_GATHER_DELTA) };
+    uint64_t *all = calloc((size_t)R * 6, sizeof *all);
     if (all == NULL)
         return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
     for (int r = 0; r < R; r++)
         e->counts[r] = sizeof mine;
     scape_rc rc = comm_allgather(e->comm, mine, all, e->counts);
     /* the owners gather the updated parameters in the trainers' dtype when
-     * every rank's trainers hold bf16 */
-    e->vbf16 = !e->cfg.gather_f32 && e->pdt == KERN_BF16;
+     * every rank's trainers hold bf16, and their changes in bf16 (delta)
+     * when every rank's trainers hold fp32 */
+    e->vbf16 = e->cfg.gather != ENG_GATHER_F32 && e->pdt == KERN_BF16;
+    e->vdelta = e->cfg.gather == ENG_GATHER_DELTA && e->pdt == KERN_F32;
     for (int r = 0; rc == SCAPE_OK && r < R; r++) {
-        if (all[5 * r + 4] != (uint64_t)KERN_BF16)
+        if (all[6 * r + 4] != (uint64_t)KERN_BF16)
             e->vbf16 = 0;
-        if (all[5 * r + 1] != mine[1])
+        if (all[6 * r + 4] != (uint64_t)KERN_F32)
+            e->vdelta = 0;
+        if (all[6 * r + 1] != mine[1])
             rc = scape_set_error(SCAPE_INVALID,
                                  "engine: rank %d registered a different layout than rank %d "
                                  "(tensors, or their parameter groups and weight decay)",
                                  r, e->rank);
-        else if (all[5 * r + 2] != mine[2])
+        else if (all[6 * r + 2] != mine[2])
             rc = scape_set_error(SCAPE_INVALID,
                                  "engine: rank %d has a different optimizer config than rank %d",
                                  r, e->rank);
-        else if (all[5 * r + 3] != mine[3] && e->cfg.optimizer == ENG_OPT_SCAPE)
+        else if (all[6 * r + 3] != mine[3] && e->cfg.optimizer == ENG_OPT_SCAPE)
             rc = scape_set_error(SCAPE_INVALID,
                                  "engine: rank %d has defer_select %s and rank %d %s: set it "
-                                 "alike on every daemon", r, all[5 * r + 3] ? "on" : "off",
+                                 "alike on every daemon", r, all[6 * r + 3] ? "on" : "off",
                                  e->rank, mine[3] ? "on" : "off");
-        e->t_total += (int)all[5 * r];
+        else if (all[6 * r + 5] != mine[5])
+            rc = scape_set_error(SCAPE_INVALID,
+                                 "engine: rank %d has gather_values %s and rank %d %s: set it "
+                                 "alike on every daemon", r, all[6 * r + 5] ? "delta" : "not delta",
+                                 e->rank, mine[5] ? "delta" : "not delta");
+        e->t_total += (int)all[6 * r];
     }
     free(all);
     return rc;

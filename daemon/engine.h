@@ -40,6 +40,16 @@ typedef enum eng_executor {
     ENG_EXEC_COUNT
 } eng_executor;
 
+/* What a masked step publishes (gather_values):
+ *  - PARAMS: the new values in the trainers' dtype (bf16 when every rank's
+ *    trainers hold bf16, the same bits in half the bytes; else fp32);
+ *  - F32: the new values in fp32 always;
+ *  - DELTA: when every rank's trainers hold fp32, each value's change in
+ *    bf16, which owners and trainers add to the value they hold (the
+ *    update is rounded so: docs/algorithm.md, "Changes on the wire"); as
+ *    PARAMS otherwise.  Every rank must set it alike. */
+typedef enum eng_gather { ENG_GATHER_PARAMS = 0, ENG_GATHER_F32, ENG_GATHER_DELTA } eng_gather;
+
 typedef struct eng_config {
     eng_optimizer optimizer;
     eng_mode mode;
@@ -72,10 +82,9 @@ typedef struct eng_config {
                                 values as bf16 and keep each one's rounding in
                                 the residual (docs/algorithm.md; the default);
                                 0: fp32.  Every rank must set it alike. */
-    int gather_f32;          /* sharded: gather the updated parameters in fp32
-                                even when every rank's trainers hold bf16
-                                (default 0: in the trainers' dtype, which gives
-                                the same bits in half the bytes) */
+    eng_gather gather;       /* how masked steps publish the updated parameters
+                                (sharded: what the gather carries; the default,
+                                params, and f32 give the same bits) */
     double rho_start;        /* scape's density schedule: 0 (default) none;
                                 else in (rho, 1], the density of the first
                                 masked step, halved at equal intervals until it
@@ -223,6 +232,9 @@ uint64_t eng_pinned_bytes(const eng_t *e);
 /* 1 when sharded gathers of the updated parameters go in bf16 (every
  * rank's trainers hold bf16, gather_values params). */
 int eng_gathers_bf16(const eng_t *e);
+/* 1 when masked steps publish changes in bf16 (gather_values: delta, every
+ * rank's trainers fp32); then the gathers move 2 bytes a value. */
+int eng_gathers_delta(const eng_t *e);
 /* The executor that runs the step (host, cuda or sim). */
 eng_executor eng_get_executor(const eng_t *e);
 /* T, the trainers of all ranks. */

@@ -237,6 +237,7 @@ static scape_rc publish_theta(eng_t *e, void *const *params)
     }
     e->mask_cur = NULL;
     e->pub_bf16 = 0; /* from theta, in fp32 */
+    e->pub_delta = 0;
     scape_rc rc = x->ops->offsets(x, &k);
     if (rc == SCAPE_OK)
         rc = x->ops->write_back(x, src, params);

@@ -194,3 +194,8 @@ int eng_gathers_bf16(const eng_t *e)
 {
     return e && e->vbf16 && e->cfg.mode == ENG_MODE_SHARDED;
 }
+
+int eng_gathers_delta(const eng_t *e)
+{
+    return e && e->vdelta;
+}

@@ -68,7 +68,10 @@ struct eng {
     double k_rho;        /* the density the plan's k_l are for now: with a
                             schedule, that of the mask last selected */
     int vbf16;           /* packed updated parameters go in bf16 (every rank's
-                            trainers hold bf16, gather_f32 off) */
+                            trainers hold bf16, gather not f32) */
+    int vdelta;          /* masked steps publish changes (gather delta, every
+                            rank's trainers hold fp32) */
+    int pub_delta;       /* this step's compact / write-back: vdelta, masked */
     int pub_bf16;        /* this step's compact / write-back: vbf16 and not
                             from theta itself */
     uint64_t sel_step;   /* the step whose mask the next selection picks */

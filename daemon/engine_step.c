@@ -463,13 +463,14 @@ static scape_rc clip_coef(eng_t *e, uint64_t t)
 }
 
 /* The new parameters, comm order, into `dst`: packed at the mask (sparse) or
- * whole (dense), in bf16 when every trainer holds bf16 (pub_bf16); sharded
- * ranks then all-gather their parts in place. */
-static scape_rc gather_updates(eng_t *e, float *dst)
+ * whole (dense), in bf16 when every trainer holds bf16 (pub_bf16), or their
+ * changes in bf16 from what the trainers hold (pub_delta); sharded ranks
+ * then all-gather their parts in place. */
+static scape_rc gather_updates(eng_t *e, float *dst, void *const *params)
 {
     size_t first, count, esz = e->pub_bf16 ? 2 : sizeof(float);
     eng_update_range(e, &first, &count);
-    TRY(e->x->ops->compact(e->x, first, count, dst));
+    TRY(e->x->ops->compact(e->x, first, count, dst, params));
     if (e->cfg.mode == ENG_MODE_REPLICATED)
         return SCAPE_OK;
     shard_counts(e, esz);
@@ -541,9 +542,10 @@ static scape_rc step_phases(eng_t *e, uint64_t t, const void *const *grads,
     eng_update_range(e, &first, &count);
     PHASE(ENG_PH_UPDATE, e->x->ops->update(e->x, first, count, t));
     pub = publish_buffer(e);
-    e->pub_bf16 = e->vbf16 && pub != e->theta;
+    e->pub_delta = e->vdelta && e->mask_cur != NULL;
+    e->pub_bf16 = (e->vbf16 && pub != e->theta) || e->pub_delta;
     if (pub != e->theta)
-        PHASE(ENG_PH_GATHER, gather_updates(e, pub));
+        PHASE(ENG_PH_GATHER, gather_updates(e, pub, params));
     PHASE(ENG_PH_WRITEBACK, e->x->ops->write_back(e->x, pub, params));
     e->last.k = k;
     return SCAPE_OK;

@@ -78,11 +78,14 @@ typedef struct exec_ops {
      * once sync() has returned.  At most comm size sums between syncs. */
     scape_rc (*sqsum)(exec_t *x, size_t first, size_t count, double *out);
     /* Their new parameters into dst (packed at the mask, or dense), comm order;
-     * as bf16 when e->pub_bf16. */
-    scape_rc (*compact)(exec_t *x, size_t first, size_t count, float *dst);
+     * as bf16 when e->pub_bf16.  e->pub_delta: each one's change from trainer
+     * 0's fp32 value (params[0]) in bf16, theta rounded to that value plus
+     * it (scape_f_delta, scape_f_apply_delta). */
+    scape_rc (*compact)(exec_t *x, size_t first, size_t count, float *dst,
+                        void *const *params);
     /* The values at src (packed, or dense; comm order; bf16 when
      * e->pub_bf16) into every trainer's buffer, converted to the parameter
-     * dtype. */
+     * dtype; e->pub_delta: added to the value each trainer holds. */
     scape_rc (*write_back)(exec_t *x, const float *src, void *const *params);
     /* The plan's k_l changed (a density schedule): refresh whatever the
      * executor derived from them (the device's tensor and code tables). */

@@ -887,13 +887,20 @@ static scape_rc dev_sqsum(exec_t *x, size_t first, size_t count, double *out)
     return run(h, KSEG_SQSUM, &a);
 }
 
-static scape_rc dev_compact(exec_t *x, size_t first, size_t count, float *dst)
+static scape_rc dev_compact(exec_t *x, size_t first, size_t count, float *dst,
+                            void *const *params)
 {
+    eng_t *e = x->e;
     kseg_args a;
     if (!range_args(x, first, count, 1, &a))
         return SCAPE_OK;
     a.out = dst;
-    a.vbf16 = x->e->pub_bf16;
+    a.vbf16 = e->pub_bf16;
+    a.delta = e->pub_delta;
+    if (a.delta) { /* the changes from trainer 0's values */
+        TRY(resolve_all(x, (const void *const *)params, sizeof(float), &a));
+        count_trainers(x, 1, (e->toff[first + count] - e->toff[first]) * SECTOR);
+    }
     return run(impl(x), KSEG_COMPACT, &a);
 }
 
@@ -906,6 +913,7 @@ static scape_rc dev_write_back(exec_t *x, const float *src, void *const *params)
     a.bf16 = e->pdt == KERN_BF16;
     a.in = src;
     a.vbf16 = e->pub_bf16;
+    a.delta = e->pub_delta;
     uint64_t n = e->p->n, k = e->toff[e->p->ntensors], w = e->p->nwords;
     count_masked(x, n, k, w, 0);
     count_trainers(x, e->tr, e->mask_cur ? k * SECTOR : n * kern_dtype_size(e->pdt));

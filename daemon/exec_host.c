@@ -505,9 +505,12 @@ static scape_rc compact_tensor(void *ctx, size_t i, int w)
     size_t j = u->first + i, k;
     (void)w;
     const plan_tensor *t = eng_tensor_at(e, j);
-    const float *th = e->theta + (t->pos - e->state_base);
+    float *th = e->theta + (t->pos - e->state_base);
     kern_dtype dt = e->pub_bf16 ? KERN_BF16 : KERN_F32;
     void *dst = (char *)u->dst + e->toff[j] * kern_dtype_size(dt);
+    if (e->pub_delta)
+        return kern_mask_compact_delta(th, (const float *)u->params[0] + t->off,
+                                       e->mask_cur + t->word, t->len, dst, &k);
     if (e->mask_cur)
         return kern_mask_compact_dt(th, e->mask_cur + t->word, t->len, dst, dt, &k);
     if (dt == KERN_BF16)
@@ -517,12 +520,15 @@ static scape_rc compact_tensor(void *ctx, size_t i, int w)
     return SCAPE_OK;
 }
 
-static scape_rc host_compact(exec_t *x, size_t first, size_t n_t, float *dst)
+static scape_rc host_compact(exec_t *x, size_t first, size_t n_t, float *dst,
+                             void *const *params)
 {
-    update_ctx u = { .e = x->e, .first = first, .dst = dst };
+    update_ctx u = { .e = x->e, .first = first, .dst = dst, .params = params };
     uint64_t n, k, w;
     range_sizes(x->e, first, n_t, &n, &k, &w);
     count_masked(x, n, k, w, 1);
+    if (x->e->pub_delta)
+        count(x, k * LINE); /* trainer 0's old values */
     return pool_run(impl(x)->pool, n_t, compact_tensor, &u);
 }
 
@@ -538,6 +544,8 @@ static scape_rc write_back_item(void *ctx, size_t i, int w)
     char *dst = (char *)b->params[q] + t->off * kern_dtype_size(e->pdt);
     kern_dtype sdt = e->pub_bf16 ? KERN_BF16 : KERN_F32;
     const void *src = (const char *)b->src + e->toff[j] * kern_dtype_size(sdt);
+    if (e->pub_delta)
+        return kern_mask_expand_delta(src, e->mask_cur + t->word, t->len, (float *)dst);
     if (e->mask_cur)
         return kern_mask_expand_dt(src, sdt, e->mask_cur + t->word, t->len, dst, e->pdt);
     if (e->pdt == sdt) {

@@ -77,7 +77,8 @@ static void fill_status(server *s, status_buf *b)
     st->has_max_grad_norm = 1;
     st->max_grad_norm = s->cfg.engine.max_grad_norm;
     st->wire_values = (char *)(s->cfg.engine.wire_bf16 ? "bf16" : "f32");
-    st->gather_values = (char *)(eng_gathers_bf16(s->eng) ? "bf16" : "f32");
+    st->gather_values = (char *)(eng_gathers_delta(s->eng) ? "delta"
+                                 : eng_gathers_bf16(s->eng) ? "bf16" : "f32");
     st->has_mask_deltas = 1;
     st->mask_deltas = s->cfg.engine.mask_deltas != 0;
     st->has_rho_start = 1;

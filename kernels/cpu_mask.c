@@ -198,6 +198,58 @@ scape_rc kern_mask_expand_dt(const void *packed, kern_dtype pdt, const uint32_t 
     return SCAPE_OK;
 }
 
+scape_rc kern_mask_compact_delta(float *theta, const float *old, const uint32_t *mask,
+                                 size_t n, uint16_t *packed, size_t *k_out)
+{
+    static const char fn[] = "kern_mask_compact_delta";
+    KERN_NONNULL(fn, theta);
+    KERN_NONNULL(fn, old);
+    KERN_NONNULL(fn, mask);
+    KERN_NONNULL(fn, packed);
+    KERN_NONNULL(fn, k_out);
+    KERN_MAXN(fn, n);
+    size_t k = popcount_n(mask, n), nw = kern_mask_words(n);
+    KERN_DISJOINT(fn, packed, k * 2, theta, n * 4);
+    KERN_DISJOINT(fn, packed, k * 2, old, n * 4);
+    KERN_DISJOINT(fn, theta, n * 4, old, n * 4);
+    size_t j = 0;
+    for (size_t w = 0; w < nw; w++) {
+        uint32_t bits = mask[w] & (w + 1 == nw ? tail_bits(n) : 0xffffffffu);
+        while (bits) {
+            size_t i = w * 32 + (unsigned)__builtin_ctz(bits);
+            float d = scape_f_delta(old[i], theta[i]);
+            theta[i] = scape_f_apply_delta(old[i], d);
+            scape_f_store(packed, 1, j++, d);
+            bits &= bits - 1;
+        }
+    }
+    *k_out = j;
+    return SCAPE_OK;
+}
+
+scape_rc kern_mask_expand_delta(const uint16_t *packed, const uint32_t *mask, size_t n,
+                                float *dense)
+{
+    static const char fn[] = "kern_mask_expand_delta";
+    KERN_NONNULL(fn, packed);
+    KERN_NONNULL(fn, mask);
+    KERN_NONNULL(fn, dense);
+    KERN_MAXN(fn, n);
+    size_t k = popcount_n(mask, n), nw = kern_mask_words(n);
+    KERN_DISJOINT(fn, packed, k * 2, dense, n * 4);
+    KERN_DISJOINT(fn, mask, nw * 4, dense, n * 4);
+    size_t j = 0;
+    for (size_t w = 0; w < nw; w++) {
+        uint32_t bits = mask[w] & (w + 1 == nw ? tail_bits(n) : 0xffffffffu);
+        while (bits) {
+            size_t i = w * 32 + (unsigned)__builtin_ctz(bits);
+            dense[i] = scape_f_apply_delta(dense[i], scape_f_load(packed, 1, j++));
+            bits &= bits - 1;
+        }
+    }
+    return SCAPE_OK;
+}
+
 scape_rc kern_mask_expand(const float *packed, const uint32_t *mask, size_t n,
                           void *dense, kern_dtype dt)
 {

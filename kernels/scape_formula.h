@@ -121,6 +121,19 @@ SCAPE_HD float scape_f_send(float a, int bf16, float *rest)
     return s;
 }
 
+/* gather_values: delta.  What a masked step publishes for a parameter that
+ * every trainer holds as `old` (fp32) and the owner's update made
+ * `computed`: the change in bf16 (scape_f_wire_bf16 of the fp32
+ * difference).  The new value, at the owner as at every trainer, is
+ * old + delta, one fp32 rounding (scape_f_apply_delta), so the master and
+ * every trainer stay bitwise equal. */
+SCAPE_HD float scape_f_delta(float old, float computed)
+{
+    return scape_f_wire_bf16(computed - old);
+}
+
+SCAPE_HD float scape_f_apply_delta(float old, float delta) { return old + delta; }
+
 /* Element i of the sum of nparts bf16 parts (part q at parts + q * n),
  * widened exactly and added in part order in fp32, one rounding each: the
  * rank-order sum of bf16 values that every backend takes. */

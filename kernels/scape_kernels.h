@@ -143,6 +143,15 @@ scape_rc kern_mask_expand(const float *packed, const uint32_t *mask, size_t n,
 scape_rc kern_mask_expand_dt(const void *packed, kern_dtype pdt, const uint32_t *mask,
                              size_t n, void *dense, kern_dtype dt);
 
+/* gather_values: delta (scape_formula.h).  Compact the change: for the j-th
+ * set bit i, d = scape_f_delta(old[i], theta[i]) goes to packed[j] as bf16
+ * and theta[i] becomes old[i] + d (scape_f_apply_delta); *k_out = count.
+ * Expand it: dense[i] = dense[i] + packed[j] (bf16 widened), fp32. */
+scape_rc kern_mask_compact_delta(float *theta, const float *old, const uint32_t *mask,
+                                 size_t n, uint16_t *packed, size_t *k_out);
+scape_rc kern_mask_expand_delta(const uint16_t *packed, const uint32_t *mask, size_t n,
+                                float *dense);
+
 /* dst |= src over nwords words (union of masks); dst and src are disjoint. */
 scape_rc kern_mask_or(uint32_t *dst, const uint32_t *src, size_t nwords);
 

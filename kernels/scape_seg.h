@@ -124,6 +124,10 @@ typedef struct kseg_args {
                                (scape_formula.h, scape_f_send) */
     int vbf16;              /* COMPACT writes, WRITEBACK reads the packed
                                values as bf16 (in the bytes of out / in) */
+    int delta;              /* COMPACT: the change from trainer tr[0]'s fp32
+                               value in bf16 (vbf16 set), theta = old + it;
+                               WRITEBACK: added to every trainer's value
+                               (scape_f_delta, scape_f_apply_delta) */
     float *out;             /* PACK, COMPACT, GSUM: packed index, or pos when
                                dense; PACK with NULL: keys only */
     const float *in;        /* UPDATE: the sums; WRITEBACK: the values; LOAD_THETA: source */
@@ -311,12 +315,22 @@ SCAPE_HD void kseg_update_elem(const kseg_args *a, const kseg_tensor *t, uint64_
                       a->glr[t->group]);
 }
 
-SCAPE_HD void kseg_compact_elem(const kseg_args *a, uint64_t pos, uint64_t j, kseg_acc *acc)
+SCAPE_HD void kseg_compact_elem(const kseg_args *a, const kseg_tensor *t, uint64_t i,
+                                 uint64_t pos, uint64_t j, kseg_acc *acc)
 {
-    if (j < a->k_cap)
-        scape_f_store(a->out, a->vbf16, j, a->theta[pos - a->s_base]);
-    else
+    if (j >= a->k_cap) {
         acc->err |= KSEG_E_PACKED;
+        return;
+    }
+    float *th = &a->theta[pos - a->s_base];
+    if (a->delta) {
+        float old = scape_f_load(a->tr[0], 0, t->off + i);
+        float d = scape_f_delta(old, *th);
+        *th = scape_f_apply_delta(old, d);
+        scape_f_store(a->out, 1, j, d);
+    } else {
+        scape_f_store(a->out, a->vbf16, j, *th);
+    }
 }
 
 SCAPE_HD void kseg_writeback_elem(const kseg_args *a, const kseg_tensor *t, uint64_t i,
@@ -327,8 +341,10 @@ SCAPE_HD void kseg_writeback_elem(const kseg_args *a, const kseg_tensor *t, uint
         return;
     }
     float x = scape_f_load(a->in, a->vbf16, j);
-    for (uint32_t q = 0; q < a->ntr; q++)
-        scape_f_store((void *)a->tr[q], a->bf16, t->off + i, x);
+    for (uint32_t q = 0; q < a->ntr; q++) {
+        float y = a->delta ? scape_f_apply_delta(scape_f_load(a->tr[q], 0, t->off + i), x) : x;
+        scape_f_store((void *)a->tr[q], a->bf16, t->off + i, y);
+    }
 }
 
 SCAPE_HD void kseg_load_theta_elem(const kseg_args *a, const kseg_tensor *t, uint64_t i,
@@ -347,7 +363,7 @@ SCAPE_HD void kseg_elem(kseg_kernel op, const kseg_args *a, const kseg_tensor *t
     switch (op) {
     case KSEG_PACK: kseg_pack_elem(a, t, i, pos, on, j, acc); break;
     case KSEG_UPDATE: if (on) kseg_update_elem(a, t, pos, j, acc); break;
-    case KSEG_COMPACT: if (on) kseg_compact_elem(a, pos, j, acc); break;
+    case KSEG_COMPACT: if (on) kseg_compact_elem(a, t, i, pos, j, acc); break;
     case KSEG_WRITEBACK: if (on) kseg_writeback_elem(a, t, i, j, acc); break;
     case KSEG_LOAD_THETA: kseg_load_theta_elem(a, t, i, pos); break;
     default: break;

@@ -41,30 +41,35 @@ typedef struct variant {
     int bf16_params;    /* the trainers hold bf16 parameters (widened for the
                            forward pass; the fp32 master stays in the engine) */
     uint32_t dense_below; /* tensors of at most this many coordinates go whole */
+    eng_gather gather;    /* what masked steps publish (delta: changes in bf16) */
 } variant;
 
 static const variant s_variants[] = {
-    { "adamw", ENG_OPT_ADAMW, 1.0, 0, 0.0, 0, 0, 0, 0 },
-    { "adams", ENG_OPT_ADAMS, 1.0, 0, 0.0, 0, 0, 0, 0 },
-    { "scape-0.1", ENG_OPT_SCAPE, 0.1, 0, 0.0, 0, 0, 0, 0 },
-    { "scape-0.01", ENG_OPT_SCAPE, 0.01, 0, 0.0, 0, 0, 0, 0 },
-    { "topk-adamw-0.01", ENG_OPT_TOPK_ADAMW, 0.01, 0, 0.0, 0, 0, 0, 0 },
+    { "adamw", ENG_OPT_ADAMW, 1.0, 0, 0.0, 0, 0, 0, 0, ENG_GATHER_PARAMS },
+    { "adams", ENG_OPT_ADAMS, 1.0, 0, 0.0, 0, 0, 0, 0, ENG_GATHER_PARAMS },
+    { "scape-0.1", ENG_OPT_SCAPE, 0.1, 0, 0.0, 0, 0, 0, 0, ENG_GATHER_PARAMS },
+    { "scape-0.01", ENG_OPT_SCAPE, 0.01, 0, 0.0, 0, 0, 0, 0, ENG_GATHER_PARAMS },
+    { "topk-adamw-0.01", ENG_OPT_TOPK_ADAMW, 0.01, 0, 0.0, 0, 0, 0, 0, ENG_GATHER_PARAMS },
     /* fewer bytes: values in bf16, masks as deltas, a density schedule
      * 0.16 -> 0.01 over 400 steps */
-    { "scape-0.1-bf16", ENG_OPT_SCAPE, 0.1, 1, 0.0, 0, 0, 0, 0 },
-    { "scape-0.01-bf16", ENG_OPT_SCAPE, 0.01, 1, 0.0, 0, 0, 0, 0 },
-    { "scape-0.01-delta", ENG_OPT_SCAPE, 0.01, 1, 0.0, 0, 1, 0, 0 },
-    { "scape-0.01-sched", ENG_OPT_SCAPE, 0.01, 1, 0.16, 400, 1, 0, 0 },
+    { "scape-0.1-bf16", ENG_OPT_SCAPE, 0.1, 1, 0.0, 0, 0, 0, 0, ENG_GATHER_PARAMS },
+    { "scape-0.01-bf16", ENG_OPT_SCAPE, 0.01, 1, 0.0, 0, 0, 0, 0, ENG_GATHER_PARAMS },
+    { "scape-0.01-delta", ENG_OPT_SCAPE, 0.01, 1, 0.0, 0, 1, 0, 0, ENG_GATHER_PARAMS },
+    { "scape-0.01-sched", ENG_OPT_SCAPE, 0.01, 1, 0.16, 400, 1, 0, 0, ENG_GATHER_PARAMS },
     /* gentler schedules: 0.04 halved twice over 1,000 masked steps, and
      * 0.02 for 2,000 masked steps */
-    { "scape-0.01-sched-slow", ENG_OPT_SCAPE, 0.01, 1, 0.04, 1000, 1, 0, 0 },
-    { "scape-0.01-sched-long", ENG_OPT_SCAPE, 0.01, 1, 0.02, 2000, 1, 0, 0 },
-    { "scape-0.01-bf16p", ENG_OPT_SCAPE, 0.01, 1, 0.0, 0, 1, 1, 0 },
-    { "adams-bf16p", ENG_OPT_ADAMS, 1.0, 0, 0.0, 0, 0, 1, 0 },
+    { "scape-0.01-sched-slow", ENG_OPT_SCAPE, 0.01, 1, 0.04, 1000, 1, 0, 0, ENG_GATHER_PARAMS },
+    { "scape-0.01-sched-long", ENG_OPT_SCAPE, 0.01, 1, 0.02, 2000, 1, 0, 0, ENG_GATHER_PARAMS },
+    { "scape-0.01-bf16p", ENG_OPT_SCAPE, 0.01, 1, 0.0, 0, 1, 1, 0, ENG_GATHER_PARAMS },
+    { "adams-bf16p", ENG_OPT_ADAMS, 1.0, 0, 0.0, 0, 0, 1, 0, ENG_GATHER_PARAMS },
     /* small tensors whole (dense_below 256: this GPT's norms and biases,
      * 1,792 of its 118,784 coordinates), as PowerSGD leaves them */
-    { "scape-0.01-small", ENG_OPT_SCAPE, 0.01, 1, 0.0, 0, 1, 0, 256 },
-    { "scape-0.1-small", ENG_OPT_SCAPE, 0.1, 1, 0.0, 0, 1, 0, 256 },
+    { "scape-0.01-small", ENG_OPT_SCAPE, 0.01, 1, 0.0, 0, 1, 0, 256, ENG_GATHER_PARAMS },
+    { "scape-0.1-small", ENG_OPT_SCAPE, 0.1, 1, 0.0, 0, 1, 0, 256, ENG_GATHER_PARAMS },
+    /* and the gathers carrying each parameter's change in bf16: rho 0.1 at
+     * fewer bytes, and rho 0.15 at about scape-0.1-small's bytes */
+    { "scape-0.1-small-gd", ENG_OPT_SCAPE, 0.1, 1, 0.0, 0, 1, 0, 256, ENG_GATHER_DELTA },
+    { "scape-0.15-small-gd", ENG_OPT_SCAPE, 0.15, 1, 0.0, 0, 1, 0, 256, ENG_GATHER_DELTA },
 };
 #define NVARIANTS (sizeof s_variants / sizeof s_variants[0])
 
@@ -113,6 +118,7 @@ static scape_rc rank_train(rank_arg *a)
     cfg.rho_steps = sh->v->rho_steps;
     cfg.mask_deltas = sh->v->mask_deltas;
     cfg.dense_below = sh->v->dense_below;
+    cfg.gather = sh->v->gather;
     cfg.max_grad_norm = sh->max_grad_norm;
     int bp = sh->v->bf16_params;
     uint16_t *ph = bp ? malloc(n * sizeof *ph) : NULL; /* the trainer's bf16 parameters */

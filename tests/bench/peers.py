@@ -69,13 +69,21 @@ RUNS = {  # name: (family, settings)
                              "mask_deltas": "true"}),
     "scape0.13s": ("scaped", {"optimizer": "scape", "rho": "0.13", "dense_below": "256",
                               "mask_deltas": "true"}),
+    # and the gathers carrying each parameter's change in bf16 (4 bytes a
+    # value instead of 6 with fp32 trainers)
+    "scape0.16sg": ("scaped", {"optimizer": "scape", "rho": "0.16", "dense_below": "256",
+                               "mask_deltas": "true", "gather_values": "delta"}),
+    "scape0.2sg": ("scaped", {"optimizer": "scape", "rho": "0.2", "dense_below": "256",
+                              "mask_deltas": "true", "gather_values": "delta"}),
 }
 LABEL = {"adamw": "DDP AdamW (dense)", "psgd1": "DDP PowerSGD rank 1 + AdamW",
          "psgd3": "DDP PowerSGD rank 3 + AdamW", "psgd4": "DDP PowerSGD rank 4 + AdamW",
          "adams": "scaped dense AdamS",
          "scape0.1": "scaped SCAPE rho 0.1", "scape0.01": "scaped SCAPE rho 0.01",
          "scape0.1s": "scaped SCAPE rho 0.1, small tensors whole, mask deltas",
-         "scape0.13s": "scaped SCAPE rho 0.13, small tensors whole, mask deltas"}
+         "scape0.13s": "scaped SCAPE rho 0.13, small tensors whole, mask deltas",
+         "scape0.16sg": "scaped SCAPE rho 0.16, small whole, mask deltas, gathers of changes",
+         "scape0.2sg": "scaped SCAPE rho 0.2, small whole, mask deltas, gathers of changes"}
 WARMUP = 10  # PowerSGD's vanilla all-reduce steps = SCAPE's dense warm-up
 
 

@@ -95,7 +95,7 @@ static const char s_usage[] =
     "usage: reference [--trainers T0,T1,...] [--n N] [--steps S] [--seed X] [--lr LR]\n"
     "                 [--rho RHO] [--warmup W] [--optimizer OPT] [--mode MODE]\n"
     "                 [--max-grad-norm MAX] [--groups WD0,WD1,...] [--weight-decay WD]\n"
-    "                 [--dense-below D]\n"
+    "                 [--dense-below D] [--gather-values params|f32|delta]\n"
     "                 [--out FILE] [--timing FILE] [--members STEP:COUNT,...]\n"
     "The in-process engine (ranks as threads, the host executor) on the synthetic\n"
     "problem the test trainers train, for comparison with a daemon's results.\n";
@@ -127,6 +127,12 @@ static int parse(int argc, char **argv, args *a)
         else if (!strcmp(k, "--warmup")) a->cfg.warmup = (uint32_t)atoi(v);
         else if (!strcmp(k, "--max-grad-norm")) a->cfg.max_grad_norm = strtof(v, NULL);
         else if (!strcmp(k, "--dense-below")) a->cfg.dense_below = (uint32_t)strtoul(v, NULL, 0);
+        else if (!strcmp(k, "--gather-values")) {
+            if (!strcmp(v, "params")) a->cfg.gather = ENG_GATHER_PARAMS;
+            else if (!strcmp(v, "f32")) a->cfg.gather = ENG_GATHER_F32;
+            else if (!strcmp(v, "delta")) a->cfg.gather = ENG_GATHER_DELTA;
+            else rc = scape_set_error(SCAPE_INVALID, "--gather-values: params, f32 or delta");
+        }
         else if (!strcmp(k, "--groups")) rc = parse_groups(v, a);
         else if (!strcmp(k, "--members")) rc = parse_members(v, a);
         else if (!strcmp(k, "--weight-decay")) a->cfg.hyper.wd = strtof(v, NULL);

@@ -156,6 +156,39 @@ def test_daemons_match_local_backend(daemon_factory, tmp_path, trainers):
     assert results["replicated"] == results["sharded"]
 
 
+def test_gather_delta_over_daemons(daemon_factory, tmp_path):
+    """gather_values: delta across three daemons, sharded: the gathers move
+    2 bytes a value, every trainer ends with the in-process engine's
+    parameters for the same setting (which differ from params'), status says
+    delta; daemons that disagree on it are refused before step 1."""
+    n, steps, trainers = 3000, 60, [1, 2, 1]
+    daemons = start_group(daemon_factory, trainers, ["--mode", "sharded",
+                                                     "--gather-values", "delta"])
+    got = train_group(daemons, trainers, tmp_path, n, steps, "delta")
+    assert all(g == got[0] for g in got), "trainers disagree"
+    k, _, mask = expected_bytes(n, "sharded", len(trainers))
+    for d in daemons:
+        assert collectives(d) == {"reduce_scatter": (1, 2 * k), "allgather": (1, 2 * k),
+                                  "iallgather": (1, mask)}, collectives(d)
+        assert status_of(d)["gather_values"] == "delta"
+        assert d.stop() == 0, d.output()
+    for g in ("delta", "params"):
+        run_reference(str(tmp_path / g), ",".join(map(str, trainers)), n, steps, *ENGINE,
+                      "--mode", "sharded", "--gather-values", g)
+    assert got[0] == read(tmp_path / "delta"), "daemons differ from the engine"
+    assert got[0] != read(tmp_path / "params"), "delta changed nothing"
+    eps = free_endpoints(3)
+    daemons = [daemon_factory(*ENGINE, "--world", "2", "--rank", str(r), "--coordinator", eps[0],
+                              "--listen", eps[1 + r], "--job", "9", "--trainers", "1",
+                              "--mode", "sharded",
+                              "--gather-values", "delta" if r == 0 else "params")
+               for r in range(2)]
+    ts = [run_trainer(d.endpoint, 0, 2000, 5, wait=False) for d in daemons]
+    for t in ts:
+        o, e = t.communicate(timeout=120)
+        assert t.returncode != 0 and "gather_values" in e, o + e
+
+
 def status_of(d):
     res = subprocess.run([binary("client", "scapectl"), "--runtime-dir", d.rt, "status",
                           "--json"], capture_output=True, text=True, check=True)
@@ -444,11 +477,15 @@ def test_sigterm_lets_the_running_step_finish(daemon_factory):
                 pass
 
 
-def test_replacement_trainer_gets_the_whole_parameters_when_sharded(daemon_factory, tmp_path):
+@pytest.mark.parametrize("gather", ["params", "delta"])
+def test_replacement_trainer_gets_the_whole_parameters_when_sharded(daemon_factory, tmp_path,
+                                                                    gather):
     """Rank 1's only trainer dies; its replacement must get every parameter
     (rank 1's master copy holds only its shard), and the job ends with the
-    same parameters on both daemons."""
-    daemons = start_group(daemon_factory, [1, 1], ["--mode", "sharded"], timeout_ms=60000)
+    same parameters on both daemons; also when the gathers carry changes
+    that the trainers add to what they hold (delta)."""
+    daemons = start_group(daemon_factory, [1, 1], ["--mode", "sharded", "--gather-values", gather],
+                          timeout_ms=60000)
     steps = 120
     ts = [run_trainer(d.endpoint, 0, 3000, steps, sleep_ms=20, seed=1 + 1000 * r,
                       out=str(tmp_path / ("t%d" % r)), wait=False)

@@ -32,7 +32,7 @@ static const struct {
     { "weight_decay", "0.1" },
     { "max_grad_norm", "1.5" },
     { "wire_values", "f32" },
-    { "gather_values", "f32" },
+    { "gather_values", "delta" },
     { "rho_start", "0.25" },
     { "rho_steps", "500" },
     { "dense_below", "256" },

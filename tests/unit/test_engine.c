@@ -233,6 +233,14 @@ static size_t want_k(const ctx *c, uint64_t t, size_t l)
     return k < 1.0 ? 1 : k > (double)len ? len : (size_t)k;
 }
 
+/* This step published changes (gather_values: delta, fp32 trainers, a
+ * mask): the owner's update is rounded to the trainers' value plus a bf16
+ * change. */
+static int delta_at(const spec *sp, uint64_t t)
+{
+    return sp->cfg.gather == ENG_GATHER_DELTA && sp->pdt == KERN_F32 && !dense_at(sp, t);
+}
+
 /* This step's packed values went in bf16 (wire_values: bf16, a mask). */
 static int wire_bf16_at(const spec *sp, uint64_t t)
 {
@@ -334,7 +342,10 @@ static void check_update(ctx *c, uint64_t t, size_t i, int on_mask, int holder)
     if (fabs(h->m_after[i] - m1) > 1e-6 * (fabs(m0) + fabs(g)) + 1e-30)
         note_fail(c, "step %llu coord %zu: m %.9g, want %.9g", (unsigned long long)t, i,
              (double)h->m_after[i], m1);
-    if (fabs(h->th_after[i] - th1) > 1e-6 * fabs(th0) + 2e-5 * lr)
+    /* delta: the change went in bf16, rounded to nearest (a relative 2^-9;
+     * twice that where fp32 and this float64 round to neighbours) */
+    double dtol = delta_at(c->sp, t) ? 0x1p-8 * fabs(th1 - th0) : 0.0;
+    if (fabs(h->th_after[i] - th1) > 1e-6 * fabs(th0) + 2e-5 * lr + dtol)
         note_fail(c, "step %llu coord %zu: theta %.9g, want %.9g", (unsigned long long)t, i,
              (double)h->th_after[i], th1);
 }
@@ -441,7 +452,8 @@ static void check_collectives(ctx *c, uint64_t t, size_t K, const eng_t *e0)
         uint64_t reductions = s->calls[COMM_ALLREDUCE] + s->calls[COMM_REDUCE_SCATTER];
         size_t vsz = wire_bf16_at(sp, t) ? 2 : 4; /* the values: bf16 or fp32 */
         /* sharded owners gather the new parameters in the trainers' dtype */
-        uint64_t gsz = sp->pdt == KERN_BF16 && !sp->cfg.gather_f32 ? 2 : 4;
+        uint64_t gsz =
+            (sp->pdt == KERN_BF16 && sp->cfg.gather != ENG_GATHER_F32) || delta_at(sp, t) ? 2 : 4;
         if (reductions != 1 || s->bytes[red] != vsz * K)
             note_fail(c, "step %llu rank %d: %llu reductions of %llu bytes, want 1 of %zu",
                  (unsigned long long)t, r, (unsigned long long)reductions,
@@ -1050,7 +1062,7 @@ START_TEST(bf16_values)
 }
 END_TEST
 
-static void vary_gather(spec *sp, int k) { sp->cfg.gather_f32 = k; }
+static void vary_gather(spec *sp, int k) { sp->cfg.gather = (eng_gather)k; }
 
 /* bf16 trainers, sharded: the owners gather the new parameters in bf16
  * (half the bytes, checked per step) and every trainer ends with the bits
@@ -1069,10 +1081,56 @@ START_TEST(gather_in_param_dtype)
             sp.cfg.executor = x ? ENG_EXEC_SIM : ENG_EXEC_HOST;
             sp.cfg.residual_chunk = 64;
             char what[128];
-            snprintf(what, sizeof what, "%s %s, gather in bf16 vs f32",
-                     eng_optimizer_name(opts[o].opt), x ? "sim" : "host");
-            expect_variants_agree(&sp, 2, vary_gather, what);
+            snprintf(what, sizeof what, "%s %s, gather in bf16 vs f32 vs delta (bf16 trainers: "
+                     "as params)", eng_optimizer_name(opts[o].opt), x ? "sim" : "host");
+            expect_variants_agree(&sp, 3, vary_gather, what);
         }
+}
+END_TEST
+
+/* gather_values: delta, fp32 trainers.  Masked steps publish each change in
+ * bf16 and the update is rounded to the old value plus it (the per-step
+ * checks: theta within that rounding of the rule, gathers of 2 bytes a
+ * value, every trainer bitwise the master); replicated equals sharded at
+ * R 1, 3, 4; host equals sim; dense optimizers are unaffected; and the
+ * rounding does change the result (the path ran). */
+START_TEST(gather_delta)
+{
+    static const struct {
+        eng_optimizer opt;
+        double rho;
+    } opts[] = { { ENG_OPT_SCAPE, 0.1 }, { ENG_OPT_TOPK_ADAMW, 0.1 } };
+    static const int rs[] = { 1, 3, 4 };
+    for (size_t o = 0; o < sizeof opts / sizeof opts[0]; o++)
+        for (size_t ri = 0; ri < sizeof rs / sizeof rs[0]; ri++) {
+            float *fin[3];
+            size_t *kh[3], n = 0;
+            for (int v = 0; v < 3; v++) { /* replicated, sharded, sharded without delta */
+                spec sp = make_spec(opts[o].opt, v ? ENG_MODE_SHARDED : ENG_MODE_REPLICATED,
+                                    rs[ri], opts[o].rho, 40);
+                sp.cfg.gather = v < 2 ? ENG_GATHER_DELTA : ENG_GATHER_PARAMS;
+                sp.cfg.wire_bf16 = 1;
+                run_spec(&sp, &fin[v], &kh[v], &n);
+            }
+            char what[128];
+            snprintf(what, sizeof what, "%s R=%d, delta: replicated vs sharded",
+                     eng_optimizer_name(opts[o].opt), rs[ri]);
+            expect_same(fin[0], fin[1], n, what);
+            ck_assert_msg(memcmp(fin[1], fin[2], n * sizeof *fin[1]) != 0,
+                          "%s R=%d: delta left every parameter as without it",
+                          eng_optimizer_name(opts[o].opt), rs[ri]);
+            for (int v = 0; v < 3; v++) {
+                free(fin[v]);
+                free(kh[v]);
+            }
+        }
+    spec sp = make_spec(ENG_OPT_SCAPE, ENG_MODE_SHARDED, 3, 0.1, 40);
+    sp.cfg.gather = ENG_GATHER_DELTA;
+    sp.cfg.mask_deltas = 1;
+    sp.cfg.dense_below = 40;
+    expect_variants_agree(&sp, 3, vary_executor, "scape delta R=3: host / sim");
+    spec ad = make_spec(ENG_OPT_ADAMS, ENG_MODE_SHARDED, 3, 1.0, 20);
+    expect_variants_agree(&ad, 3, vary_gather, "adams: params / f32 / delta");
 }
 END_TEST
 
@@ -1667,6 +1725,7 @@ int main(void)
     tcase_add_test(inv, bf16_buffers);
     tcase_add_test(inv, bf16_values);
     tcase_add_test(inv, gather_in_param_dtype);
+    tcase_add_test(inv, gather_delta);
     tcase_add_test(inv, density_schedule);
     tcase_add_test(inv, mask_deltas_decode_to_the_same_masks);
     tcase_add_test(inv, small_tensors_whole);

@@ -696,6 +696,50 @@ START_TEST(test_mask_expand)
 }
 END_TEST
 
+/* gather_values: delta.  compact: the j-th set bit's change d, the fp32
+ * difference theta - old rounded to nearest even bf16 (ref_bf16), goes to
+ * packed[j], and theta becomes old + d; expand adds d to what dense holds.
+ * Old values near theta, as a step's are (and some equal, d = 0). */
+static void delta_case(rng *r, size_t n, int kind)
+{
+    uint32_t *mask = rand_mask(r, n, kind);
+    size_t k = ref_popcount(mask, n), j = 0, k_out = POISON_COUNT;
+    float *old = rand_f32(r, n), *theta = xalloc(n * 4), *want_th = xalloc(n * 4);
+    float *held = xalloc(n * 4), *want_held = xalloc(n * 4);
+    uint16_t *want = xalloc(k * 2 + 2), *packed = galloc(k * 2);
+    for (size_t i = 0; i < n; i++) {
+        float step = u2f(f2u(old[i]) ^ (rng_u32(r) & 0x007fffffu)) * 1e-3f;
+        theta[i] = i % 7 == 3 ? old[i] : old[i] - step;
+        want_th[i] = theta[i];
+        held[i] = want_held[i] = old[i];
+        if (!bit(mask, i))
+            continue;
+        float diff = theta[i] - old[i];
+        want[j] = ref_bf16(f2u(diff));
+        want_th[i] = want_held[i] = old[i] + u2f((uint32_t)want[j] << 16);
+        j++;
+    }
+    assert_ok(kern_mask_compact_delta(theta, old, mask, n, packed, &k_out),
+              "kern_mask_compact_delta", n);
+    ck_assert_uint_eq(k_out, k);
+    assert_u16_eq(packed, want, k, "compact delta");
+    assert_f32_eq(theta, want_th, n, "compact delta: theta");
+    gcheck(packed, "compact delta");
+    /* every trainer holding old gets the owner's new value, bit for bit */
+    assert_ok(kern_mask_expand_delta(packed, mask, n, held), "kern_mask_expand_delta", n);
+    assert_f32_eq(held, want_held, n, "expand delta");
+    free(mask), free(old), free(theta), free(want_th), free(held), free(want_held), free(want);
+    gfree(packed);
+}
+
+START_TEST(test_mask_delta)
+{
+    rng r = rng_make(__func__, _i);
+    for (int kind = 0; kind < MK_COUNT; kind++)
+        delta_case(&r, s_sizes[_i], kind);
+}
+END_TEST
+
 /* Sizes are word counts here. */
 START_TEST(test_mask_or)
 {
@@ -1619,6 +1663,7 @@ static Suite *kernels_suite(void)
     suite_add_tcase(s, sized("prefix", test_mask_prefix, 300));
     suite_add_tcase(s, sized("compact", test_mask_compact, 300));
     suite_add_tcase(s, sized("expand", test_mask_expand, 300));
+    suite_add_tcase(s, sized("delta", test_mask_delta, 300));
     suite_add_tcase(s, sized("mask_or", test_mask_or, 300));
     suite_add_tcase(s, sized("bf16_random", test_bf16_random, 300));
     suite_add_tcase(s, sized("grad_accum", test_grad_accum, 300));

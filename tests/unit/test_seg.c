@@ -1359,6 +1359,78 @@ START_TEST(writeback_matches_reference)
 }
 END_TEST
 
+/* ---- COMPACT and WRITEBACK of changes (gather_values: delta) ---- */
+
+/* fp32 trainers at a mask: COMPACT with delta publishes each change from
+ * trainer 0's value in bf16 and rounds theta to it, as
+ * kern_mask_compact_delta per segment; WRITEBACK with delta adds the
+ * changes to every trainer's value, as kern_mask_expand_delta; then every
+ * trainer holds the master's bits. */
+static void delta_one(rng *r, wcase *c)
+{
+    uint64_t len = c->p1 - c->p0, nout = packed_len(c);
+    float *theta = random_floats(r, len, 0), *want_th = NULL;
+    float *old = c->tr[0];
+    for (uint64_t p = 0; p < len; p++) /* a step's worth from the held value */
+        theta[p] = rng_below(r, 5) ? theta[p] * 1e-3f : 0.0f;
+    seg s;
+    for (uint32_t j = 0; j < c->l->nt; j++)
+        if (seg_get(c, j, &s))
+            for (uint64_t i = 0; i < s.n; i++)
+                theta[s.pos + i - c->p0] += old[s.t->off + s.i0 + i];
+    want_th = xdup(theta, (len + GUARD_W) * 4);
+    uint16_t *got = xcalloc(nout + GUARD_W, 2), *want = xcalloc(nout + GUARD_W, 2);
+    void *want_tr[KSEG_MAX_TRAINERS];
+    for (uint32_t j = 0; j < c->l->nt; j++) {
+        size_t k;
+        if (seg_get(c, j, &s))
+            ck_assert_int_eq(kern_mask_compact_delta(want_th + (s.pos - c->p0),
+                                                     old + s.t->off + s.i0,
+                                                     seg_mask(c->mask, &s), s.n, want + s.j0,
+                                                     &k), SCAPE_OK);
+    }
+    for (uint32_t q = 0; q < c->ntr; q++) {
+        want_tr[q] = xdup(c->tr[q], c->n * 4);
+        for (uint32_t j = 0; j < c->l->nt; j++)
+            if (seg_get(c, j, &s))
+                ck_assert_int_eq(kern_mask_expand_delta(want + s.j0, seg_mask(c->mask, &s), s.n,
+                                                        (float *)want_tr[q] + s.t->off + s.i0),
+                                 SCAPE_OK);
+    }
+    kseg_status st = status_new();
+    kseg_args a = wargs(c, &st);
+    a.theta = theta;
+    a.out = (float *)(void *)got;
+    a.vbf16 = 1;
+    a.delta = 1;
+    run(KSEG_COMPACT, &a);
+    expect_same(got, want, nout, 2, "delta out", c->ctx);
+    expect_same(theta, want_th, len, 4, "delta theta", c->ctx);
+    a.in = (const float *)(const void *)got;
+    run(KSEG_WRITEBACK, &a);
+    ck_assert_msg(st.err == 0, "%s: err %u", c->ctx, st.err);
+    for (uint32_t q = 0; q < c->ntr; q++) {
+        expect_same(c->tr[q], want_tr[q], c->n, 4, "delta trainer buffer", c->ctx);
+        free(want_tr[q]);
+    }
+    free(theta);
+    free(want_th);
+    free(got);
+    free(want);
+}
+
+START_TEST(delta_matches_reference)
+{
+    rng r = rng_make("delta", _i);
+    wcase c;
+    wcase_new(&r, &c, 0, "delta", _i);
+    if (c.mask && !c.bf16)
+        for (int v = 0; v < 3; v++)
+            delta_one(&r, &c);
+    wcase_free(&c);
+}
+END_TEST
+
 /* ---- GSUM, LOAD_THETA, CHURN ---- */
 
 /* GSUM: the trainer-order sum of every coordinate, as kern_grad_accum. */
@@ -1525,6 +1597,7 @@ static Suite *seg_suite(void)
     tcase_add_loop_test(tc, update_matches_reference, 0, 32);
     tcase_add_loop_test(tc, compact_matches_reference, 0, 24);
     tcase_add_loop_test(tc, writeback_matches_reference, 0, 32);
+    tcase_add_loop_test(tc, delta_matches_reference, 0, 32);
     tcase_add_loop_test(tc, gsum_load_churn_match_reference, 0, 12);
     tcase_add_test(tc, packed_overflow_flagged);
     tcase_set_timeout(tc, 120);
