@@ -177,16 +177,8 @@ def test_gather_delta_over_daemons(daemon_factory, tmp_path):
                       "--mode", "sharded", "--gather-values", g)
     assert got[0] == read(tmp_path / "delta"), "daemons differ from the engine"
     assert got[0] != read(tmp_path / "params"), "delta changed nothing"
-    eps = free_endpoints(3)
-    daemons = [daemon_factory(*ENGINE, "--world", "2", "--rank", str(r), "--coordinator", eps[0],
-                              "--listen", eps[1 + r], "--job", "9", "--trainers", "1",
-                              "--mode", "sharded",
-                              "--gather-values", "delta" if r == 0 else "params")
-               for r in range(2)]
-    ts = [run_trainer(d.endpoint, 0, 2000, 5, wait=False) for d in daemons]
-    for t in ts:
-        o, e = t.communicate(timeout=120)
-        assert t.returncode != 0 and "gather_values" in e, o + e
+    refused_when_they_disagree(daemon_factory, "9", "gather_values", ["--mode", "sharded"],
+                               ["--gather-values", "delta"], ["--gather-values", "params"])
 
 
 def status_of(d):
@@ -206,6 +198,21 @@ def pause_group(daemon_factory, tmp_path, extra, n, steps, pause):
         assert time.time() < deadline and all(p.poll() is None for p in procs), "no pause"
         time.sleep(0.01)
     return daemons, procs
+
+
+def refused_when_they_disagree(daemon_factory, job, key, common, first, second):
+    """Two daemons, rank 0 with the flags `first`, rank 1 with `second`:
+    each one's trainer fails before step 1, its error naming `key`."""
+    eps = free_endpoints(3)
+    daemons = [daemon_factory(*ENGINE, "--world", "2", "--rank", str(r), "--coordinator", eps[0],
+                              "--listen", eps[1 + r], "--job", job, "--trainers", "1", *common,
+                              *(first if r == 0 else second))
+               for r in range(2)]
+    ts = [run_trainer(d.endpoint, 0, 2000, 5, wait=False) for d in daemons]
+    for t in ts:
+        o, e = t.communicate(timeout=120)
+        assert t.returncode != 0 and key in e, o + e
+        print(e.strip().splitlines()[-1])
 
 
 def finish_undisturbed(daemons, procs, tmp_path, n, steps):
@@ -348,16 +355,8 @@ def test_defer_select_changes_no_bit_and_must_agree(daemon_factory, tmp_path):
             assert d.stop() == 0, d.output()
     assert got["true"] == got["false"]
     assert done["true"] == done["false"]
-    eps = free_endpoints(3)
-    daemons = [daemon_factory(*ENGINE, "--world", "2", "--rank", str(r), "--coordinator", eps[0],
-                              "--listen", eps[1 + r], "--job", "8", "--trainers", "1",
-                              "--defer-select", "true" if r == 0 else "false")
-               for r in range(2)]
-    ts = [run_trainer(d.endpoint, 0, 2000, 5, wait=False) for d in daemons]
-    for t in ts:
-        o, e = t.communicate(timeout=120)
-        assert t.returncode != 0 and "defer_select" in e, o + e
-        print(e.strip().splitlines()[-1])
+    refused_when_they_disagree(daemon_factory, "8", "defer_select", [],
+                               ["--defer-select", "true"], ["--defer-select", "false"])
 
 
 @pytest.mark.parametrize("victim,timeout_ms", [(2, 1500), (1, 30000)])
