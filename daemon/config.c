@@ -175,22 +175,8 @@ static scape_rc parse_wire(const char *s, void *f)
     return parse_pair(s, f, "wire_values", "f32", "bf16");
 }
 static const char *name_wire(const void *f) { return *(const int *)f ? "bf16" : "f32"; }
-static const char *const s_gather_names[] = { "params", "f32", "delta" };
-static scape_rc parse_gather(const char *s, void *f)
-{
-    for (int i = 0; s && i < 3; i++)
-        if (strcmp(s, s_gather_names[i]) == 0) {
-            *(eng_gather *)f = (eng_gather)i;
-            return SCAPE_OK;
-        }
-    return scape_set_error(SCAPE_INVALID, "unknown gather_values '%s' (params, f32, delta)",
-                           s ? s : "(null)");
-}
-static const char *name_gather(const void *f)
-{
-    unsigned g = (unsigned)*(const eng_gather *)f;
-    return g < 3 ? s_gather_names[g] : "?";
-}
+static scape_rc parse_gather(const char *s, void *f) { return eng_gather_parse(s, f); }
+static const char *name_gather(const void *f) { return eng_gather_name(*(const eng_gather *)f); }
 
 /* Booleans as YAML 1.1 writes them; an int field. */
 static scape_rc parse_bool(const char *s, void *f)

@@ -20,6 +20,9 @@ static const char *const s_opt_names[ENG_OPT_COUNT] = {
 static const char *const s_mode_names[ENG_MODE_COUNT] = {
     [ENG_MODE_REPLICATED] = "replicated", [ENG_MODE_SHARDED] = "sharded",
 };
+static const char *const s_gather_names[ENG_GATHER_COUNT] = {
+    [ENG_GATHER_PARAMS] = "params", [ENG_GATHER_F32] = "f32", [ENG_GATHER_DELTA] = "delta",
+};
 static const char *const s_exec_names[ENG_EXEC_COUNT] = {
     [ENG_EXEC_HOST] = "host", [ENG_EXEC_CUDA] = "cuda", [ENG_EXEC_SIM] = "sim",
 };
@@ -52,6 +55,22 @@ const char *eng_mode_name(eng_mode mode)
 const char *eng_executor_name(eng_executor x)
 {
     return (unsigned)x < ENG_EXEC_COUNT ? s_exec_names[x] : "?";
+}
+
+const char *eng_gather_name(eng_gather g)
+{
+    return (unsigned)g < ENG_GATHER_COUNT ? s_gather_names[g] : "?";
+}
+
+scape_rc eng_gather_parse(const char *s, eng_gather *out)
+{
+    for (int i = 0; s && out && i < ENG_GATHER_COUNT; i++)
+        if (strcmp(s, s_gather_names[i]) == 0) {
+            *out = (eng_gather)i;
+            return SCAPE_OK;
+        }
+    return scape_set_error(SCAPE_INVALID, "unknown gather_values '%s' (params, f32, delta)",
+                           s ? s : "(null)");
 }
 
 scape_rc eng_executor_parse(const char *s, eng_executor *out)
@@ -107,6 +126,8 @@ static scape_rc check_config(const eng_config *c)
     if (c->threads < 1 || c->threads > POOL_MAX_THREADS)
         return scape_set_error(SCAPE_INVALID, "config: threads=%d must be in [1, %d]",
                                c->threads, POOL_MAX_THREADS);
+    if ((unsigned)c->gather >= ENG_GATHER_COUNT)
+        return scape_set_error(SCAPE_INVALID, "config: unknown gather_values %d", (int)c->gather);
     if ((unsigned)c->executor >= ENG_EXEC_COUNT)
         return scape_set_error(SCAPE_INVALID, "config: unknown executor %d", (int)c->executor);
     if (c->residual_chunk < 32)
@@ -293,10 +314,11 @@ static scape_rc handshake(eng_t *e)
     int R = e->comm->size;
     /* defer_select and the gather are not in the config hash (checkpoints
      * do not depend on them) but must agree: the one moves the mask
-     * all-gather among the collectives, the other (delta) rounds updates */
+     * all-gather among the collectives, the other sets the gather's value
+     * size (and, delta, rounds updates) */
     uint64_t mine[6] = { (uint64_t)e->tr, e->p->hash, eng_config_hash(&e->cfg),
                          (uint64_t)(e->cfg.defer_select != 0), (uint64_t)e->pdt,
-                         (uint64_t)(e->cfg.gather == ENG_GATHER_DELTA) };
+                         (uint64_t)e->cfg.gather };
     uint64_t *all = calloc((size_t)R * 6, sizeof *all);
     if (all == NULL)
         return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
@@ -309,30 +331,37 @@ static scape_rc handshake(eng_t *e)
     e->vbf16 = e->cfg.gather != ENG_GATHER_F32 && e->pdt == KERN_BF16;
     e->vdelta = e->cfg.gather == ENG_GATHER_DELTA && e->pdt == KERN_F32;
     for (int r = 0; rc == SCAPE_OK && r < R; r++) {
-        if (all[6 * r + 4] != (uint64_t)KERN_BF16)
+        const uint64_t *a = all + 6 * (size_t)r;
+        if (a[4] != (uint64_t)KERN_BF16)
             e->vbf16 = 0;
-        if (all[6 * r + 4] != (uint64_t)KERN_F32)
+        if (a[4] != (uint64_t)KERN_F32)
             e->vdelta = 0;
-        if (all[6 * r + 1] != mine[1])
+        if (a[0] < 1 || a[0] > ENG_MAX_TRAINERS)
+            rc = scape_set_error(SCAPE_INVALID, "engine: rank %d reports %llu trainers (1 to "
+                                 "%d)", r, (unsigned long long)a[0], ENG_MAX_TRAINERS);
+        else if (a[1] != mine[1])
             rc = scape_set_error(SCAPE_INVALID,
                                  "engine: rank %d registered a different layout than rank %d "
                                  "(tensors, or their parameter groups and weight decay)",
                                  r, e->rank);
-        else if (all[6 * r + 2] != mine[2])
+        else if (a[2] != mine[2])
             rc = scape_set_error(SCAPE_INVALID,
                                  "engine: rank %d has a different optimizer config than rank %d",
                                  r, e->rank);
-        else if (all[6 * r + 3] != mine[3] && e->cfg.optimizer == ENG_OPT_SCAPE)
+        else if (a[3] != mine[3] && e->cfg.optimizer == ENG_OPT_SCAPE)
             rc = scape_set_error(SCAPE_INVALID,
                                  "engine: rank %d has defer_select %s and rank %d %s: set it "
-                                 "alike on every daemon", r, all[6 * r + 3] ? "on" : "off",
+                                 "alike on every daemon", r, a[3] ? "on" : "off",
                                  e->rank, mine[3] ? "on" : "off");
-        else if (all[6 * r + 5] != mine[5])
+        else if (a[5] != mine[5])
             rc = scape_set_error(SCAPE_INVALID,
                                  "engine: rank %d has gather_values %s and rank %d %s: set it "
-                                 "alike on every daemon", r, all[6 * r + 5] ? "delta" : "not delta",
-                                 e->rank, mine[5] ? "delta" : "not delta");
-        e->t_total += (int)all[6 * r];
+                                 "alike on every daemon", r,
+                                 eng_gather_name(a[5] < ENG_GATHER_COUNT ? (eng_gather)a[5]
+                                                                         : ENG_GATHER_COUNT),
+                                 e->rank, eng_gather_name(e->cfg.gather));
+        else
+            e->t_total += (int)a[0];
     }
     free(all);
     return rc;

@@ -48,7 +48,12 @@ typedef enum eng_executor {
  *    bf16, which owners and trainers add to the value they hold (the
  *    update is rounded so: docs/algorithm.md, "Changes on the wire"); as
  *    PARAMS otherwise.  Every rank must set it alike. */
-typedef enum eng_gather { ENG_GATHER_PARAMS = 0, ENG_GATHER_F32, ENG_GATHER_DELTA } eng_gather;
+typedef enum eng_gather {
+    ENG_GATHER_PARAMS = 0,
+    ENG_GATHER_F32,
+    ENG_GATHER_DELTA,
+    ENG_GATHER_COUNT
+} eng_gather;
 
 typedef struct eng_config {
     eng_optimizer optimizer;
@@ -180,6 +185,8 @@ void eng_config_default(eng_config *cfg);
 const char *eng_optimizer_name(eng_optimizer opt);
 const char *eng_mode_name(eng_mode mode);
 const char *eng_executor_name(eng_executor x);
+const char *eng_gather_name(eng_gather g);
+scape_rc eng_gather_parse(const char *s, eng_gather *out);
 scape_rc eng_executor_parse(const char *s, eng_executor *out);
 scape_rc eng_optimizer_parse(const char *s, eng_optimizer *out);
 scape_rc eng_mode_parse(const char *s, eng_mode *out);

@@ -1499,8 +1499,9 @@ typedef struct bad_ctx {
 } bad_ctx;
 
 /* Rank 1 registers a layout with different tensor boundaries (variant 0),
- * another rho (1), "b" in another parameter group (2), or group 1 with
- * another weight decay (3). */
+ * another rho (1), "b" in another parameter group (2), group 1 with
+ * another weight decay (3), or, all trainers bf16, gather_values f32
+ * against params (4: the one gathers 4 bytes a value, the other 2). */
 static scape_rc rank_mismatch(rank_arg *a)
 {
     eng_tensor t0[] = { { "a", 0, 10, 0 }, { "b", 10, 10, 1 } };
@@ -1508,12 +1509,17 @@ static scape_rc rank_mismatch(rank_arg *a)
     eng_tensor t2[] = { { "a", 0, 10, 0 }, { "b", 10, 10, 0 } };
     eng_group g0[] = { { 0.1f }, { 0.0f } }, g3[] = { { 0.1f }, { 0.01f } };
     int v = ((bad_ctx *)a->ctx)->variant, odd = a->rank == 1;
-    eng_layout lay = { odd && v == 0 ? t1 : odd && v == 2 ? t2 : t0, 2, KERN_F32, KERN_F32,
+    kern_dtype dt = v == 4 ? KERN_BF16 : KERN_F32;
+    eng_layout lay = { odd && v == 0 ? t1 : odd && v == 2 ? t2 : t0, 2, dt, dt,
                        odd && v == 3 ? g3 : g0, 2 };
     eng_config cfg;
     eng_config_default(&cfg);
     if (v == 1 && odd)
         cfg.rho = 0.5;
+    if (v == 4) {
+        cfg.mode = ENG_MODE_SHARDED;
+        cfg.gather = odd ? ENG_GATHER_F32 : ENG_GATHER_PARAMS;
+    }
     eng_t *e = NULL;
     scape_rc rc = eng_create(&e, &cfg, &lay, a->comm, 1);
     eng_destroy(&e);
@@ -1522,15 +1528,16 @@ static scape_rc rank_mismatch(rank_arg *a)
 
 START_TEST(ranks_disagree)
 {
-    for (int variant = 0; variant < 4; variant++) {
+    static const char *const says[] = { "layout", "config", "layout", "layout",
+                                        "gather_values" };
+    for (int variant = 0; variant < 5; variant++) {
         bad_ctx bc = { variant };
         rank_arg args[3];
         ck_assert_int_eq(run_ranks(3, rank_mismatch, &bc, args), 0);
         for (int r = 0; r < 3; r++) {
             ck_assert_int_eq(args[r].rc, SCAPE_INVALID);
-            ck_assert_msg(strstr(args[r].err, variant == 1 ? "config" : "layout") != NULL,
-                          "%s", args[r].err);
-            if (variant >= 2)
+            ck_assert_msg(strstr(args[r].err, says[variant]) != NULL, "%s", args[r].err);
+            if (variant == 2 || variant == 3)
                 ck_assert_msg(strstr(args[r].err, "parameter groups") != NULL, "%s",
                               args[r].err);
         }
