@@ -57,6 +57,8 @@ typedef struct kase {
     int wire_bf16;   /* wire_values: bf16 */
     int deltas;      /* mask_deltas (2: forced) */
     double rho_start; /* density schedule (0: none), over 40 masked steps */
+    uint32_t dense_below; /* tensors of at most this many coordinates go whole */
+    eng_gather gather;    /* gather_values */
 } kase;
 
 /* One job's buffers and engine. */
@@ -130,6 +132,8 @@ static eng_config config_of(const kase *k, int under_test)
     c.mask_deltas = k->deltas;
     c.rho_start = k->rho_start;
     c.rho_steps = 40;
+    c.dense_below = k->dense_below;
+    c.gather = k->gather;
     return c;
 }
 
@@ -356,16 +360,22 @@ static const char *dt_name(kern_dtype d) { return d == KERN_F32 ? "f32" : "bf16"
 
 static void describe(const kase *k, char *buf, size_t len)
 {
-    snprintf(buf, len, "%-10s %-10s rho %-5g grads %-4s params %-4s T_r %d%s%s%s%s%s",
+    char small[32] = "";
+    if (k->dense_below)
+        snprintf(small, sizeof small, " whole<=%u", (unsigned)k->dense_below);
+    snprintf(buf, len, "%-10s %-10s rho %-5g grads %-4s params %-4s T_r %d%s%s%s%s%s%s%s%s%s%s",
              eng_optimizer_name(k->opt), eng_mode_name(k->mode), k->rho, dt_name(k->gdt),
              dt_name(k->pdt), k->tr, k->pinned ? " pinned-buffers" : "",
              k->resident ? " residual-on-device" : "", k->defer ? " deferred" : "",
-             k->chunk < 100000 ? " small-chunks" : "", k->clip_at > 0 ? " clipped" : "");
+             k->chunk < 100000 ? " small-chunks" : "", k->clip_at > 0 ? " clipped" : "",
+             k->wire_bf16 ? " bf16-values" : "", k->deltas ? " mask-deltas" : "",
+             k->rho_start > 0 ? " schedule" : "", small,
+             k->gather == ENG_GATHER_DELTA ? " gather-delta" : "");
 }
 
 static void report(const kase *k, const char *what, int ok, const char *why, double secs)
 {
-    char d[200];
+    char d[320];
     describe(k, d, sizeof d);
     printf("%-4s %-9s %s  (%.1f s)%s%s\n", ok ? "ok" : "FAIL", what, d, secs, ok ? "" : ": ",
            ok ? "" : why);
@@ -545,26 +555,44 @@ int main(int argc, char **argv)
     /* fewer bytes: bf16 values, bf16 gathers, mask deltas, a schedule */
     const kase fb[] = {
         { ENG_OPT_SCAPE, ENG_MODE_SHARDED, 0.01, KERN_F32, KERN_F32, 1, 0, 0, 0, 4u << 20,
-          0.0f, 1, 0, 0.0 },
+          0.0f, 1, 0, 0.0, 0, ENG_GATHER_PARAMS },
         { ENG_OPT_SCAPE, ENG_MODE_SHARDED, 0.01, KERN_BF16, KERN_BF16, 3, 0, 1, 1, 5000,
-          0.0f, 1, 1, 0.0 },
+          0.0f, 1, 1, 0.0, 0, ENG_GATHER_PARAMS },
         { ENG_OPT_SCAPE, ENG_MODE_REPLICATED, 0.01, KERN_F32, KERN_F32, 1, 0, 0, 1, 4u << 20,
-          0.0f, 1, 2, 0.2 },
+          0.0f, 1, 2, 0.2, 0, ENG_GATHER_PARAMS },
         { ENG_OPT_TOPK_ADAMW, ENG_MODE_SHARDED, 0.05, KERN_F32, KERN_F32, 1, 0, 0, 0,
-          4u << 20, 0.0f, 1, 0, 0.0 },
+          4u << 20, 0.0f, 1, 0, 0.0, 0, ENG_GATHER_PARAMS },
+        /* changes on the wire (fp32 trainers): device and pinned trainers,
+         * sharded and replicated, several trainers */
+        { ENG_OPT_SCAPE, ENG_MODE_SHARDED, 0.01, KERN_F32, KERN_F32, 3, 0, 0, 1, 4u << 20,
+          0.0f, 1, 1, 0.0, .gather = ENG_GATHER_DELTA },
+        { ENG_OPT_SCAPE, ENG_MODE_SHARDED, 0.01, KERN_BF16, KERN_F32, 1, 1, 1, 0, 5000,
+          0.01f, 1, 0, 0.0, .gather = ENG_GATHER_DELTA },
+        { ENG_OPT_SCAPE, ENG_MODE_REPLICATED, 0.01, KERN_F32, KERN_F32, 3, 1, 0, 0, 4u << 20,
+          0.0f, 1, 0, 0.0, .gather = ENG_GATHER_DELTA },
+        /* small tensors whole: all but the 40000, 20000 and 12345 (top-k
+         * with k = len, over several items at 8192 and 8193), under a
+         * schedule, with and without changes on the wire */
+        { ENG_OPT_SCAPE, ENG_MODE_SHARDED, 0.01, KERN_F32, KERN_F32, 3, 0, 0, 0, 4u << 20,
+          0.0f, 1, 1, 0.2, .dense_below = 10000, .gather = ENG_GATHER_DELTA },
+        { ENG_OPT_SCAPE, ENG_MODE_REPLICATED, 0.01, KERN_BF16, KERN_BF16, 1, 0, 1, 1, 4u << 20,
+          0.0f, 1, 2, 0.0, .dense_below = 10000 },
     };
     for (size_t i = 0; i < sizeof fb / sizeof fb[0]; i++)
         same_bits(&fb[i], local, dev_comm, steps);
     const kase rs[] = {
         { ENG_OPT_SCAPE, ENG_MODE_REPLICATED, 0.01, KERN_F32, KERN_F32, 3, 0, 0, 1, 5000, 0.0f,
-          0, 0, 0.0 },
+          0, 0, 0.0, 0, ENG_GATHER_PARAMS },
         { ENG_OPT_SCAPE, ENG_MODE_SHARDED, 0.01, KERN_BF16, KERN_F32, 1, 0, 1, 0, 4u << 20,
-          0.01f, 0, 0, 0.0 },
+          0.01f, 0, 0, 0.0, 0, ENG_GATHER_PARAMS },
         { ENG_OPT_TOPK_ADAMW, ENG_MODE_REPLICATED, 0.05, KERN_F32, KERN_F32, 1, 0, 0, 0,
-          4u << 20, 0.0f, 0, 0, 0.0 },
+          4u << 20, 0.0f, 0, 0, 0.0, 0, ENG_GATHER_PARAMS },
         /* a checkpoint between deltas, under the schedule, bf16 values */
         { ENG_OPT_SCAPE, ENG_MODE_SHARDED, 0.01, KERN_F32, KERN_F32, 1, 0, 0, 0, 4u << 20,
-          0.0f, 1, 2, 0.2 },
+          0.0f, 1, 2, 0.2, 0, ENG_GATHER_PARAMS },
+        /* and with changes on the wire and the small tensors whole */
+        { ENG_OPT_SCAPE, ENG_MODE_SHARDED, 0.01, KERN_F32, KERN_F32, 3, 0, 0, 1, 4u << 20,
+          0.0f, 1, 1, 0.0, .dense_below = 5000, .gather = ENG_GATHER_DELTA },
     };
     for (size_t i = 0; i < sizeof rs / sizeof rs[0]; i++) {
         resume_across(&rs[i], ref_comm, local, dev_comm, steps, 1);
