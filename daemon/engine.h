@@ -179,6 +179,12 @@ typedef struct eng_step_stats {
 
 typedef struct eng eng_t;
 
+/* The settings eng_config_hash covers, for messages that refuse a
+ * checkpoint taken with others. */
+#define ENG_CONFIG_HASHED                                                                  \
+    "optimizer, rho, warmup, beta1, beta2, eps, weight_decay, max_grad_norm, wire_values, " \
+    "rho_start, rho_steps, mask_deltas and dense_below"
+
 /* Defaults of docs/algorithm.md: scape, replicated, rho 0.01, W 1, 0.9/0.95/1e-8/0. */
 void eng_config_default(eng_config *cfg);
 /* Names as used in configuration files ("scape", "topk-adamw", "sharded"...). */

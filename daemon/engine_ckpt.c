@@ -190,8 +190,8 @@ scape_rc eng_ckpt_load_begin(eng_t *e, const eng_ckpt_meta *meta, eng_ckpt_sec *
         meta->mode != mine.mode)
         return scape_set_error(SCAPE_INVALID,
                                "restore: the checkpoint was taken with other optimizer settings "
-                               "(%s, %s); this job runs %s, %s (optimizer, mode, rho, warmup "
-                               "and the hyper-parameters must match)",
+                               "(%s, %s); this job runs %s, %s (the mode and " ENG_CONFIG_HASHED
+                               " must match)",
                                eng_optimizer_name((eng_optimizer)meta->optimizer),
                                eng_mode_name((eng_mode)meta->mode),
                                eng_optimizer_name(e->cfg.optimizer), eng_mode_name(e->cfg.mode));
