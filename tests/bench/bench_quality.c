@@ -75,6 +75,11 @@ static const variant s_variants[] = {
     /* every byte saving together under the schedule target's 2% of dense
      * AdamS's mean bytes: 0.02 for 1,500 masked steps, then 0.01 */
     { "scape-0.01-sched-small-gd", ENG_OPT_SCAPE, 0.01, 1, 0.02, 1500, 1, 0, 256, ENG_GATHER_DELTA },
+    /* the same savings at constant densities between: what bytes the
+     * schedule target's quality (+0.15 to dense AdamS) takes */
+    { "scape-0.02-small-gd", ENG_OPT_SCAPE, 0.02, 1, 0.0, 0, 1, 0, 256, ENG_GATHER_DELTA },
+    { "scape-0.03-small-gd", ENG_OPT_SCAPE, 0.03, 1, 0.0, 0, 1, 0, 256, ENG_GATHER_DELTA },
+    { "scape-0.05-small-gd", ENG_OPT_SCAPE, 0.05, 1, 0.0, 0, 1, 0, 256, ENG_GATHER_DELTA },
 };
 #define NVARIANTS (sizeof s_variants / sizeof s_variants[0])
 
