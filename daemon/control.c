@@ -281,26 +281,28 @@ static scape_rc map_one(const server *s, const trainer *t, const Scape__MemHandl
                         size_t need, const char *what, shm_map *m)
 {
     int cuda = s->cfg.engine.executor == ENG_EXEC_CUDA;
+    char named[64]; /* every refusal below names the trainer and the buffer */
+    snprintf(named, sizeof named, "register: trainer %d's %s", t->index, what);
     if (h->kind == SCAPE__MEM_KIND__SHM) {
-        TRY(shm_map_open(m, h->shm_name, (size_t)h->bytes, need, what));
-        scape_rc rc = cuda ? shm_map_pin(m, what) : SCAPE_OK;
+        TRY(shm_map_open(m, h->shm_name, (size_t)h->bytes, need, named));
+        scape_rc rc = cuda ? shm_map_pin(m, named) : SCAPE_OK;
         if (rc != SCAPE_OK)
             shm_map_close(m, 0);
         return rc;
     }
     if (h->kind != SCAPE__MEM_KIND__CUDA_IPC)
-        return scape_set_error(SCAPE_INVALID, "register: %s: unknown memory kind %d", what,
+        return scape_set_error(SCAPE_INVALID, "%s: unknown memory kind %d", named,
                                (int)h->kind);
     if (h->has_device_uuid && h->device_uuid.len != SHM_GPU_UUID_BYTES)
-        return scape_set_error(SCAPE_INVALID, "register: %s: a GPU UUID has %d bytes, not %zu",
-                               what, SHM_GPU_UUID_BYTES, h->device_uuid.len);
+        return scape_set_error(SCAPE_INVALID, "%s: a GPU UUID has %d bytes, not %zu", named,
+                               SHM_GPU_UUID_BYTES, h->device_uuid.len);
     TRY(check_ipc_range(s, t, h, what));
     int from = h->has_device ? h->device : -1; /* the trainer's numbering */
     if (h->has_device_uuid) /* ours, whatever CUDA_VISIBLE_DEVICES each process has */
-        TRY(shm_map_cuda_device(h->device_uuid.data, &from, what));
+        TRY(shm_map_cuda_device(h->device_uuid.data, &from, named));
     return shm_map_open_cuda(m, h->ipc_handle.data, h->ipc_handle.len,
                              h->has_offset ? (size_t)h->offset : 0, (size_t)h->bytes, need,
-                             s->cfg.cuda_device, from, !cuda, what);
+                             s->cfg.cuda_device, from, !cuda, named);
 }
 
 static scape_rc map_buffers(server *s, const Scape__Register *g, size_t numel,
@@ -354,11 +356,25 @@ static scape_rc await_grads(const server *s, trainer **ts, int n, trainer **dead
         for (int i = 0; i < n; i++) {
             if (done[i])
                 continue;
-            TRY(shm_map_event_done(&ts[i]->grads, &done[i], what[i]));
+            /* an event whose exporter has exited is undefined to use: a
+             * query that fails for a dead trainer is its death, not the
+             * step's error, and one that "completes" is not trusted below */
+            scape_rc rc = shm_map_event_done(&ts[i]->grads, &done[i], what[i]);
+            if (rc != SCAPE_OK && srv_pid_dead(ts[i]->pid)) {
+                *dead = ts[i];
+                return SCAPE_OK;
+            }
+            TRY(rc);
             left -= done[i];
         }
-        if (left == 0)
+        if (left == 0) {
+            for (int i = 0; i < n; i++)
+                if (ts[i]->grads.event != NULL && srv_pid_dead(ts[i]->pid)) {
+                    *dead = ts[i];
+                    break;
+                }
             return SCAPE_OK;
+        }
         double now = srv_now();
         if (now >= look) {
             look = now + 0.05;
@@ -479,10 +495,12 @@ static scape_rc on_register(server *s, trainer *t, const Scape__Register *g)
     }
     unsigned char pev[SHM_IPC_HANDLE_BYTES];
     if (rc == SCAPE_OK && g->has_grad_event) {
-        rc = shm_map_open_event(&t->grads, g->grad_event.data, g->grad_event.len,
-                                "register: grad_event");
+        char what[64];
+        snprintf(what, sizeof what, "register: trainer %d's grad_event", t->index);
+        rc = shm_map_open_event(&t->grads, g->grad_event.data, g->grad_event.len, what);
+        snprintf(what, sizeof what, "register: trainer %d's params_event", t->index);
         if (rc == SCAPE_OK)
-            rc = shm_map_export_event(&t->params, pev, "register: params_event");
+            rc = shm_map_export_event(&t->params, pev, what);
     }
     if (rc != SCAPE_OK) {
         if (!had_layout && s->layout && ctl_registered(s) == 0 && s->eng == NULL) {

@@ -61,6 +61,10 @@ typedef struct dev_ops {
      * device memory or pinned host memory (*on_host says which); anything
      * else is refused. */
     scape_rc (*resolve)(dev_t *d, const void *p, size_t bytes, const void **out, int *on_host);
+    /* A wait for the device failed: work may still be running on it (and
+     * reading or writing trainers' buffers), so nothing it may touch can be
+     * freed or unmapped.  NULL: never. */
+    int (*stuck)(const dev_t *d);
 } dev_ops;
 
 extern const dev_ops dev_cuda_ops; /* UNSUPPORTED at create without CUDA */

@@ -18,6 +18,7 @@
 
 #include "dev.h"
 #include "exec.h"
+#include "scape_cuda_err.h"
 #include "scape_kernels.h"
 #include "try.h"
 
@@ -60,12 +61,14 @@ static void cu_destroy(dev_t *d)
         return;
     for (int s = 0; s < DEV_STREAMS; s++)
         if (d->s[s] && !(s == DEV_MAIN && d->borrowed) && !d->stuck) {
-            cudaStreamSynchronize(d->s[s]);
-            cudaStreamDestroy(d->s[s]);
+            /* failures here would otherwise stay the thread's last error
+             * and surface as the next executor's */
+            scape_cuda_quietly(cudaStreamSynchronize(d->s[s]));
+            scape_cuda_quietly(cudaStreamDestroy(d->s[s]));
         }
     for (int i = 0; i < DEV_EVENTS; i++)
         if (d->ev[i])
-            cudaEventDestroy(d->ev[i]);
+            scape_cuda_quietly(cudaEventDestroy(d->ev[i]));
     free(d);
 }
 
@@ -145,9 +148,9 @@ static void cu_release(dev_t *d, void *p, int pinned)
     if (d->stuck)
         return;
     if (pinned)
-        cudaFreeHost(p);
+        scape_cuda_quietly(cudaFreeHost(p));
     else
-        cudaFree(p);
+        scape_cuda_quietly(cudaFree(p));
 }
 
 static scape_rc cu_sync(dev_t *d);
@@ -299,6 +302,8 @@ scape_rc exec_cuda_use_device(int device)
     return SCAPE_OK;
 }
 
+static int cu_stuck(const dev_t *d) { return d->stuck; }
+
 const dev_ops dev_cuda_ops = {
     .name = "cuda",
     .create = cu_create,
@@ -313,4 +318,5 @@ const dev_ops dev_cuda_ops = {
     .sync = cu_sync,
     .elapsed = cu_elapsed,
     .resolve = cu_resolve,
+    .stuck = cu_stuck,
 };

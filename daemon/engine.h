@@ -241,6 +241,9 @@ size_t eng_n(const eng_t *e);
 uint64_t eng_state_bytes(const eng_t *e);
 /* Bytes of device memory and of pinned host memory the executor holds. */
 uint64_t eng_device_bytes(const eng_t *e);
+/* The executor's device may still be running work on the trainers' buffers
+ * (a wait for it failed): CUDA mappings of them must stay open. */
+int eng_device_stuck(const eng_t *e);
 uint64_t eng_pinned_bytes(const eng_t *e);
 /* 1 when sharded gathers of the updated parameters go in bf16 (every
  * rank's trainers hold bf16, gather_values params). */

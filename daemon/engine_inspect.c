@@ -49,6 +49,11 @@ uint64_t eng_device_bytes(const eng_t *e)
     return e ? e->x->ops->device_bytes(e->x) : 0;
 }
 
+int eng_device_stuck(const eng_t *e)
+{
+    return e && e->x->ops->stuck && e->x->ops->stuck(e->x);
+}
+
 uint64_t eng_pinned_bytes(const eng_t *e)
 {
     return e ? e->x->ops->pinned_bytes(e->x) : 0;

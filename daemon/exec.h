@@ -109,6 +109,9 @@ typedef struct exec_ops {
     /* Bytes of device memory and of pinned host memory held. */
     uint64_t (*device_bytes)(const exec_t *x);
     uint64_t (*pinned_bytes)(const exec_t *x);
+    /* The device may still run work that reads or writes the trainers'
+     * buffers (an earlier wait for it failed); NULL: never. */
+    int (*stuck)(const exec_t *x);
 } exec_ops;
 
 struct exec {

@@ -1053,6 +1053,11 @@ static double dev_residual_norm(exec_t *x)
 
 static uint64_t dev_device_bytes(const exec_t *x) { return impl(x)->dev_bytes; }
 static uint64_t dev_pinned_bytes(const exec_t *x) { return impl(x)->pin_bytes; }
+static int dev_stuck(const exec_t *x)
+{
+    const dev_x *h = impl(x);
+    return h->d && h->ops->stuck && h->ops->stuck(h->d);
+}
 
 const exec_ops exec_dev_ops = {
     .name = "dev",
@@ -1081,5 +1086,6 @@ const exec_ops exec_dev_ops = {
     .times = dev_times,
     .residual_norm = dev_residual_norm,
     .device_bytes = dev_device_bytes,
+    .stuck = dev_stuck,
     .pinned_bytes = dev_pinned_bytes,
 };

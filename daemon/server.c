@@ -450,10 +450,19 @@ static void check_liveness(server *s)
             ctl_drop(s, &s->slots[i], 1);
 }
 
+/* Nothing on the comm's streams or the executor's device can still touch a
+ * trainer's mapped buffer. */
+static int maps_idle(const server *s)
+{
+    return comm_quiet(s->comm) && !eng_device_stuck(s->eng);
+}
+
 void srv_close_map(server *s, shm_map *m, int unlink_it)
 {
-    /* closing a CUDA mapping (and unregistering pinned memory) synchronises */
-    if ((m->dev == NULL && !m->pinned) || comm_quiet(s->comm)) {
+    /* closing a CUDA mapping (and unregistering pinned memory) synchronises,
+     * and one that kernels may still use must stay open: it waits among the
+     * graves, its detach unanswered, so the trainer does not free it either */
+    if ((m->dev == NULL && !m->pinned) || maps_idle(s)) {
         shm_map_close(m, unlink_it);
         return;
     }
@@ -470,7 +479,7 @@ void srv_close_map(server *s, shm_map *m, int unlink_it)
     }
     s->graves[s->ngraves++] = (grave){ .map = *m };
     memset(m, 0, sizeof *m);
-    LOG_DEBUG(SUB_CTRL, "a CUDA IPC buffer waits for the comm to be quiet before it is closed");
+    LOG_DEBUG(SUB_CTRL, "a CUDA IPC buffer waits for the comm to be quiet and the device idle before it is closed");
 }
 
 static void reply_ok(server *s, const unsigned char *rid, size_t rid_len)
@@ -493,7 +502,7 @@ void srv_reply_detached(server *s, int graves_before, const unsigned char *rid, 
 
 void srv_reap_maps(server *s, int force)
 {
-    if (s->ngraves == 0 || !(force || comm_quiet(s->comm)))
+    if (s->ngraves == 0 || !(force || maps_idle(s)))
         return;
     for (int i = 0; i < s->ngraves; i++)
         shm_map_close(&s->graves[i].map, 0);

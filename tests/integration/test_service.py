@@ -211,13 +211,13 @@ def test_cuda_ipc_ranges_checked_before_opening(daemon_factory, tmp_path):
                   pbwire.register(layout, pbwire.mem_shm("/scape-none-p", 4 * total),
                                   pbwire.mem_ipc(h, 4 * total, 0), grad_event=h))
         # the GPU by its UUID: 16 bytes; one no GPU here has is refused, named
-        p.refused(INVALID, "params: a GPU UUID has 16 bytes, not 15", pbwire.register(
+        p.refused(INVALID, "trainer 0's params: a GPU UUID has 16 bytes, not 15", pbwire.register(
             layout, pbwire.mem_ipc(h, 4 * total, 0, uuid=h[:15]),
             pbwire.mem_ipc(h, 4 * total, 4 * total)))
         status, msg, _ = p.ask(pbwire.register(
             layout, pbwire.mem_ipc(h, 4 * total, 0, uuid=bytes(range(16))),
             pbwire.mem_ipc(h, 4 * total, 4 * total)))
-        assert status in (UNSUPPORTED, CUDA) and "params" in msg, (status, msg)
+        assert status in (UNSUPPORTED, CUDA) and "trainer 0's params" in msg, (status, msg)
         assert "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f" in msg or "cudaGetDeviceCount" in msg \
             or "CPU-only" in msg, msg
         # apart in one allocation: past the checks, refused where the handle is opened
