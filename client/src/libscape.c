@@ -51,6 +51,7 @@ struct scape_session {
     int in_flight;  /* a step was begun and not yet waited for */
     int dead;       /* the daemon said goodbye */
     int dev_shared; /* the daemon may have dparams/dgrads open (CUDA IPC) */
+    int registered; /* the daemon answered Registered: it holds our slot */
 };
 
 static atomic_uint s_counter;
@@ -432,6 +433,7 @@ static scape_rc register_layout(scape_session *s, const scape_tensor *layout, si
     s->dev_shared = on_device(s);
     Scape__Reply *r = NULL;
     scape_rc rc = call(s, &q, SCAPE__REPLY__BODY_REGISTERED, &r);
+    s->registered = rc == SCAPE_OK;
     free(ts);
     free(tp);
     /* a daemon that knows events answers with its own; one that does not
@@ -466,8 +468,10 @@ static void session_free(scape_session *s)
     free(s);
 }
 
-/* The daemon refused the registration but holds the slot it welcomed us
- * to: give it back (bounded, best effort), keeping the refusal's message. */
+/* The daemon refused the registration, or took it and then this side
+ * failed (the parameters-ready event would not open), but holds the slot
+ * it welcomed us to: give it back (bounded, best effort), keeping the
+ * failure's message.  Its answer also says it closed our CUDA buffers. */
 static void leave_after_refusal(scape_session *s, scape_rc rc)
 {
     char why[1024];
@@ -477,7 +481,8 @@ static void leave_after_refusal(scape_session *s, scape_rc rc)
         Scape__Request q = SCAPE__REQUEST__INIT;
         q.body_case = SCAPE__REQUEST__BODY_DETACH;
         q.detach = &d;
-        (void)call(s, &q, 0, NULL);
+        if (call(s, &q, 0, NULL) == SCAPE_OK)
+            s->dev_shared = 0;
     }
     scape_set_error(rc, "%s", why);
 }
@@ -529,7 +534,7 @@ scape_rc scape_attach(const char *endpoint, const scape_tensor *layout, size_t n
         rc = hello(s);
     if (rc == SCAPE_OK) {
         rc = register_layout(s, layout, ntensors);
-        if (rc == SCAPE_REMOTE || rc == SCAPE_INVALID)
+        if (rc != SCAPE_OK && (rc == SCAPE_REMOTE || rc == SCAPE_INVALID || s->registered))
             leave_after_refusal(s, rc);
     }
     if (rc == SCAPE_OK && !on_device(s)) {

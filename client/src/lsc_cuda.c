@@ -85,11 +85,22 @@ static void guard_off(const guard *g)
         }                                                                      \
     } while (0)
 
-/* CUDA_VISIBLE_DEVICES names MIG instances by their MIG-... UUIDs. */
-static int on_mig(void)
+/* A MIG instance: CUDA_VISIBLE_DEVICES names it by its MIG-... UUID, or
+ * (a container runtime that sets only NVIDIA_VISIBLE_DEVICES, a GPU in MIG
+ * mode) the device's name carries "MIG" ("NVIDIA H100 80GB HBM3 MIG
+ * 1g.10gb"). */
+static int on_mig(int device)
 {
     const char *v = getenv("CUDA_VISIBLE_DEVICES");
-    return v && strstr(v, "MIG-") != NULL;
+    if (v && strstr(v, "MIG-") != NULL)
+        return 1;
+    struct cudaDeviceProp prop;
+    if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    prop.name[sizeof prop.name - 1] = '\0';
+    return strstr(prop.name, " MIG ") != NULL;
 }
 
 scape_rc lsc_cuda_check_ipc(int device)
@@ -101,9 +112,10 @@ scape_rc lsc_cuda_check_ipc(int device)
     if (e != cudaSuccess)
         return scape_set_error(SCAPE_CUDA, "scape_attach: CUDA device %d: %s", device,
                                scape_cuda_failed(e));
-    if (on_mig())
+    if (on_mig(device))
         return scape_set_error(SCAPE_UNSUPPORTED, "scape_attach: CUDA device %d is a MIG "
-                               "instance (CUDA_VISIBLE_DEVICES names MIG-...), and MIG has no "
+                               "instance (CUDA_VISIBLE_DEVICES names MIG-..., or its name says "
+                               "MIG), and MIG has no "
                                "CUDA IPC, so scaped cannot open this trainer's buffers: attach "
                                "with host memory (SCAPE_MEMORY_HOST, device='cpu'), or run on "
                                "a whole GPU", device);
@@ -158,7 +170,7 @@ scape_rc lsc_cuda_alloc(lsc_dev_buf *b, int device, size_t bytes)
             return scape_set_error(SCAPE_UNSUPPORTED, "scape_attach: CUDA IPC is not available "
                                    "on device %d (cudaIpcGetMemHandle: %s%s): attach with host "
                                    "memory (SCAPE_MEMORY_HOST, device='cpu')", device,
-                                   why, on_mig() ? "; a MIG instance" : "");
+                                   why, on_mig(device) ? "; a MIG instance" : "");
         return scape_set_error(SCAPE_CUDA, "libscape: exporting a device buffer: %s",
                                e == cudaErrorUnknown ? "cannot measure its allocation "
                                                       "(cuMemGetAddressRange)"

@@ -112,9 +112,14 @@ scape_rc scape_sync(scape_session *s);
 
 /* Hand step `step` over (gradients must be in place) and wait for the new
  * parameters.  loss may be NULL; info may be NULL.  With SCAPE_MEMORY_CUDA
- * the device is synchronised first (gradients written by kernels on any
- * stream are complete), and the daemon stages the buffers through host
- * memory: scape_step_info reports no copies for host memory only. */
+ * only the work on the stream given to scape_set_stream (the legacy default
+ * stream unless set) is ordered before the hand-over: libscape records an
+ * event there and the daemon waits for it.  Gradients written on any other
+ * stream, a cudaStreamNonBlocking one in particular, must be ordered before
+ * that stream by the caller (an event, or a synchronisation).  The daemon
+ * reads and writes the buffers in place on its cuda executor and stages
+ * them through host memory on the host executor (scape_step_info counts
+ * those copies). */
 scape_rc scape_step(scape_session *s, uint64_t step, float lr, const float *loss,
                     scape_step_info *info);
 /* The same, split: begin posts the step and returns at once; wait blocks until

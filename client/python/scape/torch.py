@@ -109,20 +109,20 @@ class ScapeOptimizer(torch.optim.Optimizer):
                                     groups=[g["weight_decay"] for g in self.param_groups]
                                     if self._grouped else None,
                                     tensor_groups=tgroup if self._grouped else None)
-        if self.session.device_ptrs is None:
-            flat_p = _host_tensor(self.session.params, dtype)
-            flat_g = _host_tensor(self.session.grads, dtype)
-        else:
-            flat_p, flat_g = self.session.params, self.session.grads
-        spans = [(p, off, n) for (_, p), (_, off, n) in zip(named, self.session.layout)]
-        with torch.no_grad():
-            for p, off, n in spans:
-                flat_p[off:off + n].copy_(p.reshape(-1))
         self._device = device if device.type == "cuda" else None
-        try:
+        try:  # the daemon holds a slot for us from here: give it back on any failure
+            if self.session.device_ptrs is None:
+                flat_p = _host_tensor(self.session.params, dtype)
+                flat_g = _host_tensor(self.session.grads, dtype)
+            else:
+                flat_p, flat_g = self.session.params, self.session.grads
+            spans = [(p, off, n) for (_, p), (_, off, n) in zip(named, self.session.layout)]
+            with torch.no_grad():
+                for p, off, n in spans:
+                    flat_p[off:off + n].copy_(p.reshape(-1))
             self._follow_stream()  # the initial copies are on torch's current stream
             self.session.sync()
-        except scape.ScapeError:
+        except BaseException:
             self.session.detach()
             raise
         self._views = []  # (parameter, its view of the params buffer, of the grads one)
@@ -230,6 +230,9 @@ class ScapeOptimizer(torch.optim.Optimizer):
                     for p in group["params"]:
                         p.data = p.data.clone()
                         p.grad = None
+            # the clones run on torch's current stream, which libscape
+            # synchronises before it frees the buffers they read
+            self._follow_stream()
         self._flat_grads = None
         self._views = []
         self.session.detach()
