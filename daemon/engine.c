@@ -4,6 +4,7 @@
  */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -62,49 +63,50 @@ const char *eng_gather_name(eng_gather g)
     return (unsigned)g < ENG_GATHER_COUNT ? s_gather_names[g] : "?";
 }
 
-scape_rc eng_gather_parse(const char *s, eng_gather *out)
+/* names[i] -> i, or an error listing the names: "unknown KEY 'x' (a, b)". */
+static scape_rc parse_name(const char *s, const char *const *names, int n, const char *key,
+                           int *out)
 {
-    for (int i = 0; s && out && i < ENG_GATHER_COUNT; i++)
-        if (strcmp(s, s_gather_names[i]) == 0) {
-            *out = (eng_gather)i;
+    for (int i = 0; s && out && i < n; i++)
+        if (strcmp(s, names[i]) == 0) {
+            *out = i;
             return SCAPE_OK;
         }
-    return scape_set_error(SCAPE_INVALID, "unknown gather_values '%s' (params, f32, delta)",
-                           s ? s : "(null)");
+    char list[160] = "";
+    size_t used = 0;
+    for (int i = 0; i < n && used < sizeof list; i++)
+        used += (size_t)snprintf(list + used, sizeof list - used, "%s%s", i ? ", " : "",
+                                 names[i]);
+    return scape_set_error(SCAPE_INVALID, "unknown %s '%s' (%s)", key, s ? s : "(null)", list);
+}
+
+#define PARSE_ENUM(type, names, count, key)                                    \
+    do {                                                                       \
+        int i_ = 0;                                                            \
+        scape_rc rc_ = parse_name(s, names, count, key, &i_);                  \
+        if (rc_ == SCAPE_OK)                                                   \
+            *out = (type)i_;                                                   \
+        return rc_;                                                            \
+    } while (0)
+
+scape_rc eng_gather_parse(const char *s, eng_gather *out)
+{
+    PARSE_ENUM(eng_gather, s_gather_names, ENG_GATHER_COUNT, "gather_values");
 }
 
 scape_rc eng_executor_parse(const char *s, eng_executor *out)
 {
-    for (int i = 0; s && out && i < ENG_EXEC_COUNT; i++)
-        if (strcmp(s, s_exec_names[i]) == 0) {
-            *out = (eng_executor)i;
-            return SCAPE_OK;
-        }
-    return scape_set_error(SCAPE_INVALID, "unknown executor '%s' (host, cuda, sim)",
-                           s ? s : "(null)");
+    PARSE_ENUM(eng_executor, s_exec_names, ENG_EXEC_COUNT, "executor");
 }
 
 scape_rc eng_optimizer_parse(const char *s, eng_optimizer *out)
 {
-    for (int i = 0; s && out && i < ENG_OPT_COUNT; i++)
-        if (strcmp(s, s_opt_names[i]) == 0) {
-            *out = (eng_optimizer)i;
-            return SCAPE_OK;
-        }
-    return scape_set_error(SCAPE_INVALID,
-                           "unknown optimizer '%s' (scape, adams, adamw, topk-adamw)",
-                           s ? s : "(null)");
+    PARSE_ENUM(eng_optimizer, s_opt_names, ENG_OPT_COUNT, "optimizer");
 }
 
 scape_rc eng_mode_parse(const char *s, eng_mode *out)
 {
-    for (int i = 0; s && out && i < ENG_MODE_COUNT; i++)
-        if (strcmp(s, s_mode_names[i]) == 0) {
-            *out = (eng_mode)i;
-            return SCAPE_OK;
-        }
-    return scape_set_error(SCAPE_INVALID, "unknown mode '%s' (replicated, sharded)",
-                           s ? s : "(null)");
+    PARSE_ENUM(eng_mode, s_mode_names, ENG_MODE_COUNT, "mode");
 }
 
 /* ---- creation ----------------------------------------------------------- */
