@@ -479,7 +479,8 @@ void srv_close_map(server *s, shm_map *m, int unlink_it)
     }
     s->graves[s->ngraves++] = (grave){ .map = *m };
     memset(m, 0, sizeof *m);
-    LOG_DEBUG(SUB_CTRL, "a CUDA IPC buffer waits for the comm to be quiet and the device idle before it is closed");
+    LOG_DEBUG(SUB_CTRL, "a CUDA IPC buffer waits for the comm to be quiet and the device "
+                        "idle before it is closed");
 }
 
 static void reply_ok(server *s, const unsigned char *rid, size_t rid_len)
