@@ -15,6 +15,11 @@
  *                      [--warmup W (dense warm-up of the sparse optimizers, 10)]
  *                      [--max-grad-norm C (clip g_hat's global norm, every
  *                       optimizer; 0 = off, the default)]
+ *                      [--set KEY=VALUE ... (any engine key of scaped's
+ *                       configuration, docs/configuration.md, over the
+ *                       variant's settings: --set rho=0.02 --set
+ *                       gather_values=delta)] [--name LABEL (with --only:
+ *                       the row's and the CSV's name)]
  *                      [gpt_run options: --steps --lr --d --layers ...]
  */
 #define _POSIX_C_SOURCE 200809L
@@ -26,11 +31,13 @@
 #include <sys/stat.h>
 #include <time.h>
 
+#include "config.h"
 #include "engine.h"
 #include "gpt_run.h"
 #include "../unit/rank_threads.h"
 
 #define MAX_RANKS 16
+#define MAX_SETS 32
 
 typedef struct variant {
     const char *name;
@@ -87,11 +94,11 @@ typedef struct shared {
     const gpt_run *run;
     const gpt_corpus *corpus;
     const variant *v;
+    const char *name;  /* the variant's, or --name */
+    eng_config cfg;    /* the variant's settings under --set */
     eng_tensor *layout;
     int ntensors;
     int ranks;
-    uint32_t warmup;   /* W of the sparse optimizers */
-    float max_grad_norm; /* every optimizer's clipping bound, 0: none */
     float *train_loss; /* [steps][ranks] */
     double *val_loss;  /* [steps], NaN where not measured */
     uint64_t *bytes;   /* [steps], rank 0's payload */
@@ -117,19 +124,7 @@ static scape_rc rank_train(rank_arg *a)
     eng_t *e = NULL;
     scape_rc rc = p && g && x && y && w ? SCAPE_OK
                                         : scape_set_error(SCAPE_NOMEM, "out of memory");
-    eng_config cfg;
-    eng_config_default(&cfg);
-    cfg.optimizer = sh->v->opt;
-    cfg.rho = sh->v->rho;
-    cfg.mode = ENG_MODE_SHARDED;
-    cfg.warmup = sh->warmup;
-    cfg.wire_bf16 = sh->v->wire_bf16;
-    cfg.rho_start = sh->v->rho_start;
-    cfg.rho_steps = sh->v->rho_steps;
-    cfg.mask_deltas = sh->v->mask_deltas;
-    cfg.dense_below = sh->v->dense_below;
-    cfg.gather = sh->v->gather;
-    cfg.max_grad_norm = sh->max_grad_norm;
+    eng_config cfg = sh->cfg;
     int bp = sh->v->bf16_params;
     uint16_t *ph = bp ? malloc(n * sizeof *ph) : NULL; /* the trainer's bf16 parameters */
     if (bp && ph == NULL)
@@ -172,7 +167,7 @@ static scape_rc rank_train(rank_arg *a)
         int eval = (r->eval_every && t % r->eval_every == 0) || t == r->steps;
         sh->val_loss[t - 1] = eval ? gpt_run_val_loss(r, sh->corpus, w, p, x, y) : NAN;
         if (eval) {
-            fprintf(stderr, "\r  %-16s step %llu/%llu  val %.4f", sh->v->name,
+            fprintf(stderr, "\r  %-16s step %llu/%llu  val %.4f", sh->name,
                     (unsigned long long)t, (unsigned long long)r->steps, sh->val_loss[t - 1]);
             fflush(stderr);
         }
@@ -187,10 +182,50 @@ static scape_rc rank_train(rank_arg *a)
     return rc;
 }
 
+/* A variant's engine settings: sharded, W = warmup and every optimizer
+ * clipped at clip, then the --set pairs (KEY=VALUE, scaped's configuration
+ * keys) over them.  Prints why and returns 2 on a bad pair. */
+static int variant_config(const variant *v, long warmup, double clip, char *const *sets,
+                          int nsets, eng_config *out)
+{
+    scaped_config c;
+    cfg_defaults(&c);
+    eng_config *e = &c.engine;
+    eng_config_default(e);
+    e->optimizer = v->opt;
+    e->rho = v->rho;
+    e->mode = ENG_MODE_SHARDED;
+    e->warmup = (uint32_t)warmup;
+    e->wire_bf16 = v->wire_bf16;
+    e->rho_start = v->rho_start;
+    e->rho_steps = v->rho_steps;
+    e->mask_deltas = v->mask_deltas;
+    e->dense_below = v->dense_below;
+    e->gather = v->gather;
+    e->max_grad_norm = (float)clip;
+    for (int i = 0; i < nsets; i++) {
+        char key[64];
+        const char *eq = strchr(sets[i], '=');
+        size_t kl = eq ? (size_t)(eq - sets[i]) : 0;
+        if (eq == NULL || kl == 0 || kl >= sizeof key) {
+            fprintf(stderr, "bench_quality: --set %s: want KEY=VALUE\n", sets[i]);
+            return 2;
+        }
+        memcpy(key, sets[i], kl);
+        key[kl] = '\0';
+        if (cfg_set(&c, key, eq + 1, "--set") != SCAPE_OK) {
+            fprintf(stderr, "bench_quality: %s\n", scape_last_error());
+            return 2;
+        }
+    }
+    *out = *e;
+    return 0;
+}
+
 static int write_csv(const char *dir, const shared *sh)
 {
     char path[1024];
-    snprintf(path, sizeof path, "%s/quality-%s.csv", dir, sh->v->name);
+    snprintf(path, sizeof path, "%s/quality-%s.csv", dir, sh->name);
     FILE *f = fopen(path, "w");
     if (f == NULL) {
         perror(path);
@@ -219,7 +254,9 @@ int main(int argc, char **argv)
     int ranks = 4;
     long warmup = 10;
     double clip = 0.0;
-    const char *out = ".", *only = NULL;
+    const char *out = ".", *only = NULL, *label = NULL;
+    char *sets[MAX_SETS];
+    int nsets = 0;
     for (int i = 1; i < argc; i++) {
         int took = gpt_run_option(&run, argc, argv, &i);
         if (took < 0)
@@ -231,12 +268,20 @@ int main(int argc, char **argv)
         else if (i + 1 < argc && !strcmp(argv[i], "--only")) only = argv[++i];
         else if (i + 1 < argc && !strcmp(argv[i], "--warmup")) warmup = atol(argv[++i]);
         else if (i + 1 < argc && !strcmp(argv[i], "--max-grad-norm")) clip = atof(argv[++i]);
+        else if (i + 1 < argc && !strcmp(argv[i], "--name")) label = argv[++i];
+        else if (i + 1 < argc && !strcmp(argv[i], "--set") && nsets < MAX_SETS)
+            sets[nsets++] = argv[++i];
         else {
             fprintf(stderr, "usage: bench_quality --corpus FILE [--ranks R] [--out DIR] "
-                            "[--only NAME] [--warmup W] [--max-grad-norm C] [options]\n%s",
+                            "[--only NAME [--name LABEL]] [--warmup W] [--max-grad-norm C] "
+                            "[--set KEY=VALUE ...] [options]\n%s",
                     gpt_run_usage());
             return 2;
         }
+    }
+    if (label && !only) {
+        fprintf(stderr, "bench_quality: --name labels one variant: give --only too\n");
+        return 2;
     }
     if (run.corpus == NULL || ranks < 1 || ranks > MAX_RANKS || warmup < 1 ||
         warmup > 1000000 || !(clip >= 0.0 && clip <= 1e6)) {
@@ -285,12 +330,17 @@ int main(int argc, char **argv)
     printf("%-16s %10s %10s %14s %9s %9s\n", "optimizer", "val loss", "train loss",
            "bytes/step", "of adams", "wall s");
     double adams_bytes = 4.0 * (double)n * 2.0; /* dense sharded: reduce-scatter + all-gather */
-    int rc = 0;
+    int rc = 0, ran = 0;
     for (size_t v = 0; v < NVARIANTS && rc == 0; v++) {
         if (only && strcmp(only, s_variants[v].name) != 0)
             continue;
-        shared sh = { &run, &corpus, &s_variants[v], lay, nt, ranks, (uint32_t)warmup,
-                      (float)clip, tl, vl, by, mb, ch };
+        ran++;
+        shared sh = { .run = &run, .corpus = &corpus, .v = &s_variants[v],
+                      .name = label ? label : s_variants[v].name, .layout = lay,
+                      .ntensors = nt, .ranks = ranks, .train_loss = tl, .val_loss = vl,
+                      .bytes = by, .mask = mb, .churn = ch };
+        if (variant_config(&s_variants[v], warmup, clip, sets, nsets, &sh.cfg) != 0)
+            return 2;
         rank_arg args[MAX_RANKS];
         double t0 = now_s();
         if (run_ranks(ranks, rank_train, &sh, args) != 0) {
@@ -301,7 +351,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "\r\033[K");
         for (int r = 0; r < ranks; r++)
             if (args[r].rc != SCAPE_OK) {
-                fprintf(stderr, "bench_quality: %s rank %d: %s\n", s_variants[v].name, r,
+                fprintf(stderr, "bench_quality: %s rank %d: %s\n", sh.name, r,
                         args[r].err);
                 rc = 1;
             }
@@ -316,11 +366,18 @@ int main(int argc, char **argv)
                     tail += tl[t * (uint64_t)ranks + (uint64_t)q];
         }
         double mean_bytes = sum / (double)run.steps;
-        printf("%-16s %10.4f %10.4f %14.0f %8.2f%% %9.1f\n", s_variants[v].name,
+        printf("%-16s %10.4f %10.4f %14.0f %8.2f%% %9.1f\n", sh.name,
                vl[run.steps - 1], tail / (double)((run.steps - from) * (uint64_t)ranks),
                mean_bytes, 100.0 * mean_bytes / adams_bytes, wall);
         fflush(stdout);
         rc = write_csv(out, &sh);
+    }
+    if (only && !ran) {
+        fprintf(stderr, "bench_quality: no variant '%s'; there are:", only);
+        for (size_t v = 0; v < NVARIANTS; v++)
+            fprintf(stderr, " %s", s_variants[v].name);
+        fprintf(stderr, "\n");
+        rc = 2;
     }
     free(gt);
     free(lay);
