@@ -358,7 +358,7 @@ static scape_rc await_grads(const server *s, trainer **ts, int n, trainer **dead
                 continue;
             /* an event whose exporter has exited is undefined to use: a
              * query that fails for a dead trainer is its death, not the
-             * step's error, and one that "completes" is not trusted below */
+             * step's error (deaths otherwise show at the pid checks) */
             scape_rc rc = shm_map_event_done(&ts[i]->grads, &done[i], what[i]);
             if (rc != SCAPE_OK && srv_pid_dead(ts[i]->pid)) {
                 *dead = ts[i];
@@ -367,14 +367,8 @@ static scape_rc await_grads(const server *s, trainer **ts, int n, trainer **dead
             TRY(rc);
             left -= done[i];
         }
-        if (left == 0) {
-            for (int i = 0; i < n; i++)
-                if (ts[i]->grads.event != NULL && srv_pid_dead(ts[i]->pid)) {
-                    *dead = ts[i];
-                    break;
-                }
+        if (left == 0)
             return SCAPE_OK;
-        }
         double now = srv_now();
         if (now >= look) {
             look = now + 0.05;

@@ -1086,6 +1086,6 @@ const exec_ops exec_dev_ops = {
     .times = dev_times,
     .residual_norm = dev_residual_norm,
     .device_bytes = dev_device_bytes,
-    .stuck = dev_stuck,
     .pinned_bytes = dev_pinned_bytes,
+    .stuck = dev_stuck,
 };
