@@ -24,16 +24,23 @@ cluster=$root/deploy/slurm-cluster.sh
 DIR=$(mktemp -d /tmp/scape-slurm-tpl.XXXXXX)
 fail() { echo "template: FAIL: $*" >&2; exit 1; }
 cut_host=""  # a test host whose link is down now, restored by the cleanup
+stray=""     # a scaped started by the test, stopped by the cleanup
 cleanup() {
   local rc=$?
   trap - EXIT
   set +e
   [ -n "$cut_host" ] && bash "$root/deploy/hosts.sh" restore "$cut_host" --name "$hname" >/dev/null
+  [ -n "$stray" ] && kill "$stray" 2>/dev/null
   [ "$rc" -ne 0 ] && [ -f "$DIR/job.out" ] && tail -n 40 "$DIR/job.out" >&2
   [ "$rc" -ne 0 ] && [ -f "$DIR/requeue.out" ] && tail -n 60 "$DIR/requeue.out" >&2
   for f in "$DIR"/pair-*.out "$DIR"/cut-*.out; do
     [ "$rc" -ne 0 ] && [ -f "$f" ] && { echo "----- $f" >&2; tail -n 40 "$f" >&2; }
   done
+  if [ "$rc" -ne 0 ]; then  # what Slurm itself said, for failures it had a hand in
+    for f in "$DIR"/log/slurmctld.log "$DIR"/log/slurmd-*.log; do
+      [ -f "$f" ] && { echo "----- tail $f" >&2; tail -n 30 "$f" >&2; }
+    done
+  fi
   bash "$cluster" stop "$DIR" >/dev/null
   rm -rf "$DIR"
   exit "$rc"
@@ -161,7 +168,10 @@ fi
 
 # The same job, slowed down, gets SIGUSR1 part-way (as --signal=B:USR1@300
 # would send it), checkpoints, is requeued, resumes, and must end with the
-# uninterrupted job's parameters, bit for bit.
+# uninterrupted job's parameters, bit for bit.  In between, the requeued run
+# finds node n3 unsettled: an earlier scaped (a real one) still holds n3's
+# runtime dir, so n3's daemon refuses to start; that run must be requeued
+# again, and the next one (the stray gone) resumes from the same checkpoint.
 plain=$(grep -o "params [0-9a-f]*" "$DIR/job.out" | sort -u)
 export SCAPE_CHECKPOINT_DIR=$DIR/ckpt-requeue
 export TRAINER_CMD="$TRAINER_CMD --sleep-ms 40"
@@ -174,6 +184,31 @@ until grep -q "scape: every daemon is up" "$DIR/requeue.out" 2>/dev/null; do
 done
 sleep 2
 scancel --signal=USR1 --batch "$job" || fail "scancel --signal=USR1 failed"
+grep_wait() {  # pattern, seconds: until the job's output has it
+  local deadline=$((SECONDS + $2))
+  until grep -q "$1" "$DIR/requeue.out" 2>/dev/null; do
+    [ "$SECONDS" -lt "$deadline" ] || fail "no '$1' in the job's output within $2 s"
+    sleep 0.2
+  done
+}
+grep_wait "checkpoint written; requeueing" 60
+# the stray takes n3's runtime dir as soon as the first run's daemon leaves it
+# (the requeued run waits cred_expire, 15 s, before it starts)
+stray_dir=$DIR/scape-job$job-n3 deadline=$((SECONDS + 30))
+while :; do
+  env -u SCAPE_CHECKPOINT_DIR -u SCAPE_RESUME "$build/daemon/scaped" --runtime_dir "$stray_dir" \
+    --world 1 --trainers 1 --log_level warn >>"$DIR/stray.log" 2>&1 &
+  stray=$!
+  sleep 0.5
+  kill -0 "$stray" 2>/dev/null && break
+  stray=""
+  [ "$SECONDS" -lt "$deadline" ] || fail "the first run's daemon on n3 kept its runtime dir for 30 s"
+done
+grep_wait "run 1 of job $job could not start its daemons" 120
+grep -q "another scaped (pid $stray) is serving '$stray_dir'" "$DIR/requeue.out" ||
+  fail "n3's daemon did not name the stray scaped (pid $stray) that held its runtime dir"
+kill "$stray" && wait "$stray" 2>/dev/null
+stray=""
 deadline=$((SECONDS + 300))
 while :; do
   state=$(scontrol show job "$job" | grep -o "JobState=[A-Z_]*" | cut -d= -f2)
@@ -185,16 +220,16 @@ while :; do
   [ "$SECONDS" -lt "$deadline" ] || fail "the requeued job did not finish (state $state)"
   sleep 1
 done
-[ "${restarts:-0}" -ge 1 ] || fail "the job was not requeued (Restarts=${restarts:-0})"
-grep -q "checkpoint written; requeueing" "$DIR/requeue.out" || fail "no checkpoint before the requeue"
-grep -q "resumes from" "$DIR/requeue.out" || fail "the second run did not resume"
+[ "${restarts:-0}" -ge 2 ] || fail "the job was not requeued twice (Restarts=${restarts:-0})"
+grep -q "run 2 of job $job resumes from" "$DIR/requeue.out" || fail "the third run did not resume"
 first=$(grep -o "steps [0-9]*..$steps done" "$DIR/requeue.out" | sort -u)
 [ "$(echo "$first" | wc -l)" -eq 1 ] || fail "trainers resumed at different steps: $first"
 case "$first" in "steps 1..$steps done") fail "the trainers started over at step 1" ;; esac
 resumed=$(grep -o "params [0-9a-f]*" "$DIR/requeue.out" | sort -u)
 [ "$(echo "$resumed" | wc -l)" -eq 1 ] || fail "the resumed trainers differ"
 [ "$resumed" = "$plain" ] || fail "resumed $resumed, uninterrupted $plain"
-echo "template: SIGUSR1 -> checkpoint -> requeue -> resume ($first), parameters equal to the uninterrupted job: ok"
+echo "template: SIGUSR1 -> checkpoint -> requeue -> n3 unsettled (a stray scaped), requeued again ->" \
+     "resume ($first), parameters equal to the uninterrupted job: ok"
 
 # A corrupted checkpoint: one flipped byte in rank 2's file.  The job that
 # would resume from it fails at start-up with the reason, and the files on
@@ -333,5 +368,7 @@ from=$((${ckpt#step-} + 1))
   fail "not every trainer resumed at step $from and finished"
 lost=$(grep -o "params [0-9a-f]*" "$DIR/cut-lost.out" | sort -u)
 [ "$lost" = "$plain" ] || fail "after the lost link: $lost, uninterrupted $plain"
+again=$(grep -m 1 "could not start its daemons" "$DIR/cut-lost.out" || true)
 echo "template: lost link -> requeue -> resume from $ckpt (steps $from..$steps)," \
-     "parameters equal to the uninterrupted job: ok ($((SECONDS - t_case)) s)"
+     "parameters equal to the uninterrupted job: ok ($((SECONDS - t_case)) s," \
+     "$(job_field "$job" Restarts) requeue(s)${again:+; $again})"
