@@ -3,15 +3,19 @@
 # fortunes corpus with a local group of 2 scaped daemons (host backend over
 # loopback TCP, sharded) and 2 trainer processes on each: first SCAPE at
 # rho 0.01, then dense AdamS with the same model, data and seeds.  Shows a
-# progress bar, prints a closing table and writes a plot (SVG).
+# progress bar, prints a closing table and writes a plot (SVG).  Both runs
+# use the settings docs/operations.md recommends for a GPT: gradients clipped
+# at 1.0, and for SCAPE the norms and biases sent whole (dense_below 256),
+# masks as deltas and the parameters' changes on the wire; --plain runs
+# SCAPE and AdamS with scaped's defaults instead.
 #
 # Run as root (as deploy/setup.sh needs), the two daemons sit on two test
 # hosts (network namespaces, deploy/hosts.sh) joined by a link of --link RATE
 # (default 100mbit, tc's units); --link none, or no root, keeps them on
 # loopback.
 #
-# Usage: deploy/demo.sh [--steps N] [--rho X] [--link RATE|none]
-#        (STEPS, RHO, LINK in the environment too)
+# Usage: deploy/demo.sh [--steps N] [--rho X] [--link RATE|none] [--plain]
+#        (STEPS, RHO, LINK, PLAIN=1 in the environment too)
 # While it runs, `build-demo/client/scapectl --runtime-dir DIR watch` (the
 # directory is printed) follows a daemon from another terminal.
 set -euo pipefail
@@ -20,14 +24,23 @@ cd "$root"
 STEPS=${STEPS:-300}
 RHO=${RHO:-0.01}
 LINK=${LINK:-100mbit}
+PLAIN=${PLAIN:-0}
 while [ $# -gt 0 ]; do
   case "$1" in
   --steps) STEPS=$2; shift 2 ;;
   --rho) RHO=$2; shift 2 ;;
   --link) LINK=$2; shift 2 ;;
-  *) echo "usage: deploy/demo.sh [--steps N] [--rho X] [--link RATE|none]" >&2; exit 64 ;;
+  --plain) PLAIN=1; shift ;;
+  *) echo "usage: deploy/demo.sh [--steps N] [--rho X] [--link RATE|none] [--plain]" >&2; exit 64 ;;
   esac
 done
+if [ "$PLAIN" = 1 ]; then
+  both=() scape_extra=() settings="scaped's defaults"
+else
+  both=(--max-grad-norm 1)
+  scape_extra=(--dense-below 256 --mask-deltas true --gather-values delta)
+  settings="clipped at 1.0; norms and biases whole, mask deltas, changes on the wire"
+fi
 
 bash deploy/setup.sh
 echo "==> build (Release) in build-demo"
@@ -139,9 +152,10 @@ run_group() {
 where="loopback"
 [ -z "$hosts" ] || where="a $LINK link"
 echo "==> SCAPE, rho $RHO: 2 daemons x 2 trainers over $where, $STEPS steps (GPT d=64, 2 layers, fortunes)"
-run_group scape --optimizer scape --rho "$RHO" --warmup 10
+echo "    settings: $settings"
+run_group scape --optimizer scape --rho "$RHO" --warmup 10 "${both[@]}" "${scape_extra[@]}"
 echo "==> dense AdamS, the same model, data and seeds (the baseline)"
-run_group adams --optimizer adams
+run_group adams --optimizer adams "${both[@]}"
 echo "==> results"
 python3 client/examples/demo_report.py --svg "$out/demo.svg" --link "$where" \
   "scape rho=$RHO=$out/scape.csv" "dense adams=$out/adams.csv"
