@@ -57,6 +57,7 @@
 #include <nccl.h>
 
 #include "comm_nccl.h"
+#include "scape_cuda_err.h"
 #include "scape_kernels.h"
 #include "try.h"
 
@@ -122,7 +123,7 @@ static scape_rc cuda_fail(nccl_impl *x, cudaError_t e, const char *what)
 {
     abort_all(x);
     return scape_set_error(SCAPE_CUDA, "comm nccl: %s: %s; the communicators were aborted",
-                           what, cudaGetErrorString(e));
+                           what, scape_cuda_failed(e));
 }
 
 #define CUDA_TRY(x, call, what)                                                \
@@ -191,7 +192,7 @@ static scape_rc wait_for(nccl_impl *x, lane *l, cudaEvent_t ev, const char *what
 {
     double deadline = now_ms() + x->timeout_ms;
     for (;;) {
-        cudaError_t e = ev ? cudaEventQuery(ev) : cudaStreamQuery(l->stream);
+        cudaError_t e = scape_cuda_query(ev ? cudaEventQuery(ev) : cudaStreamQuery(l->stream));
         if (e == cudaSuccess) {
             comm_progress();
             return SCAPE_OK;
@@ -937,12 +938,12 @@ static uint64_t nc_device_bytes(const comm_t *c)
 }
 
 /* A stream with work still queued (NotReady); an error counts as quiet:
- * nothing more will complete there anyway. */
+ * nothing more will complete there anyway.  Neither answer stays the
+ * thread's last error. */
 static int stream_busy(cudaStream_t st)
 {
     cudaError_t e = cudaStreamQuery(st);
-    if (e != cudaSuccess && e != cudaErrorNotReady)
-        (void)cudaGetLastError();
+    scape_cuda_quietly(e);
     return e == cudaErrorNotReady;
 }
 

@@ -133,10 +133,16 @@ static scape_rc cu_alloc(dev_t *d, size_t bytes, int pinned, void **out)
     }
     /* zeroed, as dev.h promises: on the main stream, before anything the
      * executor enqueues (it waits for all of it before its first step) */
-    if (pinned)
+    if (pinned) {
         memset(*out, 0, bytes);
-    else
-        CU(cudaMemsetAsync(*out, 0, bytes, d->s[DEV_MAIN]), "cudaMemsetAsync");
+        return SCAPE_OK;
+    }
+    if ((e = cudaMemsetAsync(*out, 0, bytes, d->s[DEV_MAIN])) != cudaSuccess) {
+        scape_rc rc = cuda_err(e, "cudaMemsetAsync");
+        scape_cuda_quietly(cudaFree(*out)); /* the caller frees only what it got */
+        *out = NULL;
+        return rc;
+    }
     return SCAPE_OK;
 }
 
@@ -207,7 +213,7 @@ static scape_rc cu_launch(dev_t *d, int s, kseg_kernel k, const void *args)
 static scape_rc drain(dev_t *d, int s, double deadline)
 {
     for (;;) {
-        cudaError_t e = cudaStreamQuery(d->s[s]);
+        cudaError_t e = scape_cuda_query(cudaStreamQuery(d->s[s]));
         if (e == cudaSuccess)
             return SCAPE_OK;
         if (e != cudaErrorNotReady)

@@ -272,9 +272,8 @@ scape_rc shm_map_event_done(const shm_map *m, int *done, const char *what)
     *done = 1;
     if (m->event == NULL)
         return SCAPE_OK;
-    cudaError_t e = cudaEventQuery((cudaEvent_t)m->event);
+    cudaError_t e = scape_cuda_query(cudaEventQuery((cudaEvent_t)m->event));
     if (e == cudaErrorNotReady) {
-        (void)cudaGetLastError(); /* "not yet" is no error to keep */
         *done = 0;
         return SCAPE_OK;
     }

@@ -31,8 +31,9 @@ typedef struct lsc_dev_buf {
  *    for (or, blocking, the host) once the step's reply has come; NULL: a
  *    daemon that does not know events, and `stream` is synchronised before
  *    each Step instead.
- * No function here leaves the caller's current device changed, and none
- * synchronises a whole device. */
+ * No function here leaves the caller's current device changed, and no step
+ * synchronises a whole device (attach and detach allocate and free device
+ * memory, which cudaMalloc and cudaFree may synchronise). */
 typedef struct lsc_dev_events {
     void *grad, *params;  /* cudaEvent_t */
     unsigned char grad_handle[LSC_IPC_HANDLE_BYTES];
