@@ -8,9 +8,10 @@
  *   implicitly for the stream (a pageable copy would, behind a collective
  *   that a dead peer never completes); the stream is then polled with the
  *   same deadline;
- * - past the deadline, or on any error NCCL calls fatal, both communicators
- *   are aborted (an abort of one leaves the other's kernels spinning) and
- *   every later call is refused.
+ * - past the deadline, on any NCCL error, and on any other failure of a
+ *   collective on this rank (a CUDA call, memory, a kernel: the peers are in
+ *   it already), both communicators are aborted (an abort of one leaves the
+ *   other's kernels spinning) and every later call is refused.
  * Both lanes are driven from this one thread in the same order on every
  * rank, and NCCL_LAUNCH_ORDER_IMPLICIT makes NCCL keep that order on the GPU,
  * which is what two communicators used concurrently require.  That setting
@@ -18,7 +19,10 @@
  * the environment) the mask lane issues its work
  * on the main lane's stream (still its own communicator), so the GPU runs
  * the two in issue order: the mask all-gather then overlaps the host's work
- * and the trainers' compute, not the main lane's collectives.
+ * and the trainers' compute, not the main lane's collectives.  (Per NCCL's
+ * source, the implicit order waits for the previous launch's completion,
+ * not only its start, where the CUDA runtime or driver is older than 12.3:
+ * there, too, the two lanes' kernels run one after the other.)
  * Closing is bounded too: ncclCommFinalize, polled for up to NC_CLOSE_MS,
  * then ncclCommDestroy (which no longer waits for the peers); past that, or
  * on an error, ncclCommAbort.
@@ -155,8 +159,10 @@ static scape_rc wait_more(nccl_impl *x, double deadline, const char *what)
 }
 
 /* Wait until the lane's communicator has no call in progress; r is what the
- * call returned.  Anything but success is fatal for the job's communicators
- * (an invalid argument is this daemon's bug, and is reported as such). */
+ * call returned.  Anything but success is fatal for the job's communicators,
+ * an invalid argument (this daemon's bug) too: after an error NCCL promises
+ * nothing about what was enqueued, and the peers, already in the
+ * collective, learn of the abort at once instead of at their timeout. */
 static scape_rc settle(nccl_impl *x, lane *l, ncclResult_t r, const char *what)
 {
     double deadline = now_ms() + x->timeout_ms;
@@ -169,10 +175,9 @@ static scape_rc settle(nccl_impl *x, lane *l, ncclResult_t r, const char *what)
         return SCAPE_OK;
     char last[256];
     snprintf(last, sizeof last, "%s", ncclGetLastError(l->comm));
-    if (r != ncclInvalidArgument)
-        abort_all(x);
-    return scape_set_error(SCAPE_NCCL, "comm nccl: %s: %s (%s)%s", what, ncclGetErrorString(r),
-                           last, x->aborted ? "; the communicators were aborted" : "");
+    abort_all(x);
+    return scape_set_error(SCAPE_NCCL, "comm nccl: %s: %s (%s); the communicators were aborted",
+                           what, ncclGetErrorString(r), last);
 }
 
 /* A failure NCCL reports on lane l's communicator, else ncclSuccess. */
@@ -185,9 +190,10 @@ static ncclResult_t lane_error(const lane *l)
 }
 
 /* Wait for the event ev (NULL: all of the lane's stream), bounded and
- * watching the communicator for errors; the main lane's stream also waits
- * on the mask lane's work (the device path's mask all-gather), so its waits
- * watch that communicator too. */
+ * watching both communicators for errors: the main lane's stream waits on
+ * the mask lane's work (the device path's mask all-gather), and the mask
+ * lane's may wait on the main lane's (a shared stream, or NCCL's launch
+ * order), so a failure on either ends the wait at once. */
 static scape_rc wait_for(nccl_impl *x, lane *l, cudaEvent_t ev, const char *what)
 {
     double deadline = now_ms() + x->timeout_ms;
@@ -199,11 +205,12 @@ static scape_rc wait_for(nccl_impl *x, lane *l, cudaEvent_t ev, const char *what
         }
         if (e != cudaErrorNotReady)
             return cuda_fail(x, e, what);
+        lane *other = l == &x->main ? &x->mask : &x->main;
         ncclResult_t r = lane_error(l);
         if (r != ncclSuccess)
             return settle(x, l, r, what);
-        if (l == &x->main && (r = lane_error(&x->mask)) != ncclSuccess)
-            return settle(x, &x->mask, r, what);
+        if ((r = lane_error(other)) != ncclSuccess)
+            return settle(x, other, r, what);
         TRY(wait_more(x, deadline, what));
     }
 }
@@ -701,6 +708,20 @@ static ncclResult_t run_gather(const sop *o, lane *l, char *dev, const size_t *p
     return ncclSuccess;
 }
 
+/* A collective that failed on this rank, for whatever reason (a CUDA call,
+ * memory, a kernel, an argument): its peers are in it or about to enter it,
+ * and this rank will not follow, so the communicators are aborted and the
+ * peers learn so at once instead of at their timeout. */
+static scape_rc failed(nccl_impl *x, scape_rc rc)
+{
+    if (rc == SCAPE_OK || x->aborted)
+        return rc;
+    char why[512];
+    snprintf(why, sizeof why, "%s", scape_last_error());
+    abort_all(x);
+    return scape_set_error(rc, "%s; the communicators were aborted", why);
+}
+
 /* bf16 inputs: on device memory 16 bits a value, summed in fp32 in rank
  * order (dev_rs_bf16); host memory goes through the staging slots as the
  * fp32 numbers it holds. */
@@ -708,26 +729,26 @@ static scape_rc nc_allreduce(comm_t *c, float *buf, size_t n, int bf16)
 {
     nccl_impl *x = c->impl;
     if (n && on_device(buf))
-        return dev_allreduce(x, c, buf, n, bf16);
+        return failed(x, dev_allreduce(x, c, buf, n, bf16));
     size_t off = 0, len = n * sizeof(float), pos, cnt;
     sop o = { .what = "all-reduce", .nseg = 1, .off = &off, .len = &len,
               .piece = piece_for(1, 0), .src = (const char *)buf, .dst = (char *)buf,
               .in_seg = -1, .out_seg = -1, .run = run_allreduce };
-    return n ? stream_op(x, &x->main, &o, &pos, &cnt) : usable(x);
+    return n ? failed(x, stream_op(x, &x->main, &o, &pos, &cnt)) : usable(x);
 }
 
 static scape_rc nc_broadcast(comm_t *c, void *buf, size_t bytes, int root)
 {
     nccl_impl *x = c->impl;
     if (bytes && on_device(buf))
-        return dev_broadcast(x, buf, bytes, root);
+        return failed(x, dev_broadcast(x, buf, bytes, root));
     size_t off = 0, pos, cnt;
     /* Only the root's bytes go in; the others' arrive. */
     sop o = { .what = "broadcast", .nseg = 1, .off = &off, .len = &bytes,
               .piece = piece_for(1, 0), .src = buf, .dst = buf,
               .in_seg = c->rank == root ? -1 : NO_INPUT, .out_seg = -1, .run = run_broadcast,
               .root = root };
-    return bytes ? stream_op(x, &x->main, &o, &pos, &cnt) : usable(x);
+    return bytes ? failed(x, stream_op(x, &x->main, &o, &pos, &cnt)) : usable(x);
 }
 
 /* Per-segment byte offsets and lengths of a collective with per-rank counts
@@ -748,10 +769,10 @@ static scape_rc nc_reduce_scatter(comm_t *c, const float *send, float *recv,
 {
     nccl_impl *x = c->impl;
     if (on_device(send))
-        return dev_reduce_scatter(x, c, send, recv, counts, bf16);
+        return failed(x, dev_reduce_scatter(x, c, send, recv, counts, bf16));
     size_t R = (size_t)c->size, *a = seg_arrays(c, counts, sizeof(float));
     if (a == NULL)
-        return scape_set_error(SCAPE_NOMEM, "comm nccl: out of memory");
+        return failed(x, scape_set_error(SCAPE_NOMEM, "comm nccl: out of memory"));
     /* The result lands at recv, which may be this rank's segment of send: the
      * pieces of round c are read before round c's result is written back,
      * and each round writes only the bytes that round read. */
@@ -761,23 +782,23 @@ static scape_rc nc_reduce_scatter(comm_t *c, const float *send, float *recv,
               .reduce_out = 1, .run = run_reduce };
     scape_rc rc = stream_op(x, &x->main, &o, a + 2 * R, a + 3 * R);
     free(a);
-    return rc;
+    return failed(x, rc);
 }
 
 static scape_rc nc_allgather(comm_t *c, const void *send, void *recv, const size_t *counts)
 {
     nccl_impl *x = c->impl;
     if (on_device(recv))
-        return dev_allgather(x, &x->main, c, send, recv, counts, "all-gather");
+        return failed(x, dev_allgather(x, &x->main, c, send, recv, counts, "all-gather"));
     size_t R = (size_t)c->size, *a = seg_arrays(c, counts, 1);
     if (a == NULL)
-        return scape_set_error(SCAPE_NOMEM, "comm nccl: out of memory");
+        return failed(x, scape_set_error(SCAPE_NOMEM, "comm nccl: out of memory"));
     sop o = { .what = "all-gather", .nseg = c->size, .off = a, .len = a + R,
               .piece = piece_for(c->size, 0), .in_at = send, .dst = recv,
               .in_seg = c->rank, .out_seg = -1, .run = run_gather };
     scape_rc rc = stream_op(x, &x->main, &o, a + 2 * R, a + 3 * R);
     free(a);
-    return rc;
+    return failed(x, rc);
 }
 
 /* bf16 reductions go in 16 bits on device memory only. */
@@ -829,9 +850,9 @@ static scape_rc nc_iallgather(comm_t *c, const void *send, void *recv, const siz
 {
     nccl_impl *x = c->impl;
     if (on_device(recv))
-        return dev_iallgather(x, c, send, recv, counts);
+        return failed(x, dev_iallgather(x, c, send, recv, counts));
     size_t total = 0;
-    TRY(gather_start(x, &x->mask, c, send, counts, &total, "mask all-gather"));
+    TRY(failed(x, gather_start(x, &x->mask, c, send, counts, &total, "mask all-gather")));
     x->mask_recv = recv;
     x->mask_bytes = total;
     return SCAPE_OK;
@@ -1032,6 +1053,8 @@ static scape_rc lane_init(nccl_impl *x, lane *l, const comm_nccl_opts *o, int wh
     cfg.blocking = 0;
     ncclResult_t r = ncclCommInitRankConfig(&l->comm, o->size, id, o->rank, &cfg);
     if (r != ncclSuccess && r != ncclInProgress) {
+        if (l->comm) /* a non-blocking init may fail with its handle made */
+            ncclCommAbort(l->comm);
         l->comm = NULL;
         return scape_set_error(SCAPE_NCCL, "ncclCommInitRankConfig (rank %d of %d): %s",
                                o->rank, o->size, ncclGetErrorString(r));
