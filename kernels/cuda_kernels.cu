@@ -786,6 +786,24 @@ extern "C" scape_rc kern_cuda_mask_compact(const float *dense, const uint32_t *m
                        as_stream(stream));
 }
 
+/* At the coordinates sent, a (a copy of the residual) becomes what was sent
+ * plus what stayed: the residual there is 0 with fp32 values and a - bf16(a)
+ * with bf16 ones, so a is rebuilt exactly either way, as cpu_topk.c does. */
+struct rebuild_op {
+    const float *packed;
+    float *a;
+    typedef float item;
+    __device__ float load(size_t i, uint32_t j, bool on, bool) const
+    {
+        return on ? packed[j] + a[i] : 0.0f;
+    }
+    __device__ void store(size_t i, uint32_t, bool on, float x) const
+    {
+        if (on)
+            a[i] = x;
+    }
+};
+
 template <bool BF16> struct expand_op {
     const float *packed;
     void *dense;
@@ -1219,6 +1237,6 @@ extern "C" scape_rc kern_cuda_topk_packed(const float *m, const float *e, const 
     CUDA_TRY(fn, cudaMemcpyAsync(a, e, n * sizeof(float), cudaMemcpyDeviceToDevice, s));
     CUDA_TRY(fn, cudaMemsetAsync(zero, 0, n * sizeof(float), s));
     if (sent)
-        TRY(kern_cuda_mask_expand(packed, sent, n, a, KERN_F32, rest, rest_bytes, stream));
+        TRY(run_scatter(fn, rebuild_op{packed, a}, sent, n, rest, s));
     return kern_cuda_topk_ef(m, a, zero, n, beta1, t_r, k, mask, rest, rest_bytes, stream);
 }

@@ -117,6 +117,9 @@ static __global__ void __launch_bounds__(KSEG_TILE)
         kseg_elem(OP, &a, t, i, (b >> lane) & 1u, idx, &acc);
     }
     uint32_t err = __reduce_or_sync(0xffffffffu, acc.err);
+    /* The residual's squared norm, for the status metric only (nothing
+     * computed from it): its sum runs in the order the warps finish, so its
+     * last bits may differ from the host executor's and from run to run. */
     double n2 = OP == KSEG_PACK ? warp_sum(acc.norm2) : 0.0;
     if (lane == 0 && a.status) {
         note_err(a.status, err);

@@ -382,10 +382,13 @@ static void check_topk_all(ctx *c, size_t n)
 }
 
 /* The fused selections: from g + e (topk_ef) and, after a pack, from the
- * stored a (topk_packed), each with the SCAPE statistic and with |a|. */
-static void check_topk_fused(ctx *c, size_t n, int scape_stat, double p)
+ * stored a (topk_packed), each with the SCAPE statistic and with |a|; the
+ * pack with fp32 values leaves 0 in the residual at the sent coordinates,
+ * with bf16 values a - bf16(a), which topk_packed must add back. */
+static void check_topk_fused(ctx *c, size_t n, int scape_stat, double p, int bf16)
 {
-    begin(c, n, "topk_ef/topk_packed %s p=%.2f", scape_stat ? "scape" : "abs", p);
+    begin(c, n, "topk_ef/topk_packed %s p=%.2f %s values", scape_stat ? "scape" : "abs", p,
+          bf16 ? "bf16" : "f32");
     const size_t nw = kern_mask_words(n), k = n / 50 + (n > 0);
     const size_t cs_bytes = kern_topk_scratch_bytes(n);
     void *cs = gc_host(&c->arena, cs_bytes ? cs_bytes : 1);
@@ -403,7 +406,7 @@ static void check_topk_fused(ctx *c, size_t n, int scape_stat, double p)
                                c->scratch_bytes, NULL), "gpu ef");
     cmp_bits(c, "ef mask", m_ef, down(c, dmask, nw * 4), nw, 4);
     size_t kk = 0;
-    rc_ok(c, kern_pack_ef(g, e, sent, n, packed, &kk), "cpu pack");
+    rc_ok(c, (bf16 ? kern_pack_ef_bf16 : kern_pack_ef)(g, e, sent, n, packed, &kk), "cpu pack");
     rc_ok(c, kern_topk_packed(mm, e, sent, packed, n, 0.9f, 3.0f, k, m_pk, cs, cs_bytes),
           "cpu packed");
     cmp_bits(c, "packed vs ef (cpu)", m_ef, m_pk, nw, 4);
@@ -576,10 +579,11 @@ static void check_offset(ctx *c, size_t n)
     check_stats(c, n, 0.9f, 3.0f);
     check_stats(c, n, 0.0f, 1.0f);
     check_topk_all(c, n);
-    for (int sc = 0; sc < 2; sc++) {
-        check_topk_fused(c, n, sc, 0.01);
-        check_topk_fused(c, n, sc, 1.0);
-    }
+    for (int sc = 0; sc < 2; sc++)
+        for (int bf = 0; bf < 2; bf++) {
+            check_topk_fused(c, n, sc, 0.01, bf);
+            check_topk_fused(c, n, sc, 1.0, bf);
+        }
     for (int w = 0; w < 2; w++) {
         check_adam_dense(c, n, w);
         check_accum(c, n, w ? KERN_BF16 : KERN_F32, 0);
