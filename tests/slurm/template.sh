@@ -175,15 +175,6 @@ fi
 plain=$(grep -o "params [0-9a-f]*" "$DIR/job.out" | sort -u)
 export SCAPE_CHECKPOINT_DIR=$DIR/ckpt-requeue
 export TRAINER_CMD="$TRAINER_CMD --sleep-ms 40"
-job=$(sbatch --parsable --nodes=4 --output="$DIR/requeue.out" --open-mode=append \
-      --export=ALL "$root/slurm/generic.sbatch") || fail "sbatch refused the job"
-deadline=$((SECONDS + 120))
-until grep -q "scape: every daemon is up" "$DIR/requeue.out" 2>/dev/null; do
-  [ "$SECONDS" -lt "$deadline" ] || fail "the job did not start its daemons"
-  sleep 0.5
-done
-sleep 2
-scancel --signal=USR1 --batch "$job" || fail "scancel --signal=USR1 failed"
 grep_wait() {  # pattern, seconds: until the job's output has it
   local deadline=$((SECONDS + $2))
   until grep -q "$1" "$DIR/requeue.out" 2>/dev/null; do
@@ -191,6 +182,11 @@ grep_wait() {  # pattern, seconds: until the job's output has it
     sleep 0.2
   done
 }
+job=$(sbatch --parsable --nodes=4 --output="$DIR/requeue.out" --open-mode=append \
+      --export=ALL "$root/slurm/generic.sbatch") || fail "sbatch refused the job"
+grep_wait "scape: every daemon is up" 120
+sleep 2
+scancel --signal=USR1 --batch "$job" || fail "scancel --signal=USR1 failed"
 grep_wait "checkpoint written; requeueing" 60
 # the stray takes n3's runtime dir as soon as the first run's daemon leaves it
 # (the requeued run waits cred_expire, 15 s, before it starts)
