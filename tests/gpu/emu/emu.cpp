@@ -1,0 +1,1336 @@
+/* emu.cpp - scaped's CUDA emulator: the runtime (memory, streams, events,
+ * launches) and a one-rank NCCL, on the CPU, for the emulator build of the
+ * GPU checks (tests/gpu/emu/CMakeLists.txt).  See include/cuda_runtime.h for
+ * what it checks and what it cannot.
+ *
+ * Execution.  Everything runs on the calling host thread under one lock.  A
+ * kernel runs block after block; a block's threads are fibers with stacks of
+ * their own, switched only where CUDA makes threads meet (__syncthreads, the
+ * warp intrinsics), so the work between two barriers of one thread runs
+ * without interruption.  A barrier that can never complete (a thread waiting
+ * at __syncthreads while others wait at a warp op, a warp op naming a lane
+ * that has exited, lanes of one warp at different intrinsics) stops the
+ * process with the kernel's name and what each thread waits at.
+ *
+ * Order.  EMU_SEED=N (N != 0) runs the blocks of every launch, and the
+ * fibers of every block in every round, in an order drawn from N: a kernel
+ * whose result depends on that order (a float atomic, a race through shared
+ * memory settled by a barrier in one order only) gives different bits under
+ * different seeds.
+ *
+ * Streams.  Eager by default: work runs when it is queued.  EMU_LAZY=1 queues
+ * it and runs a stream's work only when something waits for it (a stream or
+ * event synchronisation, a query -- which answers cudaErrorNotReady first,
+ * as a real one does while work is pending -- a stream waiting on an event,
+ * a synchronous copy), in stream order; so host code that reads a result
+ * before it waited reads stale memory, and a missing event between two
+ * streams shows.  Copies from or to pageable host memory run at once after
+ * the stream's earlier work, as CUDA stages them.
+ *
+ * Errors follow the runtime: a failing call returns its error and leaves it
+ * as the thread's last error (cudaErrorNotReady from a query too), which
+ * cudaGetLastError returns and clears; a launch with a bad configuration
+ * leaves cudaErrorInvalidConfiguration.  New device and pinned memory is
+ * filled with 0xff bytes (a NaN as a float), since real memory is not
+ * zeroed either. */
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <vector>
+
+#include "cuda_runtime.h"
+#include "nccl.h"
+
+#if defined(__SANITIZE_ADDRESS__)
+#define EMU_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define EMU_ASAN 1
+#endif
+#endif
+#ifdef EMU_ASAN
+#include <sanitizer/common_interface_defs.h>
+#endif
+
+#if !defined(__x86_64__)
+#include <ucontext.h>
+#endif
+
+uint3 threadIdx, blockIdx;
+dim3 blockDim, gridDim;
+
+namespace {
+
+[[noreturn]] void die(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "cuda emulator: ");
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n");
+    va_end(ap);
+    fflush(NULL);
+    abort();
+}
+
+double now_ms()
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return 1e3 * (double)ts.tv_sec + 1e-6 * (double)ts.tv_nsec;
+}
+
+std::recursive_mutex g_mu;
+typedef std::lock_guard<std::recursive_mutex> guard;
+thread_local cudaError_t t_last = cudaSuccess;
+thread_local int t_device = 0;
+unsigned long long g_kernels = 0;
+
+struct settings {
+    bool lazy = false;
+    uint64_t seed = 0;
+    char text[160];
+    settings()
+    {
+        const char *l = getenv("EMU_LAZY"), *s = getenv("EMU_SEED");
+        lazy = l && atoi(l) != 0;
+        seed = s ? strtoull(s, NULL, 0) : 0;
+        snprintf(text, sizeof text, "CUDA emulator on the CPU (%s streams, %s order)",
+                 lazy ? "lazy" : "eager", seed ? "seeded" : "natural");
+        if (seed)
+            snprintf(text + strlen(text) - 1, sizeof text - strlen(text) + 1, " %llu)",
+                     (unsigned long long)seed);
+    }
+};
+settings &cfg()
+{
+    static settings s;
+    return s;
+}
+
+cudaError_t fail(cudaError_t e)
+{
+    if (e != cudaSuccess)
+        t_last = e;
+    return e;
+}
+
+/* ---- memory ----------------------------------------------------------------------- */
+
+enum kind { DEVICE, PINNED, REGISTERED };
+struct block {
+    size_t bytes;
+    kind k;
+};
+std::map<uintptr_t, block> g_mem;
+
+const std::pair<const uintptr_t, block> *find_block(const void *p)
+{
+    uintptr_t a = (uintptr_t)p;
+    auto it = g_mem.upper_bound(a);
+    if (it == g_mem.begin())
+        return nullptr;
+    --it;
+    if (a < it->first || a >= it->first + (it->second.bytes ? it->second.bytes : 1))
+        return nullptr;
+    return &*it;
+}
+
+cudaError_t alloc(void **p, size_t bytes, kind k)
+{
+    if (p == nullptr)
+        return fail(cudaErrorInvalidValue);
+    *p = nullptr;
+    if (bytes == 0)
+        return cudaSuccess;
+    void *m = nullptr;
+    if (posix_memalign(&m, 256, bytes) != 0)
+        return fail(cudaErrorMemoryAllocation);
+    memset(m, 0xff, bytes);
+    g_mem[(uintptr_t)m] = block{ bytes, k };
+    *p = m;
+    return cudaSuccess;
+}
+
+cudaError_t release(void *p, kind k)
+{
+    if (p == nullptr)
+        return cudaSuccess;
+    auto it = g_mem.find((uintptr_t)p);
+    if (it == g_mem.end() || (it->second.k == DEVICE) != (k == DEVICE) || it->second.k == REGISTERED)
+        return fail(k == DEVICE ? cudaErrorInvalidDevicePointer : cudaErrorInvalidValue);
+    g_mem.erase(it);
+    free(p);
+    return cudaSuccess;
+}
+
+/* ---- streams and events ----------------------------------------------------------- */
+
+struct stream;
+struct op {
+    enum { RUN, MARK, WAIT } what;
+    std::function<void()> fn; /* RUN */
+    cudaEvent_t ev;           /* MARK: the event whose time is taken */
+    stream *on;               /* WAIT: until `on` has done `upto` */
+    uint64_t upto;
+};
+struct stream {
+    unsigned flags;
+    bool legacy, destroyed;
+    std::deque<op> q;
+    uint64_t queued, done; /* ops queued and run so far */
+};
+stream g_legacy = { 0, true, false, {}, 0, 0 };
+std::vector<std::unique_ptr<stream>> g_streams; /* kept after destroy: handles are checked */
+
+stream *as_stream(cudaStream_t s) { return s ? reinterpret_cast<stream *>(s) : &g_legacy; }
+
+bool valid(stream *s)
+{
+    if (s == &g_legacy)
+        return true;
+    for (auto &p : g_streams)
+        if (p.get() == s)
+            return !s->destroyed;
+    return false;
+}
+
+void run_until(stream *s, uint64_t upto);
+
+void run_op(stream *s, op &o)
+{
+    switch (o.what) {
+    case op::RUN:
+        o.fn();
+        break;
+    case op::MARK:
+        break; /* the event's time is set below, when its position is reached */
+    case op::WAIT:
+        run_until(o.on, o.upto);
+        break;
+    }
+    (void)s;
+}
+
+} // namespace
+
+struct emu_event {
+    unsigned flags;
+    bool destroyed;
+    stream *on; /* the stream of its last record (null: never recorded) */
+    uint64_t at; /* complete once `on` has done this many ops */
+    double t_ms;
+};
+
+namespace {
+
+std::vector<std::unique_ptr<emu_event>> g_events;
+
+bool valid(emu_event *e)
+{
+    for (auto &p : g_events)
+        if (p.get() == e)
+            return !e->destroyed;
+    return false;
+}
+
+void run_until(stream *s, uint64_t upto)
+{
+    while (s->done < upto && !s->q.empty()) {
+        op o = std::move(s->q.front());
+        s->q.pop_front();
+        run_op(s, o);
+        if (o.what == op::MARK && o.ev)
+            o.ev->t_ms = now_ms();
+        s->done++;
+    }
+}
+
+void run_all(stream *s) { run_until(s, s->queued); }
+
+void run_everything()
+{
+    run_all(&g_legacy);
+    for (auto &p : g_streams)
+        run_all(p.get());
+}
+
+/* Queue an op on s, after what the legacy default stream orders it behind:
+ * work on the legacy stream waits for every blocking stream's earlier work,
+ * and a blocking stream's work waits for the legacy stream's. */
+void push(stream *s, op o)
+{
+    if (s->legacy) {
+        for (auto &p : g_streams)
+            if (!p->destroyed && !(p->flags & cudaStreamNonBlocking) && p->done < p->queued) {
+                s->q.push_back(op{ op::WAIT, {}, nullptr, p.get(), p->queued });
+                s->queued++;
+            }
+    } else if (!(s->flags & cudaStreamNonBlocking) && g_legacy.done < g_legacy.queued) {
+        s->q.push_back(op{ op::WAIT, {}, nullptr, &g_legacy, g_legacy.queued });
+        s->queued++;
+    }
+    s->q.push_back(std::move(o));
+    s->queued++;
+    if (!cfg().lazy)
+        run_all(s);
+}
+
+void push_fn(stream *s, std::function<void()> fn) { push(s, op{ op::RUN, std::move(fn), nullptr, nullptr, 0 }); }
+
+bool event_done(const emu_event *e) { return e->on == nullptr || e->on->done >= e->at; }
+
+/* ---- fibers ------------------------------------------------------------------------ */
+
+#if defined(__x86_64__)
+extern "C" void emu_switch(void **save_sp, void *to_sp);
+extern "C" void emu_fiber_entry(void);
+asm(R"(
+    .pushsection .text
+    .globl emu_switch
+    .type emu_switch, @function
+emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size emu_switch, .-emu_switch
+    .globl emu_fiber_entry
+    .type emu_fiber_entry, @function
+emu_fiber_entry:
+    andq $-16, %rsp
+    call emu_fiber_main
+    ud2
+    .size emu_fiber_entry, .-emu_fiber_entry
+    .popsection
+)");
+#endif
+
+const size_t STACK = 256 * 1024; /* ASan's redzones need the room */
+const unsigned MAX_THREADS = 1024;
+
+enum wait_kind { NONE, BAR, WARP, DONE };
+struct fiber {
+    unsigned tid;
+    wait_kind wait;
+    uint64_t gen; /* the barrier generation it waits to see pass */
+    char *stack;
+#if defined(__x86_64__)
+    void *sp;
+#else
+    ucontext_t uc;
+#endif
+};
+struct warp {
+    unsigned lanes;   /* lanes that exist */
+    unsigned alive;   /* bit per lane not yet exited */
+    unsigned arrived; /* lanes at the current op */
+    unsigned mask;
+    const char *op;
+    uint64_t gen;
+    uint64_t slot[2][32];
+};
+
+struct runner {
+    char *stacks = nullptr;
+    fiber fib[MAX_THREADS];
+    warp warps[MAX_THREADS / 32];
+    unsigned nthreads = 0, live = 0, bar_count = 0;
+    uint64_t bar_gen = 0;
+    fiber *cur = nullptr;
+    const char *kernel = "";
+    const std::function<void()> *body = nullptr;
+#if defined(__x86_64__)
+    void *sched_sp = nullptr;
+#else
+    ucontext_t sched_uc;
+#endif
+#ifdef EMU_ASAN
+    void *fake = nullptr;
+    const void *sched_bottom = nullptr;
+    size_t sched_size = 0;
+#endif
+};
+runner g_run;
+
+void ensure_stacks()
+{
+    if (g_run.stacks)
+        return;
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    void *m = mmap(nullptr, STACK * MAX_THREADS, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (m == MAP_FAILED)
+        die("mmap of %zu bytes of fiber stacks: %s", STACK * MAX_THREADS, strerror(errno));
+    g_run.stacks = (char *)m;
+    for (unsigned i = 0; i < MAX_THREADS; i++) /* a guard page under each stack */
+        if (mprotect(g_run.stacks + (size_t)i * STACK, page, PROT_NONE) != 0)
+            die("mprotect of a guard page: %s", strerror(errno));
+}
+
+/* Into fiber f from the scheduler, and back. */
+void enter(fiber *f)
+{
+    g_run.cur = f;
+    threadIdx.x = f->tid % blockDim.x;
+    threadIdx.y = f->tid / blockDim.x % blockDim.y;
+    threadIdx.z = f->tid / (blockDim.x * blockDim.y);
+#ifdef EMU_ASAN
+    __sanitizer_start_switch_fiber(&g_run.fake, f->stack, STACK);
+#endif
+#if defined(__x86_64__)
+    emu_switch(&g_run.sched_sp, f->sp);
+#else
+    if (swapcontext(&g_run.sched_uc, &f->uc) != 0)
+        die("swapcontext: %s", strerror(errno));
+#endif
+#ifdef EMU_ASAN
+    __sanitizer_finish_switch_fiber(g_run.fake, nullptr, nullptr);
+#endif
+}
+
+void leave(bool finished)
+{
+    fiber *f = g_run.cur;
+#ifdef EMU_ASAN
+    void *fake = nullptr;
+    __sanitizer_start_switch_fiber(finished ? nullptr : &fake, g_run.sched_bottom, g_run.sched_size);
+#endif
+#if defined(__x86_64__)
+    emu_switch(&f->sp, g_run.sched_sp);
+#else
+    if (swapcontext(&f->uc, &g_run.sched_uc) != 0)
+        die("swapcontext: %s", strerror(errno));
+#endif
+#ifdef EMU_ASAN
+    __sanitizer_finish_switch_fiber(fake, &g_run.sched_bottom, &g_run.sched_size);
+#endif
+    (void)finished;
+}
+
+void release_barriers()
+{
+    if (g_run.bar_count && g_run.bar_count == g_run.live) {
+        g_run.bar_count = 0;
+        g_run.bar_gen++;
+    }
+}
+
+} // namespace
+
+extern "C" void emu_fiber_main(void)
+{
+#ifdef EMU_ASAN
+    __sanitizer_finish_switch_fiber(nullptr, &g_run.sched_bottom, &g_run.sched_size);
+#endif
+    (*g_run.body)();
+    fiber *f = g_run.cur;
+    f->wait = DONE;
+    g_run.live--;
+    warp &w = g_run.warps[f->tid / 32];
+    w.alive &= ~(1u << (f->tid % 32));
+    release_barriers();
+    leave(true);
+    die("a finished fiber was resumed");
+}
+
+#if !defined(__x86_64__)
+static void fiber_trampoline(void) { emu_fiber_main(); }
+#endif
+
+namespace {
+
+void start_fiber(fiber *f, unsigned tid)
+{
+    f->tid = tid;
+    f->wait = NONE;
+    f->gen = 0;
+    f->stack = g_run.stacks + (size_t)tid * STACK;
+#if defined(__x86_64__)
+    uintptr_t top = ((uintptr_t)(f->stack + STACK)) & ~(uintptr_t)15;
+    uint64_t *sp = (uint64_t *)top - 8; /* csr word, six registers, return address */
+    uint32_t mxcsr;
+    uint16_t fpcw;
+    asm volatile("stmxcsr %0" : "=m"(mxcsr));
+    asm volatile("fnstcw %0" : "=m"(fpcw));
+    memset(sp, 0, 8 * sizeof *sp);
+    memcpy(sp, &mxcsr, 4);
+    memcpy((char *)sp + 4, &fpcw, 2);
+    sp[7] = (uint64_t)(uintptr_t)emu_fiber_entry;
+    f->sp = sp;
+#else
+    if (getcontext(&f->uc) != 0)
+        die("getcontext: %s", strerror(errno));
+    f->uc.uc_stack.ss_sp = f->stack + sysconf(_SC_PAGESIZE);
+    f->uc.uc_stack.ss_size = STACK - sysconf(_SC_PAGESIZE);
+    f->uc.uc_link = nullptr;
+    makecontext(&f->uc, fiber_trampoline, 0);
+#endif
+}
+
+[[noreturn]] void deadlock()
+{
+    unsigned bar = 0, wrp = 0, done = 0;
+    for (unsigned i = 0; i < g_run.nthreads; i++)
+        (g_run.fib[i].wait == BAR ? bar : g_run.fib[i].wait == WARP ? wrp : done)++;
+    die("kernel %s, block (%u,%u,%u): no thread can go on: %u wait at __syncthreads, %u at a "
+        "warp intrinsic, %u have exited (a barrier not reached by every thread)",
+        g_run.kernel, blockIdx.x, blockIdx.y, blockIdx.z, bar, wrp, done);
+}
+
+void run_block(std::mt19937_64 *rng)
+{
+    const unsigned n = g_run.nthreads;
+    g_run.live = n;
+    g_run.bar_count = 0;
+    for (unsigned w = 0; w < (n + 31) / 32; w++) {
+        warp &x = g_run.warps[w];
+        x.lanes = n - w * 32 >= 32 ? 32 : n - w * 32;
+        x.alive = x.lanes == 32 ? 0xffffffffu : (1u << x.lanes) - 1u;
+        x.arrived = 0;
+        x.op = nullptr;
+    }
+    std::vector<unsigned> order(n);
+    for (unsigned i = 0; i < n; i++) {
+        order[i] = i;
+        start_fiber(&g_run.fib[i], i);
+    }
+    while (g_run.live) {
+        if (rng)
+            std::shuffle(order.begin(), order.end(), *rng);
+        bool moved = false;
+        for (unsigned i : order) {
+            fiber *f = &g_run.fib[i];
+            if (f->wait == DONE)
+                continue;
+            if (f->wait == BAR && f->gen == g_run.bar_gen)
+                continue;
+            if (f->wait == WARP && f->gen == g_run.warps[i / 32].gen)
+                continue;
+            f->wait = NONE;
+            enter(f);
+            moved = true;
+        }
+        if (!moved)
+            deadlock();
+    }
+}
+
+void run_kernel(const char *name, const emu_cfg &c, const std::function<void()> &body)
+{
+    ensure_stacks();
+    g_kernels++;
+    g_run.kernel = name;
+    g_run.body = &body;
+    gridDim = c.grid;
+    blockDim = c.block;
+    g_run.nthreads = c.block.x * c.block.y * c.block.z;
+    const uint64_t nblocks = (uint64_t)c.grid.x * c.grid.y * c.grid.z;
+    std::unique_ptr<std::mt19937_64> rng;
+    std::vector<uint64_t> border;
+    if (cfg().seed) {
+        rng.reset(new std::mt19937_64(cfg().seed ^ (g_kernels * 0x9e3779b97f4a7c15ull)));
+        border.resize(nblocks);
+        for (uint64_t b = 0; b < nblocks; b++)
+            border[b] = b;
+        std::shuffle(border.begin(), border.end(), *rng);
+    }
+    for (uint64_t i = 0; i < nblocks; i++) {
+        uint64_t b = rng ? border[i] : i;
+        blockIdx.x = (unsigned)(b % c.grid.x);
+        blockIdx.y = (unsigned)(b / c.grid.x % c.grid.y);
+        blockIdx.z = (unsigned)(b / ((uint64_t)c.grid.x * c.grid.y));
+        run_block(rng.get());
+    }
+    g_run.cur = nullptr;
+}
+
+} // namespace
+
+/* ---- device side ------------------------------------------------------------------ */
+
+void __syncthreads(void)
+{
+    fiber *f = g_run.cur;
+    if (f == nullptr)
+        die("__syncthreads outside a kernel");
+    if (++g_run.bar_count == g_run.live) {
+        g_run.bar_count = 0;
+        g_run.bar_gen++;
+        return;
+    }
+    f->wait = BAR;
+    f->gen = g_run.bar_gen;
+    leave(false);
+}
+
+void emu_warp_exchange(const char *opname, unsigned mask, uint64_t mine, uint64_t out[32])
+{
+    fiber *f = g_run.cur;
+    if (f == nullptr)
+        die("%s outside a kernel", opname);
+    warp &w = g_run.warps[f->tid / 32];
+    const unsigned lane = f->tid % 32;
+    if (!(mask >> lane & 1u))
+        die("kernel %s: lane %u of warp %u calls %s with mask %#x, which does not name it",
+            g_run.kernel, lane, f->tid / 32, opname, mask);
+    if (mask & ~w.alive)
+        die("kernel %s: %s with mask %#x in warp %u names lanes %#x that have exited or do not "
+            "exist",
+            g_run.kernel, opname, mask, f->tid / 32, mask & ~w.alive);
+    if (w.arrived == 0) {
+        w.op = opname;
+        w.mask = mask;
+    } else if (w.op != opname || w.mask != mask) {
+        die("kernel %s: warp %u diverges: lane %u calls %s (mask %#x) while others wait in %s "
+            "(mask %#x)",
+            g_run.kernel, f->tid / 32, lane, opname, mask, w.op, w.mask);
+    }
+    const unsigned buf = (unsigned)(w.gen & 1);
+    w.slot[buf][lane] = mine;
+    w.arrived |= 1u << lane;
+    if (w.arrived == mask) {
+        w.arrived = 0;
+        w.gen++;
+    } else {
+        f->wait = WARP;
+        f->gen = w.gen;
+        leave(false);
+    }
+    for (unsigned l = 0; l < 32; l++)
+        out[l] = mask >> l & 1u ? w.slot[buf][l] : 0;
+}
+
+void emu_enqueue_kernel(const char *name, const emu_cfg &c, std::function<void()> body)
+{
+    guard g(g_mu);
+    const uint64_t threads = (uint64_t)c.block.x * c.block.y * c.block.z;
+    if (c.grid.x == 0 || c.grid.y == 0 || c.grid.z == 0 || c.grid.x > 0x7fffffffu ||
+        c.grid.y > 65535 || c.grid.z > 65535 || threads == 0 || threads > MAX_THREADS ||
+        c.block.z > 64 || c.shmem > 48 * 1024) {
+        fail(cudaErrorInvalidConfiguration);
+        return;
+    }
+    stream *s = as_stream(c.stream);
+    if (!valid(s)) {
+        fail(cudaErrorInvalidResourceHandle);
+        return;
+    }
+    if (g_run.cur)
+        die("kernel %s launched from inside kernel %s", name, g_run.kernel);
+    emu_cfg copy = c;
+    push_fn(s, [name, copy, body]() { run_kernel(name, copy, body); });
+}
+
+/* ---- the runtime API -------------------------------------------------------------- */
+
+extern "C" {
+
+const char *emu_describe(void) { return cfg().text; }
+unsigned long long emu_kernels_run(void)
+{
+    guard g(g_mu);
+    return g_kernels;
+}
+
+const char *cudaGetErrorName(cudaError_t e)
+{
+    switch (e) {
+#define N(x) \
+    case x:  \
+        return #x;
+        N(cudaSuccess) N(cudaErrorInvalidValue) N(cudaErrorMemoryAllocation)
+        N(cudaErrorInitializationError) N(cudaErrorInvalidConfiguration)
+        N(cudaErrorInvalidDevicePointer) N(cudaErrorInvalidMemcpyDirection)
+        N(cudaErrorInsufficientDriver) N(cudaErrorNoDevice) N(cudaErrorInvalidDevice)
+        N(cudaErrorInvalidResourceHandle) N(cudaErrorNotReady) N(cudaErrorPeerAccessUnsupported)
+        N(cudaErrorLaunchFailure) N(cudaErrorNotSupported) N(cudaErrorUnknown)
+#undef N
+    }
+    return "cudaErrorUnknown";
+}
+
+const char *cudaGetErrorString(cudaError_t e)
+{
+    switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorInvalidDevicePointer: return "invalid device pointer";
+    case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorInvalidResourceHandle: return "invalid resource handle";
+    case cudaErrorNotReady: return "device not ready";
+    case cudaErrorPeerAccessUnsupported: return "peer access is not supported between these two devices";
+    case cudaErrorNotSupported: return "operation not supported";
+    default: return cudaGetErrorName(e);
+    }
+}
+
+cudaError_t cudaGetLastError(void)
+{
+    cudaError_t e = t_last;
+    t_last = cudaSuccess;
+    return e;
+}
+cudaError_t cudaPeekAtLastError(void) { return t_last; }
+
+cudaError_t cudaGetDeviceCount(int *n)
+{
+    if (!n)
+        return fail(cudaErrorInvalidValue);
+    *n = 1;
+    return cudaSuccess;
+}
+cudaError_t cudaGetDevice(int *dev)
+{
+    if (!dev)
+        return fail(cudaErrorInvalidValue);
+    *dev = t_device;
+    return cudaSuccess;
+}
+cudaError_t cudaSetDevice(int dev)
+{
+    if (dev != 0)
+        return fail(cudaErrorInvalidDevice);
+    t_device = dev;
+    return cudaSuccess;
+}
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp *p, int dev)
+{
+    if (!p)
+        return fail(cudaErrorInvalidValue);
+    if (dev != 0)
+        return fail(cudaErrorInvalidDevice);
+    memset(p, 0, sizeof *p);
+    snprintf(p->name, sizeof p->name, "%s", cfg().text);
+    p->totalGlobalMem = (size_t)16 << 30;
+    p->major = 9;
+    p->minor = 0;
+    p->multiProcessorCount = 4;
+    p->maxThreadsPerBlock = 1024;
+    p->warpSize = 32;
+    p->unifiedAddressing = 1;
+    return cudaSuccess;
+}
+cudaError_t cudaDeviceGetAttribute(int *v, enum cudaDeviceAttr a, int dev)
+{
+    if (!v)
+        return fail(cudaErrorInvalidValue);
+    if (dev != 0)
+        return fail(cudaErrorInvalidDevice);
+    switch (a) {
+    case cudaDevAttrMaxThreadsPerBlock: *v = 1024; break;
+    case cudaDevAttrMultiProcessorCount: *v = 4; break;
+    case cudaDevAttrUnifiedAddressing: *v = 1; break;
+    case cudaDevAttrComputeCapabilityMajor: *v = 9; break;
+    case cudaDevAttrComputeCapabilityMinor: *v = 0; break;
+    default: return fail(cudaErrorInvalidValue);
+    }
+    return cudaSuccess;
+}
+cudaError_t cudaDeviceCanAccessPeer(int *can, int dev, int peer)
+{
+    if (!can)
+        return fail(cudaErrorInvalidValue);
+    if (dev != 0 || peer != 0)
+        return fail(cudaErrorInvalidDevice);
+    *can = 0;
+    return cudaSuccess;
+}
+cudaError_t cudaDeviceSynchronize(void)
+{
+    guard g(g_mu);
+    run_everything();
+    return cudaSuccess;
+}
+cudaError_t cudaDriverGetVersion(int *v)
+{
+    if (!v)
+        return fail(cudaErrorInvalidValue);
+    *v = CUDART_VERSION;
+    return cudaSuccess;
+}
+cudaError_t cudaRuntimeGetVersion(int *v) { return cudaDriverGetVersion(v); }
+
+cudaError_t cudaMalloc(void **p, size_t bytes)
+{
+    guard g(g_mu);
+    return alloc(p, bytes, DEVICE);
+}
+cudaError_t cudaFree(void *p)
+{
+    guard g(g_mu);
+    run_everything(); /* cudaFree synchronises the device */
+    return release(p, DEVICE);
+}
+cudaError_t cudaMallocHost(void **p, size_t bytes)
+{
+    guard g(g_mu);
+    return alloc(p, bytes, PINNED);
+}
+cudaError_t cudaHostAlloc(void **p, size_t bytes, unsigned flags)
+{
+    (void)flags;
+    return cudaMallocHost(p, bytes);
+}
+cudaError_t cudaFreeHost(void *p)
+{
+    guard g(g_mu);
+    run_everything();
+    return release(p, PINNED);
+}
+cudaError_t cudaHostRegister(void *p, size_t bytes, unsigned flags)
+{
+    guard g(g_mu);
+    (void)flags;
+    if (!p || !bytes)
+        return fail(cudaErrorInvalidValue);
+    if (find_block(p))
+        return fail(cudaErrorInvalidValue); /* cudaErrorHostMemoryAlreadyRegistered */
+    g_mem[(uintptr_t)p] = block{ bytes, REGISTERED };
+    return cudaSuccess;
+}
+cudaError_t cudaHostUnregister(void *p)
+{
+    guard g(g_mu);
+    auto it = g_mem.find((uintptr_t)p);
+    if (it == g_mem.end() || it->second.k != REGISTERED)
+        return fail(cudaErrorInvalidValue);
+    run_everything();
+    g_mem.erase(it);
+    return cudaSuccess;
+}
+cudaError_t cudaMallocAsync(void **p, size_t bytes, cudaStream_t s)
+{
+    guard g(g_mu);
+    if (!valid(as_stream(s)))
+        return fail(cudaErrorInvalidResourceHandle);
+    return alloc(p, bytes, DEVICE);
+}
+cudaError_t cudaFreeAsync(void *p, cudaStream_t s)
+{
+    guard g(g_mu);
+    stream *st = as_stream(s);
+    if (!valid(st))
+        return fail(cudaErrorInvalidResourceHandle);
+    if (p && g_mem.find((uintptr_t)p) == g_mem.end())
+        return fail(cudaErrorInvalidDevicePointer);
+    push_fn(st, [p]() { release(p, DEVICE); });
+    return cudaSuccess;
+}
+cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *a, const void *p)
+{
+    guard g(g_mu);
+    if (!a)
+        return fail(cudaErrorInvalidValue);
+    memset(a, 0, sizeof *a);
+    auto b = find_block(p);
+    if (!b) {
+        a->type = cudaMemoryTypeUnregistered;
+        a->device = -2;
+        return cudaSuccess;
+    }
+    a->type = b->second.k == DEVICE ? cudaMemoryTypeDevice : cudaMemoryTypeHost;
+    a->device = 0;
+    a->devicePointer = (void *)p;
+    a->hostPointer = b->second.k == DEVICE ? nullptr : (void *)p;
+    return cudaSuccess;
+}
+cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total)
+{
+    if (!free_bytes || !total)
+        return fail(cudaErrorInvalidValue);
+    *total = (size_t)16 << 30;
+    *free_bytes = *total / 2;
+    return cudaSuccess;
+}
+
+static cudaError_t copy(void *dst, const void *src, size_t bytes, enum cudaMemcpyKind k,
+                        cudaStream_t s, bool sync)
+{
+    guard g(g_mu);
+    if ((unsigned)k > (unsigned)cudaMemcpyDefault)
+        return fail(cudaErrorInvalidMemcpyDirection);
+    if (bytes && (!dst || !src))
+        return fail(cudaErrorInvalidValue);
+    stream *st = as_stream(s);
+    if (!valid(st))
+        return fail(cudaErrorInvalidResourceHandle);
+    if (bytes == 0)
+        return cudaSuccess;
+    /* pageable memory on either side: staged at once, after the stream's work */
+    bool pageable = (!find_block(dst)) || (!find_block(src));
+    push_fn(st, [dst, src, bytes]() { memmove(dst, src, bytes); });
+    if (sync || pageable)
+        run_all(st);
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, enum cudaMemcpyKind k)
+{
+    return copy(dst, src, bytes, k, nullptr, true);
+}
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, enum cudaMemcpyKind k,
+                            cudaStream_t s)
+{
+    return copy(dst, src, bytes, k, s, false);
+}
+cudaError_t cudaMemsetAsync(void *p, int v, size_t bytes, cudaStream_t s)
+{
+    guard g(g_mu);
+    stream *st = as_stream(s);
+    if (!valid(st))
+        return fail(cudaErrorInvalidResourceHandle);
+    if (bytes == 0)
+        return cudaSuccess;
+    auto b = find_block(p);
+    if (!b || (uintptr_t)p + bytes > b->first + b->second.bytes)
+        return fail(cudaErrorInvalidValue);
+    push_fn(st, [p, v, bytes]() { memset(p, v, bytes); });
+    return cudaSuccess;
+}
+cudaError_t cudaMemset(void *p, int v, size_t bytes)
+{
+    guard g(g_mu);
+    cudaError_t e = cudaMemsetAsync(p, v, bytes, nullptr);
+    if (e == cudaSuccess)
+        run_all(&g_legacy);
+    return e;
+}
+
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags)
+{
+    guard g(g_mu);
+    if (!s)
+        return fail(cudaErrorInvalidValue);
+    g_streams.emplace_back(new stream{ flags, false, false, {}, 0, 0 });
+    *s = reinterpret_cast<cudaStream_t>(g_streams.back().get());
+    return cudaSuccess;
+}
+cudaError_t cudaStreamCreate(cudaStream_t *s) { return cudaStreamCreateWithFlags(s, cudaStreamDefault); }
+cudaError_t cudaStreamDestroy(cudaStream_t s)
+{
+    guard g(g_mu);
+    stream *st = as_stream(s);
+    if (!s || !valid(st))
+        return fail(cudaErrorInvalidResourceHandle);
+    run_all(st); /* its work completes; the handle is gone at once */
+    st->destroyed = true;
+    return cudaSuccess;
+}
+cudaError_t cudaStreamSynchronize(cudaStream_t s)
+{
+    guard g(g_mu);
+    stream *st = as_stream(s);
+    if (!valid(st))
+        return fail(cudaErrorInvalidResourceHandle);
+    run_all(st);
+    return cudaSuccess;
+}
+cudaError_t cudaStreamQuery(cudaStream_t s)
+{
+    guard g(g_mu);
+    stream *st = as_stream(s);
+    if (!valid(st))
+        return fail(cudaErrorInvalidResourceHandle);
+    if (st->done == st->queued)
+        return cudaSuccess;
+    run_all(st); /* "not yet" once; done at the next query */
+    return fail(cudaErrorNotReady);
+}
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags)
+{
+    guard g(g_mu);
+    stream *st = as_stream(s);
+    if (!valid(st) || !valid(e))
+        return fail(cudaErrorInvalidResourceHandle);
+    if (flags != 0)
+        return fail(cudaErrorInvalidValue);
+    if (!event_done(e))
+        push(st, op{ op::WAIT, {}, nullptr, e->on, e->at });
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags)
+{
+    guard g(g_mu);
+    if (!e)
+        return fail(cudaErrorInvalidValue);
+    if (flags & ~(cudaEventBlockingSync | cudaEventDisableTiming | cudaEventInterprocess))
+        return fail(cudaErrorInvalidValue);
+    if ((flags & cudaEventInterprocess) && !(flags & cudaEventDisableTiming))
+        return fail(cudaErrorInvalidValue);
+    g_events.emplace_back(new emu_event{ flags, false, nullptr, 0, 0.0 });
+    *e = g_events.back().get();
+    return cudaSuccess;
+}
+cudaError_t cudaEventCreate(cudaEvent_t *e) { return cudaEventCreateWithFlags(e, cudaEventDefault); }
+cudaError_t cudaEventDestroy(cudaEvent_t e)
+{
+    guard g(g_mu);
+    if (!valid(e))
+        return fail(cudaErrorInvalidResourceHandle);
+    e->destroyed = true;
+    return cudaSuccess;
+}
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s)
+{
+    guard g(g_mu);
+    stream *st = as_stream(s);
+    if (!valid(e) || !valid(st))
+        return fail(cudaErrorInvalidResourceHandle);
+    e->on = st;
+    push(st, op{ op::MARK, {}, e, nullptr, 0 });
+    e->at = st->queued; /* its mark is the last op queued */
+    return cudaSuccess;
+}
+cudaError_t cudaEventQuery(cudaEvent_t e)
+{
+    guard g(g_mu);
+    if (!valid(e))
+        return fail(cudaErrorInvalidResourceHandle);
+    if (event_done(e))
+        return cudaSuccess;
+    run_until(e->on, e->at);
+    return fail(cudaErrorNotReady);
+}
+cudaError_t cudaEventSynchronize(cudaEvent_t e)
+{
+    guard g(g_mu);
+    if (!valid(e))
+        return fail(cudaErrorInvalidResourceHandle);
+    if (e->on)
+        run_until(e->on, e->at);
+    return cudaSuccess;
+}
+cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b)
+{
+    guard g(g_mu);
+    if (!ms)
+        return fail(cudaErrorInvalidValue);
+    if (!valid(a) || !valid(b) || (a->flags & cudaEventDisableTiming) ||
+        (b->flags & cudaEventDisableTiming) || !a->on || !b->on)
+        return fail(cudaErrorInvalidResourceHandle);
+    if (!event_done(a) || !event_done(b))
+        return fail(cudaErrorNotReady);
+    *ms = (float)(b->t_ms - a->t_ms);
+    return cudaSuccess;
+}
+
+} // extern "C"
+
+/* ---- NCCL, one rank ------------------------------------------------------------------ */
+
+struct emu_nccl_comm {
+    bool blocking, aborted;
+    int pending; /* polls of ncclCommGetAsyncError that still answer ncclInProgress */
+    unsigned calls;
+};
+
+namespace {
+
+struct p2p {
+    bool send;
+    void *buf;
+    size_t bytes;
+    ncclComm_t comm;
+    stream *s;
+};
+int g_group = 0;
+std::vector<p2p> g_p2p;
+ncclComm_t g_group_comm = nullptr; /* a communicator used inside the open group */
+
+size_t type_bytes(ncclDataType_t t)
+{
+    switch (t) {
+    case ncclInt8: case ncclUint8: return 1;
+    case ncclFloat16: case ncclBfloat16: return 2;
+    case ncclInt32: case ncclUint32: case ncclFloat32: return 4;
+    case ncclInt64: case ncclUint64: case ncclFloat64: return 8;
+    default: return 0;
+    }
+}
+
+/* The common checks of a collective; its answer for a non-blocking
+ * communicator is ncclInProgress on every other call (then settled by one
+ * poll), as a real one may answer while it connects. */
+ncclResult_t nccl_op(ncclComm_t c, ncclDataType_t t, cudaStream_t s, size_t count, const void *a,
+                     void *b, int root, size_t *bytes, stream **st)
+{
+    if (!c || c->aborted)
+        return ncclInvalidArgument;
+    *bytes = type_bytes(t) * count;
+    if (!type_bytes(t) || root != 0)
+        return ncclInvalidArgument;
+    if (count && (!a || !b))
+        return ncclInvalidArgument;
+    *st = as_stream(s);
+    if (!valid(*st))
+        return ncclUnhandledCudaError;
+    return ncclSuccess;
+}
+
+ncclResult_t nccl_done(ncclComm_t c)
+{
+    if (g_group) { /* queued: the group's end answers for it */
+        g_group_comm = c;
+        return ncclSuccess;
+    }
+    if (!c->blocking && (c->calls++ & 1u)) {
+        c->pending = 1;
+        return ncclInProgress;
+    }
+    return ncclSuccess;
+}
+
+ncclResult_t nccl_copy(const void *send, void *recv, size_t count, ncclDataType_t t, int root,
+                       ncclComm_t comm, cudaStream_t s)
+{
+    guard g(g_mu);
+    size_t bytes;
+    stream *st;
+    ncclResult_t r = nccl_op(comm, t, s, count, send, recv, root, &bytes, &st);
+    if (r != ncclSuccess)
+        return r;
+    if (bytes && send != recv)
+        push_fn(st, [send, recv, bytes]() { memmove(recv, send, bytes); });
+    return nccl_done(comm);
+}
+
+} // namespace
+
+extern "C" {
+
+ncclResult_t ncclGetVersion(int *version)
+{
+    if (!version)
+        return ncclInvalidArgument;
+    *version = NCCL_VERSION_CODE;
+    return ncclSuccess;
+}
+ncclResult_t ncclGetUniqueId(ncclUniqueId *id)
+{
+    if (!id)
+        return ncclInvalidArgument;
+    memset(id, 0, sizeof *id);
+    snprintf(id->internal, sizeof id->internal, "cuda emulator %ld", (long)getpid());
+    return ncclSuccess;
+}
+const char *ncclGetErrorString(ncclResult_t r)
+{
+    switch (r) {
+    case ncclSuccess: return "no error";
+    case ncclUnhandledCudaError: return "unhandled cuda error";
+    case ncclSystemError: return "unhandled system error";
+    case ncclInternalError: return "internal error";
+    case ncclInvalidArgument: return "invalid argument";
+    case ncclInvalidUsage: return "invalid usage";
+    case ncclRemoteError: return "remote process exited or there was a network error";
+    case ncclInProgress: return "NCCL operation in progress";
+    default: return "unknown result code";
+    }
+}
+const char *ncclGetLastError(ncclComm_t comm)
+{
+    (void)comm;
+    return "";
+}
+
+ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank,
+                                    ncclConfig_t *config)
+{
+    (void)id;
+    if (!comm)
+        return ncclInvalidArgument;
+    *comm = nullptr;
+    if (nranks != 1 || rank != 0) {
+        fprintf(stderr, "cuda emulator: NCCL communicators of one rank only (asked: rank %d of "
+                        "%d)\n", rank, nranks);
+        return ncclInvalidUsage;
+    }
+    bool blocking = !config || config->blocking == NCCL_CONFIG_UNDEF_INT || config->blocking != 0;
+    *comm = new emu_nccl_comm{ blocking, false, blocking ? 0 : 1, 0 };
+    return blocking ? ncclSuccess : ncclInProgress;
+}
+ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank)
+{
+    return ncclCommInitRankConfig(comm, nranks, id, rank, nullptr);
+}
+ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *async_error)
+{
+    guard g(g_mu);
+    if (!comm || !async_error)
+        return ncclInvalidArgument;
+    if (comm->aborted)
+        *async_error = ncclSuccess;
+    else if (comm->pending) {
+        comm->pending--;
+        *async_error = ncclInProgress;
+    } else
+        *async_error = ncclSuccess;
+    return ncclSuccess;
+}
+ncclResult_t ncclCommFinalize(ncclComm_t comm)
+{
+    guard g(g_mu);
+    if (!comm)
+        return ncclInvalidArgument;
+    if (comm->blocking)
+        return ncclSuccess;
+    comm->pending = 1;
+    return ncclInProgress;
+}
+ncclResult_t ncclCommDestroy(ncclComm_t comm)
+{
+    guard g(g_mu);
+    if (!comm)
+        return ncclInvalidArgument;
+    delete comm;
+    return ncclSuccess;
+}
+ncclResult_t ncclCommAbort(ncclComm_t comm)
+{
+    guard g(g_mu);
+    if (comm)
+        comm->aborted = true; /* kept, so that a later use is refused, not a crash */
+    return ncclSuccess;
+}
+ncclResult_t ncclCommCount(const ncclComm_t comm, int *count)
+{
+    if (!comm || !count)
+        return ncclInvalidArgument;
+    *count = 1;
+    return ncclSuccess;
+}
+ncclResult_t ncclCommUserRank(const ncclComm_t comm, int *rank)
+{
+    if (!comm || !rank)
+        return ncclInvalidArgument;
+    *rank = 0;
+    return ncclSuccess;
+}
+
+ncclResult_t ncclGroupStart(void)
+{
+    guard g(g_mu);
+    g_group++;
+    return ncclSuccess;
+}
+ncclResult_t ncclGroupEnd(void)
+{
+    guard g(g_mu);
+    if (g_group == 0)
+        return ncclInvalidUsage;
+    if (--g_group)
+        return ncclSuccess;
+    /* each send to self meets the receive of the same position */
+    std::vector<p2p> sends, recvs;
+    for (auto &x : g_p2p)
+        (x.send ? sends : recvs).push_back(x);
+    g_p2p.clear();
+    if (sends.size() != recvs.size())
+        return ncclInvalidUsage;
+    ncclComm_t comm = g_group_comm;
+    g_group_comm = nullptr;
+    for (size_t i = 0; i < sends.size(); i++) {
+        if (sends[i].bytes != recvs[i].bytes)
+            return ncclInvalidUsage;
+        stream *rs = recvs[i].s, *ss = sends[i].s;
+        if (rs != ss)
+            push(rs, op{ op::WAIT, {}, nullptr, ss, ss->queued });
+        const void *from = sends[i].buf;
+        void *to = recvs[i].buf;
+        size_t bytes = sends[i].bytes;
+        if (bytes && from != to)
+            push_fn(rs, [from, to, bytes]() { memmove(to, from, bytes); });
+    }
+    return comm ? nccl_done(comm) : ncclSuccess;
+}
+
+ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, ncclDataType_t t,
+                           ncclRedOp_t op, ncclComm_t comm, cudaStream_t s)
+{
+    if ((unsigned)op > (unsigned)ncclAvg)
+        return ncclInvalidArgument;
+    return nccl_copy(send, recv, count, t, 0, comm, s);
+}
+ncclResult_t ncclReduce(const void *send, void *recv, size_t count, ncclDataType_t t,
+                        ncclRedOp_t op, int root, ncclComm_t comm, cudaStream_t s)
+{
+    if ((unsigned)op > (unsigned)ncclAvg)
+        return ncclInvalidArgument;
+    return nccl_copy(send, recv, count, t, root, comm, s);
+}
+ncclResult_t ncclBroadcast(const void *send, void *recv, size_t count, ncclDataType_t t, int root,
+                           ncclComm_t comm, cudaStream_t s)
+{
+    return nccl_copy(send, recv, count, t, root, comm, s);
+}
+ncclResult_t ncclAllGather(const void *send, void *recv, size_t count, ncclDataType_t t,
+                           ncclComm_t comm, cudaStream_t s)
+{
+    return nccl_copy(send, recv, count, t, 0, comm, s);
+}
+ncclResult_t ncclReduceScatter(const void *send, void *recv, size_t count, ncclDataType_t t,
+                               ncclRedOp_t op, ncclComm_t comm, cudaStream_t s)
+{
+    if ((unsigned)op > (unsigned)ncclAvg)
+        return ncclInvalidArgument;
+    return nccl_copy(send, recv, count, t, 0, comm, s);
+}
+static ncclResult_t p2p_queue(bool is_send, void *buf, size_t count, ncclDataType_t t, int peer,
+                              ncclComm_t comm, cudaStream_t s)
+{
+    guard g(g_mu);
+    size_t bytes;
+    stream *st;
+    ncclResult_t r = nccl_op(comm, t, s, count, buf, buf, peer, &bytes, &st);
+    if (r != ncclSuccess)
+        return r;
+    if (g_group == 0)
+        return ncclInvalidUsage; /* a lone send to self would never complete */
+    g_p2p.push_back(p2p{ is_send, buf, bytes, comm, st });
+    return nccl_done(comm);
+}
+ncclResult_t ncclSend(const void *send, size_t count, ncclDataType_t t, int peer, ncclComm_t comm,
+                      cudaStream_t s)
+{
+    return p2p_queue(true, const_cast<void *>(send), count, t, peer, comm, s);
+}
+ncclResult_t ncclRecv(void *recv, size_t count, ncclDataType_t t, int peer, ncclComm_t comm,
+                      cudaStream_t s)
+{
+    return p2p_queue(false, recv, count, t, peer, comm, s);
+}
+
+} // extern "C"
