@@ -30,6 +30,9 @@ typedef int (*get_range_fn)(unsigned long long *base, size_t *size, unsigned lon
 static get_range_fn address_range(void)
 {
     static get_range_fn fn;
+#ifdef SCAPE_CUDA_EMU /* the CPU emulator's driver (tests/gpu/emu) */
+    fn = (get_range_fn)emu_driver_symbol("cuMemGetAddressRange_v2");
+#endif
     if (fn == NULL) {
         void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
         if (h == NULL)

@@ -17,9 +17,13 @@ typedef int (*get_range_fn)(unsigned long long *base, size_t *size, unsigned lon
 typedef int (*ctx_get_fn)(void **ctx);
 typedef int (*ctx_set_fn)(void *ctx);
 
-/* A function of the driver, from the libcuda the runtime loaded. */
+/* A function of the driver, from the libcuda the runtime loaded (the CPU
+ * emulator's own in its build: tests/gpu/emu). */
 static void *driver(const char *name)
 {
+#ifdef SCAPE_CUDA_EMU
+    return emu_driver_symbol(name);
+#endif
     void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
     if (h == NULL)
         h = dlopen("libcuda.so.1", RTLD_NOW);

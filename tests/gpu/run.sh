@@ -15,10 +15,15 @@
 # daemon's overhead, on this machine's many cores).  Each step prints a
 # "== step: result" line as it ends; a summary table comes last.
 #
-#   tests/gpu/run.sh [--quick] [--service] [--allow-partial]
+#   tests/gpu/run.sh [--quick] [--service] [--allow-partial] [--emu BUILD]
 #     --quick          sizes up to 2^20+7 / 1e7 only
 #     --service        also run tests/bench/bench_service.py (CPU only)
 #     --allow-partial  exit 0 even when a step could not run here
+#     --emu BUILD      no GPU: the same checks (check, exec, nccl, handover) on
+#                      the CPU CUDA emulator's programs of the CMake build
+#                      BUILD (tests/gpu/emu), at sizes it runs in minutes; the
+#                      benchmarks and torch are not run.  ctest runs it, so
+#                      that this script is tested before a GPU runs it.
 #
 # Time: every step has its own timeout, cut to what is left of a budget of
 # SCAPE_GPU_BUDGET seconds (default 480: one device call, with room for the
@@ -40,16 +45,23 @@ set -u -o pipefail
 
 cd "$(dirname "$0")/../.." || exit 1
 BUILD=build-gpu
-LOGS=$BUILD/logs
 CHECK_ARGS=()
 EXEC_ARGS=()
 BENCH_ARGS=(--sizes "1e6,1e7,1e8")
 STEP_ARGS=(--sizes "1e8,1e9")
 HANDOVER_SIZES=(100000000 1000000000)
 TORCH_SIZES=(1e6 1e7 1e8)
-SERVICE=0 PARTIAL_OK=0 STAMP_ONLY=0
-for arg in "$@"; do
+NCCL_N=1000000 NCCL_STEPS=100 KILL_N=1000000
+SERVICE=0 PARTIAL_OK=0 STAMP_ONLY=0 EMU=""
+args=("$@")
+for ((i = 0; i < ${#args[@]}; i++)); do
+    arg=${args[$i]}
     case "$arg" in
+    --emu)
+        i=$((i + 1))
+        EMU=${args[$i]:-}
+        [ -d "$EMU/tests/gpu/emu" ] || { echo "run.sh: --emu needs a CMake build directory with tests/gpu/emu" >&2; exit 2; }
+        EMU=$(cd "$EMU" && pwd) ;;
     --quick)
         CHECK_ARGS=(--max-n 1048583)
         EXEC_ARGS=(--quick)
@@ -60,10 +72,23 @@ for arg in "$@"; do
     --service) SERVICE=1 ;;
     --allow-partial) PARTIAL_OK=1 ;;
     --stamp) STAMP_ONLY=1 ;; # print the sources' stamp (pack.sh records it) and exit
-    *) echo "usage: tests/gpu/run.sh [--quick] [--service] [--allow-partial]" >&2; exit 2 ;;
+    *) echo "usage: tests/gpu/run.sh [--quick] [--service] [--allow-partial] [--emu BUILD]" >&2; exit 2 ;;
     esac
 done
+if [ -n "$EMU" ]; then
+    # The emulator runs a kernel's threads one after another: sizes it runs
+    # in minutes, and its device memory where the trainers' handles can be
+    # opened by the daemon (EMU_IPC), several buffers of one program at
+    # offsets of one 64 MiB segment, so that an offset that is lost shows.
+    BUILD=$EMU/tests/gpu/emu/run
+    CHECK_ARGS=(--max-n 65537)
+    EXEC_ARGS=(--quick --steps 20)
+    HANDOVER_SIZES=(100000 3000000)
+    NCCL_N=100000 NCCL_STEPS=60 KILL_N=100000
+    export EMU_IPC=1 EMU_IPC_SEGMENT_MIB=${EMU_IPC_SEGMENT_MIB:-64}
+fi
 BUDGET=${SCAPE_GPU_BUDGET:-480}
+LOGS=$BUILD/logs
 T0=$SECONDS
 NOT_RUN=()
 CHECK_RC=0 EXEC_RC=0 BENCH_RC=0 NCCL_RC=0 TORCH_RC=0 OTHER_RC=0
@@ -384,11 +409,11 @@ run_nccl() {
         ok=0 why="scaped did not start"
         tail -n 5 "$LOGS/scaped_nccl.txt"
     else
-        timeout "$t" "$ti/trainer_c" --endpoint "ipc://$rt/rt/control" --index 0 --n 1000000 \
-            --steps 100 --out "$rt/t0" >"$LOGS/trainer_0.txt" 2>&1 &
+        timeout "$t" "$ti/trainer_c" --endpoint "ipc://$rt/rt/control" --index 0 --n "$NCCL_N" \
+            --steps "$NCCL_STEPS" --out "$rt/t0" >"$LOGS/trainer_0.txt" 2>&1 &
         tp+=($!)
         timeout "$t" "$BIN/gpu_trainer" --endpoint "ipc://$rt/rt/control" --index 1 \
-            --n 1000000 --steps 100 --stream 1 --out "$rt/t1" >"$LOGS/trainer_1.txt" 2>&1 &
+            --n "$NCCL_N" --steps "$NCCL_STEPS" --stream 1 --out "$rt/t1" >"$LOGS/trainer_1.txt" 2>&1 &
         tp+=($!)
         for p in "${tp[@]}"; do wait "$p" || { ok=0 why="a trainer failed"; }; done
     fi
@@ -398,12 +423,12 @@ run_nccl() {
     if [ "$t" = 0 ]; then
         ok=0 why="${why:-no time left for the reference}"
     else
-        timeout "$t" "$ti/reference" --trainers 2 --n 1000000 --steps 100 --rho 0.01 \
+        timeout "$t" "$ti/reference" --trainers 2 --n "$NCCL_N" --steps "$NCCL_STEPS" --rho 0.01 \
             --warmup 3 --out "$rt/ref" >"$LOGS/reference.txt" 2>&1 ||
             { ok=0 why="${why:-the reference failed}"; }
     fi
     if [ "$ok" = 1 ] && cmp -s "$rt/t0" "$rt/ref" && cmp -s "$rt/t1" "$rt/ref"; then
-        NCCL_STATUS="$NCCL_STATUS; scaped (cuda executor) on nccl, a host and a CUDA IPC trainer (ordered by events on its own stream), 100 steps == reference: ok"
+        NCCL_STATUS="$NCCL_STATUS; scaped (cuda executor) on nccl, a host and a CUDA IPC trainer (ordered by events on its own stream), $NCCL_STEPS steps == reference: ok"
     else
         NCCL_STATUS="$NCCL_STATUS; scaped on nccl vs reference: FAIL (${why:-parameters differ}; see $LOGS)"
         NCCL_RC=1
@@ -428,7 +453,9 @@ run_handover() {
     fi
     local ti=${TI:-$BUILD/tests/integration} rt n steps t ok why
     rt=$(mktemp -d /tmp/scape-hand.XXXXXX)
-    for n in 100000 30000000; do
+    local big=30000000
+    [ -n "$EMU" ] && big=3000000
+    for n in 100000 "$big"; do
         steps=$([ "$n" -gt 1000000 ] && echo 12 || echo 60)
         t=$(tmo 150)
         [ "$t" = 0 ] && { HANDOVER_STATUS="$HANDOVER_STATUS; N=$n: not run (out of time)"; not_run "hand-over at N=$n"; continue; }
@@ -472,14 +499,14 @@ run_handover() {
             ok=0 why="scaped did not start"
         else
             timeout "$t" "$BIN/gpu_trainer" --endpoint "ipc://$rt/rt/control" --index 0 \
-                --n 1000000 --steps 200 --stream 1 --hold-at 100 --hold-file "$rt/joined" \
+                --n "$KILL_N" --steps 200 --stream 1 --hold-at 100 --hold-file "$rt/joined" \
                 --out "$rt/a" >"$LOGS/kill_a.txt" 2>&1 &
             local pa=$!
             timeout "$t" "$BIN/gpu_trainer" --endpoint "ipc://$rt/rt/control" --index 1 \
-                --n 1000000 --steps 200 --die-after-post 20 >"$LOGS/kill_b.txt" 2>&1
+                --n "$KILL_N" --steps 200 --die-after-post 20 >"$LOGS/kill_b.txt" 2>&1
             grep -q "dying" "$LOGS/kill_b.txt" || { ok=0 why="the victim did not die after posting"; }
             timeout "$t" "$BIN/gpu_trainer" --endpoint "ipc://$rt/rt/control" --index 1 \
-                --n 1000000 --steps 200 --ready-file "$rt/joined" --out "$rt/c" \
+                --n "$KILL_N" --steps 200 --ready-file "$rt/joined" --out "$rt/c" \
                 >"$LOGS/kill_c.txt" 2>&1 || { ok=0 why="${why:-the replacement failed}"; }
             wait "$pa" || { ok=0 why="${why:-the survivor failed}"; }
             kill -0 "$DPID" 2>/dev/null || { ok=0 why="${why:-scaped died}"; }
@@ -487,7 +514,7 @@ run_handover() {
             joined=$(grep -o "steps [0-9]*\.\.200 done" "$LOGS/kill_c.txt" | grep -o "[0-9]*" | head -1)
             if [ "$ok" = 1 ] && [ -n "$alone" ] && [ -n "$joined" ] && [ "$joined" -gt "$alone" ] &&
                 [ "$joined" -le 100 ]; then
-                timeout "$t" "$ti/reference" --trainers 2 --n 1000000 --steps 200 --rho 0.01 \
+                timeout "$t" "$ti/reference" --trainers 2 --n "$KILL_N" --steps 200 --rho 0.01 \
                     --warmup 3 --members "$alone:1,$joined:2" --out "$rt/ref" \
                     >"$LOGS/kill_ref.txt" 2>&1 || { ok=0 why="the reference failed"; }
             else
@@ -611,13 +638,17 @@ run_service_bench() {
 
 print_summary() {
     local gpu status
-    gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -n 1)
+    if [ -n "$EMU" ]; then
+        gpu="none: the CUDA emulator on the CPU (tests/gpu/emu); this is no GPU test"
+    else
+        gpu="$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -n 1) (nvcc $("$NVCC" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'))"
+    fi
     status=$(grep -E '^gpu_check: (PASS|FAIL)|^SKIP' "$LOGS/gpu_check.txt" 2>/dev/null | tail -n 1)
     echo
     echo "==================== scaped GPU check summary ===================="
     echo "date      : $(date -u '+%Y-%m-%d %H:%M UTC')"
     echo "host      : $(uname -n)"
-    echo "gpu       : $gpu (nvcc $("$NVCC" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'))"
+    echo "gpu       : $gpu"
     echo "build     : $HOW"
     echo "time      : $((SECONDS - T0)) s of a budget of $BUDGET s"
     echo "check     : ${status:-gpu_check exited with status $CHECK_RC}"
@@ -626,6 +657,12 @@ print_summary() {
     echo "handover  : ${HANDOVER_STATUS:-not run}"
     echo "python    : ${TORCH_STATUS:-not run}"
     echo "service   : ${SERVICE_STATUS:-not run}"
+    if [ -n "$EMU" ]; then
+        echo "not run   : benchmarks and torch (timings and torch need a GPU)"
+        local p
+        for p in ${NOT_RUN[@]+"${NOT_RUN[@]}"}; do echo "NOT RUN   : $p"; done
+        return
+    fi
     awk '$1 != "BENCH" { next }
          !($2 in seen) { seen[$2] = 1; order[++nops] = $2 }
          { gbs[$3, $2] = $5; pct[$3, $2] = $6; if ($3 > max) max = $3 }
@@ -666,23 +703,30 @@ print_summary() {
 }
 
 [ "$STAMP_ONLY" = 1 ] && { source_stamp; exit 0; }
-find_tools
+[ -n "$EMU" ] || find_tools
 rm -rf "$LOGS"
 mkdir -p "$LOGS"
 trap save_out EXIT
 trap 'exit 143' TERM
 trap 'exit 130' INT
-find_nccl
-use_pack || build_cmake || build_direct
+if [ -n "$EMU" ]; then
+    BIN=$EMU/tests/gpu/emu TI=$EMU/tests/integration DAEMON=$EMU/tests/gpu/emu/scaped
+    HOW="the CUDA emulator's programs in $EMU (EMU_LAZY=${EMU_LAZY:-0}, EMU_SEED=${EMU_SEED:-0})"
+else
+    find_nccl
+    use_pack || build_cmake || build_direct
+fi
 progress "build: $HOW"
 run_check
 run_exec
 run_nccl
 run_handover
-run_torch_scape
-run_bench
-run_handover_bench
-run_service_bench
+if [ -z "$EMU" ]; then # timings and torch: nothing an emulator can tell
+    run_torch_scape
+    run_bench
+    run_handover_bench
+    run_service_bench
+fi
 print_summary | tee "$LOGS/summary.txt"
 [ "$CHECK_RC" -eq 0 ] && [ "$EXEC_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$NCCL_RC" -eq 0 ] &&
     [ "$TORCH_RC" -eq 0 ] && [ "${HANDOVER_RC:-0}" -eq 0 ] &&

@@ -34,11 +34,13 @@
  * filled with 0xff bytes (a NaN as a float), since real memory is not
  * zeroed either. */
 #include <errno.h>
+#include <fcntl.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -96,6 +98,8 @@ std::recursive_mutex g_mu;
 typedef std::lock_guard<std::recursive_mutex> guard;
 thread_local cudaError_t t_last = cudaSuccess;
 thread_local int t_device = 0;
+thread_local void *t_ctx = nullptr; /* the driver's current context: none until cudaSetDevice */
+char g_primary;                     /* device 0's primary context */
 unsigned long long g_kernels = 0;
 
 struct settings {
@@ -133,19 +137,116 @@ enum kind { DEVICE, PINNED, REGISTERED };
 struct block {
     size_t bytes;
     kind k;
+    uintptr_t seg; /* the memfd segment it lies in (EMU_IPC=1), else 0 */
 };
 std::map<uintptr_t, block> g_mem;
 
-const std::pair<const uintptr_t, block> *find_block(const void *p)
+/* A memfd segment: device memory another process can map (EMU_IPC=1). */
+struct segment {
+    size_t bytes;
+    int fd;          /* -1 when imported */
+    uint64_t id;     /* the owner's number for it */
+    pid_t owner;
+    unsigned users;  /* blocks carved out of it, or opens of an imported one */
+    size_t used;     /* bytes carved so far */
+};
+std::map<uintptr_t, segment> g_segs;
+uintptr_t g_small = 0; /* the segment small allocations are carved from now */
+uint64_t g_seg_ids = 0;
+/* Allocations under this size share segments of this size: 2 MiB as CUDA's
+ * allocator, or EMU_IPC_SEGMENT_MIB to put several of a program's buffers
+ * (libscape's, 2 MiB multiples) at offsets of one handle. */
+size_t segment_bytes()
 {
-    uintptr_t a = (uintptr_t)p;
-    auto it = g_mem.upper_bound(a);
-    if (it == g_mem.begin())
+    static size_t b = 0;
+    if (b == 0) {
+        const char *v = getenv("EMU_IPC_SEGMENT_MIB");
+        long mib = v ? atol(v) : 2;
+        b = (size_t)(mib > 0 ? mib : 2) << 20;
+    }
+    return b;
+}
+
+bool ipc_mode()
+{
+    static int on = -1;
+    if (on < 0) {
+        const char *v = getenv("EMU_IPC");
+        on = v && atoi(v) != 0;
+    }
+    return on;
+}
+
+template <class M> typename M::value_type *containing(M &m, uintptr_t a, size_t (*len)(const typename M::mapped_type &))
+{
+    auto it = m.upper_bound(a);
+    if (it == m.begin())
         return nullptr;
     --it;
-    if (a < it->first || a >= it->first + (it->second.bytes ? it->second.bytes : 1))
+    size_t n = len(it->second);
+    if (a < it->first || a >= it->first + (n ? n : 1))
         return nullptr;
     return &*it;
+}
+size_t block_len(const block &b) { return b.bytes; }
+size_t seg_len(const segment &s) { return s.bytes; }
+
+const std::pair<const uintptr_t, block> *find_block(const void *p)
+{
+    return containing(g_mem, (uintptr_t)p, block_len);
+}
+std::pair<const uintptr_t, segment> *find_segment(const void *p)
+{
+    return containing(g_segs, (uintptr_t)p, seg_len);
+}
+
+uintptr_t new_segment(size_t bytes)
+{
+    int fd = memfd_create("scape-cuda-emu", MFD_CLOEXEC);
+    if (fd < 0)
+        return 0;
+    void *m = MAP_FAILED;
+    if (ftruncate(fd, (off_t)bytes) == 0)
+        m = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (m == MAP_FAILED) {
+        close(fd);
+        return 0;
+    }
+    g_segs[(uintptr_t)m] = segment{ bytes, fd, ++g_seg_ids, getpid(), 0, 0 };
+    return (uintptr_t)m;
+}
+
+void drop_segment(uintptr_t base)
+{
+    auto it = g_segs.find(base);
+    munmap((void *)base, it->second.bytes);
+    if (it->second.fd >= 0)
+        close(it->second.fd);
+    if (g_small == base)
+        g_small = 0;
+    g_segs.erase(it);
+}
+
+/* Device memory in a segment: under 2 MiB carved out of the current small
+ * segment (256-byte aligned), else a segment of its own. */
+void *carve(size_t bytes, uintptr_t *seg)
+{
+    const size_t SEGMENT = segment_bytes();
+    size_t need = (bytes + 255) / 256 * 256;
+    if (bytes < SEGMENT) {
+        if (g_small == 0 || g_segs[g_small].used + need > SEGMENT)
+            g_small = new_segment(SEGMENT);
+        *seg = g_small;
+    } else {
+        *seg = new_segment((bytes + SEGMENT - 1) / SEGMENT * SEGMENT);
+    }
+    if (*seg == 0)
+        return nullptr;
+    segment &s = g_segs[*seg];
+    void *p = (char *)*seg + s.used;
+    s.used += need;
+    s.users++;
+    return p;
 }
 
 cudaError_t alloc(void **p, size_t bytes, kind k)
@@ -156,10 +257,15 @@ cudaError_t alloc(void **p, size_t bytes, kind k)
     if (bytes == 0)
         return cudaSuccess;
     void *m = nullptr;
-    if (posix_memalign(&m, 256, bytes) != 0)
+    uintptr_t seg = 0;
+    if (k == DEVICE && ipc_mode()) {
+        if ((m = carve(bytes, &seg)) == nullptr)
+            return fail(cudaErrorMemoryAllocation);
+    } else if (posix_memalign(&m, 256, bytes) != 0) {
         return fail(cudaErrorMemoryAllocation);
+    }
     memset(m, 0xff, bytes);
-    g_mem[(uintptr_t)m] = block{ bytes, k };
+    g_mem[(uintptr_t)m] = block{ bytes, k, seg };
     *p = m;
     return cudaSuccess;
 }
@@ -171,8 +277,16 @@ cudaError_t release(void *p, kind k)
     auto it = g_mem.find((uintptr_t)p);
     if (it == g_mem.end() || (it->second.k == DEVICE) != (k == DEVICE) || it->second.k == REGISTERED)
         return fail(k == DEVICE ? cudaErrorInvalidDevicePointer : cudaErrorInvalidValue);
+    uintptr_t seg = it->second.seg;
+    if (seg && g_segs[seg].fd < 0)
+        return fail(cudaErrorInvalidDevicePointer); /* imported: cudaIpcCloseMemHandle's */
     g_mem.erase(it);
-    free(p);
+    if (seg) {
+        if (--g_segs[seg].users == 0)
+            drop_segment(seg);
+    } else {
+        free(p);
+    }
     return cudaSuccess;
 }
 
@@ -232,6 +346,7 @@ struct emu_event {
     stream *on; /* the stream of its last record (null: never recorded) */
     uint64_t at; /* complete once `on` has done this many ops */
     double t_ms;
+    bool imported; /* opened from another process's handle: always complete */
 };
 
 namespace {
@@ -723,6 +838,7 @@ cudaError_t cudaSetDevice(int dev)
     if (dev != 0)
         return fail(cudaErrorInvalidDevice);
     t_device = dev;
+    t_ctx = &g_primary;
     return cudaSuccess;
 }
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp *p, int dev)
@@ -733,6 +849,7 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp *p, int dev)
         return fail(cudaErrorInvalidDevice);
     memset(p, 0, sizeof *p);
     snprintf(p->name, sizeof p->name, "%s", cfg().text);
+    memcpy(p->uuid.bytes, "scape-cuda-emu-0", 16); /* the same in every process */
     p->totalGlobalMem = (size_t)16 << 30;
     p->major = 9;
     p->minor = 0;
@@ -754,6 +871,7 @@ cudaError_t cudaDeviceGetAttribute(int *v, enum cudaDeviceAttr a, int dev)
     case cudaDevAttrUnifiedAddressing: *v = 1; break;
     case cudaDevAttrComputeCapabilityMajor: *v = 9; break;
     case cudaDevAttrComputeCapabilityMinor: *v = 0; break;
+    case cudaDevAttrIpcEventSupport: *v = 1; break;
     default: return fail(cudaErrorInvalidValue);
     }
     return cudaSuccess;
@@ -817,7 +935,7 @@ cudaError_t cudaHostRegister(void *p, size_t bytes, unsigned flags)
         return fail(cudaErrorInvalidValue);
     if (find_block(p))
         return fail(cudaErrorInvalidValue); /* cudaErrorHostMemoryAlreadyRegistered */
-    g_mem[(uintptr_t)p] = block{ bytes, REGISTERED };
+    g_mem[(uintptr_t)p] = block{ bytes, REGISTERED, 0 };
     return cudaSuccess;
 }
 cudaError_t cudaHostUnregister(void *p)
@@ -990,7 +1108,7 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags)
         return fail(cudaErrorInvalidValue);
     if ((flags & cudaEventInterprocess) && !(flags & cudaEventDisableTiming))
         return fail(cudaErrorInvalidValue);
-    g_events.emplace_back(new emu_event{ flags, false, nullptr, 0, 0.0 });
+    g_events.emplace_back(new emu_event{ flags, false, nullptr, 0, 0.0, false });
     *e = g_events.back().get();
     return cudaSuccess;
 }
@@ -1009,9 +1127,15 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s)
     stream *st = as_stream(s);
     if (!valid(e) || !valid(st))
         return fail(cudaErrorInvalidResourceHandle);
+    if (e->imported) { /* the other process sees nothing of it: the work is done now */
+        run_all(st);
+        return cudaSuccess;
+    }
     e->on = st;
     push(st, op{ op::MARK, {}, e, nullptr, 0 });
     e->at = st->queued; /* its mark is the last op queued */
+    if (e->flags & cudaEventInterprocess)
+        run_until(st, e->at); /* complete when recorded: see cuda_runtime.h */
     return cudaSuccess;
 }
 cudaError_t cudaEventQuery(cudaEvent_t e)
@@ -1044,6 +1168,167 @@ cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b)
     if (!event_done(a) || !event_done(b))
         return fail(cudaErrorNotReady);
     *ms = (float)(b->t_ms - a->t_ms);
+    return cudaSuccess;
+}
+
+} // extern "C"
+
+/* ---- interprocess memory and events, the driver's functions ---------------------- */
+
+namespace {
+
+const uint32_t IPC_MAGIC = 0x53454d55u; /* "SEMU" */
+struct ipc_mem {
+    uint32_t magic, kind; /* kind 1: memory, 2: an event */
+    int32_t pid, fd;
+    uint64_t bytes, id;
+};
+static_assert(sizeof(ipc_mem) <= CUDA_IPC_HANDLE_SIZE, "an IPC handle has 64 bytes");
+
+int drv_range(unsigned long long *base, size_t *size, unsigned long long ptr)
+{
+    guard g(g_mu);
+    const void *p = (const void *)(uintptr_t)ptr;
+    if (auto s = find_segment(p)) {
+        if (base) *base = s->first;
+        if (size) *size = s->second.bytes;
+        return 0;
+    }
+    auto b = find_block(p);
+    if (!b || b->second.k != DEVICE)
+        return 1; /* CUDA_ERROR_INVALID_VALUE */
+    if (base) *base = b->first;
+    if (size) *size = b->second.bytes;
+    return 0;
+}
+int drv_ctx_get(void **ctx)
+{
+    if (!ctx)
+        return 1;
+    *ctx = t_ctx;
+    return 0;
+}
+int drv_ctx_set(void *ctx)
+{
+    if (ctx && ctx != &g_primary)
+        return 201; /* CUDA_ERROR_INVALID_CONTEXT */
+    t_ctx = ctx;
+    return 0;
+}
+
+} // namespace
+
+extern "C" {
+
+void *emu_driver_symbol(const char *name)
+{
+    if (strcmp(name, "cuMemGetAddressRange_v2") == 0)
+        return (void *)drv_range;
+    if (strcmp(name, "cuCtxGetCurrent") == 0)
+        return (void *)drv_ctx_get;
+    if (strcmp(name, "cuCtxSetCurrent") == 0)
+        return (void *)drv_ctx_set;
+    return nullptr;
+}
+
+cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t *h, void *p)
+{
+    guard g(g_mu);
+    if (!h || !p)
+        return fail(cudaErrorInvalidValue);
+    auto s = find_segment(p);
+    if (!s) {
+        auto b = find_block(p);
+        if (b && b->second.k == DEVICE && !ipc_mode())
+            fprintf(stderr, "cuda emulator: cudaIpcGetMemHandle needs EMU_IPC=1 (device memory "
+                            "in segments another process can map)\n");
+        return fail(b && b->second.k == DEVICE ? cudaErrorNotSupported
+                                               : cudaErrorInvalidDevicePointer);
+    }
+    if (s->second.fd < 0)
+        return fail(cudaErrorInvalidValue); /* an imported segment is not exported again */
+    ipc_mem m = { IPC_MAGIC, 1, (int32_t)getpid(), s->second.fd, s->second.bytes, s->second.id };
+    memset(h, 0, sizeof *h);
+    memcpy(h->reserved, &m, sizeof m);
+    return cudaSuccess;
+}
+
+cudaError_t cudaIpcOpenMemHandle(void **p, cudaIpcMemHandle_t h, unsigned flags)
+{
+    guard g(g_mu);
+    (void)flags;
+    if (!p)
+        return fail(cudaErrorInvalidValue);
+    *p = nullptr;
+    ipc_mem m;
+    memcpy(&m, h.reserved, sizeof m);
+    if (m.magic != IPC_MAGIC || m.kind != 1 || m.bytes == 0)
+        return fail(cudaErrorInvalidValue);
+    if (m.pid == (int32_t)getpid())
+        return fail(cudaErrorInvalidValue); /* CUDA refuses a process's own handles too */
+    for (auto &s : g_segs)
+        if (s.second.fd < 0 && s.second.owner == m.pid && s.second.id == m.id) {
+            s.second.users++;
+            *p = (void *)s.first;
+            return cudaSuccess;
+        }
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/fd/%d", (int)m.pid, (int)m.fd);
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0)
+        return fail(cudaErrorInvalidValue); /* its process is gone, or the handle is forged */
+    struct stat st;
+    void *base = MAP_FAILED;
+    if (fstat(fd, &st) == 0 && (uint64_t)st.st_size == m.bytes)
+        base = mmap(nullptr, m.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (base == MAP_FAILED)
+        return fail(cudaErrorInvalidValue);
+    g_segs[(uintptr_t)base] = segment{ m.bytes, -1, m.id, (pid_t)m.pid, 1, m.bytes };
+    g_mem[(uintptr_t)base] = block{ m.bytes, DEVICE, (uintptr_t)base };
+    *p = base;
+    return cudaSuccess;
+}
+
+cudaError_t cudaIpcCloseMemHandle(void *p)
+{
+    guard g(g_mu);
+    auto it = g_segs.find((uintptr_t)p);
+    if (it == g_segs.end() || it->second.fd >= 0)
+        return fail(cudaErrorInvalidValue);
+    run_everything(); /* nothing queued may touch it after */
+    if (--it->second.users == 0) {
+        g_mem.erase((uintptr_t)p);
+        drop_segment((uintptr_t)p);
+    }
+    return cudaSuccess;
+}
+
+cudaError_t cudaIpcGetEventHandle(cudaIpcEventHandle_t *h, cudaEvent_t e)
+{
+    guard g(g_mu);
+    if (!h || !valid(e))
+        return fail(cudaErrorInvalidResourceHandle);
+    if (!(e->flags & cudaEventInterprocess) || e->imported)
+        return fail(cudaErrorInvalidResourceHandle);
+    ipc_mem m = { IPC_MAGIC, 2, (int32_t)getpid(), -1, 0, (uint64_t)(uintptr_t)e };
+    memset(h, 0, sizeof *h);
+    memcpy(h->reserved, &m, sizeof m);
+    return cudaSuccess;
+}
+
+cudaError_t cudaIpcOpenEventHandle(cudaEvent_t *e, cudaIpcEventHandle_t h)
+{
+    guard g(g_mu);
+    if (!e)
+        return fail(cudaErrorInvalidValue);
+    ipc_mem m;
+    memcpy(&m, h.reserved, sizeof m);
+    if (m.magic != IPC_MAGIC || m.kind != 2 || m.pid == (int32_t)getpid())
+        return fail(cudaErrorInvalidResourceHandle);
+    g_events.emplace_back(new emu_event{ cudaEventDisableTiming | cudaEventInterprocess, false,
+                                         nullptr, 0, 0.0, true });
+    *e = g_events.back().get();
     return cudaSuccess;
 }
 

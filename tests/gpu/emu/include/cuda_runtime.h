@@ -75,11 +75,25 @@ enum cudaDeviceAttr {
     cudaDevAttrMultiProcessorCount = 16,
     cudaDevAttrUnifiedAddressing = 41,
     cudaDevAttrComputeCapabilityMajor = 75,
-    cudaDevAttrComputeCapabilityMinor = 76
+    cudaDevAttrComputeCapabilityMinor = 76,
+    cudaDevAttrIpcEventSupport = 117
 };
+
+typedef struct cudaUUID_st {
+    char bytes[16];
+} cudaUUID_t;
+
+#define CUDA_IPC_HANDLE_SIZE 64
+typedef struct cudaIpcMemHandle_st {
+    char reserved[CUDA_IPC_HANDLE_SIZE];
+} cudaIpcMemHandle_t;
+typedef struct cudaIpcEventHandle_st {
+    char reserved[CUDA_IPC_HANDLE_SIZE];
+} cudaIpcEventHandle_t;
 
 typedef struct cudaDeviceProp {
     char name[256];
+    cudaUUID_t uuid;
     size_t totalGlobalMem;
     int major, minor;
     int multiProcessorCount;
@@ -146,6 +160,25 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s);
 cudaError_t cudaEventQuery(cudaEvent_t e);
 cudaError_t cudaEventSynchronize(cudaEvent_t e);
 cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b);
+
+/* Interprocess memory and events.  Memory can be handed to another process
+ * only when EMU_IPC=1: then device memory lives in memfd segments, as
+ * CUDA's own allocator lays it out at its worst (allocations under 2 MiB
+ * carved out of shared 2 MiB segments, so that a handle names the segment
+ * and its base, and the buffer is at an offset in it), and another process
+ * maps the segment through /proc/PID/fd.  An interprocess event completes
+ * when it is recorded (the stream's earlier work runs then), so an opened
+ * one is always complete: ordering across processes is not emulated. */
+cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t *h, void *p);
+cudaError_t cudaIpcOpenMemHandle(void **p, cudaIpcMemHandle_t h, unsigned flags);
+cudaError_t cudaIpcCloseMemHandle(void *p);
+cudaError_t cudaIpcGetEventHandle(cudaIpcEventHandle_t *h, cudaEvent_t e);
+cudaError_t cudaIpcOpenEventHandle(cudaEvent_t *e, cudaIpcEventHandle_t h);
+
+/* The emulator's driver functions (cuMemGetAddressRange_v2, cuCtxGetCurrent,
+ * cuCtxSetCurrent) by name, where the real code takes them from libcuda
+ * with dlsym; NULL for any other name. */
+void *emu_driver_symbol(const char *name);
 
 /* The emulator's own: its one-line description (name, mode, seed), and
  * counters for a test's summary. */
