@@ -52,6 +52,7 @@ struct scape_session {
     int dead;       /* the daemon said goodbye */
     int dev_shared; /* the daemon may have dparams/dgrads open (CUDA IPC) */
     int registered; /* the daemon answered Registered: it holds our slot */
+    int refused;    /* the daemon's last answer was a refusal (an error reply) */
 };
 
 static atomic_uint s_counter;
@@ -183,6 +184,7 @@ static scape_rc recv_reply(scape_session *s, Scape__Reply **out)
     zmq_msg_close(&msg);
     if (r == NULL)
         return scape_set_error(SCAPE_PROTO, "undecodable reply from %s", s->endpoint);
+    s->refused = r->status != SCAPE__STATUS__OK;
     if (r->status != SCAPE__STATUS__OK) {
         scape_rc rc = wire_rc(r->status);
         scape_set_error(rc, "scaped: %s",
@@ -534,7 +536,10 @@ scape_rc scape_attach(const char *endpoint, const scape_tensor *layout, size_t n
         rc = hello(s);
     if (rc == SCAPE_OK) {
         rc = register_layout(s, layout, ntensors);
-        if (rc != SCAPE_OK && (rc == SCAPE_REMOTE || rc == SCAPE_INVALID || s->registered))
+        /* whatever the daemon refused it for (a layout, a GPU it cannot
+         * reach, MIG): it holds the slot of our hello, and may have had our
+         * buffers open */
+        if (rc != SCAPE_OK && (s->refused || s->registered))
             leave_after_refusal(s, rc);
     }
     if (rc == SCAPE_OK && !on_device(s)) {
