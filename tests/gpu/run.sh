@@ -188,6 +188,7 @@ use_pack() {
     BIN=$pack/bin
     TI=$pack/bin
     DAEMON=$pack/bin/scaped
+    SCAPECTL=$pack/bin/scapectl
     LIBSCAPE=$pack/lib/libscape.so
     SERVICE_FROM=(--bin "$pack/bin")
     HOW="carried (tests/gpu/pack.sh, sources $want)"
@@ -219,7 +220,7 @@ build_cmake() {
     TI=$BUILD/tests/integration
     [ -x "$BUILD/daemon/scaped" ] && DAEMON=$BUILD/daemon/scaped
     [ -e "$BUILD/client/libscape.so" ] && LIBSCAPE=$BUILD/client/libscape.so
-    [ -x "$BUILD/client/scapectl" ] && SERVICE_FROM=("$BUILD")
+    [ -x "$BUILD/client/scapectl" ] && SERVICE_FROM=("$BUILD") SCAPECTL=$BUILD/client/scapectl
     HOW="cmake (Release)"
 }
 
@@ -536,6 +537,104 @@ run_handover() {
     progress "handover: $HANDOVER_STATUS"
 }
 
+# Trainers on two GPUs (issue 16): scaped on device 0 with a CUDA IPC
+# trainer on device 0 and one on device 1 (by events on its own stream),
+# against the reference bit for bit, the status naming each trainer's device
+# while they train; where device 0 cannot reach device 1's memory, the
+# trainer on device 1 must instead be refused with the reason (naming both
+# devices), and scaped go on serving a trainer on its own device.  Needs two
+# GPUs (the emulator makes them: EMU_DEVICES=2, both ways of EMU_PEER).
+peer_case() { # $1: what is expected here: equal, refused or either
+    local rt=$2 t ti=${TI:-$BUILD/tests/integration} expect=$1 st
+    t=$(tmo 120)
+    [ "$t" = 0 ] && { echo "not run (out of time)"; return 1; }
+    rm -rf "$rt/rt" "$rt/a" "$rt/b" "$rt/ref"
+    if ! daemon_up "$LOGS/scaped_peer_$expect.txt" "$rt/rt" --executor cuda --cuda-device 0 \
+        --trainers 2 --rho 0.01 --warmup 3; then
+        echo "FAIL (scaped did not start)"; return 1
+    fi
+    timeout "$t" "$BIN/gpu_trainer" --endpoint "ipc://$rt/rt/control" --index 1 --device 1 \
+        --n 100000 --steps 30 --stream 1 --out "$rt/b" >"$LOGS/peer_b_$expect.txt" 2>&1 &
+    local pb=$! refused=0 ok=1 why=""
+    for _ in $(seq 100); do # until it has attached (it waits for its peer), or is refused
+        grep -q "scaped refused\|no peer access" "$LOGS/peer_b_$expect.txt" && { refused=1; break; }
+        kill -0 "$pb" 2>/dev/null || break
+        "$SCAPECTL" --endpoint "ipc://$rt/rt/status" status >"$LOGS/peer_status_$expect.txt" 2>&1 &&
+            grep -q "cuda:1" "$LOGS/peer_status_$expect.txt" && break
+        sleep 0.2
+    done
+    if [ "$refused" = 0 ] && kill -0 "$pb" 2>/dev/null; then
+        timeout "$t" "$BIN/gpu_trainer" --endpoint "ipc://$rt/rt/control" --index 0 --device 0 \
+            --n 100000 --steps 30 --out "$rt/a" >"$LOGS/peer_a_$expect.txt" 2>&1 &
+        local pa=$!
+        grep -q "cuda:1" "$LOGS/peer_status_$expect.txt" || { ok=0 why="the status does not name cuda:1"; }
+        wait "$pa" || { ok=0 why="${why:-the trainer on device 0 failed}"; }
+        wait "$pb" || { ok=0 why="${why:-the trainer on device 1 failed}"; }
+        timeout "$t" "$ti/reference" --trainers 2 --n 100000 --steps 30 --rho 0.01 --warmup 3 \
+            --out "$rt/ref" >"$LOGS/peer_ref.txt" 2>&1 || { ok=0 why="${why:-the reference failed}"; }
+        kill "$DPID" 2>/dev/null; wait "$DPID" 2>/dev/null; DPID=""
+        if [ "$ok" = 1 ] && cmp -s "$rt/a" "$rt/ref" && cmp -s "$rt/b" "$rt/ref"; then
+            [ "$expect" = refused ] && { echo "FAIL (device 0 reached device 1, which it has no peer access to)"; return 1; }
+            echo "trainers on devices 0 and 1 (peer access) == reference, status cuda:1: ok"; return 0
+        fi
+        echo "FAIL (${why:-the parameters differ from the reference}; see $LOGS)"; return 1
+    fi
+    wait "$pb" 2>/dev/null
+    # refused with the reason, and its buffers given back at once (libscape
+    # frees them when scaped confirms it closed them: the slot is returned)
+    if [ "$expect" = equal ] || ! grep -q "device 1" "$LOGS/peer_b_$expect.txt" ||
+        ! grep -q "per GPU" "$LOGS/peer_b_$expect.txt" ||
+        grep -q "did not confirm" "$LOGS/peer_b_$expect.txt"; then
+        kill "$DPID" 2>/dev/null; wait "$DPID" 2>/dev/null; DPID=""
+        echo "FAIL (the trainer on device 1 was not trained with: $(tail -n 1 "$LOGS/peer_b_$expect.txt"))"; return 1
+    fi
+    # refused as it should be: scaped serves a trainer on its own device
+    timeout "$t" "$BIN/gpu_trainer" --endpoint "ipc://$rt/rt/control" --index 0 --device 0 \
+        --n 100000 --steps 30 --out "$rt/a" >"$LOGS/peer_a_$expect.txt" 2>&1 &
+    local pa=$!
+    timeout "$t" "$BIN/gpu_trainer" --endpoint "ipc://$rt/rt/control" --index 1 --device 0 \
+        --n 100000 --steps 30 --out "$rt/b" >"$LOGS/peer_c_$expect.txt" 2>&1 || ok=0
+    wait "$pa" || ok=0
+    kill "$DPID" 2>/dev/null; wait "$DPID" 2>/dev/null; DPID=""
+    timeout "$t" "$ti/reference" --trainers 2 --n 100000 --steps 30 --rho 0.01 --warmup 3 \
+        --out "$rt/ref" >"$LOGS/peer_ref.txt" 2>&1 || ok=0
+    if [ "$ok" = 1 ] && cmp -s "$rt/a" "$rt/ref" && cmp -s "$rt/b" "$rt/ref"; then
+        echo "no peer access: the trainer on device 1 refused (\"$(grep -o "the trainer's buffers are on CUDA device [0-9]*, and this daemon's device [0-9]* has no peer access to it" "$LOGS/peer_b_$expect.txt" | head -n 1)\") and its buffers freed, then two on device 0 == reference: ok"
+        return 0
+    fi
+    echo "FAIL (refused as it should be, but then the trainers on device 0 did not match the reference; see $LOGS)"
+    return 1
+}
+
+run_peer() {
+    PEER_STATUS="" PEER_RC=0
+    local ndev rt r
+    if [ -n "$EMU" ]; then ndev=${EMU_DEVICES:-1}; else ndev=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU '); fi
+    if [ "${ndev:-0}" -lt 2 ]; then
+        PEER_STATUS="not run: one GPU here (two are needed)"
+        progress "two GPUs: $PEER_STATUS"
+        return
+    fi
+    if [ -z "${DAEMON:-}" ] || [ ! -x "$BIN/gpu_trainer" ] || [ -z "${SCAPECTL:-}" ]; then
+        PEER_STATUS="not run: scaped, scapectl or gpu_trainer not built here"
+        not_run "trainers on two GPUs"
+        progress "two GPUs: $PEER_STATUS"
+        return
+    fi
+    rt=$(mktemp -d /tmp/scape-peer.XXXXXX)
+    if [ -n "$EMU" ]; then
+        r=$(export EMU_PEER=1; peer_case equal "$rt") || PEER_RC=1
+        PEER_STATUS="emulated with peer access: $r"
+        r=$(export EMU_PEER=0; peer_case refused "$rt") || PEER_RC=1
+        PEER_STATUS="$PEER_STATUS; emulated without: $r"
+    else
+        r=$(peer_case either "$rt") || PEER_RC=1
+        PEER_STATUS=$r
+    fi
+    rm -rf "$rt"
+    progress "two GPUs: $PEER_STATUS"
+}
+
 # The hand-over's cost per step (issue 16's benchmark): one CUDA IPC trainer
 # (gpu_trainer --bench, by events on its own stream), the call from post to
 # parameters ready against the daemon's engine step, in place (cuda
@@ -655,6 +754,7 @@ print_summary() {
     echo "exec      : ${EXEC_STATUS:-not run}"
     echo "nccl      : ${NCCL_STATUS:-not run}"
     echo "handover  : ${HANDOVER_STATUS:-not run}"
+    echo "two GPUs  : ${PEER_STATUS:-not run}"
     echo "python    : ${TORCH_STATUS:-not run}"
     echo "service   : ${SERVICE_STATUS:-not run}"
     if [ -n "$EMU" ]; then
@@ -711,6 +811,8 @@ trap 'exit 143' TERM
 trap 'exit 130' INT
 if [ -n "$EMU" ]; then
     BIN=$EMU/tests/gpu/emu TI=$EMU/tests/integration DAEMON=$EMU/tests/gpu/emu/scaped
+    SCAPECTL=$EMU/client/scapectl
+    export EMU_DEVICES=${EMU_DEVICES:-2} # the trainers-on-two-GPUs step
     HOW="the CUDA emulator's programs in $EMU (EMU_LAZY=${EMU_LAZY:-0}, EMU_SEED=${EMU_SEED:-0})"
 else
     find_nccl
@@ -721,6 +823,7 @@ run_check
 run_exec
 run_nccl
 run_handover
+run_peer
 if [ -z "$EMU" ]; then # timings and torch: nothing an emulator can tell
     run_torch_scape
     run_bench
@@ -729,7 +832,7 @@ if [ -z "$EMU" ]; then # timings and torch: nothing an emulator can tell
 fi
 print_summary | tee "$LOGS/summary.txt"
 [ "$CHECK_RC" -eq 0 ] && [ "$EXEC_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$NCCL_RC" -eq 0 ] &&
-    [ "$TORCH_RC" -eq 0 ] && [ "${HANDOVER_RC:-0}" -eq 0 ] &&
+    [ "$TORCH_RC" -eq 0 ] && [ "${HANDOVER_RC:-0}" -eq 0 ] && [ "${PEER_RC:-0}" -eq 0 ] &&
     [ "$OTHER_RC" -eq 0 ] || exit 1
 [ "${#NOT_RUN[@]}" -eq 0 ] || [ "$PARTIAL_OK" = 1 ] || exit 3
 exit 0

@@ -105,12 +105,18 @@ unsigned long long g_kernels = 0;
 struct settings {
     bool lazy = false;
     uint64_t seed = 0;
+    int devices = 1; /* EMU_DEVICES, 1 to 8 */
+    bool peer = true; /* EMU_PEER=0: no device reaches another's memory */
     char text[160];
     settings()
     {
         const char *l = getenv("EMU_LAZY"), *s = getenv("EMU_SEED");
+        const char *d = getenv("EMU_DEVICES"), *p = getenv("EMU_PEER");
         lazy = l && atoi(l) != 0;
         seed = s ? strtoull(s, NULL, 0) : 0;
+        devices = d ? atoi(d) : 1;
+        devices = devices < 1 ? 1 : devices > 8 ? 8 : devices;
+        peer = !p || atoi(p) != 0;
         snprintf(text, sizeof text, "CUDA emulator on the CPU (%s streams, %s order)",
                  lazy ? "lazy" : "eager", seed ? "seeded" : "natural");
         if (seed)
@@ -138,6 +144,7 @@ struct block {
     size_t bytes;
     kind k;
     uintptr_t seg; /* the memfd segment it lies in (EMU_IPC=1), else 0 */
+    int device;    /* device memory's device */
 };
 std::map<uintptr_t, block> g_mem;
 
@@ -265,7 +272,7 @@ cudaError_t alloc(void **p, size_t bytes, kind k)
         return fail(cudaErrorMemoryAllocation);
     }
     memset(m, 0xff, bytes);
-    g_mem[(uintptr_t)m] = block{ bytes, k, seg };
+    g_mem[(uintptr_t)m] = block{ bytes, k, seg, t_device };
     *p = m;
     return cudaSuccess;
 }
@@ -302,11 +309,12 @@ struct op {
 };
 struct stream {
     unsigned flags;
+    int device;
     bool legacy, destroyed;
     std::deque<op> q;
     uint64_t queued, done; /* ops queued and run so far */
 };
-stream g_legacy = { 0, true, false, {}, 0, 0 };
+stream g_legacy = { 0, 0, true, false, {}, 0, 0 };
 std::vector<std::unique_ptr<stream>> g_streams; /* kept after destroy: handles are checked */
 
 stream *as_stream(cudaStream_t s) { return s ? reinterpret_cast<stream *>(s) : &g_legacy; }
@@ -756,7 +764,7 @@ void emu_enqueue_kernel(const char *name, const emu_cfg &c, std::function<void()
         return;
     }
     stream *s = as_stream(c.stream);
-    if (!valid(s)) {
+    if (!valid(s) || (!s->legacy && s->device != t_device)) { /* a stream of another device */
         fail(cudaErrorInvalidResourceHandle);
         return;
     }
@@ -819,11 +827,13 @@ cudaError_t cudaGetLastError(void)
 }
 cudaError_t cudaPeekAtLastError(void) { return t_last; }
 
+static bool bad_device(int dev) { return dev < 0 || dev >= cfg().devices; }
+
 cudaError_t cudaGetDeviceCount(int *n)
 {
     if (!n)
         return fail(cudaErrorInvalidValue);
-    *n = 1;
+    *n = cfg().devices;
     return cudaSuccess;
 }
 cudaError_t cudaGetDevice(int *dev)
@@ -835,7 +845,7 @@ cudaError_t cudaGetDevice(int *dev)
 }
 cudaError_t cudaSetDevice(int dev)
 {
-    if (dev != 0)
+    if (bad_device(dev))
         return fail(cudaErrorInvalidDevice);
     t_device = dev;
     t_ctx = &g_primary;
@@ -845,11 +855,12 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp *p, int dev)
 {
     if (!p)
         return fail(cudaErrorInvalidValue);
-    if (dev != 0)
+    if (bad_device(dev))
         return fail(cudaErrorInvalidDevice);
     memset(p, 0, sizeof *p);
     snprintf(p->name, sizeof p->name, "%s", cfg().text);
     memcpy(p->uuid.bytes, "scape-cuda-emu-0", 16); /* the same in every process */
+    p->uuid.bytes[15] = (char)('0' + dev);
     p->totalGlobalMem = (size_t)16 << 30;
     p->major = 9;
     p->minor = 0;
@@ -863,7 +874,7 @@ cudaError_t cudaDeviceGetAttribute(int *v, enum cudaDeviceAttr a, int dev)
 {
     if (!v)
         return fail(cudaErrorInvalidValue);
-    if (dev != 0)
+    if (bad_device(dev))
         return fail(cudaErrorInvalidDevice);
     switch (a) {
     case cudaDevAttrMaxThreadsPerBlock: *v = 1024; break;
@@ -880,9 +891,9 @@ cudaError_t cudaDeviceCanAccessPeer(int *can, int dev, int peer)
 {
     if (!can)
         return fail(cudaErrorInvalidValue);
-    if (dev != 0 || peer != 0)
+    if (bad_device(dev) || bad_device(peer))
         return fail(cudaErrorInvalidDevice);
-    *can = 0;
+    *can = dev != peer && cfg().peer;
     return cudaSuccess;
 }
 cudaError_t cudaDeviceSynchronize(void)
@@ -935,7 +946,7 @@ cudaError_t cudaHostRegister(void *p, size_t bytes, unsigned flags)
         return fail(cudaErrorInvalidValue);
     if (find_block(p))
         return fail(cudaErrorInvalidValue); /* cudaErrorHostMemoryAlreadyRegistered */
-    g_mem[(uintptr_t)p] = block{ bytes, REGISTERED, 0 };
+    g_mem[(uintptr_t)p] = block{ bytes, REGISTERED, 0, 0 };
     return cudaSuccess;
 }
 cudaError_t cudaHostUnregister(void *p)
@@ -979,7 +990,7 @@ cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *a, const void
         return cudaSuccess;
     }
     a->type = b->second.k == DEVICE ? cudaMemoryTypeDevice : cudaMemoryTypeHost;
-    a->device = 0;
+    a->device = b->second.k == DEVICE ? b->second.device : 0;
     a->devicePointer = (void *)p;
     a->hostPointer = b->second.k == DEVICE ? nullptr : (void *)p;
     return cudaSuccess;
@@ -1051,7 +1062,7 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags)
     guard g(g_mu);
     if (!s)
         return fail(cudaErrorInvalidValue);
-    g_streams.emplace_back(new stream{ flags, false, false, {}, 0, 0 });
+    g_streams.emplace_back(new stream{ flags, t_device, false, false, {}, 0, 0 });
     *s = reinterpret_cast<cudaStream_t>(g_streams.back().get());
     return cudaSuccess;
 }
@@ -1182,6 +1193,7 @@ struct ipc_mem {
     uint32_t magic, kind; /* kind 1: memory, 2: an event */
     int32_t pid, fd;
     uint64_t bytes, id;
+    int32_t device;
 };
 static_assert(sizeof(ipc_mem) <= CUDA_IPC_HANDLE_SIZE, "an IPC handle has 64 bytes");
 
@@ -1247,7 +1259,9 @@ cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t *h, void *p)
     }
     if (s->second.fd < 0)
         return fail(cudaErrorInvalidValue); /* an imported segment is not exported again */
-    ipc_mem m = { IPC_MAGIC, 1, (int32_t)getpid(), s->second.fd, s->second.bytes, s->second.id };
+    auto b = find_block(p);
+    ipc_mem m = { IPC_MAGIC, 1, (int32_t)getpid(), s->second.fd, s->second.bytes, s->second.id,
+                  b ? b->second.device : 0 };
     memset(h, 0, sizeof *h);
     memcpy(h->reserved, &m, sizeof m);
     return cudaSuccess;
@@ -1285,7 +1299,7 @@ cudaError_t cudaIpcOpenMemHandle(void **p, cudaIpcMemHandle_t h, unsigned flags)
     if (base == MAP_FAILED)
         return fail(cudaErrorInvalidValue);
     g_segs[(uintptr_t)base] = segment{ m.bytes, -1, m.id, (pid_t)m.pid, 1, m.bytes };
-    g_mem[(uintptr_t)base] = block{ m.bytes, DEVICE, (uintptr_t)base };
+    g_mem[(uintptr_t)base] = block{ m.bytes, DEVICE, (uintptr_t)base, m.device };
     *p = base;
     return cudaSuccess;
 }
@@ -1311,7 +1325,7 @@ cudaError_t cudaIpcGetEventHandle(cudaIpcEventHandle_t *h, cudaEvent_t e)
         return fail(cudaErrorInvalidResourceHandle);
     if (!(e->flags & cudaEventInterprocess) || e->imported)
         return fail(cudaErrorInvalidResourceHandle);
-    ipc_mem m = { IPC_MAGIC, 2, (int32_t)getpid(), -1, 0, (uint64_t)(uintptr_t)e };
+    ipc_mem m = { IPC_MAGIC, 2, (int32_t)getpid(), -1, 0, (uint64_t)(uintptr_t)e, 0 };
     memset(h, 0, sizeof *h);
     memcpy(h->reserved, &m, sizeof m);
     return cudaSuccess;
