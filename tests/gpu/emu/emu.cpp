@@ -66,7 +66,11 @@
 #include <sanitizer/common_interface_defs.h>
 #endif
 
-#if !defined(__x86_64__)
+/* Fibers switch by a few instructions on x86-64, by ucontext elsewhere (or
+ * with -DEMU_UCONTEXT, which is how that path is tried on x86-64). */
+#if defined(__x86_64__) && !defined(EMU_UCONTEXT)
+#define EMU_ASM_SWITCH 1
+#else
 #include <ucontext.h>
 #endif
 
@@ -417,7 +421,7 @@ bool event_done(const emu_event *e) { return e->on == nullptr || e->on->done >= 
 
 /* ---- fibers ------------------------------------------------------------------------ */
 
-#if defined(__x86_64__)
+#ifdef EMU_ASM_SWITCH
 extern "C" void emu_switch(void **save_sp, void *to_sp);
 extern "C" void emu_fiber_entry(void);
 asm(R"(
@@ -467,7 +471,7 @@ struct fiber {
     wait_kind wait;
     uint64_t gen; /* the barrier generation it waits to see pass */
     char *stack;
-#if defined(__x86_64__)
+#ifdef EMU_ASM_SWITCH
     void *sp;
 #else
     ucontext_t uc;
@@ -492,7 +496,7 @@ struct runner {
     fiber *cur = nullptr;
     const char *kernel = "";
     const std::function<void()> *body = nullptr;
-#if defined(__x86_64__)
+#ifdef EMU_ASM_SWITCH
     void *sched_sp = nullptr;
 #else
     ucontext_t sched_uc;
@@ -530,7 +534,7 @@ void enter(fiber *f)
 #ifdef EMU_ASAN
     __sanitizer_start_switch_fiber(&g_run.fake, f->stack, STACK);
 #endif
-#if defined(__x86_64__)
+#ifdef EMU_ASM_SWITCH
     emu_switch(&g_run.sched_sp, f->sp);
 #else
     if (swapcontext(&g_run.sched_uc, &f->uc) != 0)
@@ -548,7 +552,7 @@ void leave(bool finished)
     void *fake = nullptr;
     __sanitizer_start_switch_fiber(finished ? nullptr : &fake, g_run.sched_bottom, g_run.sched_size);
 #endif
-#if defined(__x86_64__)
+#ifdef EMU_ASM_SWITCH
     emu_switch(&f->sp, g_run.sched_sp);
 #else
     if (swapcontext(&f->uc, &g_run.sched_uc) != 0)
@@ -586,7 +590,7 @@ extern "C" void emu_fiber_main(void)
     die("a finished fiber was resumed");
 }
 
-#if !defined(__x86_64__)
+#ifndef EMU_ASM_SWITCH
 static void fiber_trampoline(void) { emu_fiber_main(); }
 #endif
 
@@ -598,7 +602,7 @@ void start_fiber(fiber *f, unsigned tid)
     f->wait = NONE;
     f->gen = 0;
     f->stack = g_run.stacks + (size_t)tid * STACK;
-#if defined(__x86_64__)
+#ifdef EMU_ASM_SWITCH
     uintptr_t top = ((uintptr_t)(f->stack + STACK)) & ~(uintptr_t)15;
     uint64_t *sp = (uint64_t *)top - 8; /* csr word, six registers, return address */
     uint32_t mxcsr;
