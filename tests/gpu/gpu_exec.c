@@ -163,13 +163,19 @@ static void release(const job *j, void *p)
         cudaFree(p);
 }
 
-/* Bytes into one of the job's buffers, or out of it. */
+/* Bytes into one of the job's buffers, or out of it.  From pageable memory
+ * cudaMemcpy may return before the bytes have landed on the device (the
+ * runtime's "API synchronization behavior"), and the executor reads them on
+ * streams of its own: the default stream it used is synchronised, as a
+ * trainer's gradient-ready event would order them. */
 static void put(const job *j, void *dst, const void *src, size_t bytes)
 {
-    if (j->device)
+    if (j->device) {
         cuda_or_die(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault), "cudaMemcpy");
-    else
+        cuda_or_die(cudaStreamSynchronize(0), "cudaStreamSynchronize");
+    } else {
         memcpy(dst, src, bytes);
+    }
 }
 
 static uint64_t mix(uint64_t x)

@@ -108,6 +108,9 @@ static void check_bf16_device(void)
     }
     EXPECT(cudaMalloc((void **)&d, N * sizeof *d) == cudaSuccess, "cudaMalloc");
     EXPECT(cudaMemcpy(d, h, N * sizeof *d, cudaMemcpyHostToDevice) == cudaSuccess, "copy in");
+    /* from pageable memory the copy may land after cudaMemcpy returns; the
+     * collectives run on the comm's own stream */
+    EXPECT(cudaStreamSynchronize(0) == cudaSuccess, "copy in landed");
     size_t counts[1] = { N };
     uint64_t before = c->stats.bytes[COMM_REDUCE_SCATTER];
     EXPECT(comm_reduce_scatter_sum_wire(c, d, d, counts, 1) == SCAPE_OK, "bf16 rs: %s",

@@ -111,6 +111,8 @@ static eng_step_stats run(comm_t *c, const eng_tensor *ts, size_t nt, size_t n,
         host[i] = (float)((i * 2654435761u) % 2001) * 1e-3f - 1.0f;
     cuda_or_die(cudaMemcpy(g, host, n * sizeof *g, cudaMemcpyHostToDevice), "grads in");
     cuda_or_die(cudaMemcpy(p, host, n * sizeof *p, cudaMemcpyHostToDevice), "params in");
+    /* from pageable memory the copies may land after cudaMemcpy returns */
+    cuda_or_die(cudaStreamSynchronize(0), "copies in landed");
     free(host);
     eng_t *e = NULL;
     if (eng_create(&e, &cfg, &lay, c, 1) != SCAPE_OK ||

@@ -102,8 +102,16 @@ std::recursive_mutex g_mu;
 typedef std::lock_guard<std::recursive_mutex> guard;
 thread_local cudaError_t t_last = cudaSuccess;
 thread_local int t_device = 0;
-thread_local void *t_ctx = nullptr; /* the driver's current context: none until cudaSetDevice */
-char g_primary;                     /* device 0's primary context */
+thread_local void *t_ctx = nullptr; /* the driver's current context: none until bound */
+char g_primary[8];                  /* each device's primary context */
+
+/* The runtime binds the current device's primary context at a thread's
+ * first call that needs one, as cudaSetDevice does. */
+void bind_ctx()
+{
+    if (t_ctx == nullptr)
+        t_ctx = &g_primary[t_device];
+}
 unsigned long long g_kernels = 0;
 
 struct settings {
@@ -262,6 +270,7 @@ void *carve(size_t bytes, uintptr_t *seg)
 
 cudaError_t alloc(void **p, size_t bytes, kind k)
 {
+    bind_ctx();
     if (p == nullptr)
         return fail(cudaErrorInvalidValue);
     *p = nullptr;
@@ -359,6 +368,8 @@ struct emu_event {
     uint64_t at; /* complete once `on` has done this many ops */
     double t_ms;
     bool imported; /* opened from another process's handle: always complete */
+    int device;
+    unsigned polls; /* an imported one answers "not yet" to every other query */
 };
 
 namespace {
@@ -585,6 +596,10 @@ extern "C" void emu_fiber_main(void)
     g_run.live--;
     warp &w = g_run.warps[f->tid / 32];
     w.alive &= ~(1u << (f->tid % 32));
+    if (w.arrived && w.arrived == (w.mask & w.alive)) { /* the rest of a warp op's lanes */
+        w.arrived = 0;
+        w.gen++;
+    }
     release_barriers();
     leave(true);
     die("a finished fiber was resumed");
@@ -730,14 +745,12 @@ void emu_warp_exchange(const char *opname, unsigned mask, uint64_t mine, uint64_
     if (!(mask >> lane & 1u))
         die("kernel %s: lane %u of warp %u calls %s with mask %#x, which does not name it",
             g_run.kernel, lane, f->tid / 32, opname, mask);
-    if (mask & ~w.alive)
-        die("kernel %s: %s with mask %#x in warp %u names lanes %#x that have exited or do not "
-            "exist",
-            g_run.kernel, opname, mask, f->tid / 32, mask & ~w.alive);
+    /* lanes named in mask that have exited (or do not exist) take no part,
+     * as in CUDA; what they would have given reads as garbage there */
     if (w.arrived == 0) {
         w.op = opname;
         w.mask = mask;
-    } else if (w.op != opname || w.mask != mask) {
+    } else if (strcmp(w.op, opname) != 0 || w.mask != mask) {
         die("kernel %s: warp %u diverges: lane %u calls %s (mask %#x) while others wait in %s "
             "(mask %#x)",
             g_run.kernel, f->tid / 32, lane, opname, mask, w.op, w.mask);
@@ -745,7 +758,7 @@ void emu_warp_exchange(const char *opname, unsigned mask, uint64_t mine, uint64_
     const unsigned buf = (unsigned)(w.gen & 1);
     w.slot[buf][lane] = mine;
     w.arrived |= 1u << lane;
-    if (w.arrived == mask) {
+    if (w.arrived == (mask & w.alive)) {
         w.arrived = 0;
         w.gen++;
     } else {
@@ -760,6 +773,7 @@ void emu_warp_exchange(const char *opname, unsigned mask, uint64_t mine, uint64_
 void emu_enqueue_kernel(const char *name, const emu_cfg &c, std::function<void()> body)
 {
     guard g(g_mu);
+    bind_ctx();
     const uint64_t threads = (uint64_t)c.block.x * c.block.y * c.block.z;
     if (c.grid.x == 0 || c.grid.y == 0 || c.grid.z == 0 || c.grid.x > 0x7fffffffu ||
         c.grid.y > 65535 || c.grid.z > 65535 || threads == 0 || threads > MAX_THREADS ||
@@ -852,7 +866,7 @@ cudaError_t cudaSetDevice(int dev)
     if (bad_device(dev))
         return fail(cudaErrorInvalidDevice);
     t_device = dev;
-    t_ctx = &g_primary;
+    t_ctx = &g_primary[dev];
     return cudaSuccess;
 }
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp *p, int dev)
@@ -978,7 +992,10 @@ cudaError_t cudaFreeAsync(void *p, cudaStream_t s)
         return fail(cudaErrorInvalidResourceHandle);
     if (p && g_mem.find((uintptr_t)p) == g_mem.end())
         return fail(cudaErrorInvalidDevicePointer);
-    push_fn(st, [p]() { release(p, DEVICE); });
+    push_fn(st, [p]() {
+        if (release(p, DEVICE) != cudaSuccess)
+            die("cudaFreeAsync(%p): not device memory, or freed twice", p);
+    });
     return cudaSuccess;
 }
 cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *a, const void *p)
@@ -1012,6 +1029,7 @@ static cudaError_t copy(void *dst, const void *src, size_t bytes, enum cudaMemcp
                         cudaStream_t s, bool sync)
 {
     guard g(g_mu);
+    bind_ctx();
     if ((unsigned)k > (unsigned)cudaMemcpyDefault)
         return fail(cudaErrorInvalidMemcpyDirection);
     if (bytes && (!dst || !src))
@@ -1021,10 +1039,24 @@ static cudaError_t copy(void *dst, const void *src, size_t bytes, enum cudaMemcp
         return fail(cudaErrorInvalidResourceHandle);
     if (bytes == 0)
         return cudaSuccess;
-    /* pageable memory on either side: staged at once, after the stream's work */
-    bool pageable = (!find_block(dst)) || (!find_block(src));
+    auto db = find_block(dst), sb = find_block(src);
+    if ((db && (uintptr_t)dst + bytes > db->first + db->second.bytes) ||
+        (sb && (uintptr_t)src + bytes > sb->first + sb->second.bytes))
+        return fail(cudaErrorInvalidValue); /* past the end of an allocation */
+    const bool dst_dev = db && db->second.k == DEVICE, src_dev = sb && sb->second.k == DEVICE;
+    /* The runtime's "API synchronization behavior": from pageable memory to
+     * the device, the stream's earlier work completes and the source is
+     * staged before the call returns, but the write to the device may land
+     * later; to pageable memory the copy is complete at return; a
+     * synchronous copy is complete at return unless it is device to device. */
+    if (!sb && dst_dev) {
+        run_all(st);
+        auto staged = std::make_shared<std::vector<char>>((const char *)src, (const char *)src + bytes);
+        push_fn(st, [dst, staged]() { memcpy(dst, staged->data(), staged->size()); });
+        return cudaSuccess;
+    }
     push_fn(st, [dst, src, bytes]() { memmove(dst, src, bytes); });
-    if (sync || pageable)
+    if (!db || (sync && !(src_dev && dst_dev)))
         run_all(st);
     return cudaSuccess;
 }
@@ -1056,7 +1088,8 @@ cudaError_t cudaMemset(void *p, int v, size_t bytes)
 {
     guard g(g_mu);
     cudaError_t e = cudaMemsetAsync(p, v, bytes, nullptr);
-    if (e == cudaSuccess)
+    auto b = find_block(p); /* asynchronous unless the target is pinned host memory */
+    if (e == cudaSuccess && b && b->second.k != DEVICE)
         run_all(&g_legacy);
     return e;
 }
@@ -1066,6 +1099,7 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags)
     guard g(g_mu);
     if (!s)
         return fail(cudaErrorInvalidValue);
+    bind_ctx();
     g_streams.emplace_back(new stream{ flags, t_device, false, false, {}, 0, 0 });
     *s = reinterpret_cast<cudaStream_t>(g_streams.back().get());
     return cudaSuccess;
@@ -1077,8 +1111,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t s)
     stream *st = as_stream(s);
     if (!s || !valid(st))
         return fail(cudaErrorInvalidResourceHandle);
-    run_all(st); /* its work completes; the handle is gone at once */
-    st->destroyed = true;
+    st->destroyed = true; /* the handle is gone at once; its work still completes */
     return cudaSuccess;
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t s)
@@ -1123,7 +1156,8 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags)
         return fail(cudaErrorInvalidValue);
     if ((flags & cudaEventInterprocess) && !(flags & cudaEventDisableTiming))
         return fail(cudaErrorInvalidValue);
-    g_events.emplace_back(new emu_event{ flags, false, nullptr, 0, 0.0, false });
+    bind_ctx();
+    g_events.emplace_back(new emu_event{ flags, false, nullptr, 0, 0.0, false, t_device, 0 });
     *e = g_events.back().get();
     return cudaSuccess;
 }
@@ -1140,8 +1174,8 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s)
 {
     guard g(g_mu);
     stream *st = as_stream(s);
-    if (!valid(e) || !valid(st))
-        return fail(cudaErrorInvalidResourceHandle);
+    if (!valid(e) || !valid(st) || (!st->legacy && !e->imported && st->device != e->device))
+        return fail(cudaErrorInvalidResourceHandle); /* event and stream of one device */
     if (e->imported) { /* the other process sees nothing of it: the work is done now */
         run_all(st);
         return cudaSuccess;
@@ -1158,6 +1192,8 @@ cudaError_t cudaEventQuery(cudaEvent_t e)
     guard g(g_mu);
     if (!valid(e))
         return fail(cudaErrorInvalidResourceHandle);
+    if (e->imported) /* its waits are polled, as on a GPU where it may be pending */
+        return e->polls++ & 1u ? cudaSuccess : fail(cudaErrorNotReady);
     if (event_done(e))
         return cudaSuccess;
     run_until(e->on, e->at);
@@ -1226,10 +1262,17 @@ int drv_ctx_get(void **ctx)
 }
 int drv_ctx_set(void *ctx)
 {
-    if (ctx && ctx != &g_primary)
-        return 201; /* CUDA_ERROR_INVALID_CONTEXT */
-    t_ctx = ctx;
-    return 0;
+    if (ctx == nullptr) {
+        t_ctx = nullptr;
+        return 0;
+    }
+    for (int d = 0; d < cfg().devices; d++)
+        if (ctx == &g_primary[d]) {
+            t_ctx = ctx;
+            t_device = d; /* the runtime's current device follows the context */
+            return 0;
+        }
+    return 201; /* CUDA_ERROR_INVALID_CONTEXT */
 }
 
 } // namespace
@@ -1314,8 +1357,7 @@ cudaError_t cudaIpcCloseMemHandle(void *p)
     auto it = g_segs.find((uintptr_t)p);
     if (it == g_segs.end() || it->second.fd >= 0)
         return fail(cudaErrorInvalidValue);
-    run_everything(); /* nothing queued may touch it after */
-    if (--it->second.users == 0) {
+    if (--it->second.users == 0) { /* work still queued on it would fault, as on a GPU */
         g_mem.erase((uintptr_t)p);
         drop_segment((uintptr_t)p);
     }
@@ -1345,7 +1387,7 @@ cudaError_t cudaIpcOpenEventHandle(cudaEvent_t *e, cudaIpcEventHandle_t h)
     if (m.magic != IPC_MAGIC || m.kind != 2 || m.pid == (int32_t)getpid())
         return fail(cudaErrorInvalidResourceHandle);
     g_events.emplace_back(new emu_event{ cudaEventDisableTiming | cudaEventInterprocess, false,
-                                         nullptr, 0, 0.0, true });
+                                         nullptr, 0, 0.0, true, t_device, 0 });
     *e = g_events.back().get();
     return cudaSuccess;
 }
@@ -1354,10 +1396,13 @@ cudaError_t cudaIpcOpenEventHandle(cudaEvent_t *e, cudaIpcEventHandle_t h)
 
 /* ---- NCCL, one rank ------------------------------------------------------------------ */
 
+typedef std::function<void()> submit_fn; /* queues an operation's work on its streams */
+
 struct emu_nccl_comm {
     bool blocking, aborted;
-    int pending; /* polls of ncclCommGetAsyncError that still answer ncclInProgress */
+    int pending;                 /* polls of ncclCommGetAsyncError still answering ncclInProgress */
     unsigned calls;
+    std::vector<submit_fn> held; /* an operation answered ncclInProgress: queued once settled */
 };
 
 namespace {
@@ -1369,9 +1414,10 @@ struct p2p {
     ncclComm_t comm;
     stream *s;
 };
-int g_group = 0;
-std::vector<p2p> g_p2p;
-ncclComm_t g_group_comm = nullptr; /* a communicator used inside the open group */
+/* Groups are the calling thread's, as NCCL's are. */
+thread_local int t_group = 0;
+thread_local std::vector<p2p> t_p2p;
+thread_local std::vector<std::pair<ncclComm_t, submit_fn>> t_group_ops;
 
 size_t type_bytes(ncclDataType_t t)
 {
@@ -1384,14 +1430,30 @@ size_t type_bytes(ncclDataType_t t)
     }
 }
 
-/* The common checks of a collective; its answer for a non-blocking
- * communicator is ncclInProgress on every other call (then settled by one
- * poll), as a real one may answer while it connects. */
+/* A communicator's call may go on: not aborted (a use after ncclCommAbort,
+ * which frees it in NCCL, stops the run), and, non-blocking, its last
+ * ncclInProgress settled, as NCCL requires. */
+ncclResult_t usable(ncclComm_t c)
+{
+    if (!c)
+        return ncclInvalidArgument;
+    if (c->aborted)
+        die("NCCL: a communicator used after ncclCommAbort (NCCL has freed it)");
+    if (c->pending) {
+        fprintf(stderr, "cuda emulator: NCCL: communicator used before its last operation "
+                        "returned ncclSuccess (poll ncclCommGetAsyncError first)\n");
+        return ncclInvalidArgument;
+    }
+    return ncclSuccess;
+}
+
+/* The common checks of a collective or a send/receive. */
 ncclResult_t nccl_op(ncclComm_t c, ncclDataType_t t, cudaStream_t s, size_t count, const void *a,
                      void *b, int root, size_t *bytes, stream **st)
 {
-    if (!c || c->aborted)
-        return ncclInvalidArgument;
+    ncclResult_t r = usable(c);
+    if (r != ncclSuccess)
+        return r;
     *bytes = type_bytes(t) * count;
     if (!type_bytes(t) || root != 0)
         return ncclInvalidArgument;
@@ -1403,17 +1465,30 @@ ncclResult_t nccl_op(ncclComm_t c, ncclDataType_t t, cudaStream_t s, size_t coun
     return ncclSuccess;
 }
 
-ncclResult_t nccl_done(ncclComm_t c)
+/* An operation's answer, its work queued now or held: a non-blocking
+ * communicator answers ncclInProgress on every other call and queues the
+ * work only when a poll settles it, as a real one may still be connecting. */
+ncclResult_t finish(ncclComm_t c, std::vector<submit_fn> ops)
 {
-    if (g_group) { /* queued: the group's end answers for it */
-        g_group_comm = c;
-        return ncclSuccess;
-    }
     if (!c->blocking && (c->calls++ & 1u)) {
+        c->held = std::move(ops);
         c->pending = 1;
         return ncclInProgress;
     }
+    for (auto &f : ops)
+        f();
     return ncclSuccess;
+}
+
+ncclResult_t submit(ncclComm_t c, submit_fn f)
+{
+    if (t_group) { /* queued at the group's end, which answers for it */
+        t_group_ops.emplace_back(c, std::move(f));
+        return ncclSuccess;
+    }
+    std::vector<submit_fn> one;
+    one.push_back(std::move(f));
+    return finish(c, std::move(one));
 }
 
 ncclResult_t nccl_copy(const void *send, void *recv, size_t count, ncclDataType_t t, int root,
@@ -1425,9 +1500,10 @@ ncclResult_t nccl_copy(const void *send, void *recv, size_t count, ncclDataType_
     ncclResult_t r = nccl_op(comm, t, s, count, send, recv, root, &bytes, &st);
     if (r != ncclSuccess)
         return r;
-    if (bytes && send != recv)
-        push_fn(st, [send, recv, bytes]() { memmove(recv, send, bytes); });
-    return nccl_done(comm);
+    return submit(comm, [st, send, recv, bytes]() {
+        if (bytes && send != recv)
+            push_fn(st, [send, recv, bytes]() { memmove(recv, send, bytes); });
+    });
 }
 
 } // namespace
@@ -1482,7 +1558,7 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUniqueId i
         return ncclInvalidUsage;
     }
     bool blocking = !config || config->blocking == NCCL_CONFIG_UNDEF_INT || config->blocking != 0;
-    *comm = new emu_nccl_comm{ blocking, false, blocking ? 0 : 1, 0 };
+    *comm = new emu_nccl_comm{ blocking, false, blocking ? 0 : 1, 0, {} };
     return blocking ? ncclSuccess : ncclInProgress;
 }
 ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank)
@@ -1495,19 +1571,25 @@ ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *async_error)
     if (!comm || !async_error)
         return ncclInvalidArgument;
     if (comm->aborted)
-        *async_error = ncclSuccess;
-    else if (comm->pending) {
-        comm->pending--;
-        *async_error = ncclInProgress;
-    } else
-        *async_error = ncclSuccess;
+        die("NCCL: ncclCommGetAsyncError on a communicator after ncclCommAbort (freed in NCCL)");
+    *async_error = ncclSuccess;
+    if (comm->pending) {
+        *async_error = ncclInProgress; /* this poll; the next one answers ncclSuccess */
+        if (--comm->pending == 0) {
+            std::vector<submit_fn> ops = std::move(comm->held);
+            comm->held.clear();
+            for (auto &f : ops)
+                f();
+        }
+    }
     return ncclSuccess;
 }
 ncclResult_t ncclCommFinalize(ncclComm_t comm)
 {
     guard g(g_mu);
-    if (!comm)
-        return ncclInvalidArgument;
+    ncclResult_t r = usable(comm);
+    if (r != ncclSuccess)
+        return r;
     if (comm->blocking)
         return ncclSuccess;
     comm->pending = 1;
@@ -1518,14 +1600,21 @@ ncclResult_t ncclCommDestroy(ncclComm_t comm)
     guard g(g_mu);
     if (!comm)
         return ncclInvalidArgument;
+    if (comm->aborted)
+        die("NCCL: ncclCommDestroy after ncclCommAbort (freed in NCCL)");
     delete comm;
     return ncclSuccess;
 }
 ncclResult_t ncclCommAbort(ncclComm_t comm)
 {
     guard g(g_mu);
-    if (comm)
-        comm->aborted = true; /* kept, so that a later use is refused, not a crash */
+    if (comm) {
+        if (comm->aborted)
+            die("NCCL: ncclCommAbort twice on one communicator (freed in NCCL)");
+        comm->aborted = true; /* kept, so that a later use stops the run instead of corrupting */
+        comm->held.clear();
+        comm->pending = 0;
+    }
     return ncclSuccess;
 }
 ncclResult_t ncclCommCount(const ncclComm_t comm, int *count)
@@ -1545,39 +1634,59 @@ ncclResult_t ncclCommUserRank(const ncclComm_t comm, int *rank)
 
 ncclResult_t ncclGroupStart(void)
 {
-    guard g(g_mu);
-    g_group++;
+    t_group++;
     return ncclSuccess;
 }
 ncclResult_t ncclGroupEnd(void)
 {
     guard g(g_mu);
-    if (g_group == 0)
+    if (t_group == 0)
         return ncclInvalidUsage;
-    if (--g_group)
+    if (--t_group)
         return ncclSuccess;
-    /* each send to self meets the receive of the same position */
     std::vector<p2p> sends, recvs;
-    for (auto &x : g_p2p)
+    for (auto &x : t_p2p)
         (x.send ? sends : recvs).push_back(x);
-    g_p2p.clear();
+    t_p2p.clear();
+    auto ops = std::move(t_group_ops);
+    t_group_ops.clear();
+    /* each send to self meets the receive of the same position */
     if (sends.size() != recvs.size())
         return ncclInvalidUsage;
-    ncclComm_t comm = g_group_comm;
-    g_group_comm = nullptr;
     for (size_t i = 0; i < sends.size(); i++) {
         if (sends[i].bytes != recvs[i].bytes)
             return ncclInvalidUsage;
         stream *rs = recvs[i].s, *ss = sends[i].s;
-        if (rs != ss)
-            push(rs, op{ op::WAIT, {}, nullptr, ss, ss->queued });
         const void *from = sends[i].buf;
         void *to = recvs[i].buf;
         size_t bytes = sends[i].bytes;
-        if (bytes && from != to)
-            push_fn(rs, [from, to, bytes]() { memmove(to, from, bytes); });
+        ops.emplace_back(recvs[i].comm, [rs, ss, from, to, bytes]() {
+            if (rs != ss) /* the receive after the send's earlier work */
+                push(rs, op{ op::WAIT, {}, nullptr, ss, ss->queued });
+            if (bytes && from != to)
+                push_fn(rs, [from, to, bytes]() { memmove(to, from, bytes); });
+            if (rs != ss) /* and the send done only with it */
+                push(ss, op{ op::WAIT, {}, nullptr, rs, rs->queued });
+        });
     }
-    return comm ? nccl_done(comm) : ncclSuccess;
+    if (ops.empty())
+        return ncclSuccess;
+    /* one answer for the group: each communicator's work together */
+    ncclResult_t r = ncclSuccess;
+    std::vector<ncclComm_t> comms;
+    for (auto &o : ops)
+        if (std::find(comms.begin(), comms.end(), o.first) == comms.end())
+            comms.push_back(o.first);
+    for (ncclComm_t c : comms) {
+        std::vector<submit_fn> mine;
+        for (auto &o : ops)
+            if (o.first == c)
+                mine.push_back(std::move(o.second));
+        ncclResult_t rc = finish(c, std::move(mine));
+        if (r == ncclSuccess)
+            r = rc;
+    }
+    return r;
 }
 
 ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, ncclDataType_t t,
@@ -1620,10 +1729,10 @@ static ncclResult_t p2p_queue(bool is_send, void *buf, size_t count, ncclDataTyp
     ncclResult_t r = nccl_op(comm, t, s, count, buf, buf, peer, &bytes, &st);
     if (r != ncclSuccess)
         return r;
-    if (g_group == 0)
+    if (t_group == 0)
         return ncclInvalidUsage; /* a lone send to self would never complete */
-    g_p2p.push_back(p2p{ is_send, buf, bytes, comm, st });
-    return nccl_done(comm);
+    t_p2p.push_back(p2p{ is_send, buf, bytes, comm, st });
+    return ncclSuccess;
 }
 ncclResult_t ncclSend(const void *send, size_t count, ncclDataType_t t, int peer, ncclComm_t comm,
                       cudaStream_t s)

@@ -63,7 +63,11 @@ template <class T> static inline T emu_from_bits(uint64_t u)
     memcpy(&v, &u, sizeof v);
     return v;
 }
-static inline unsigned emu_lane(void) { return threadIdx.x & 31u; }
+/* The lane: the thread's linear index in the block, mod 32 (x fastest). */
+static inline unsigned emu_lane(void)
+{
+    return (threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) & 31u;
+}
 
 template <class T> static inline T __shfl_sync(unsigned mask, T v, int src, int width = 32)
 {
