@@ -24,8 +24,11 @@
  * as a real one does while work is pending -- a stream waiting on an event,
  * a synchronous copy), in stream order; so host code that reads a result
  * before it waited reads stale memory, and a missing event between two
- * streams shows.  Copies from or to pageable host memory run at once after
- * the stream's earlier work, as CUDA stages them.
+ * streams shows.  Copies follow the runtime's "API synchronization
+ * behavior": from pageable memory to the device the stream's earlier work
+ * runs and the source is staged at the call, the write queued; to pageable
+ * memory, and synchronous copies other than device to device, complete at
+ * return.
  *
  * Errors follow the runtime: a failing call returns its error and leaves it
  * as the thread's last error (cudaErrorNotReady from a query too), which

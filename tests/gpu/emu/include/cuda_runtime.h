@@ -9,10 +9,12 @@
  * configurations, and stream ordering: with EMU_LAZY=1 nothing queued on a
  * stream runs before something waits for it, so a missing synchronisation
  * reads stale data instead of getting lucky.  Memory is host memory (ASan
- * sees every kernel access in a sanitizer build).  What it cannot check:
- * timing, the memory model, races between threads outside barriers, the
- * device's own math library, IPC.  Names and values follow the CUDA
- * runtime's, so the same source builds against either. */
+ * sees every kernel access in a sanitizer build; with EMU_IPC=1 other
+ * processes map it, see below).  What it cannot check: timing, the memory
+ * model, races between threads outside barriers, the device's own math
+ * library, ordering between processes beyond what an event's record covers.
+ * Names and values follow the CUDA runtime's, so the same source builds
+ * against either (docs/design.md, "The CUDA code on the CPU"). */
 #ifndef SCAPE_EMU_CUDA_RUNTIME_H
 #define SCAPE_EMU_CUDA_RUNTIME_H
 
