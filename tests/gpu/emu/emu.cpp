@@ -326,11 +326,11 @@ struct op {
 struct stream {
     unsigned flags;
     int device;
-    bool legacy, destroyed;
+    bool destroyed;
     std::deque<op> q;
     uint64_t queued, done; /* ops queued and run so far */
 };
-stream g_legacy = { 0, 0, true, false, {}, 0, 0 };
+stream g_legacy = { 0, 0, false, {}, 0, 0 }; /* the NULL stream */
 std::vector<std::unique_ptr<stream>> g_streams; /* kept after destroy: handles are checked */
 
 stream *as_stream(cudaStream_t s) { return s ? reinterpret_cast<stream *>(s) : &g_legacy; }
@@ -343,23 +343,6 @@ bool valid(stream *s)
         if (p.get() == s)
             return !s->destroyed;
     return false;
-}
-
-void run_until(stream *s, uint64_t upto);
-
-void run_op(stream *s, op &o)
-{
-    switch (o.what) {
-    case op::RUN:
-        o.fn();
-        break;
-    case op::MARK:
-        break; /* the event's time is set below, when its position is reached */
-    case op::WAIT:
-        run_until(o.on, o.upto);
-        break;
-    }
-    (void)s;
 }
 
 } // namespace
@@ -392,9 +375,11 @@ void run_until(stream *s, uint64_t upto)
     while (s->done < upto && !s->q.empty()) {
         op o = std::move(s->q.front());
         s->q.pop_front();
-        run_op(s, o);
-        if (o.what == op::MARK && o.ev)
-            o.ev->t_ms = now_ms();
+        switch (o.what) {
+        case op::RUN: o.fn(); break;
+        case op::MARK: o.ev->t_ms = now_ms(); break; /* its event's position is reached */
+        case op::WAIT: run_until(o.on, o.upto); break;
+        }
         s->done++;
     }
 }
@@ -413,7 +398,7 @@ void run_everything()
  * and a blocking stream's work waits for the legacy stream's. */
 void push(stream *s, op o)
 {
-    if (s->legacy) {
+    if (s == &g_legacy) {
         for (auto &p : g_streams)
             if (!p->destroyed && !(p->flags & cudaStreamNonBlocking) && p->done < p->queued) {
                 s->q.push_back(op{ op::WAIT, {}, nullptr, p.get(), p->queued });
@@ -785,7 +770,7 @@ void emu_enqueue_kernel(const char *name, const emu_cfg &c, std::function<void()
         return;
     }
     stream *s = as_stream(c.stream);
-    if (!valid(s) || (!s->legacy && s->device != t_device)) { /* a stream of another device */
+    if (!valid(s) || (s != &g_legacy && s->device != t_device)) { /* a stream of another device */
         fail(cudaErrorInvalidResourceHandle);
         return;
     }
@@ -798,13 +783,6 @@ void emu_enqueue_kernel(const char *name, const emu_cfg &c, std::function<void()
 /* ---- the runtime API -------------------------------------------------------------- */
 
 extern "C" {
-
-const char *emu_describe(void) { return cfg().text; }
-unsigned long long emu_kernels_run(void)
-{
-    guard g(g_mu);
-    return g_kernels;
-}
 
 const char *cudaGetErrorName(cudaError_t e)
 {
@@ -1103,7 +1081,7 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags)
     if (!s)
         return fail(cudaErrorInvalidValue);
     bind_ctx();
-    g_streams.emplace_back(new stream{ flags, t_device, false, false, {}, 0, 0 });
+    g_streams.emplace_back(new stream{ flags, t_device, false, {}, 0, 0 });
     *s = reinterpret_cast<cudaStream_t>(g_streams.back().get());
     return cudaSuccess;
 }
@@ -1177,7 +1155,7 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s)
 {
     guard g(g_mu);
     stream *st = as_stream(s);
-    if (!valid(e) || !valid(st) || (!st->legacy && !e->imported && st->device != e->device))
+    if (!valid(e) || !valid(st) || (st != &g_legacy && !e->imported && st->device != e->device))
         return fail(cudaErrorInvalidResourceHandle); /* event and stream of one device */
     if (e->imported) { /* the other process sees nothing of it: the work is done now */
         run_all(st);

@@ -182,11 +182,6 @@ cudaError_t cudaIpcOpenEventHandle(cudaEvent_t *e, cudaIpcEventHandle_t h);
  * with dlsym; NULL for any other name. */
 void *emu_driver_symbol(const char *name);
 
-/* The emulator's own: its one-line description (name, mode, seed), and
- * counters for a test's summary. */
-const char *emu_describe(void);
-unsigned long long emu_kernels_run(void);
-
 #ifdef __cplusplus
 } /* extern "C" */
 #include "emu_device.h"
