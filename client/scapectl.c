@@ -236,6 +236,15 @@ static int locate(const args *a, ctl_opts *o)
                      .interval_ms = (int)a->num[O_INTERVAL], .count = a->num[O_COUNT] };
     if (a->flags & (1u << O_WAIT))
         o->wait_ms = (int)a->num[O_WAIT_MS];
+    const char *sw = getenv("SCAPE_START_WAIT_MS");
+    if (sw && *sw) {
+        char *end = NULL;
+        long ms = strtol(sw, &end, 10);
+        if (*end != '\0' || ms < 0 || ms > 86400000)
+            return usage_error("SCAPE_START_WAIT_MS='%s' is not a number of milliseconds "
+                               "(0 to 86400000)", sw);
+        o->start_wait_ms = (int)ms;
+    }
     if (a->endpoint) {
         int u = dir_of_endpoint(a->endpoint, o->dir, sizeof o->dir);
         if (u)

@@ -23,6 +23,8 @@ typedef struct ctl_opts {
     int interval_ms;      /* watch: time between updates */
     long count;           /* watch: stop after this many updates; 0: never */
     int wait_ms;          /* checkpoint: wait this long for it to be written; 0: no */
+    int start_wait_ms;    /* $SCAPE_START_WAIT_MS: wait this long for a daemon still
+                             starting (its status socket to appear); 0: no */
     void *zctx;
 } ctl_opts;
 
@@ -109,6 +111,10 @@ const char *fmt_percent(char *buf, size_t len, double frac);
 
 /* scapectl_status.c: the daemon's state as labels or JSON. */
 scape_rc cmd_status(const ctl_opts *o);
+/* `Waiting for : 1 more trainer (slot 1)` while a daemon waits for the
+ * trainers of its `trainers` key (JSON: waiting_for, null when not waiting,
+ * waiting_slots, trainers_expected); status and watch both show it. */
+void pr_waiting(printer *p, const char *label, const Scape__StatusReply *st);
 /* scapectl_watch.c: live updates until --count, Ctrl-C or silence. */
 scape_rc cmd_watch(const ctl_opts *o);
 /* scapectl_metrics.c: Prometheus text exposition. */

@@ -160,8 +160,14 @@ static void last_step(const prom *m, const Scape__StepDone *d)
               d->mask_overlap);
     if (d->has_grad_norm)
         gauge(m, "scape_grad_norm",
-              "Global L2 norm of the last step's mean gradient, before clipping.",
+              "Global L2 norm of what the last step's update clipped (g_hat: the mean of "
+              "what the daemons sent, for scape the residual at the mask included).",
               d->grad_norm);
+    if (d->has_mean_grad_norm)
+        gauge(m, "scape_mean_grad_norm",
+              "L2 norm of the last step's mean gradient, what torch's clip_grad_norm_ "
+              "would see (with several daemons on a sparse step: an upper bound).",
+              d->mean_grad_norm);
     if (d->has_clip)
         gauge(m, "scape_clip_factor",
               "Factor the last step's mean gradient was scaled by (1: not clipped).", d->clip);

@@ -131,11 +131,21 @@ static scape_rc recv_reply(void *sock, const ctl_opts *o, Scape__Reply **reply)
 }
 
 /* ZeroMQ would retry an ipc:// endpoint with no socket file until the
- * timeout; when there is none, nobody can answer, so say so at once. */
+ * timeout; when there is none, nobody can answer, so say so at once (or
+ * after start_wait_ms, for a daemon that is still starting; said once). */
 static scape_rc socket_exists(const ctl_opts *o)
 {
     const char *path = o->status_ep + strlen("ipc://");
     struct stat st;
+    int64_t until = ctl_now_ms() + o->start_wait_ms;
+    static int said;
+    while (stat(path, &st) != 0 && errno == ENOENT && ctl_now_ms() < until &&
+           !ctl_interrupted) {
+        if (!said++)
+            fprintf(stderr, "scapectl: waiting up to %d s for scaped at %s to start\n",
+                    (o->start_wait_ms + 999) / 1000, o->status_ep);
+        nanosleep(&(struct timespec){ 0, 50000000 }, NULL); /* a signal only shortens it */
+    }
     if (stat(path, &st) == 0)
         return SCAPE_OK;
     return scape_set_error(SCAPE_TIMEOUT,

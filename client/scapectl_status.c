@@ -25,6 +25,30 @@ static void print_trainers(printer *p, const Scape__StatusReply *st)
     pr_close(p);
 }
 
+void pr_waiting(printer *p, const char *label, const Scape__StatusReply *st)
+{
+    if (st->has_trainers_expected)
+        pr_uint(p, "trainers_expected", NULL, st->trainers_expected, NULL);
+    if (!st->has_waiting_for) {
+        pr_null(p, "waiting_for", NULL);
+        return;
+    }
+    char text[400];
+    int n = snprintf(text, sizeof text, "%u more trainer%s", st->waiting_for,
+                     st->waiting_for == 1 ? "" : "s");
+    for (size_t i = 0; i < st->n_waiting_slots && n > 0 && (size_t)n < sizeof text - 16; i++)
+        n += snprintf(text + n, sizeof text - (size_t)n, "%s%u",
+                      i == 0 ? (st->n_waiting_slots == 1 ? " (slot " : " (slots ") : ", ",
+                      st->waiting_slots[i]);
+    if (st->n_waiting_slots && n > 0 && (size_t)n < sizeof text - 1)
+        snprintf(text + n, sizeof text - (size_t)n, ")");
+    pr_uint(p, "waiting_for", label, st->waiting_for, text);
+    pr_list(p, "waiting_slots", NULL, st->n_waiting_slots);
+    for (size_t i = 0; i < st->n_waiting_slots; i++)
+        pr_uint(p, NULL, NULL, st->waiting_slots[i], NULL);
+    pr_close(p);
+}
+
 static void print_phases(printer *p, const Scape__Phases *ph)
 {
     const struct {
@@ -169,6 +193,9 @@ static void print_last(printer *p, const Scape__StepDone *d)
     if (d->has_launches)
         pr_uint(p, "launches", "Kernel launches", d->launches, NULL);
     print_optional(p, "grad_norm", "Gradient norm", d->has_grad_norm, d->grad_norm);
+    print_optional(p, "mean_grad_norm", d->has_mean_grad_exact && !d->mean_grad_exact
+                   ? "Mean grad norm (bound)" : "Mean grad norm", d->has_mean_grad_norm,
+                   d->mean_grad_norm);
     print_optional(p, "clip", "Clip factor", d->has_clip, d->clip);
     if (d->has_handover_copy_bytes)
         pr_uint(p, "handover_copy_bytes", "Handover copy", d->handover_copy_bytes,
@@ -232,6 +259,7 @@ static void print_status(printer *p, const Scape__StatusReply *st)
     pr_uint(p, "step", "Step", st->step, NULL);
     pr_uint(p, "numel", "Parameters", st->numel, fmt_count(b, sizeof b, st->numel));
     print_trainers(p, st);
+    pr_waiting(p, "Waiting for", st);
     pr_uint(p, "uptime_ms", "Uptime", st->uptime_ms, fmt_uptime(b, sizeof b, st->uptime_ms));
     pr_uint(p, "rss_bytes", "RSS", st->rss_bytes, fmt_bytes(b, sizeof b, st->rss_bytes));
     pr_uint(p, "state_bytes", "State memory", st->state_bytes,

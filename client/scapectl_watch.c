@@ -173,6 +173,7 @@ static void render(watch *w, const Scape__StatusReply *st)
     print_step(&p, d, has_loss, loss);
     print_rate(w, &p, step);
     pr_uint(&p, "trainers", "trainers", st->n_trainers, NULL);
+    pr_waiting(&p, "waiting for", st);
     if (line)
         pr_close(&p);
     pr_done(&p);

@@ -7,19 +7,32 @@
  * (an all-gather of 4 bytes per daemon, outside the step's own collectives);
  * every daemon then checkpoints after the same step.  The trainers already
  * have that step's reply: they compute the next step while the files are
- * written.  A trainer's state_dict wants the state after the step just
- * ended: a lone daemon writes it at once; several agree on a second flag
- * before the next step changes the state (ckp_before_step).
+ * written.
+ *
+ * A trainer's state_dict wants the state after the step just ended, on disk
+ * before it returns, even when no step ever follows.  A lone daemon writes
+ * it at once.  Several meet in between-steps rounds: each round is the same
+ * 4-byte all-gather, and when any daemon's flag is set every daemon
+ * checkpoints.  The daemon asked drops a request file in checkpoint_dir
+ * (named by the step and the round) and enters a round with its flag set;
+ * an idle daemon (no step for IDLE_LOOK_S) sees the file at its next
+ * liveness check and enters the round too; a daemon whose trainers post the next step first enters rounds,
+ * flag clear, before that step until a round where no flag is set.  Rounds
+ * pair one to one on every daemon, so no daemon waits for a round the others
+ * never enter, whichever trainers call state_dict and whenever.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "log.h"
 #include "server_internal.h"
 #include "try.h"
+
+#define IDLE_LOOK_S 0.5 /* idle seconds after a step before request files are looked for */
 
 static volatile sig_atomic_t s_ckpt_signal;
 
@@ -83,15 +96,25 @@ static scape_rc agree_start(server *s)
     return rc;
 }
 
+/* The newest checkpoint is in dir; its name relative to checkpoint_dir. */
+static void set_dir(server *s, const char *dir)
+{
+    snprintf(s->ckpt_dir, sizeof s->ckpt_dir, "%s", dir);
+    s->ckpt_name[0] = '\0';
+    if (s->cfg.checkpoint_dir[0])
+        ckpt_relative(s->cfg.checkpoint_dir, dir, s->ckpt_name, sizeof s->ckpt_name);
+}
+
 scape_rc ckp_start(server *s, void *const *params)
 {
+    s->ckpt_rounds = 0;
     TRY(agree_start(s));
     if (!s->resuming)
         return eng_init_params(s->eng, params);
     TRY(ckpt_restore(&s->resume, s->eng, s->comm, params));
     s->resumed_from = s->resume.step;
     s->ckpt_step = s->resume.step;
-    snprintf(s->ckpt_dir, sizeof s->ckpt_dir, "%s", s->resume.dir);
+    set_dir(s, s->resume.dir);
     LOG_INFO(SUB_ENGINE, "restored the state after step %llu from %s",
              (unsigned long long)s->resume.step, s->resume.dir);
     return SCAPE_OK;
@@ -100,36 +123,6 @@ scape_rc ckp_start(server *s, void *const *params)
 void ckp_started(server *s) { s->resuming = 0; }
 
 static scape_rc take(server *s);
-
-scape_rc ckp_request(server *s, int now)
-{
-    if (s->cfg.checkpoint_dir[0] == '\0')
-        return scape_set_error(SCAPE_INVALID, "checkpoint: no checkpoint_dir is configured "
-                               "(set checkpoint_dir in the config, SCAPE_CHECKPOINT_DIR or "
-                               "--checkpoint-dir)");
-    if (s->broken)
-        return scape_set_error(SCAPE_INVALID, "checkpoint: the optimizer failed part-way "
-                               "through a step; its state is not saved");
-    if (!now) {
-        s->ckpt_requested = 1;
-        LOG_INFO(SUB_STATUS, "checkpoint requested: taken after step %llu completes",
-                 (unsigned long long)s->next_step);
-        return SCAPE_OK;
-    }
-    if (s->eng == NULL || s->next_step <= 1)
-        return scape_set_error(SCAPE_INVALID, "state_dict: no step has completed yet: there "
-                               "is no state to save");
-    if (s->ckpt_count && s->ckpt_step == s->next_step - 1 && s->ckpt_error[0] == '\0')
-        return SCAPE_OK; /* this state is saved already (another trainer asked) */
-    if (s->cfg.world > 1) {
-        s->ckpt_now = 1;
-        LOG_INFO(SUB_STATUS, "state_dict: the state after step %llu is saved before step "
-                 "%llu starts", (unsigned long long)s->next_step - 1,
-                 (unsigned long long)s->next_step);
-        return SCAPE_OK;
-    }
-    return take(s);
-}
 
 /* Whether this daemon wants a checkpoint after `step`. */
 static int wanted_here(server *s, uint64_t step)
@@ -173,6 +166,11 @@ static scape_rc agree(server *s, int mine, int *due)
 void ckp_after_step(server *s, uint64_t step)
 {
     int due = 0;
+    s->ckpt_rounds = 0;
+    /* while steps follow each other, their rounds meet a request: look for
+     * request files (a metadata lookup on a shared file system) only once
+     * the job has been idle for a while */
+    s->ckpt_look_at = srv_now() + IDLE_LOOK_S;
     scape_rc rc = agree(s, wanted_here(s, step), &due);
     if (rc != SCAPE_OK) {
         srv_mark_broken(s);
@@ -186,27 +184,170 @@ void ckp_after_step(server *s, uint64_t step)
     take(s);
 }
 
+/* The state after step t is on disk already (every daemon agrees on this:
+ * checkpoints are collective). */
+static int saved(const server *s, uint64_t t)
+{
+    return s->ckpt_dir[0] != '\0' && s->ckpt_step == t;
+}
+
+static int lost_peers(scape_rc rc)
+{
+    return rc == SCAPE_TIMEOUT || rc == SCAPE_ZMQ || rc == SCAPE_REMOTE;
+}
+
+/* One between-steps round (several daemons): every daemon's flag; when any
+ * is set, each checkpoints the state after the last step unless it is saved
+ * already.  *due: a flag was set.  An error from the exchange marks the job
+ * broken; one from the checkpoint is returned as it is. */
+static scape_rc round_of(server *s, int mine, int *due)
+{
+    uint64_t t = s->next_step - 1;
+    uint32_t g = s->ckpt_rounds;
+    scape_rc rc = agree(s, mine, due);
+    if (rc != SCAPE_OK) {
+        srv_mark_broken(s);
+        LOG_ERROR(SUB_COMM, "between steps %llu and %llu: lost the other daemons: %s",
+                  (unsigned long long)t, (unsigned long long)t + 1, scape_last_error());
+        return rc;
+    }
+    s->ckpt_rounds++;
+    if (!*due)
+        return SCAPE_OK;
+    rc = saved(s, t) ? SCAPE_OK : take(s);
+    if (s->cfg.rank == 0 && s->cfg.checkpoint_dir[0])
+        ckpt_unwant(s->cfg.checkpoint_dir, t, g);
+    return rc;
+}
+
 scape_rc ckp_before_step(server *s, uint64_t t)
 {
     if (s->cfg.world == 1)
         return SCAPE_OK;
-    int due = 0;
-    scape_rc rc = agree(s, s->ckpt_now, &due);
-    if (rc != SCAPE_OK) {
-        /* as after a step: the daemons are no longer in step */
-        srv_mark_broken(s);
-        LOG_ERROR(SUB_COMM, "before step %llu: lost the other daemons: %s",
-                  (unsigned long long)t, scape_last_error());
-        return rc;
+    int due = 1;
+    scape_rc rc = SCAPE_OK;
+    /* each round with a flag set needs a daemon asked by a trainer or by a
+     * request file, which the round answers or removes: this ends */
+    while (due) {
+        rc = round_of(s, 0, &due);
+        if (rc != SCAPE_OK && lost_peers(rc))
+            return rc;
     }
-    if (!due)
-        return rc;
-    s->ckpt_now = 0;
-    LOG_INFO(SUB_ENGINE, "state_dict: saving the state after step %llu before step %llu",
-             (unsigned long long)t - 1, (unsigned long long)t);
-    rc = take(s);
-    /* a failed write is reported and the job goes on; lost daemons are not */
-    return rc == SCAPE_TIMEOUT || rc == SCAPE_ZMQ || rc == SCAPE_REMOTE ? rc : SCAPE_OK;
+    (void)t;
+    return SCAPE_OK; /* a failed write is reported and the job goes on */
+}
+
+void ckp_idle(server *s)
+{
+    if (s->cfg.world == 1 || s->cfg.checkpoint_dir[0] == '\0' || s->eng == NULL ||
+        s->broken || s->next_step <= 1 || saved(s, s->next_step - 1) ||
+        srv_now() < s->ckpt_look_at)
+        return;
+    if (!ckpt_wanted(s->cfg.checkpoint_dir, s->next_step - 1, s->ckpt_rounds))
+        return;
+    LOG_INFO(SUB_ENGINE, "state_dict on another daemon: saving the state after step %llu "
+             "with it", (unsigned long long)s->next_step - 1);
+    int due = 0;
+    round_of(s, 1, &due); /* its outcome is logged; the trainer asked elsewhere hears it */
+}
+
+/* The state after step t, on disk before this returns. */
+static scape_rc save_now(server *s, uint64_t t)
+{
+    if (s->cfg.checkpoint_dir[0] == '\0')
+        return scape_set_error(SCAPE_INVALID, "state_dict: saving the state after step %llu "
+                               "needs a checkpoint, and no checkpoint_dir is configured (set "
+                               "checkpoint_dir in the config, SCAPE_CHECKPOINT_DIR or "
+                               "--checkpoint-dir)", (unsigned long long)t);
+    if (s->cfg.world == 1)
+        return take(s);
+    TRY(ckpt_want(s->cfg.checkpoint_dir, t, s->ckpt_rounds));
+    LOG_INFO(SUB_STATUS, "state_dict: saving the state after step %llu with the other "
+             "daemons", (unsigned long long)t);
+    int due = 0;
+    TRY(round_of(s, 1, &due));
+    if (!saved(s, t)) /* the round's take reported its own error */
+        return scape_set_error(SCAPE_SYSTEM, "state_dict: the checkpoint after step %llu "
+                               "was not written: %s", (unsigned long long)t,
+                               s->ckpt_error[0] ? s->ckpt_error : "see the daemons' logs");
+    return SCAPE_OK;
+}
+
+/* A trainer's state_dict: the reply names the checkpoint of the state after
+ * the last step (step 0 and no dir: a fresh job). */
+static scape_rc state_dict(server *s, Scape__CheckpointInfo *c)
+{
+    if (s->broken)
+        return scape_set_error(SCAPE_INVALID, "state_dict: the optimizer failed part-way "
+                               "through a step; its state is not saved");
+    if (s->eng == NULL && s->resuming) {
+        c->step = s->resume.step; /* not started yet: the checkpoint it starts from */
+        set_dir(s, s->resume.dir);
+        s->ckpt_step = s->resume.step;
+    } else {
+        uint64_t t = s->eng ? s->next_step - 1 : 0;
+        if (t == 0) {
+            c->step = 0; /* a fresh job: nothing to save */
+            c->dir = NULL;
+            c->name = NULL;
+            return SCAPE_OK;
+        }
+        if (!saved(s, t))
+            TRY(save_now(s, t));
+    }
+    if (ckpt_mark_handed_out(s->ckpt_dir) != SCAPE_OK)
+        LOG_WARN(SUB_ENGINE, "state_dict: %s (checkpoint_keep may prune it before newer "
+                 "ones are handed out)", scape_last_error());
+    c->step = s->ckpt_step;
+    c->dir = s->ckpt_dir;
+    c->name = s->ckpt_name;
+    c->pending = 0;
+    return SCAPE_OK;
+}
+
+scape_rc ckp_request(server *s, int now, Scape__CheckpointInfo *out)
+{
+    ckp_info(s, out);
+    if (now)
+        return state_dict(s, out);
+    if (s->cfg.checkpoint_dir[0] == '\0')
+        return scape_set_error(SCAPE_INVALID, "checkpoint: no checkpoint_dir is configured "
+                               "(set checkpoint_dir in the config, SCAPE_CHECKPOINT_DIR or "
+                               "--checkpoint-dir)");
+    if (s->broken)
+        return scape_set_error(SCAPE_INVALID, "checkpoint: the optimizer failed part-way "
+                               "through a step; its state is not saved");
+    s->ckpt_requested = 1;
+    out->pending = 1;
+    LOG_INFO(SUB_STATUS, "checkpoint requested: taken after step %llu completes",
+             (unsigned long long)s->next_step);
+    return SCAPE_OK;
+}
+
+scape_rc ckp_locate(const server *s, const char *given, char *dir, size_t len)
+{
+    const char *root = s->cfg.checkpoint_dir;
+    if (given[0] != '/' && root[0] == '\0')
+        return scape_set_error(SCAPE_INVALID, "load_state_dict: the state_dict names "
+                               "checkpoint %s relative to checkpoint_dir, and this daemon has "
+                               "no checkpoint_dir (set it as the job that saved it did)", given);
+    if ((size_t)snprintf(dir, len, "%s%s%s", given[0] == '/' ? "" : root,
+                         given[0] == '/' ? "" : "/", given) >= len)
+        return scape_set_error(SCAPE_INVALID, "load_state_dict: path too long: %s", given);
+    struct stat st;
+    if (stat(dir, &st) == 0)
+        return SCAPE_OK;
+    /* a step directory that is gone: say why */
+    char parent[CKPT_PATH_MAX];
+    snprintf(parent, sizeof parent, "%s", dir);
+    char *slash = strrchr(parent, '/');
+    if (slash == NULL || strncmp(slash + 1, "step-", 5) != 0)
+        return SCAPE_OK; /* ckpt_open names what is missing */
+    *slash = '\0';
+    char why[768];
+    ckpt_missing(parent[0] ? parent : "/", slash + 1, s->cfg.checkpoint_keep);
+    snprintf(why, sizeof why, "%s", scape_last_error());
+    return scape_set_error(SCAPE_INVALID, "load_state_dict: %s", why);
 }
 
 /* Checkpoint the state after the last completed step now (collective). */
@@ -228,7 +369,7 @@ static scape_rc take(server *s)
     s->ckpt_error[0] = '\0';
     s->ckpt_step = at;
     s->ckpt_count++;
-    snprintf(s->ckpt_dir, sizeof s->ckpt_dir, "%s", dir);
+    set_dir(s, dir);
     LOG_INFO(SUB_ENGINE, "checkpoint after step %llu written to %s in %.3f s",
              (unsigned long long)at, dir, srv_now() - t0);
     return SCAPE_OK;
@@ -250,4 +391,9 @@ void ckp_info(const server *s, Scape__CheckpointInfo *c)
     c->checkpoint_dir = (char *)s->cfg.checkpoint_dir;
     c->has_layout_hash = s->eng != NULL;
     c->layout_hash = s->eng ? eng_layout_hash(s->eng) : 0;
+    c->name = (char *)s->ckpt_name;
+    c->has_job = 1;
+    c->job = s->cfg.job;
+    c->has_keep = 1;
+    c->keep = (uint32_t)s->cfg.checkpoint_keep;
 }

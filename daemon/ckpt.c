@@ -10,7 +10,7 @@
  * Sections are written straight from the engine's buffers and read straight
  * back into them, in chunks, checksumming on the way.
  */
-#define _POSIX_C_SOURCE 200809L
+#define _XOPEN_SOURCE 700 /* realpath */
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -34,6 +34,8 @@
 #define HEADER_MAX (16 + META_BYTES + ENG_CKPT_MAX_SECS * SEC_BYTES + 8)
 #define MANIFEST "MANIFEST"
 #define LATEST "LATEST"
+#define HANDED_OUT "HANDED_OUT" /* in a step directory a state_dict named */
+#define PRUNED "PRUNED"         /* in the root: the step directories pruned */
 
 /* ---- checksum ------------------------------------------------------------ */
 
@@ -472,6 +474,7 @@ static int parse_step_dir(const char *name, uint64_t *step)
 typedef struct step_dir {
     uint64_t step, attempt;
     int complete;          /* has a MANIFEST */
+    int handed_out;        /* a state_dict named it (HANDED_OUT) */
     char name[64];
 } step_dir;
 
@@ -509,8 +512,36 @@ static void remove_dir(const char *dir, int rank)
         LOG_INFO(SUB_ENGINE, "removed old checkpoint %s", dir);
 }
 
+/* Rank 0 notes a pruned checkpoint in <root>/PRUNED, so that a state_dict
+ * naming it later is told why it is gone. */
+static void note_pruned(const char *root, const char *name)
+{
+    char path[CKPT_PATH_MAX + 16];
+    snprintf(path, sizeof path, "%s/%s", root, PRUNED);
+    int fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0640);
+    if (fd < 0) {
+        LOG_WARN(SUB_ENGINE, "%s: %s", path, strerror(errno));
+        return;
+    }
+    char line[80];
+    int n = snprintf(line, sizeof line, "%s\n", name);
+    if (write_all(fd, line, (size_t)n, path) != SCAPE_OK)
+        LOG_WARN(SUB_ENGINE, "%s", scape_last_error());
+    close(fd);
+}
+
+/* Whether dir/name exists. */
+static int has_file(const char *root, const char *dir, const char *name)
+{
+    char m[CKPT_PATH_MAX + 160];
+    snprintf(m, sizeof m, "%s/%s/%s", root, dir, name);
+    return access(m, F_OK) == 0;
+}
+
 /* Keep the newest `keep` complete checkpoints up to the one just written
- * (latest); older ones, complete or not, go. */
+ * (latest), and the newest `keep` complete ones a state_dict handed out
+ * (a training framework lists those in its own checkpoints); the others,
+ * complete or not, go. */
 static void prune(const char *root, int rank, int keep, const char *latest)
 {
     uint64_t ls, la;
@@ -529,9 +560,8 @@ static void prune(const char *root, int rank, int keep, const char *latest)
             x.step > ls || (x.step == ls && x.attempt > la))
             continue;
         memcpy(x.name, de->d_name, strlen(de->d_name) + 1); /* length checked above */
-        char m[CKPT_PATH_MAX + 128];
-        snprintf(m, sizeof m, "%s/%s/%s", root, x.name, MANIFEST);
-        x.complete = access(m, F_OK) == 0;
+        x.complete = has_file(root, x.name, MANIFEST);
+        x.handed_out = x.complete && has_file(root, x.name, HANDED_OUT);
         if (n == cap) {
             step_dir *g = realloc(dirs, 2 * cap * sizeof *dirs);
             if (g == NULL)
@@ -545,15 +575,19 @@ static void prune(const char *root, int rank, int keep, const char *latest)
     if (dirs == NULL)
         return;
     qsort(dirs, n, sizeof *dirs, cmp_dir_desc);
-    int kept = 0;
+    int kept = 0, kept_out = 0;
     for (size_t i = 0; i < n; i++) {
-        if (dirs[i].complete && kept < keep) {
-            kept++;
+        int newest = dirs[i].complete && kept < keep;
+        int out = dirs[i].handed_out && kept_out < keep;
+        kept += newest;
+        kept_out += dirs[i].handed_out;
+        if (newest || out)
             continue;
-        }
         char dir[CKPT_PATH_MAX + 80];
         snprintf(dir, sizeof dir, "%s/%s", root, dirs[i].name);
         remove_dir(dir, rank);
+        if (rank == 0 && dirs[i].complete)
+            note_pruned(root, dirs[i].name);
     }
     free(dirs);
 }
@@ -586,21 +620,6 @@ static scape_rc fresh_dir(const char *root, uint64_t step, char *name, size_t le
             return SCAPE_OK;
         if (errno != EEXIST)
             return scape_set_error(SCAPE_SYSTEM, "cannot create %s: %s", dir, strerror(errno));
-    }
-    return scape_set_error(SCAPE_SYSTEM, "%s: %d attempts at step %llu already", root,
-                           MAX_ATTEMPTS, (unsigned long long)step);
-}
-
-scape_rc ckpt_next_dir(const char *root, uint64_t step, char *dir, size_t len)
-{
-    char name[64], path[CKPT_PATH_MAX + 80];
-    for (unsigned k = 0; k < MAX_ATTEMPTS; k++) {
-        TRY(attempt_dir(root, step, k, name, sizeof name, path, sizeof path));
-        struct stat st;
-        if (stat(path, &st) != 0 && errno == ENOENT) {
-            snprintf(dir, len, "%s", path);
-            return SCAPE_OK;
-        }
     }
     return scape_set_error(SCAPE_SYSTEM, "%s: %d attempts at step %llu already", root,
                            MAX_ATTEMPTS, (unsigned long long)step);
@@ -1142,4 +1161,90 @@ scape_rc ckpt_restore(const ckpt_ref *ref, eng_t *e, comm_t *comm, void *const *
                  "resumes with %d: the gradient average changes from here on", meta.trainers,
                  eng_total_trainers(e));
     return eng_ckpt_load_finish(e, &meta, params);
+}
+
+/* ---- what state_dicts name -------------------------------------------------------- */
+
+scape_rc ckpt_mark_handed_out(const char *dir)
+{
+    char path[CKPT_PATH_MAX + 16];
+    snprintf(path, sizeof path, "%s/%s", dir, HANDED_OUT);
+    if (access(path, F_OK) == 0)
+        return SCAPE_OK;
+    return write_text(dir, HANDED_OUT, "named by a state_dict: pruned only once checkpoint_keep "
+                      "newer ones were\n");
+}
+
+void ckpt_relative(const char *root, const char *dir, char *name, size_t len)
+{
+    size_t n = strlen(root);
+    name[0] = '\0';
+    while (n > 1 && root[n - 1] == '/')
+        n--;
+    if (n && strncmp(dir, root, n) == 0 && dir[n] == '/' && dir[n + 1] != '\0') {
+        snprintf(name, len, "%s", dir + n + 1);
+        return;
+    }
+    char *r = realpath(root, NULL), *d = realpath(dir, NULL);
+    n = r ? strlen(r) : 0;
+    if (r && d && strncmp(d, r, n) == 0 && d[n] == '/' && d[n + 1] != '\0')
+        snprintf(name, len, "%s", d + n + 1);
+    free(r);
+    free(d);
+}
+
+scape_rc ckpt_missing(const char *root, const char *name, int keep)
+{
+    char path[CKPT_PATH_MAX + 16], line[256];
+    snprintf(path, sizeof path, "%s/%s", root, PRUNED);
+    FILE *f = fopen(path, "r");
+    int pruned = 0;
+    while (f && !pruned && fgets(line, sizeof line, f)) {
+        line[strcspn(line, "\n")] = '\0';
+        pruned = strcmp(line, name) == 0;
+    }
+    if (f)
+        fclose(f);
+    if (pruned)
+        return scape_set_error(SCAPE_INVALID, "checkpoint %s in %s was pruned: checkpoint_keep "
+                               "is %d (the newest %d checkpoints and the newest %d that "
+                               "state_dicts named are kept); raise checkpoint_keep to keep "
+                               "more", name, root, keep, keep, keep);
+    return scape_set_error(SCAPE_INVALID, "checkpoint %s is not in %s, and was not pruned "
+                           "there (removed by hand, never written, or another "
+                           "checkpoint_dir)", name, root);
+}
+
+/* The request file of a state_dict after `step`, in round `round`. */
+static void want_path(const char *root, uint64_t step, uint32_t round, char *path, size_t len)
+{
+    snprintf(path, len, "%s/.state_dict-%llu.%u", root, (unsigned long long)step, round);
+}
+
+scape_rc ckpt_want(const char *root, uint64_t step, uint32_t round)
+{
+    char path[CKPT_PATH_MAX + 48];
+    TRY(mkdir_p(root));
+    want_path(root, step, round, path, sizeof path);
+    int fd = open(path, O_WRONLY | O_CREAT | O_CLOEXEC, 0640);
+    if (fd < 0)
+        return scape_set_error(SCAPE_SYSTEM, "state_dict: cannot ask the other daemons "
+                               "through %s: %s", path, strerror(errno));
+    close(fd);
+    return SCAPE_OK;
+}
+
+int ckpt_wanted(const char *root, uint64_t step, uint32_t round)
+{
+    char path[CKPT_PATH_MAX + 48];
+    want_path(root, step, round, path, sizeof path);
+    return access(path, F_OK) == 0;
+}
+
+void ckpt_unwant(const char *root, uint64_t step, uint32_t round)
+{
+    char path[CKPT_PATH_MAX + 48];
+    want_path(root, step, round, path, sizeof path);
+    if (unlink(path) != 0 && errno != ENOENT)
+        LOG_WARN(SUB_ENGINE, "%s: %s", path, strerror(errno));
 }

@@ -38,9 +38,6 @@ typedef struct ckpt_ref {
  * success *step_out is t and dir_out the step directory. */
 scape_rc ckpt_save(const char *root, eng_t *e, comm_t *comm, int keep, uint64_t *step_out,
                    char *dir_out, size_t dir_len);
-/* The step directory a checkpoint of `step` under root would get now (the
- * first attempt's name not yet taken). */
-scape_rc ckpt_next_dir(const char *root, uint64_t step, char *dir, size_t len);
 /* Resolve path (a checkpoint root with LATEST, or one step directory), read
  * its manifest, and check this rank's file completely (size, header, every
  * section's checksum).  A checkpoint of another world size is resharded:
@@ -54,6 +51,22 @@ scape_rc ckpt_open(const char *path, int rank, int world, ckpt_ref *out);
  * rank q's onto new rank q mod R), so their total is kept, and the masks are
  * re-laid for the new owners. */
 scape_rc ckpt_restore(const ckpt_ref *ref, eng_t *e, comm_t *comm, void *const *params);
+/* A state_dict named the checkpoint in step directory dir: prune keeps it
+ * while it is among the newest `keep` so named. */
+scape_rc ckpt_mark_handed_out(const char *dir);
+/* dir's name relative to root ("step-25"), or "" when dir is not under root
+ * (compared as given, then with symbolic links resolved). */
+void ckpt_relative(const char *root, const char *dir, char *name, size_t len);
+/* Always an error: why step directory `name` is not in root (pruned by
+ * checkpoint_keep, per root's PRUNED list, or never there). */
+scape_rc ckpt_missing(const char *root, const char *name, int keep);
+/* Between steps, several daemons: a state_dict after `step` asks the others
+ * to checkpoint with it in between-steps round `round` through a file in
+ * root (ckpt_want); they look for it (ckpt_wanted) while idle; rank 0 removes
+ * it after the round (ckpt_unwant). */
+scape_rc ckpt_want(const char *root, uint64_t step, uint32_t round);
+int ckpt_wanted(const char *root, uint64_t step, uint32_t round);
+void ckpt_unwant(const char *root, uint64_t step, uint32_t round);
 /* 64-bit checksum of n bytes, continuing from h (start with CKPT_HASH_SEED):
  * a change confined to one 8-byte word always changes it. */
 #define CKPT_HASH_SEED 0x5343415045434b50ull

@@ -176,6 +176,11 @@ static scape_rc parse_wire(const char *s, void *f)
 }
 static const char *name_wire(const void *f) { return *(const int *)f ? "bf16" : "f32"; }
 static scape_rc parse_gather(const char *s, void *f) { return eng_gather_parse(s, f); }
+static scape_rc parse_clip_norm(const char *s, void *f) { return eng_clip_norm_parse(s, f); }
+static const char *name_clip_norm(const void *f)
+{
+    return eng_clip_norm_name(*(const eng_clip_norm *)f);
+}
 static const char *name_gather(const void *f) { return eng_gather_name(*(const eng_gather *)f); }
 
 /* Booleans as YAML 1.1 writes them; an int field. */
@@ -225,6 +230,12 @@ static const cfg_key s_keys[] = {
       .min = 0, .max = HUGE_VAL, .max_open = 1, .def = "0",
       .doc = "clip the mean gradient to this global L2 norm before the update (torch's "
              "clip_grad_norm_; 0: no clipping)" },
+    { .name = "clip_norm", .type = KT_ENUM, .offset = OFF(engine.clip_norm),
+      .parse = parse_clip_norm, .name_of = name_clip_norm, .def = "sent",
+      .doc = "which norm max_grad_norm bounds: sent (g_hat, the mean of what the daemons "
+             "reduced: for scape the error-feedback residual at the mask included) or "
+             "gradient (this step's mean gradient, torch's: exact with one daemon, else "
+             "bounded above by the daemons' norms); alike on every daemon" },
     { .name = "wire_values", .type = KT_ENUM, .offset = OFF(engine.wire_bf16),
       .parse = parse_wire, .name_of = name_wire, .def = "bf16",
       .doc = "masked steps send the reduced values as f32 or bf16 (the rounding stays in the "

@@ -689,6 +689,9 @@ static void fill_step_done(server *s, const eng_step_stats *st, double wait, dou
     d->has_grad_norm = d->has_clip = s->cfg.engine.max_grad_norm > 0.0f;
     d->grad_norm = st->grad_norm;
     d->clip = st->clip;
+    d->has_mean_grad_norm = d->has_mean_grad_exact = st->mean_grad_norm >= 0.0;
+    d->mean_grad_norm = st->mean_grad_norm;
+    d->mean_grad_exact = st->mean_grad_exact;
     s->have_last = 1;
 }
 
@@ -761,6 +764,33 @@ static scape_rc select_after_reply(server *s, uint64_t t)
     return SCAPE_OK;
 }
 
+/* Steps in a row on which a trainer's own gradient norm must equal
+ * max_grad_norm before the daemon says that something upstream clips it. */
+#define CLIP_UPSTREAM_STEPS 5
+
+/* max_grad_norm: a trainer whose own gradient's norm is the daemon's bound
+ * (to float rounding: torch scales by C / (norm + 1e-6), bf16 rounds each
+ * value) on CLIP_UPSTREAM_STEPS steps in a row was clipped before it
+ * posted, so the daemon's clip compares a clipped gradient: say so, once. */
+static void note_upstream_clip(server *s, trainer **ts, int n, uint64_t t)
+{
+    double c = (double)s->cfg.engine.max_grad_norm;
+    for (int i = 0; c > 0.0 && i < n; i++) {
+        double g = eng_trainer_grad_norm(s->eng, i);
+        ts[i]->clip_run = g >= 0.0 && fabs(g - c) <= 1e-3 * c ? ts[i]->clip_run + 1 : 0;
+        if (ts[i]->clip_run < CLIP_UPSTREAM_STEPS || ts[i]->clip_warned)
+            continue;
+        ts[i]->clip_warned = 1;
+        LOG_WARN(SUB_CTRL, "step %llu: trainer %d (%s) posted gradients of norm %.6g, "
+                 "max_grad_norm itself, on %d steps in a row: something in the trainer "
+                 "clips them before step() (the HF Trainer's max_grad_norm, Lightning's "
+                 "gradient_clip_val, clip_grad_norm_), so this daemon's clipping sees an "
+                 "already clipped gradient; turn the trainer's own clipping off (0 / None) "
+                 "and leave it to the daemon", (unsigned long long)t, ts[i]->index,
+                 ts[i]->identity, g, CLIP_UPSTREAM_STEPS);
+    }
+}
+
 static void run_step(server *s, trainer **ts, int n)
 {
     uint64_t t = s->next_step;
@@ -821,6 +851,7 @@ static void run_step(server *s, trainer **ts, int n)
     if (rc == SCAPE_OK) {
         eng_step_stats st;
         eng_last_stats(s->eng, &st);
+        note_upstream_clip(s, ts, n, t);
         fill_step_done(s, &st, t0 - first, srv_now() - t0, queued, control_bytes, copied);
         s->queued_total += queued > 0.0 ? queued : 0.0;
         s->have_loss = nloss > 0;
@@ -973,12 +1004,29 @@ static scape_rc on_resume(server *s, trainer *t, const Scape__Resume *r)
     if (r->dir == NULL || r->dir[0] == '\0' || strlen(r->dir) >= sizeof s->cfg.resume)
         return scape_set_error(SCAPE_INVALID, "load_state_dict: no checkpoint directory, or "
                                "one of %zu bytes or more", sizeof s->cfg.resume);
-    if (s->resumed_dir[0] && strcmp(s->resumed_dir, r->dir) == 0 &&
-        (!r->has_step || r->step == s->resumed_from) &&
-        s->next_step == s->resumed_from + 1) {
+    /* restored at this step (scaped --resume, or another trainer's request)
+     * and not stepped since: the same step again is a no-op */
+    int restored = s->resumed_from > 0 && s->next_step == s->resumed_from + 1;
+    if (restored && r->has_step && r->step == s->resumed_from &&
+        (!r->has_layout_hash || r->layout_hash == eng_layout_hash(s->eng))) {
+        reply_synced(s, t);
+        return SCAPE_OK;
+    }
+    char dir[sizeof s->cfg.resume];
+    TRY(ckp_locate(s, r->dir, dir, sizeof dir));
+    if (restored && !r->has_step && s->resumed_dir[0] && strcmp(s->resumed_dir, dir) == 0) {
         reply_synced(s, t); /* another trainer's request restarted the job from it */
         return SCAPE_OK;
     }
+    if (restored && r->has_step)
+        return scape_set_error(SCAPE_INVALID, "load_state_dict: the job resumed from its "
+                               "checkpoint of step %llu (%s), this state_dict is of step %llu: "
+                               "a requeued job continues from the daemons' newest checkpoint; "
+                               "load a state_dict only when its step is the optimizer's "
+                               "resumed_step (then it is a no-op), and restore the data "
+                               "position and schedule from resumed_step",
+                               (unsigned long long)s->resumed_from, s->ckpt_dir,
+                               (unsigned long long)r->step);
     if (s->next_step != 1)
         return scape_set_error(SCAPE_INVALID, "load_state_dict: the job is past step %llu; "
                                "a checkpoint loads only before the first step",
@@ -992,16 +1040,16 @@ static scape_rc on_resume(server *s, trainer *t, const Scape__Resume *r)
                                "layout (hash %016llx; this job's %016llx): other tensors, or "
                                "other parameter groups", (unsigned long long)r->layout_hash,
                                (unsigned long long)eng_layout_hash(s->eng));
-    if (s->resume_req[0] && strcmp(s->resume_req, r->dir) != 0)
+    if (s->resume_req[0] && strcmp(s->resume_req, dir) != 0)
         return scape_set_error(SCAPE_INVALID, "load_state_dict: trainer %d loads %s, another "
-                               "trainer %s", t->index, r->dir, s->resume_req);
+                               "trainer %s", t->index, dir, s->resume_req);
     ckpt_ref ref;
-    TRY(ckpt_open(r->dir, s->cfg.rank, s->cfg.world, &ref));
+    TRY(ckpt_open(dir, s->cfg.rank, s->cfg.world, &ref));
     if (r->has_step && ref.step != r->step)
         return scape_set_error(SCAPE_INVALID, "load_state_dict: %s holds step %llu, the "
-                               "state_dict says step %llu", r->dir,
+                               "state_dict says step %llu", dir,
                                (unsigned long long)ref.step, (unsigned long long)r->step);
-    snprintf(s->resume_req, sizeof s->resume_req, "%s", r->dir);
+    snprintf(s->resume_req, sizeof s->resume_req, "%s", dir);
     t->wants_resume = 1;
     maybe_resume(s);
     return SCAPE_OK;

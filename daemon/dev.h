@@ -34,6 +34,7 @@ typedef struct dev dev_t;
 
 typedef struct dev_ops {
     const char *name;
+    int host_addressable; /* its device memory is host memory (the sim) */
     /* A context on CUDA device `device` whose main stream is `main` (the
      * comm's, a cudaStream_t) or its own when NULL; waits give up after
      * timeout_ms, or with the comm's bounded wait when the main stream is

@@ -229,6 +229,7 @@ static scape_rc sim_resolve(dev_t *d, const void *p, size_t bytes, const void **
 
 const dev_ops dev_sim_ops = {
     .name = "sim",
+    .host_addressable = 1,
     .create = sim_create,
     .destroy = sim_destroy,
     .alloc = sim_alloc,

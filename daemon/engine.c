@@ -24,6 +24,9 @@ static const char *const s_mode_names[ENG_MODE_COUNT] = {
 static const char *const s_gather_names[ENG_GATHER_COUNT] = {
     [ENG_GATHER_PARAMS] = "params", [ENG_GATHER_F32] = "f32", [ENG_GATHER_DELTA] = "delta",
 };
+static const char *const s_clip_names[ENG_CLIP_COUNT] = {
+    [ENG_CLIP_SENT] = "sent", [ENG_CLIP_GRAD] = "gradient",
+};
 static const char *const s_exec_names[ENG_EXEC_COUNT] = {
     [ENG_EXEC_HOST] = "host", [ENG_EXEC_CUDA] = "cuda", [ENG_EXEC_SIM] = "sim",
 };
@@ -94,6 +97,16 @@ scape_rc eng_gather_parse(const char *s, eng_gather *out)
     PARSE_ENUM(eng_gather, s_gather_names, ENG_GATHER_COUNT, "gather_values");
 }
 
+const char *eng_clip_norm_name(eng_clip_norm c)
+{
+    return (unsigned)c < ENG_CLIP_COUNT ? s_clip_names[c] : "?";
+}
+
+scape_rc eng_clip_norm_parse(const char *s, eng_clip_norm *out)
+{
+    PARSE_ENUM(eng_clip_norm, s_clip_names, ENG_CLIP_COUNT, "clip_norm");
+}
+
 scape_rc eng_executor_parse(const char *s, eng_executor *out)
 {
     PARSE_ENUM(eng_executor, s_exec_names, ENG_EXEC_COUNT, "executor");
@@ -145,6 +158,9 @@ static scape_rc check_config(const eng_config *c)
     if (!(c->max_grad_norm >= 0.0f) || !isfinite(c->max_grad_norm))
         return scape_set_error(SCAPE_INVALID, "config: max_grad_norm=%g must be >= 0 "
                                "(0: no clipping)", (double)c->max_grad_norm);
+    if ((unsigned)c->clip_norm >= ENG_CLIP_COUNT)
+        return scape_set_error(SCAPE_INVALID, "config: unknown clip_norm %d",
+                               (int)c->clip_norm);
     if (c->rho_start != 0.0 && !(c->rho_start > c->rho && c->rho_start <= 1.0))
         return scape_set_error(SCAPE_INVALID, "config: rho_start=%g must be in (rho, 1] = "
                                "(%g, 1] (0: no density schedule)", c->rho_start, c->rho);
@@ -171,6 +187,8 @@ uint64_t eng_config_hash(const eng_config *c)
     }
     if (c->mask_deltas)
         h = plan_fnv1a(h, "mask_deltas", 11);
+    if (c->max_grad_norm > 0.0f && c->clip_norm != ENG_CLIP_SENT)
+        h = plan_fnv1a(h, "clip_norm=gradient", 18);
     if (c->dense_below) {
         uint64_t d = c->dense_below;
         h = plan_fnv1a(h, "dense_below", 11);
@@ -235,8 +253,10 @@ static scape_rc alloc_state(eng_t *e)
     e->toff = calloc(p->ntensors + 1, sizeof(size_t));
     e->counts = calloc(R, sizeof(size_t));
     e->code_bytes = calloc(R, sizeof(size_t));
-    e->sq = calloc(R, sizeof(double));
-    if (e->toff == NULL || e->counts == NULL || e->code_bytes == NULL || e->sq == NULL)
+    e->sq = calloc(2 * R, sizeof(double));
+    e->gsq = calloc(ENG_MAX_TRAINERS + 1, sizeof(double));
+    if (e->toff == NULL || e->counts == NULL || e->code_bytes == NULL || e->sq == NULL ||
+        e->gsq == NULL)
         return scape_set_error(SCAPE_NOMEM, "engine: cannot allocate state for N=%zu", n);
     eng_code_sizes(e);
     e->code_cap = e->code_total;
@@ -419,7 +439,7 @@ void eng_destroy(eng_t **ep)
     eng_ckpt_unstage(e);
     plan_destroy(&e->p);
     void *bufs[] = { e->code_bytes, e->toff, e->counts, e->ghat, e->ghave, e->bounce,
-                     e->mbounce, e->sq, e->dcounts, e->dsizes, e->dhost, e->dmax };
+                     e->mbounce, e->sq, e->gsq, e->gn_part, e->gn_buf, e->dcounts, e->dsizes, e->dhost, e->dmax };
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         free(bufs[i]);
     free(e);

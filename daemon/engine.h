@@ -48,6 +48,20 @@ typedef enum eng_executor {
  *    bf16, which owners and trainers add to the value they hold (the
  *    update is rounded so: docs/algorithm.md, "Changes on the wire"); as
  *    PARAMS otherwise.  Every rank must set it alike. */
+/* What max_grad_norm measures (clip_norm; docs/algorithm.md, "Gradient
+ * clipping"):
+ *  - SENT: the global norm of g_hat, the mean of what the ranks send, which
+ *    for the masked optimizers includes the error-feedback residual at the
+ *    mask;
+ *  - GRAD: the norm of this step's mean gradient (1/T) sum of every
+ *    trainer's gradient, without the residual: exact with one rank or on a
+ *    dense step, else the bound (1/T) sum_r |G_r|. */
+typedef enum eng_clip_norm {
+    ENG_CLIP_SENT = 0,
+    ENG_CLIP_GRAD,
+    ENG_CLIP_COUNT
+} eng_clip_norm;
+
 typedef enum eng_gather {
     ENG_GATHER_PARAMS = 0,
     ENG_GATHER_F32,
@@ -83,6 +97,8 @@ typedef struct eng_config {
     float max_grad_norm;     /* > 0: scale g_hat so that its global L2 norm is
                                 at most this (torch's clip_grad_norm_ rule,
                                 docs/design.md); 0: no clipping (default) */
+    eng_clip_norm clip_norm; /* which norm max_grad_norm bounds (above).  Every
+                                rank must set it alike. */
     int wire_bf16;           /* masked steps (scape, topk-adamw) send the packed
                                 values as bf16 and keep each one's rounding in
                                 the residual (docs/algorithm.md; the default);
@@ -163,6 +179,12 @@ typedef struct eng_step_stats {
     double grad_norm;     /* max_grad_norm: the global L2 norm of g_hat before
                              clipping (0 without max_grad_norm) */
     double clip;          /* the factor g_hat was scaled by (1: not clipped) */
+    double mean_grad_norm; /* max_grad_norm: the norm torch's clip_grad_norm_
+                             would see, that of the mean of every trainer's
+                             gradient this step; -1: not measured (the cuda
+                             executor with gradients in device memory) */
+    int mean_grad_exact;  /* 1: mean_grad_norm is exact (one rank, or a dense
+                             step); 0: the bound (1/T) sum_r |G_r| */
     uint64_t launches;    /* kernels the executor launched for this step (its
                              deferred selection included); 0 on the host */
     /* Bytes each phase's work moved, by the executor's byte model of its own
@@ -182,8 +204,8 @@ typedef struct eng eng_t;
 /* The settings eng_config_hash covers, for messages that refuse a
  * checkpoint taken with others. */
 #define ENG_CONFIG_HASHED                                                                  \
-    "optimizer, rho, warmup, beta1, beta2, eps, weight_decay, max_grad_norm, wire_values, " \
-    "rho_start, rho_steps, mask_deltas and dense_below"
+    "optimizer, rho, warmup, beta1, beta2, eps, weight_decay, max_grad_norm, clip_norm, "   \
+    "wire_values, rho_start, rho_steps, mask_deltas and dense_below"
 
 /* Defaults of docs/algorithm.md: scape, replicated, rho 0.01, W 1, 0.9/0.95/1e-8/0. */
 void eng_config_default(eng_config *cfg);
@@ -193,6 +215,8 @@ const char *eng_mode_name(eng_mode mode);
 const char *eng_executor_name(eng_executor x);
 const char *eng_gather_name(eng_gather g);
 scape_rc eng_gather_parse(const char *s, eng_gather *out);
+const char *eng_clip_norm_name(eng_clip_norm c);
+scape_rc eng_clip_norm_parse(const char *s, eng_clip_norm *out);
 scape_rc eng_executor_parse(const char *s, eng_executor *out);
 scape_rc eng_optimizer_parse(const char *s, eng_optimizer *out);
 scape_rc eng_mode_parse(const char *s, eng_mode *out);
@@ -229,6 +253,10 @@ scape_rc eng_step_finish(eng_t *e);
 scape_rc eng_set_local_trainers(eng_t *e, int local_trainers);
 /* Statistics of the last completed step. */
 scape_rc eng_last_stats(const eng_t *e, eng_step_stats *out);
+/* max_grad_norm: the L2 norm of local trainer j's own gradient at the last
+ * step (grads[j]); -1 when not measured (no max_grad_norm, j out of range,
+ * or gradients in device memory). */
+double eng_trainer_grad_norm(const eng_t *e, int j);
 /* Finish any outstanding mask all-gather and free; sets *e to NULL. */
 void eng_destroy(eng_t **e);
 

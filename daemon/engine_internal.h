@@ -123,6 +123,14 @@ struct eng {
      * none), and each rank's sum of squares of g_hat (host, comm size). */
     float clip;
     double *sq;
+    /* max_grad_norm: each local trainer's |g_j|^2, then |G_r|^2 at [tr]
+     * (-1: not measured), ENG_MAX_TRAINERS + 1; and the host pass's
+     * chunk totals and per-worker chunk buffers (engine_gnorm.c) */
+    double *gsq;
+    double *gn_part;
+    size_t gn_part_cap;
+    float *gn_buf;
+    size_t gn_buf_cap;
 
     float *ghat;         /* inspection only: the last g_hat, comm order */
     unsigned char *ghave;
@@ -137,6 +145,12 @@ struct eng {
 /* SCAPE with masks to select: some tensor has k_l < len.  At rho = 1 every
  * mask would be all ones, so every step runs dense, with no selection and
  * no mask all-gather. */
+/* engine_gnorm.c: the squared norms of each trainer's gradient and of
+ * their sum G_r into out[0 .. tr] (gsq's layout), by scape_formula.h's
+ * chunk rule over the coordinates in layout order, on the pool (NULL: the
+ * calling thread).  The buffers must be host memory. */
+scape_rc eng_grad_sqsums(eng_t *e, pool *pl, const void *const *grads, double *out);
+
 static inline int eng_scape_masks(const eng_t *e)
 {
     return e->cfg.optimizer == ENG_OPT_SCAPE && e->k_target < e->p->n;

@@ -420,46 +420,90 @@ static scape_rc keep_ghat(eng_t *e, size_t k)
     return rc;
 }
 
-/* max_grad_norm: the clipping coefficient of this step from the global norm
- * of g_hat.  Each rank's sum of squares covers the tensors it owns (the
- * chunks of scape_formula.h's rule start at each owner's first value); the
- * owners' sums then add in rank order, so that both modes and every
- * executor get the same bits.  Replicated ranks hold every sum and compute
- * all R; sharded ones compute their own and all-gather the R doubles (the
- * one scalar collective). */
+/* max_grad_norm: the norm torch's clip_grad_norm_ would see, from the
+ * ranks' (own sum of squares of g_hat, |G_r|^2) pairs: g_hat's own norm on
+ * a dense step (no residual: g_hat is the mean gradient), |G_0| / T with one
+ * rank, else the bound (1/T) sum_r |G_r| (triangle inequality, equal when
+ * the ranks' gradients are parallel); -1 when a rank could not measure. */
+static void mean_grad_norm(eng_t *e, double sent_norm)
+{
+    int R = e->comm->size;
+    double bound = 0.0;
+    e->last.mean_grad_exact = 1;
+    if (e->mask_cur == NULL) {
+        e->last.mean_grad_norm = sent_norm;
+        return;
+    }
+    for (int r = 0; r < R; r++) {
+        if (e->sq[2 * r + 1] < 0.0) {
+            e->last.mean_grad_norm = -1.0;
+            return;
+        }
+        bound += sqrt(e->sq[2 * r + 1]);
+    }
+    e->last.mean_grad_exact = R == 1;
+    e->last.mean_grad_norm = bound / (double)e->t_total;
+}
+
+/* max_grad_norm: the clipping coefficient of this step.  Each rank's sum of
+ * squares of g_hat covers the tensors it owns (the chunks of
+ * scape_formula.h's rule start at each owner's first value); every rank
+ * all-gathers it with its |G_r|^2 (the one scalar collective, 16 bytes a
+ * rank), and the sums add in rank order, so that both modes and every
+ * executor get the same bits.  clip_norm says which norm the factor comes
+ * from: g_hat's (sent) or the mean gradient's (gradient). */
 static scape_rc clip_coef(eng_t *e, uint64_t t)
 {
     int R = e->comm->size;
     e->clip = 0.0f;
     e->last.grad_norm = 0.0;
     e->last.clip = 1.0;
+    e->last.mean_grad_norm = -1.0;
+    e->last.mean_grad_exact = 0;
     if (!(e->cfg.max_grad_norm > 0.0f))
         return SCAPE_OK;
     const plan_shard *sh = e->p->shard;
-    if (e->cfg.mode == ENG_MODE_REPLICATED) {
-        for (int r = 0; r < R; r++)
-            TRY(e->x->ops->sqsum(e->x, sh[r].first, sh[r].count, &e->sq[r]));
-        TRY(e->x->ops->sync(e->x));
-    } else {
-        TRY(e->x->ops->sqsum(e->x, sh[e->rank].first, sh[e->rank].count, &e->sq[e->rank]));
-        TRY(e->x->ops->sync(e->x));
-        for (int r = 0; r < R; r++)
-            e->counts[r] = sizeof(double);
-        TRY(comm_allgather(e->comm, &e->sq[e->rank], e->sq, e->counts));
-    }
+    double *own = &e->sq[2 * e->rank];
+    TRY(e->x->ops->sqsum(e->x, sh[e->rank].first, sh[e->rank].count, own));
+    TRY(e->x->ops->sync(e->x));
+    own[1] = e->gsq[e->tr];
+    for (int r = 0; r < R; r++)
+        e->counts[r] = 2 * sizeof(double);
+    TRY(comm_allgather(e->comm, own, e->sq, e->counts));
     double total = 0.0;
     for (int r = 0; r < R; r++)
-        total += e->sq[r];
+        total += e->sq[2 * r];
     if (!isfinite(total))
         return scape_set_error(SCAPE_INVALID, "engine: step %llu: the mean gradient's norm "
                                "is not finite (%g); the update is not applied",
                                (unsigned long long)t, total);
     double norm = sqrt(total);
-    float c = scape_f_clip_coef(norm, e->cfg.max_grad_norm);
+    mean_grad_norm(e, norm);
+    double by = norm;
+    if (e->cfg.clip_norm == ENG_CLIP_GRAD) {
+        by = e->last.mean_grad_norm;
+        if (!(by >= 0.0) || !isfinite(by))
+            return scape_set_error(SCAPE_INVALID, "engine: step %llu: clip_norm gradient: "
+                                   "the trainers' gradient norm is %s; the update is not "
+                                   "applied (with gradients in device memory the cuda "
+                                   "executor cannot measure it yet: use clip_norm: sent)",
+                                   (unsigned long long)t, isnan(by) || isinf(by)
+                                   ? "not finite" : "not measured");
+    }
+    float c = scape_f_clip_coef(by, e->cfg.max_grad_norm);
     e->last.grad_norm = norm;
     e->last.clip = c < 1.0f ? (double)c : 1.0;
     e->clip = c < 1.0f ? c : 0.0f;
     return SCAPE_OK;
+}
+
+/* max_grad_norm: each local trainer's |g_j|^2 and |G_r|^2, before the pack
+ * adds the residual. */
+static scape_rc grad_sqsums(eng_t *e, const void *const *grads)
+{
+    if (!(e->cfg.max_grad_norm > 0.0f))
+        return SCAPE_OK;
+    return e->x->ops->grad_sqsums(e->x, grads, e->gsq);
 }
 
 /* The new parameters, comm order, into `dst`: packed at the mask (sparse) or
@@ -515,6 +559,7 @@ static scape_rc step_phases(eng_t *e, uint64_t t, const void *const *grads,
 {
     size_t k = 0;
     float *pub;
+    PHASE(ENG_PH_INTAKE, grad_sqsums(e, grads));
     if (e->cfg.optimizer == ENG_OPT_TOPK_ADAMW)
         PHASE(ENG_PH_INTAKE, e->x->ops->intake(e->x, grads));
     TRY(choose_mask(e, t));

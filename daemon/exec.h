@@ -77,6 +77,11 @@ typedef struct exec_ops {
      * rule of scape_formula.h (scape_f_sqsum_chunk), into *out (host memory)
      * once sync() has returned.  At most comm size sums between syncs. */
     scape_rc (*sqsum)(exec_t *x, size_t first, size_t count, double *out);
+    /* max_grad_norm: |g_j|^2 of each trainer's gradient and |G_r|^2 of their
+     * sum into out[0 .. tr] (host memory, engine_gnorm.c's rule), before
+     * the pack; -1 in each where the buffers are not readable by the host
+     * (the cuda executor with gradients in device memory). */
+    scape_rc (*grad_sqsums)(exec_t *x, const void *const *grads, double *out);
     /* Their new parameters into dst (packed at the mask, or dense), comm order;
      * as bf16 when e->pub_bf16.  e->pub_delta: each one's change from trainer
      * 0's fp32 value (params[0]) in bf16, theta rounded to that value plus

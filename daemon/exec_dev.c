@@ -868,6 +868,30 @@ static scape_rc dev_update(exec_t *x, size_t first, size_t count, uint64_t t)
     return run(impl(x), KSEG_UPDATE, &a);
 }
 
+/* On the host, where the host can read every trainer's buffer (the sim's
+ * memory, pinned host memory); no kernel reads gradients in device memory
+ * for this yet, so there the figures are not measured. */
+static scape_rc dev_grad_sqsums(exec_t *x, const void *const *grads, double *out)
+{
+    eng_t *e = x->e;
+    dev_x *h = impl(x);
+    int readable = h->ops->host_addressable;
+    for (int j = 0; !readable && j < e->tr; j++) {
+        const void *p;
+        int on_host = 0;
+        TRY(h->ops->resolve(h->d, grads[j], e->p->n * kern_dtype_size(e->gdt), &p, &on_host));
+        if (!on_host)
+            break;
+        readable = j == e->tr - 1;
+    }
+    if (!readable) {
+        for (int j = 0; j <= e->tr; j++)
+            out[j] = -1.0;
+        return SCAPE_OK;
+    }
+    return eng_grad_sqsums(e, NULL, grads, out);
+}
+
 static scape_rc dev_sqsum(exec_t *x, size_t first, size_t count, double *out)
 {
     eng_t *e = x->e;
@@ -1075,6 +1099,7 @@ const exec_ops exec_dev_ops = {
     .offsets = dev_offsets,
     .update = dev_update,
     .sqsum = dev_sqsum,
+    .grad_sqsums = dev_grad_sqsums,
     .compact = dev_compact,
     .write_back = dev_write_back,
     .replan = dev_replan,

@@ -473,6 +473,13 @@ static scape_rc sq_chunk(void *ctx, size_t c, int w)
     return SCAPE_OK;
 }
 
+static scape_rc host_grad_sqsums(exec_t *x, const void *const *grads, double *out)
+{
+    eng_t *e = x->e;
+    count(x, e->p->n * (uint64_t)e->tr * kern_dtype_size(e->gdt));
+    return eng_grad_sqsums(e, impl(x)->pool, grads, out);
+}
+
 /* The chunks on the pool, their totals added in order. */
 static scape_rc host_sqsum(exec_t *x, size_t first, size_t n_t, double *out)
 {
@@ -663,6 +670,7 @@ const exec_ops exec_host_ops = {
     .offsets = host_offsets,
     .update = host_update,
     .sqsum = host_sqsum,
+    .grad_sqsums = host_grad_sqsums,
     .compact = host_compact,
     .write_back = host_write_back,
     .replan = host_replan,

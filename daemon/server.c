@@ -547,6 +547,7 @@ scape_rc srv_serve_once(server *s, int timeout_ms, int *handled)
     srv_reap_maps(s, 0);
     if (srv_now() >= s->next_check) {
         check_liveness(s);
+        ckp_idle(s); /* a state_dict on another daemon of the job */
         s->next_check = srv_now() + 1e-3 * s->cfg.liveness_ms;
     }
     if (handled)

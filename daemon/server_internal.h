@@ -47,6 +47,9 @@ typedef struct trainer {
     size_t step_msg_bytes;          /* size of its Step message */
     double posted_at;
     double queued;                 /* its Step's wait before it was read; < 0: unknown */
+    int clip_run;                   /* max_grad_norm: consecutive steps whose own
+                                       gradient norm was the bound itself */
+    int clip_warned;                /* that was logged (once per trainer) */
 } trainer;
 
 struct server {
@@ -109,7 +112,10 @@ struct server {
     char resumed_dir[CKPT_PATH_MAX]; /* the checkpoint the job restarted from
                                         at trainers' request ("" = none) */
     char resume_req[CKPT_PATH_MAX]; /* the one trainers ask to restart from */
-    int ckpt_now;                   /* a state_dict checkpoint, due before the next step */
+    char ckpt_name[CKPT_PATH_MAX];  /* ckpt_dir relative to checkpoint_dir ("": not under) */
+    uint32_t ckpt_rounds;           /* between-steps checkpoint rounds since the last step */
+    double ckpt_look_at;            /* srv_now() from which an idle daemon looks for
+                                       another's state_dict request */
 };
 
 double srv_now(void);
@@ -169,12 +175,22 @@ void ckp_started(server *s);
 /* After a completed step: agree with the other daemons whether a checkpoint
  * is due (requested here or there, SIGUSR1, or the period) and take it. */
 void ckp_after_step(server *s, uint64_t step);
-/* scapectl checkpoint; now: a trainer's state_dict, the state after the last
- * step, taken at once by a lone daemon (else before the next step). */
-scape_rc ckp_request(server *s, int now);
-/* Before step t's engine step: the daemons agree whether a state_dict
- * checkpoint is due, and take it (the state after step t - 1). */
+/* scapectl checkpoint (after the next step); now: a trainer's state_dict,
+ * the state after the last step, on disk when this returns (several daemons
+ * write it together in a between-steps round); before step 1 of a fresh job
+ * step 0 and no directory.  out: the reply's figures (pointing into s). */
+scape_rc ckp_request(server *s, int now, Scape__CheckpointInfo *out);
+/* Before step t's engine step, several daemons: between-steps rounds until
+ * one where no daemon asks for a checkpoint (a state_dict on another daemon
+ * meets this daemon here when it has not seen the request while idle). */
 scape_rc ckp_before_step(server *s, uint64_t t);
+/* Idle, several daemons: join a between-steps round that a state_dict on
+ * another daemon asked for (its request file in checkpoint_dir). */
+void ckp_idle(server *s);
+/* load_state_dict's checkpoint: given (relative to checkpoint_dir, or
+ * absolute) as a path in dir; a step directory that is gone is refused
+ * with the reason (pruned by checkpoint_keep, or never there). */
+scape_rc ckp_locate(const server *s, const char *given, char *dir, size_t len);
 /* The checkpoint figures of status replies. */
 void ckp_info(const server *s, Scape__CheckpointInfo *out);
 

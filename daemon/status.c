@@ -29,13 +29,37 @@ static uint64_t rss_bytes(void)
     return (uint64_t)kib * 1024;
 }
 
+/* Before step 1: how many of the trainers the job waits for (the
+ * `trainers` key) have not registered yet; 0 once it has started. */
+static int trainers_missing(const server *s)
+{
+    int n = s->cfg.trainers - ctl_registered(s);
+    return s->eng == NULL && n > 0 ? n : 0;
+}
+
 static const char *state_name(const server *s)
 {
     if (s->stopping)
         return "stopping";
     if (s->broken)
         return "broken";
-    return ctl_registered(s) ? "ready" : "waiting";
+    return ctl_registered(s) && !trainers_missing(s) ? "ready" : "waiting";
+}
+
+/* The trainers the job still waits for, and the free slots they may take. */
+static void fill_waiting(const server *s, Scape__StatusReply *st, uint32_t *slots)
+{
+    st->has_trainers_expected = 1;
+    st->trainers_expected = (uint32_t)s->cfg.trainers;
+    int missing = trainers_missing(s);
+    if (missing == 0)
+        return;
+    st->has_waiting_for = 1;
+    st->waiting_for = (uint32_t)missing;
+    st->waiting_slots = slots;
+    for (int i = 0; i < s->cfg.trainers && i < SRV_MAX_SLOTS; i++)
+        if (!s->slots[i].used || !s->slots[i].registered)
+            slots[st->n_waiting_slots++] = (uint32_t)i;
 }
 
 typedef struct status_buf {
@@ -44,10 +68,10 @@ typedef struct status_buf {
     Scape__TrainerInfo *ptrs[SRV_MAX_SLOTS];
     Scape__CheckpointInfo ckpt;
     uint32_t down[64];
+    uint32_t waiting[SRV_MAX_SLOTS];
     char foreign_last[200];
     char refused_last[200];
     char memory[SRV_MAX_SLOTS][16];
-    char now_dir[CKPT_PATH_MAX + 32];
 } status_buf;
 
 static void fill_status(server *s, status_buf *b)
@@ -127,6 +151,7 @@ static void fill_status(server *s, status_buf *b)
                 b->down[st->n_peers_down++] = (uint32_t)q;
     }
     st->runtime_dir = s->dir;
+    fill_waiting(s, st, b->waiting);
     /* The residual norm is a pass over N floats: taken when asked, not on
      * the per-step path. */
     if (s->have_last) {
@@ -202,23 +227,10 @@ static void answer(server *s, const Scape__Request *q)
         break;
     case SCAPE__REQUEST__BODY_CHECKPOINT: {
         int now = q->checkpoint->has_now && q->checkpoint->now;
-        scape_rc rc = ckp_request(s, now);
+        scape_rc rc = ckp_request(s, now, &b->ckpt); /* a state_dict: on disk now */
         if (rc != SCAPE_OK) {
             send_error(s, rc);
             break;
-        }
-        ckp_info(s, &b->ckpt);
-        if (now && s->ckpt_now) { /* several daemons: written before the next step */
-            if (ckpt_next_dir(s->cfg.checkpoint_dir, s->next_step - 1, b->now_dir,
-                              sizeof b->now_dir) != SCAPE_OK) {
-                send_error(s, SCAPE_SYSTEM);
-                break;
-            }
-            b->ckpt.step = s->next_step - 1;
-            b->ckpt.dir = b->now_dir;
-            b->ckpt.pending = 1;
-        } else if (now) {
-            b->ckpt.pending = 0; /* taken: step and dir are its own */
         }
         r.body_case = SCAPE__REPLY__BODY_CHECKPOINT;
         r.checkpoint = &b->ckpt;

@@ -46,7 +46,7 @@ bash deploy/setup.sh
 echo "==> build (Release) in build-demo"
 cmake -S . -B build-demo -DCMAKE_BUILD_TYPE=Release -DSCAPE_CUDA="${SCAPE_CUDA:-AUTO}" \
   >build-demo.configure.log 2>&1 || { cat build-demo.configure.log; exit 1; }
-cmake --build build-demo -j"$(nproc)" --target scaped scapectl gpt_train >build-demo.build.log 2>&1 ||
+cmake --build build-demo -j"$(nproc)" --target scaped scapectl gpt_train trainer_c >build-demo.build.log 2>&1 ||
   { tail -n 40 build-demo.build.log; exit 1; }
 
 out=$root/build-demo/demo

@@ -392,7 +392,9 @@ ReturnToService=2
 JobRequeue=1
 MaxJobCount=10000
 MinJobAge=300
-SchedulerParameters=batch_sched_delay=0
+# a requeued job may start once cred_expire is past, but only a scheduling
+# pass starts it (by default every 60 s, backfill every 30 s): often, here
+SchedulerParameters=batch_sched_delay=0,sched_interval=2,bf_interval=2
 KillWait=5
 Waittime=0
 InactiveLimit=0

@@ -3,10 +3,12 @@
 # every node of the job:
 #   scape-node.sh daemon        exec this node's scaped (job shape from Slurm)
 #   scape-node.sh wait SECONDS  until this node's scaped answers (rendezvous done)
-#   scape-node.sh run CMD...    exec CMD with this node's runtime dir exported
+#   scape-node.sh run CMD...    exec CMD as one trainer, with the launch
+#                               environment below
 #   scape-node.sh checkpoint S  checkpoint after the next step; wait up to S seconds
-#   scape-node.sh state         print this node's scaped state (broken: it lost
-#                               another daemon part-way through a step)
+#   scape-node.sh state         print this node's name and its scaped's state
+#                               (broken: it lost another daemon part-way through
+#                               a step; gone: no scaped answers)
 #   scape-node.sh stop          print what this node's scaped sent on its data
 #                               plane, then ask it to shut down
 # Settings come from the environment:
@@ -22,6 +24,14 @@
 #                     which the rendezvous publishes)
 #   SCAPE_ARGS        further scaped flags (--rho 0.01 --trainers 2 ...)
 #   SCAPE_CHECKPOINT_DIR, SCAPE_RESUME  read by scaped itself (checkpoint_dir, resume)
+#
+# The launch environment of `run` (a task of an srun step with one task per
+# trainer), the same as scape-run gives its trainers:
+#   RANK=SLURM_PROCID  WORLD_SIZE=the step's tasks  LOCAL_RANK=SLURM_LOCALID
+#   LOCAL_WORLD_SIZE=the step's tasks on this node  NODE_RANK=SLURM_NODEID
+#   SCAPE_INDEX=SLURM_LOCALID (the trainer's slot)  SCAPE_RUNTIME_DIR, SCAPE_ENDPOINT
+# and no MASTER_ADDR or MASTER_PORT: with them, frameworks start
+# torch.distributed and all-reduce the gradients besides scaped.
 set -euo pipefail
 : "${SLURM_JOB_ID:?run me inside a Slurm job step}"
 node=${SLURMD_NODENAME:-$(hostname -s)}
@@ -60,6 +70,33 @@ daemon() {
          --coordinator "$coord" --listen "$listen" ${SCAPE_ARGS:-}
 }
 
+tasks_on_node() {  # Slurm's tasks-per-node list ("2(x3),1"), a node id: its count
+    local item i=0 n r
+    local -a items
+    IFS=, read -r -a items <<<"$1"
+    for item in "${items[@]}"; do
+        if [[ $item =~ ^([0-9]+)\(x([0-9]+)\)$ ]]; then
+            n=${BASH_REMATCH[1]} r=${BASH_REMATCH[2]}
+        else
+            n=$item r=1
+        fi
+        if [ "$2" -lt $((i + r)) ]; then echo "$n"; return 0; fi
+        i=$((i + r))
+    done
+    return 1
+}
+
+launch_env() {
+    : "${SLURM_PROCID:?}" "${SLURM_LOCALID:?}" "${SLURM_NODEID:?}"
+    local ntasks=${SLURM_STEP_NUM_TASKS:-${SLURM_NTASKS:?}} here
+    here=$(tasks_on_node "${SLURM_STEP_TASKS_PER_NODE:-${SLURM_TASKS_PER_NODE:-}}" "$SLURM_NODEID") ||
+        here=${SLURM_NTASKS_PER_NODE:?Slurm set neither SLURM_STEP_TASKS_PER_NODE nor SLURM_NTASKS_PER_NODE}
+    export RANK=$SLURM_PROCID WORLD_SIZE=$ntasks LOCAL_RANK=$SLURM_LOCALID \
+           LOCAL_WORLD_SIZE=$here NODE_RANK=$SLURM_NODEID SCAPE_INDEX=$SLURM_LOCALID \
+           SCAPE_ENDPOINT="ipc://$SCAPE_RUNTIME_DIR/control"
+    unset MASTER_ADDR MASTER_PORT
+}
+
 wait_ready() {
     local deadline=$((SECONDS + ${1:-120}))
     until "$(bin scapectl)" --timeout-ms 2000 status >/dev/null 2>&1; do
@@ -75,10 +112,11 @@ wait_ready() {
 case "${1:-}" in
 daemon) daemon ;;
 wait) wait_ready "${2:-120}" ;;
-run) shift; exec "$@" ;;
+run) shift; launch_env; exec "$@" ;;
 checkpoint) "$(bin scapectl)" --timeout-ms 5000 checkpoint --wait \
                --wait-ms "$((${2:-240} * 1000))" ;;
-state) status_json | grep -o '"state":"[a-z_]*"' | head -n 1 | cut -d'"' -f4 ;;
+state) st=$(status_json | grep -o '"state":"[a-z_]*"' | head -n 1 | cut -d'"' -f4) || st=""
+       echo "$node ${st:-gone}" ;;
 stop) # a lone daemon has no data plane: nothing to print
       if st=$(status_json); then
           ep=$(echo "$st" | grep -o '"data_endpoint":"[^"]*"' | cut -d'"' -f4) || ep=""

@@ -20,6 +20,7 @@ reduces, and optimizer.step() returns with the updated parameters in place.
 On CUDA the flat buffers are libscape's CUDA IPC buffers (unverified on a
 GPU so far)."""
 import argparse
+import hashlib
 import math
 import os
 import sys
@@ -205,11 +206,22 @@ def main():
     def autocast():
         return torch.autocast(device_type=torch.device(a.device).type, dtype=torch.bfloat16,
                               enabled=a.autocast == "bf16")
-    if a.save and os.path.exists(a.save):
-        saved = torch.load(a.save)
+    # Resuming.  Daemons started with --resume (a requeued job: SCAPE_RESUME)
+    # have restored their newest checkpoint already, and resumed_step says
+    # which step that is; the data position and the schedule follow from it
+    # (first below).  --save's state_dict is loaded only when it is of that
+    # step (a no-op for the optimizer) or when the daemons start afresh (they
+    # then restart from its checkpoint): never an older one over a newer state.
+    resumed = opt.resumed_step
+    saved = torch.load(a.save) if a.save and os.path.exists(a.save) else None
+    if saved is not None and (resumed == 0 or saved["step"] == resumed):
         model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["optimizer"])  # the daemon restarts from its checkpoint
+        opt.load_state_dict(saved["optimizer"])
         print("torch_train: resumed from %s (step %d)" % (a.save, saved["step"]), flush=True)
+    elif resumed:
+        print("torch_train: the daemons resumed from their checkpoint of step %d%s" % (
+            resumed, "" if saved is None else "; %s (step %d) is not loaded over it" % (
+                a.save, saved["step"])), flush=True)
     first = opt.session.next_step
     print("torch_train: N=%d, vocab %d, steps %d..%d on %s" % (
         sum(p.numel() for p in model.parameters()), vocab, first, a.steps, a.device))
@@ -218,6 +230,9 @@ def main():
     for t in range(first, last + 1):
         gen = torch.Generator().manual_seed(a.seed * 1000003 + t)  # resumable
         x, y = batch(train, a.batch, a.ctx, gen, a.device)
+        if t == first:  # which data this trainer has (tests/slurm/template.sh compares them)
+            print("torch_train: first batch sha256 %s rank %s" % (hashlib.sha256(
+                x.cpu().numpy().tobytes()).hexdigest(), os.environ.get("RANK", "0")), flush=True)
         opt.zero_grad()
         with autocast():
             loss = model(x, y)
@@ -226,7 +241,8 @@ def main():
             g["lr"] = lr_at(a, t)
         opt.step(lambda: loss)
         if a.save and a.save_every and t % a.save_every == 0 and \
-                int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one saver per node
+                int(os.environ.get("RANK", "0")) == 0:  # one saver: every daemon writes
+            # the checkpoint it names, on disk when state_dict() returns
             state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": t}
             torch.save(state, a.save + ".tmp")
             os.replace(a.save + ".tmp", a.save)

@@ -8,9 +8,10 @@
  * sees exactly one reply per request, except for the daemon's unsolicited
  * farewell, which is an error reply and ends the session.
  */
-#define _POSIX_C_SOURCE 200809L
+#define _GNU_SOURCE /* struct ucred */
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <math.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -49,11 +50,18 @@ struct scape_session {
     lsc_dev_buf dparams, dgrads;  /* SCAPE_MEMORY_CUDA */
     lsc_dev_events dev_ev;        /* SCAPE_MEMORY_CUDA: ordering with the daemon */
     int in_flight;  /* a step was begun and not yet waited for */
+    uint64_t posted; /* the step in flight */
     int dead;       /* the daemon said goodbye */
     int dev_shared; /* the daemon may have dparams/dgrads open (CUDA IPC) */
     int registered; /* the daemon answered Registered: it holds our slot */
     int refused;    /* the daemon's last answer was a refusal (an error reply) */
+    pid_t daemon_pid; /* scaped's process (the ipc socket's peer), 0: unknown */
+    int owed;       /* replies still to come for requests given up (not the step) */
+    int gave_up;    /* a call other than the step was given up: only detach is left */
+    int unanswered; /* the last wait for a reply ended without one (timeout, interrupt) */
 };
+
+#define WAIT_SLICE_MS 100 /* how often a wait looks at the daemon and opts.interrupt */
 
 static atomic_uint s_counter;
 
@@ -65,7 +73,9 @@ void scape_options_default(scape_options *o)
     o->memory = SCAPE_MEMORY_HOST;
     o->index = -1;
     o->timeout_ms = 600000;
+    o->start_wait_ms = -1;
     o->max_grad_norm = -1.0f;
+    o->daemon_lost_ms = -1;
 }
 
 const char *scape_version(void) { return LIBSCAPE_VERSION; }
@@ -152,63 +162,215 @@ static void shm_free(shm_buf *b)
 
 /* ---- messages ----------------------------------------------------------------- */
 
-static scape_rc send_request(scape_session *s, const Scape__Request *q)
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* 1 when process pid is gone, or a zombie nobody has reaped yet. */
+static int pid_gone(pid_t pid)
+{
+    if (kill(pid, 0) != 0 && errno == ESRCH)
+        return 1;
+    char path[64], buf[256];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (f == NULL)
+        return 0;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    const char *close_paren = strrchr(buf, ')');
+    return close_paren && close_paren[1] == ' ' && close_paren[2] == 'Z';
+}
+
+/* The runtime directory of an ipc://DIR/control endpoint (else the endpoint). */
+static const char *endpoint_dir(const char *endpoint, char *buf, size_t len)
+{
+    snprintf(buf, len, "%s", strncmp(endpoint, "ipc://", 6) == 0 ? endpoint + 6 : endpoint);
+    char *slash = strrchr(buf, '/');
+    if (slash && slash != buf && strncmp(endpoint, "ipc://", 6) == 0)
+        *slash = '\0';
+    return buf;
+}
+
+/* The caller's opts.interrupt, if any: whether it gives the wait up.  The
+ * verdict comes through give_up, which starts at 0, rather than a return
+ * value, so that a callback that fails to return one (a Python handler
+ * that raised on the way in) leaves the wait going. */
+static int interrupted(const scape_session *s)
+{
+    int give_up = 0;
+    if (s->opts.interrupt)
+        s->opts.interrupt(s->opts.interrupt_arg, &give_up);
+    return give_up != 0;
+}
+
+static scape_rc daemon_lost(scape_session *s, const char *what)
+{
+    char dir[300];
+    s->dead = 1;
+    return scape_set_error(SCAPE_REMOTE, "scaped (pid %d) at %s is gone (runtime directory "
+                           "%s): the %s it was answering cannot complete. Start scaped again "
+                           "(--resume from its newest checkpoint), then the trainers",
+                           (int)s->daemon_pid, s->endpoint,
+                           endpoint_dir(s->endpoint, dir, sizeof dir), what);
+}
+
+/* Wait until sock has `events` ready, in slices of WAIT_SLICE_MS: signals
+ * do not end it (EINTR waits on), the deadline does (SCAPE_TIMEOUT, no
+ * message), a daemon gone for daemon_lost_ms does (SCAPE_REMOTE), and so
+ * does opts.interrupt asking to give up (SCAPE_SYSTEM, "interrupted"). */
+static scape_rc wait_ready(scape_session *s, void *sock, short events, double deadline,
+                           const char *what)
+{
+    double gone_since = 0.0;
+    for (;;) {
+        double left = deadline - now_s();
+        if (left <= 0.0)
+            return SCAPE_TIMEOUT;
+        long ms = left * 1e3 < WAIT_SLICE_MS ? (long)(left * 1e3) + 1 : WAIT_SLICE_MS;
+        zmq_pollitem_t item = { sock, 0, events, 0 };
+        int n = zmq_poll(&item, 1, ms);
+        if (n > 0)
+            return SCAPE_OK;
+        if (n < 0 && zmq_errno() != EINTR)
+            return scape_set_error(SCAPE_ZMQ, "poll %s: %s", s->endpoint,
+                                   zmq_strerror(zmq_errno()));
+        if (interrupted(s))
+            return scape_set_error(SCAPE_SYSTEM, "interrupted: the caller gave up waiting "
+                                   "for the %s", what);
+        if (s->daemon_pid > 0 && gone_since == 0.0 && pid_gone(s->daemon_pid))
+            gone_since = now_s();
+        if (gone_since > 0.0 && now_s() - gone_since >= 1e-3 * s->opts.daemon_lost_ms)
+            return daemon_lost(s, what);
+    }
+}
+
+static scape_rc no_reply(const scape_session *s, const char *what)
+{
+    return scape_set_error(SCAPE_TIMEOUT, "no reply from scaped at %s within %d ms (the %s)",
+                           s->endpoint, s->opts.timeout_ms, what);
+}
+
+static scape_rc send_request(scape_session *s, const Scape__Request *q, const char *what)
 {
     size_t len = scape__request__get_packed_size(q);
     uint8_t *buf = malloc(len ? len : 1);
     if (buf == NULL)
         return scape_set_error(SCAPE_NOMEM, "out of memory");
     scape__request__pack(q, buf);
-    int n = zmq_send(s->sock, buf, len, 0);
-    free(buf);
-    if (n < 0)
-        return scape_set_error(SCAPE_ZMQ, "send to %s: %s", s->endpoint,
-                               zmq_strerror(zmq_errno()));
-    return SCAPE_OK;
-}
-
-/* Receive one Reply; an error reply becomes its code and message. */
-static scape_rc recv_reply(scape_session *s, Scape__Reply **out)
-{
-    zmq_msg_t msg;
-    zmq_msg_init(&msg);
-    if (zmq_msg_recv(&msg, s->sock, 0) < 0) {
+    double deadline = now_s() + 1e-3 * s->opts.timeout_ms;
+    scape_rc rc = SCAPE_OK;
+    /* non-blocking, so that a daemon that is gone cannot hold the send */
+    while (zmq_send(s->sock, buf, len, ZMQ_DONTWAIT) < 0) {
         int e = zmq_errno();
-        zmq_msg_close(&msg);
-        if (e == EAGAIN)
-            return scape_set_error(SCAPE_TIMEOUT, "no reply from scaped at %s within %d ms",
-                                   s->endpoint, s->opts.timeout_ms);
-        return scape_set_error(SCAPE_ZMQ, "receive from %s: %s", s->endpoint, zmq_strerror(e));
+        if (e != EAGAIN && e != EINTR) {
+            rc = scape_set_error(SCAPE_ZMQ, "send to %s: %s", s->endpoint, zmq_strerror(e));
+            break;
+        }
+        rc = wait_ready(s, s->sock, ZMQ_POLLOUT, deadline, what);
+        if (rc != SCAPE_OK) {
+            if (rc == SCAPE_TIMEOUT)
+                rc = no_reply(s, what);
+            break;
+        }
     }
-    Scape__Reply *r = scape__reply__unpack(NULL, zmq_msg_size(&msg), zmq_msg_data(&msg));
-    zmq_msg_close(&msg);
-    if (r == NULL)
-        return scape_set_error(SCAPE_PROTO, "undecodable reply from %s", s->endpoint);
-    s->refused = r->status != SCAPE__STATUS__OK;
-    if (r->status != SCAPE__STATUS__OK) {
-        scape_rc rc = wire_rc(r->status);
-        scape_set_error(rc, "scaped: %s",
-                        r->body_case == SCAPE__REPLY__BODY_ERROR && r->error->message
-                            ? r->error->message : scape_rc_name(rc));
-        if (strstr(scape_last_error(), "shutting down"))
-            s->dead = 1;
-        scape__reply__free_unpacked(r, NULL);
-        return rc;
-    }
-    *out = r;
-    return SCAPE_OK;
+    free(buf);
+    return rc;
 }
 
-/* Send q and wait for a reply whose body is `want` (or none if want is 0). */
+/* Receive one message before the deadline (SCAPE_TIMEOUT without a message
+ * when there is none). */
+static scape_rc recv_msg(scape_session *s, double deadline, const char *what, zmq_msg_t *msg)
+{
+    for (;;) {
+        scape_rc rc = wait_ready(s, s->sock, ZMQ_POLLIN, deadline, what);
+        if (rc != SCAPE_OK)
+            return rc;
+        if (zmq_msg_recv(msg, s->sock, ZMQ_DONTWAIT) >= 0)
+            return SCAPE_OK;
+        int e = zmq_errno();
+        if (e != EAGAIN && e != EINTR)
+            return scape_set_error(SCAPE_ZMQ, "receive from %s: %s", s->endpoint,
+                                   zmq_strerror(e));
+    }
+}
+
+/* Receive one Reply, first passing over those owed to requests given up;
+ * an error reply becomes its code and message.  want_detach: the answer to
+ * a detach, which is never a Synced, Welcome, Registered or StepDone. */
+static scape_rc recv_reply_as(scape_session *s, Scape__Reply **out, const char *what,
+                              int want_detach)
+{
+    double deadline = now_s() + 1e-3 * s->opts.timeout_ms;
+    for (;;) {
+        zmq_msg_t msg;
+        zmq_msg_init(&msg);
+        scape_rc rc = recv_msg(s, deadline, what, &msg);
+        s->unanswered = rc == SCAPE_TIMEOUT || rc == SCAPE_SYSTEM;
+        if (rc != SCAPE_OK) {
+            zmq_msg_close(&msg);
+            return rc == SCAPE_TIMEOUT ? no_reply(s, what) : rc;
+        }
+        Scape__Reply *r = scape__reply__unpack(NULL, zmq_msg_size(&msg), zmq_msg_data(&msg));
+        zmq_msg_close(&msg);
+        if (r == NULL)
+            return scape_set_error(SCAPE_PROTO, "undecodable reply from %s", s->endpoint);
+        int stale = s->owed > 0 && (!want_detach || r->status != SCAPE__STATUS__OK ||
+                                    r->body_case != SCAPE__REPLY__BODY__NOT_SET);
+        if (stale) {
+            s->owed--;
+            if (r->status != SCAPE__STATUS__OK && r->body_case == SCAPE__REPLY__BODY_ERROR &&
+                r->error->message && strstr(r->error->message, "shutting down"))
+                s->dead = 1;
+            scape__reply__free_unpacked(r, NULL);
+            continue;
+        }
+        s->refused = r->status != SCAPE__STATUS__OK;
+        if (r->status != SCAPE__STATUS__OK) {
+            scape_rc rc = wire_rc(r->status);
+            scape_set_error(rc, "scaped: %s",
+                            r->body_case == SCAPE__REPLY__BODY_ERROR && r->error->message
+                                ? r->error->message : scape_rc_name(rc));
+            if (strstr(scape_last_error(), "shutting down"))
+                s->dead = 1;
+            scape__reply__free_unpacked(r, NULL);
+            return rc;
+        }
+        *out = r;
+        return SCAPE_OK;
+    }
+}
+
+static scape_rc recv_reply(scape_session *s, Scape__Reply **out, const char *what)
+{
+    return recv_reply_as(s, out, what, 0);
+}
+
+/* Send q and wait for a reply whose body is `want` (or none if want is 0).
+ * A wait given up (interrupted, timed out) leaves its reply owed: the
+ * session is then fit only for detach. */
 static scape_rc call(scape_session *s, const Scape__Request *q, Scape__Reply__BodyCase want,
-                     Scape__Reply **out)
+                     Scape__Reply **out, const char *what)
 {
     if (s->dead)
         return scape_set_error(SCAPE_REMOTE, "scaped has shut down this session");
+    int detach = q->body_case == SCAPE__REQUEST__BODY_DETACH;
+    if (s->gave_up && !detach)
+        return scape_set_error(SCAPE_INVALID, "an earlier call of this session was given up "
+                               "before its answer came: detach it (and attach again)");
     Scape__Reply *r = NULL;
-    scape_rc rc = send_request(s, q);
-    if (rc == SCAPE_OK)
-        rc = recv_reply(s, &r);
+    scape_rc rc = send_request(s, q, what);
+    if (rc == SCAPE_OK) {
+        rc = recv_reply_as(s, &r, what, detach);
+        if (rc != SCAPE_OK && s->unanswered && !detach) {
+            s->owed++;
+            s->gave_up = 1;
+        }
+    }
     if (rc == SCAPE_OK && want && r->body_case != want) {
         rc = scape_set_error(SCAPE_PROTO, "unexpected reply (body %d, wanted %d)",
                              (int)r->body_case, (int)want);
@@ -262,11 +424,13 @@ static scape_rc check_attach(const scape_tensor *layout, size_t nt, const scape_
     return SCAPE_OK;
 }
 
-/* Whether something listens on the Unix socket at path: 0 yes, else the
- * errno of the attempt (ENOENT: no socket; ECONNREFUSED: a socket nobody
- * serves, left by a daemon that died). */
-static int probe_socket(const char *path)
+/* Whether something listens on the Unix socket at path: 0 yes (and *pid
+ * the listening process, as this pid namespace numbers it; 0 when unknown),
+ * else the errno of the attempt (ENOENT: no socket; ECONNREFUSED: a socket
+ * nobody serves, left by a daemon that died). */
+static int probe_socket(const char *path, pid_t *pid)
 {
+    *pid = 0;
     struct sockaddr_un a;
     if (strlen(path) >= sizeof a.sun_path)
         return ENAMETOOLONG;
@@ -277,32 +441,33 @@ static int probe_socket(const char *path)
     if (fd < 0)
         return errno;
     int rc = connect(fd, (struct sockaddr *)&a, sizeof a) == 0 ? 0 : errno;
+    struct ucred cred;
+    socklen_t len = sizeof cred;
+    if (rc == 0 && getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 &&
+        len == sizeof cred)
+        *pid = cred.pid;
     close(fd);
     return rc;
-}
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
 /* An ipc:// endpoint must have a daemon behind it: fail at once, saying
  * where we looked, rather than wait for a reply that cannot come; with
  * start_wait_ms, wait that long for it to appear, saying so once. */
-static scape_rc find_daemon(const scape_session *s)
+static scape_rc find_daemon(scape_session *s)
 {
     if (strncmp(s->endpoint, "ipc://", 6) != 0)
         return SCAPE_OK; /* another transport: its connect tells */
     const char *path = s->endpoint + 6;
     double until = now_s() + 1e-3 * s->opts.start_wait_ms;
     int said = 0, err;
-    while ((err = probe_socket(path)) != 0 && now_s() < until) {
+    while ((err = probe_socket(path, &s->daemon_pid)) != 0 && now_s() < until) {
         if (!said++)
             fprintf(stderr, "libscape: waiting up to %.0f s for scaped at %s to start\n",
                     1e-3 * s->opts.start_wait_ms, s->endpoint);
-        nanosleep(&(struct timespec){ 0, 50000000 }, NULL);
+        if (interrupted(s))
+            return scape_set_error(SCAPE_SYSTEM, "interrupted: the caller gave up waiting "
+                                   "for scaped at %s to start", s->endpoint);
+        nanosleep(&(struct timespec){ 0, 50000000 }, NULL); /* a signal only shortens it */
     }
     if (err == 0)
         return SCAPE_OK;
@@ -340,7 +505,6 @@ static scape_rc connect_socket(scape_session *s, const char *endpoint)
     int linger = 0;
     if (s->sock == NULL ||
         zmq_setsockopt(s->sock, ZMQ_LINGER, &linger, sizeof linger) != 0 ||
-        zmq_setsockopt(s->sock, ZMQ_RCVTIMEO, &s->opts.timeout_ms, sizeof(int)) != 0 ||
         zmq_connect(s->sock, s->endpoint) != 0)
         return scape_set_error(SCAPE_ZMQ, "connect to %s: %s", s->endpoint,
                                zmq_strerror(zmq_errno()));
@@ -362,7 +526,7 @@ static scape_rc hello(scape_session *s)
     q.body_case = SCAPE__REQUEST__BODY_HELLO;
     q.hello = &h;
     Scape__Reply *r = NULL;
-    scape_rc rc = call(s, &q, SCAPE__REPLY__BODY_WELCOME, &r);
+    scape_rc rc = call(s, &q, SCAPE__REPLY__BODY_WELCOME, &r, "hello");
     if (rc != SCAPE_OK)
         return rc;
     s->index = (int)r->welcome->index;
@@ -434,7 +598,7 @@ static scape_rc register_layout(scape_session *s, const scape_tensor *layout, si
      * a detach says that it has closed them again. */
     s->dev_shared = on_device(s);
     Scape__Reply *r = NULL;
-    scape_rc rc = call(s, &q, SCAPE__REPLY__BODY_REGISTERED, &r);
+    scape_rc rc = call(s, &q, SCAPE__REPLY__BODY_REGISTERED, &r, "registration");
     s->registered = rc == SCAPE_OK;
     free(ts);
     free(tp);
@@ -483,10 +647,31 @@ static void leave_after_refusal(scape_session *s, scape_rc rc)
         Scape__Request q = SCAPE__REQUEST__INIT;
         q.body_case = SCAPE__REQUEST__BODY_DETACH;
         q.detach = &d;
-        if (call(s, &q, 0, NULL) == SCAPE_OK)
+        if (call(s, &q, 0, NULL, "goodbye") == SCAPE_OK)
             s->dev_shared = 0;
     }
     scape_set_error(rc, "%s", why);
+}
+
+/* An option in milliseconds left at -1: the environment variable's value
+ * when it is set, else dflt. */
+static scape_rc env_ms(int *v, const char *name, int dflt)
+{
+    if (*v != -1)
+        return *v >= 0 ? SCAPE_OK
+                       : scape_set_error(SCAPE_INVALID, "scape_attach: %s option %d is "
+                                         "negative (-1: the default)", name, *v);
+    const char *e = getenv(name);
+    *v = dflt;
+    if (e == NULL || *e == '\0')
+        return SCAPE_OK;
+    char *end = NULL;
+    long ms = strtol(e, &end, 10);
+    if (*end != '\0' || ms < 0 || ms > 86400000)
+        return scape_set_error(SCAPE_INVALID, "scape_attach: %s='%s' is not a number of "
+                               "milliseconds (0 to 86400000)", name, e);
+    *v = (int)ms;
+    return SCAPE_OK;
 }
 
 scape_rc scape_attach(const char *endpoint, const scape_tensor *layout, size_t ntensors,
@@ -507,7 +692,11 @@ scape_rc scape_attach(const char *endpoint, const scape_tensor *layout, size_t n
         o.index = (int)v;
     }
     size_t numel = 0;
-    scape_rc rc = check_attach(layout, ntensors, &o, out, &numel);
+    scape_rc rc = env_ms(&o.start_wait_ms, "SCAPE_START_WAIT_MS", 0);
+    if (rc == SCAPE_OK)
+        rc = env_ms(&o.daemon_lost_ms, "SCAPE_DAEMON_LOST_MS", 2000);
+    if (rc == SCAPE_OK)
+        rc = check_attach(layout, ntensors, &o, out, &numel);
     if (rc != SCAPE_OK)
         return rc;
     scape_session *s = calloc(1, sizeof *s);
@@ -539,7 +728,7 @@ scape_rc scape_attach(const char *endpoint, const scape_tensor *layout, size_t n
         /* whatever the daemon refused it for (a layout, a GPU it cannot
          * reach, MIG): it holds the slot of our hello, and may have had our
          * buffers open */
-        if (rc != SCAPE_OK && (s->refused || s->registered))
+        if (rc != SCAPE_OK && (s->refused || s->registered || s->gave_up))
             leave_after_refusal(s, rc);
     }
     if (rc == SCAPE_OK && !on_device(s)) {
@@ -557,10 +746,10 @@ scape_rc scape_attach(const char *endpoint, const scape_tensor *layout, size_t n
 /* ---- sync, steps and detach ---------------------------------------------------------- */
 
 /* A request the daemon answers with Synced: the step to post next. */
-static scape_rc call_synced(scape_session *s, const Scape__Request *q)
+static scape_rc call_synced(scape_session *s, const Scape__Request *q, const char *what)
 {
     Scape__Reply *r = NULL;
-    scape_rc rc = call(s, q, SCAPE__REPLY__BODY_SYNCED, &r);
+    scape_rc rc = call(s, q, SCAPE__REPLY__BODY_SYNCED, &r, what);
     if (rc != SCAPE_OK)
         return rc;
     s->next_step = r->synced->next_step;
@@ -580,7 +769,7 @@ scape_rc scape_sync(scape_session *s)
     Scape__Request q = SCAPE__REQUEST__INIT;
     q.body_case = SCAPE__REQUEST__BODY_SYNC;
     q.sync = &y;
-    return call_synced(s, &q);
+    return call_synced(s, &q, "sync");
 }
 
 /* ---- state_dict: checkpoints and resume ------------------------------------------------ */
@@ -588,7 +777,7 @@ scape_rc scape_sync(scape_session *s)
 /* One request on the daemon's status socket (next to its control socket),
  * through call() with that socket in place of the control one. */
 static scape_rc status_call(scape_session *s, const Scape__Request *q,
-                            Scape__Reply__BodyCase want, Scape__Reply **out)
+                            Scape__Reply__BodyCase want, Scape__Reply **out, const char *what)
 {
     size_t len = strlen(s->endpoint);
     if (strncmp(s->endpoint, "ipc://", 6) != 0 || len < 8 ||
@@ -599,18 +788,20 @@ static scape_rc status_call(scape_session *s, const Scape__Request *q,
     memcpy(control, s->endpoint, sizeof control);
     snprintf(s->endpoint + len - 8, sizeof s->endpoint - (len - 8), "/status");
     void *ctrl = s->sock;
-    int linger = 0;
+    int linger = 0, owed = s->owed, gave_up = s->gave_up;
     s->sock = zmq_socket(s->zctx, ZMQ_REQ);
     scape_rc rc = SCAPE_OK;
     if (s->sock == NULL || zmq_setsockopt(s->sock, ZMQ_LINGER, &linger, sizeof linger) != 0 ||
-        zmq_setsockopt(s->sock, ZMQ_RCVTIMEO, &s->opts.timeout_ms, sizeof(int)) != 0 ||
         zmq_connect(s->sock, s->endpoint) != 0)
         rc = scape_set_error(SCAPE_ZMQ, "connect to %s: %s", s->endpoint,
                              zmq_strerror(zmq_errno()));
     if (rc == SCAPE_OK)
-        rc = call(s, q, want, out);
+        rc = call(s, q, want, out, what);
     if (s->sock)
         zmq_close(s->sock);
+    /* a reply given up on this socket went with it */
+    s->owed = owed;
+    s->gave_up = gave_up;
     s->sock = ctrl;
     memcpy(s->endpoint, control, sizeof control);
     return rc;
@@ -629,7 +820,7 @@ scape_rc scape_checkpoint(scape_session *s, scape_checkpoint_info *out)
     q.body_case = SCAPE__REQUEST__BODY_CHECKPOINT;
     q.checkpoint = &c;
     Scape__Reply *r = NULL;
-    scape_rc rc = status_call(s, &q, SCAPE__REPLY__BODY_CHECKPOINT, &r);
+    scape_rc rc = status_call(s, &q, SCAPE__REPLY__BODY_CHECKPOINT, &r, "checkpoint");
     if (rc != SCAPE_OK)
         return rc;
     const Scape__CheckpointInfo *ci = r->checkpoint;
@@ -638,6 +829,28 @@ scape_rc scape_checkpoint(scape_session *s, scape_checkpoint_info *out)
     out->layout_hash = ci->layout_hash;
     out->pending = ci->pending;
     snprintf(out->dir, sizeof out->dir, "%s", ci->dir ? ci->dir : "");
+    snprintf(out->name, sizeof out->name, "%s", ci->name ? ci->name : "");
+    out->job = ci->job;
+    scape__reply__free_unpacked(r, NULL);
+    return SCAPE_OK;
+}
+
+scape_rc scape_resumed_step(scape_session *s, uint64_t *step)
+{
+    if (s == NULL || step == NULL)
+        return scape_set_error(SCAPE_INVALID, "scape_resumed_step: NULL argument");
+    if (s->in_flight)
+        return scape_set_error(SCAPE_INVALID, "scape_resumed_step: a step is in flight");
+    Scape__StatusRequest m = SCAPE__STATUS_REQUEST__INIT;
+    Scape__Request q = SCAPE__REQUEST__INIT;
+    q.body_case = SCAPE__REQUEST__BODY_STATUS;
+    q.status = &m;
+    Scape__Reply *r = NULL;
+    scape_rc rc = status_call(s, &q, SCAPE__REPLY__BODY_STATUS_REPLY, &r, "resumed_step");
+    if (rc != SCAPE_OK)
+        return rc;
+    const Scape__CheckpointInfo *ci = r->status_reply->checkpoint;
+    *step = ci ? ci->resumed_from : 0;
     scape__reply__free_unpacked(r, NULL);
     return SCAPE_OK;
 }
@@ -662,7 +875,7 @@ scape_rc scape_resume(scape_session *s, const char *dir, uint64_t step, uint64_t
     Scape__Request q = SCAPE__REQUEST__INIT;
     q.body_case = SCAPE__REQUEST__BODY_RESUME;
     q.resume = &m;
-    return call_synced(s, &q);
+    return call_synced(s, &q, "resume");
 }
 
 scape_rc scape_step_begin(scape_session *s, uint64_t step, float lr, const float *loss)
@@ -706,9 +919,11 @@ scape_rc scape_step_begin_groups(scape_session *s, uint64_t step, const float *l
     Scape__Request q = SCAPE__REQUEST__INIT;
     q.body_case = SCAPE__REQUEST__BODY_STEP;
     q.step = &st;
-    scape_rc rc = send_request(s, &q);
-    if (rc == SCAPE_OK)
+    scape_rc rc = send_request(s, &q, "step");
+    if (rc == SCAPE_OK) {
         s->in_flight = 1;
+        s->posted = step;
+    }
     return rc;
 }
 
@@ -726,6 +941,8 @@ static void fill_info(const Scape__StepDone *d, scape_step_info *info)
     info->wait_seconds = d->phases ? d->phases->wait : 0.0;
     info->grad_norm = d->has_grad_norm ? d->grad_norm : 0.0;
     info->clip = d->has_clip ? d->clip : 1.0;
+    info->mean_grad_norm = d->has_mean_grad_norm ? d->mean_grad_norm : -1.0;
+    info->mean_grad_exact = d->has_mean_grad_exact && d->mean_grad_exact;
 }
 
 scape_rc scape_step_wait(scape_session *s, scape_step_info *info)
@@ -735,8 +952,10 @@ scape_rc scape_step_wait(scape_session *s, scape_step_info *info)
     if (!s->in_flight)
         return scape_set_error(SCAPE_INVALID, "scape_step_wait: no step in flight");
     Scape__Reply *r = NULL;
-    scape_rc rc = recv_reply(s, &r);
-    if (rc == SCAPE_TIMEOUT)
+    char what[48];
+    snprintf(what, sizeof what, "step %llu", (unsigned long long)s->posted);
+    scape_rc rc = recv_reply(s, &r, what);
+    if (rc != SCAPE_OK && s->unanswered)
         return rc; /* still in flight: the caller may wait again */
     s->in_flight = 0;
     if (rc != SCAPE_OK)
@@ -748,6 +967,8 @@ scape_rc scape_step_wait(scape_session *s, scape_step_info *info)
         rc = SCAPE_CUDA; /* the stream (or the host) after the new parameters */
     else if (info)
         fill_info(r->step_done, info);
+    if (rc == SCAPE_OK)
+        s->next_step = s->posted + 1;
     scape__reply__free_unpacked(r, NULL);
     return rc;
 }
@@ -781,12 +1002,19 @@ scape_rc scape_detach(scape_session **sp)
     scape_rc rc = SCAPE_OK;
     if (s->in_flight)
         rc = scape_step_wait(s, NULL);
-    if (!s->dead) {
+    if (s->in_flight && !s->dead) {
+        /* scaped refuses a goodbye while this trainer's step is posted */
+        char why[512];
+        snprintf(why, sizeof why, "%s", scape_last_error());
+        scape_set_error(rc, "detach: step %llu is still in flight (%s); the session is closed "
+                        "without a goodbye, and scaped frees its slot when this process ends",
+                        (unsigned long long)s->posted, why);
+    } else if (!s->dead) {
         Scape__Detach d = SCAPE__DETACH__INIT;
         Scape__Request q = SCAPE__REQUEST__INIT;
         q.body_case = SCAPE__REQUEST__BODY_DETACH;
         q.detach = &d;
-        scape_rc drc = call(s, &q, 0, NULL);
+        scape_rc drc = call(s, &q, 0, NULL, "goodbye");
         if (drc == SCAPE_OK) /* answered once the daemon has closed our buffers */
             s->dev_shared = 0;
         rc = rc == SCAPE_OK ? drc : rc;

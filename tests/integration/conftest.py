@@ -272,3 +272,19 @@ def hosts_factory():
     yield make
     for h in made:
         h.sh("down")
+
+
+def torch2_python():
+    """The interpreter of the torch 2.x virtual environment named by
+    $SCAPE_TORCH2_VENV (the ctest entries integration_torch2 and
+    integration_lightning set it; deploy/torch2-venv.sh makes it); skips the
+    test, saying why, when it is not set or holds no interpreter."""
+    venv = os.environ.get("SCAPE_TORCH2_VENV", "")
+    if not venv:
+        pytest.skip("SCAPE_TORCH2_VENV is not set: the ctest entries integration_torch2 and "
+                    "integration_lightning run this in the torch 2.x virtual environment")
+    py = os.path.join(venv, "bin", "python")
+    if not os.access(py, os.X_OK):
+        pytest.skip("no torch 2.x virtual environment at %s (make it with "
+                    "deploy/torch2-venv.sh %s; about 3 GB from PyPI)" % (venv, venv))
+    return py

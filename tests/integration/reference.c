@@ -4,7 +4,8 @@
  *
  * usage: reference --trainers T --n N --steps S [--seed X] [--lr LR]
  *                  [--optimizer O] [--mode M] [--rho R] [--warmup W]
- *                  [--max-grad-norm MAX] [--groups WD0,WD1,...] --out FILE
+ *                  [--max-grad-norm MAX] [--clip-norm sent|gradient]
+ *                  [--groups WD0,WD1,...] --out FILE
  *                  [--timing FILE]   (rank 0's engine step per step, seconds)
  *                  [--members S:C,...]  (one rank: from step S on, trainers
  *                   0..C-1 step, as when a trainer died and another took its
@@ -94,7 +95,8 @@ static scape_rc parse_members(const char *v, args *a)
 static const char s_usage[] =
     "usage: reference [--trainers T0,T1,...] [--n N] [--steps S] [--seed X] [--lr LR]\n"
     "                 [--rho RHO] [--warmup W] [--optimizer OPT] [--mode MODE]\n"
-    "                 [--max-grad-norm MAX] [--groups WD0,WD1,...] [--weight-decay WD]\n"
+    "                 [--max-grad-norm MAX] [--clip-norm sent|gradient]\n"
+    "                 [--groups WD0,WD1,...] [--weight-decay WD]\n"
     "                 [--dense-below D] [--gather-values params|f32|delta]\n"
     "                 [--out FILE] [--timing FILE] [--members STEP:COUNT,...]\n"
     "The in-process engine (ranks as threads, the host executor) on the synthetic\n"
@@ -126,6 +128,7 @@ static int parse(int argc, char **argv, args *a)
         else if (!strcmp(k, "--rho")) a->cfg.rho = strtod(v, NULL);
         else if (!strcmp(k, "--warmup")) a->cfg.warmup = (uint32_t)atoi(v);
         else if (!strcmp(k, "--max-grad-norm")) a->cfg.max_grad_norm = strtof(v, NULL);
+        else if (!strcmp(k, "--clip-norm")) rc = eng_clip_norm_parse(v, &a->cfg.clip_norm);
         else if (!strcmp(k, "--dense-below")) a->cfg.dense_below = (uint32_t)strtoul(v, NULL, 0);
         else if (!strcmp(k, "--gather-values")) {
             if (!strcmp(v, "params")) a->cfg.gather = ENG_GATHER_PARAMS;

@@ -593,7 +593,9 @@ def test_state_dict_of_two_daemons_resumes_bitwise(daemon_factory, tmp_path):
     run(8, lambda r: ["--checkpoint-at", "6", "--state", state] if r == 0 else [])
     with open(state) as f:
         st = json.load(f)
-    assert st["step"] == 6 and st["pending"] and os.path.isdir(st["dir"]), st
+    # on disk when state_dict returned, though only rank 0's trainer asked
+    assert st["step"] == 6 and not st["pending"] and os.path.isdir(st["dir"]), st
+    assert st["name"] and os.path.isfile(os.path.join(st["dir"], "MANIFEST")), st
     outs = [str(tmp_path / ("r%d" % r)) for r in range(2)]
     said = run(12, lambda r: ["--resume", "--state", state, "--out", outs[r]])
     assert all("steps 7..12 done" in o for o in said), said

@@ -4,6 +4,10 @@
  *
  * usage: trainer_c --endpoint EP --index I --n N --steps S [--seed X] [--lr LR]
  *                  [--sleep-ms MS] [--stop-before STEP] [--out FILE] [--timing FILE]
+ *                  [--start-wait-ms MS] [--catch-signal SIG]
+ * --start-wait-ms waits that long for a daemon that is still starting.
+ * --catch-signal installs a handler for SIG (a number) that only counts, without
+ * SA_RESTART, so that it interrupts libscape's waits; the count is printed.
  * --timing writes one line per step: step, seconds inside scape_step, and the
  * daemon's wait (first post to last post) and engine seconds.
  * --stop-before stops the trainer (SIGSTOP) just before it posts that step,
@@ -28,11 +32,34 @@ typedef struct args {
     float lr;
     int sleep_ms;
     uint64_t stop_before;
+    int start_wait_ms, catch_signal;
 } args;
+
+static volatile sig_atomic_t s_caught;
+
+static void on_signal(int sig)
+{
+    (void)sig;
+    s_caught++;
+}
+
+/* A counting handler for sig, without SA_RESTART. */
+static int catch_signal(int sig)
+{
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal;
+    if (sigemptyset(&sa.sa_mask) != 0 || sigaction(sig, &sa, NULL) != 0) {
+        perror("trainer_c: sigaction");
+        return 1;
+    }
+    return 0;
+}
 
 static const char s_usage[] =
     "usage: trainer_c [--endpoint EP] [--index I] [--n N] [--steps S] [--seed X] [--lr LR]\n"
     "                 [--sleep-ms MS] [--stop-before STEP] [--out FILE] [--timing FILE]\n"
+    "                 [--start-wait-ms MS] [--catch-signal SIG]\n"
     "A test trainer: attaches to scaped (EP, else $SCAPE_ENDPOINT, else the runtime\n"
     "directory's control socket), trains the synthetic problem of synth.h for S\n"
     "steps and writes its final parameters to FILE.\n";
@@ -40,7 +67,8 @@ static const char s_usage[] =
 /* 0 to run, 1 after --help, 2 on a bad flag. */
 static int parse(int argc, char **argv, args *a)
 {
-    *a = (args){ .index = -1, .n = 1000, .steps = 10, .seed = 1, .lr = 1e-2f };
+    *a = (args){ .index = -1, .n = 1000, .steps = 10, .seed = 1, .lr = 1e-2f,
+                 .start_wait_ms = -1 };
     for (int i = 1; i < argc; i += 2) {
         const char *k = argv[i], *v = argv[i + 1];
         if (!strcmp(k, "--help") || !strcmp(k, "-h")) {
@@ -61,6 +89,8 @@ static int parse(int argc, char **argv, args *a)
         else if (!strcmp(k, "--lr")) a->lr = strtof(v, NULL);
         else if (!strcmp(k, "--sleep-ms")) a->sleep_ms = atoi(v);
         else if (!strcmp(k, "--stop-before")) a->stop_before = strtoull(v, NULL, 0);
+        else if (!strcmp(k, "--start-wait-ms")) a->start_wait_ms = atoi(v);
+        else if (!strcmp(k, "--catch-signal")) a->catch_signal = atoi(v);
         else {
             fprintf(stderr, "trainer_c: unknown flag %s\n", k);
             return 2;
@@ -123,6 +153,9 @@ int main(int argc, char **argv)
     scape_options o;
     scape_options_default(&o);
     o.index = a.index;
+    o.start_wait_ms = a.start_wait_ms;
+    if (a.catch_signal && catch_signal(a.catch_signal))
+        return 1;
     scape_session *s = NULL;
     if (scape_attach(a.endpoint, ts, nt, &o, &s) != SCAPE_OK) {
         fprintf(stderr, "trainer_c: attach: %s\n", scape_last_error());
@@ -168,6 +201,9 @@ int main(int argc, char **argv)
     printf("trainer_c %d: steps %llu..%llu done, N=%zu, loss %.6f -> %.6f, params %016llx\n",
            a.index, (unsigned long long)first, (unsigned long long)a.steps, n, loss0,
            synth_loss(a.seed, p, off, len, nt), (unsigned long long)synth_hash(p, n));
+    if (a.catch_signal)
+        printf("trainer_c %d: caught signal %d %d times\n", a.index, a.catch_signal,
+               (int)s_caught);
     if (scape_detach(&s) != SCAPE_OK) {
         fprintf(stderr, "trainer_c %d: detach: %s\n", a.index, scape_last_error());
         return 1;

@@ -33,7 +33,8 @@ cleanup() {
   [ -n "$stray" ] && kill "$stray" 2>/dev/null
   [ "$rc" -ne 0 ] && [ -f "$DIR/job.out" ] && tail -n 40 "$DIR/job.out" >&2
   [ "$rc" -ne 0 ] && [ -f "$DIR/requeue.out" ] && tail -n 60 "$DIR/requeue.out" >&2
-  for f in "$DIR"/pair-*.out "$DIR"/cut-*.out; do
+  for f in "$DIR"/pair-*.out "$DIR"/cut-*.out "$DIR"/vista.out "$DIR"/srun.out "$DIR"/torch-*.out \
+           "$DIR"/killed.out; do
     [ "$rc" -ne 0 ] && [ -f "$f" ] && { echo "----- $f" >&2; tail -n 40 "$f" >&2; }
   done
   if [ "$rc" -ne 0 ]; then  # what Slurm itself said, for failures it had a hand in
@@ -164,6 +165,42 @@ if [ "${3:-}" = pair ]; then
   echo "template: two 2-node jobs at once (on nodes ${where% }), each met its own daemons," \
        "the same parameters: ok"
 fi
+# vista.sbatch on this cluster: its Vista defaults where they can be checked
+# here.  There is no Lmod here: a `module` command on PATH stands in for it
+# and notes when it runs; a job on Vista itself has not been run.  The
+# checkpoints must land in $SCRATCH, the trainers must run the python3 of
+# SCAPE_PYTHON_ENV (activated after the module load), and without ib0 the
+# data plane is on the first address of `hostname -I` (the node's).
+if [ "${3:-}" = pair ]; then
+  /usr/bin/python3 -m venv --without-pip --system-site-packages "$DIR/venv" ||
+    fail "cannot make a virtual environment"
+  # shellcheck disable=SC2016  # expanded by the trainer's shell
+  printf '#!/bin/bash\necho "vista trainer: python3=$(command -v python3)"\nexec %s\n' \
+    "$build/tests/integration/trainer_c --n 4000 --steps 60" >"$DIR/vista-trainer.sh"
+  chmod +x "$DIR/vista-trainer.sh"
+  mkdir -p "$DIR/scratch" "$DIR/lmod"
+  printf '#!/bin/sh\necho "vista: module $*"\n' >"$DIR/lmod/module"
+  chmod +x "$DIR/lmod/module"
+  (unset SCAPE_LISTEN_IFACE SCAPE_CHECKPOINT_DIR
+   PATH=$DIR/lmod:$PATH SCRATCH=$DIR/scratch SCAPE_PYTHON_ENV=$DIR/venv TRAINER_CMD=$DIR/vista-trainer.sh \
+   SCAPE_ARGS="--rho 0.1 --warmup 5 --checkpoint-every 30" \
+   timeout 300 sbatch --wait --nodes=2 --partition=debug --output="$DIR/vista.out" \
+     --export=ALL "$root/slurm/vista.sbatch" >/dev/null) || fail "the vista.sbatch job failed"
+  out=$DIR/vista.out
+  grep -q "^vista: module load gcc cuda python3" "$out" || fail "vista.sbatch loaded no modules"
+  [ "$(grep -n -m 1 "^vista: module load" "$out" | cut -d: -f1)" -lt \
+    "$(grep -n -m 1 "scape: trainers use $DIR/venv/bin/python3" "$out" | cut -d: -f1)" ] ||
+    fail "SCAPE_PYTHON_ENV was not activated after the module load"
+  [ "$(grep -c "^vista trainer: python3=$DIR/venv/bin/python3$" "$out" || true)" -eq 2 ] ||
+    fail "the trainers did not run the venv's python3"
+  grep -q "scape: data plane on the first address of hostname -I" "$out" ||
+    fail "vista.sbatch chose a data-plane interface where there is no ib0"
+  [ "$(grep -c "steps 1..60 done" "$out" || true)" -eq 2 ] || fail "the vista.sbatch trainers did not finish"
+  ls -d "$DIR"/scratch/scape-ckpt-*/step-60 >/dev/null 2>&1 ||
+    fail "no checkpoint in \$SCRATCH/scape-ckpt-<job id> ($(ls "$DIR/scratch"))"
+  echo "template: vista.sbatch (module stand-in, no ib0): modules, then SCAPE_PYTHON_ENV," \
+       "checkpoints in \$SCRATCH, data plane on the node's address: ok"
+fi
 [ "${3:-}" = requeue ] || exit 0
 
 # The same job, slowed down, gets SIGUSR1 part-way (as --signal=B:USR1@300
@@ -245,6 +282,207 @@ grep -q "rank-00002.ckpt: section '[a-z_]*' checksum mismatch" "$DIR/corrupt.out
 after=$(cd "$SCAPE_CHECKPOINT_DIR" && find . -type f -exec sha256sum {} + | sort)
 [ "$before" = "$after" ] || fail "the refused resume changed the checkpoint directory"
 echo "template: a corrupted checkpoint is refused with its reason, the files untouched: ok"
+
+# ---- A PyTorch trainer through the template (2 nodes x 2 trainers):
+# client/examples/torch_train.py with its own state_dict checkpoints
+# (--save-every), in a virtual environment the template activates
+# (SCAPE_PYTHON_ENV).  Every trainer must get its launch environment from
+# Slurm's variables (RANK = SLURM_PROCID, NODE_RANK = its node's place in
+# the job, WORLD_SIZE 4, no MASTER_ADDR) and a first batch of its own; one
+# trainer saves; and a time-limit requeue (SIGUSR1 after the trainers' first
+# saves) must end bitwise where the uninterrupted job does.
+# The wrapper gives each trainer its own --out, and rank 0 the --save path
+# itself; every other rank gets a symlink to it: it reads rank 0's file as
+# with one shared path, but a save of its own (a .tmp renamed over the link)
+# would leave a regular file or a .tmp behind.
+t_case=$SECONDS
+tsteps=200
+bash "$root/client/examples/fortunes-corpus.sh" "$DIR/fortunes.txt" >/dev/null ||
+  fail "no corpus for torch_train.py (the Debian package fortunes)"
+head -c 300000 "$DIR/fortunes.txt" >"$DIR/corpus.txt"
+/usr/bin/python3 -m venv --without-pip --system-site-packages "$DIR/venv" ||
+  fail "cannot make a virtual environment"
+cat >"$DIR/torch-trainer.sh" <<EOF
+#!/bin/bash
+# torch-trainer.sh RUN: one trainer of the test's run RUN
+set -eu
+d=$DIR/\$1
+mkdir -p "\$d/view-rank\$RANK"
+save=\$d/save.pt
+if [ "\$RANK" != 0 ]; then
+  ln -sfn "\$save" "\$d/view-rank\$RANK/save.pt"
+  save=\$d/view-rank\$RANK/save.pt
+fi
+echo "launch env \$SLURMD_NODENAME RANK=\$RANK WORLD_SIZE=\$WORLD_SIZE LOCAL_RANK=\$LOCAL_RANK" \\
+     "LOCAL_WORLD_SIZE=\$LOCAL_WORLD_SIZE NODE_RANK=\$NODE_RANK SCAPE_INDEX=\$SCAPE_INDEX" \\
+     "MASTER_ADDR=\${MASTER_ADDR-unset} python3=\$(command -v python3)"
+exec python3 $root/client/examples/torch_train.py --corpus $DIR/corpus.txt --steps $tsteps \\
+  --d 32 --layers 1 --heads 2 --ctx 32 --batch 4 --eval-every 100000 --eval-windows 4 \\
+  --save-every 20 --save "\$save" --out "\$d/params-rank\$RANK.bin"
+EOF
+chmod +x "$DIR/torch-trainer.sh"
+torch_job() {  # run, then sbatch's options
+  local run=$1
+  shift
+  TRAINER_CMD="$DIR/torch-trainer.sh $run" TRAINERS_PER_NODE=2 SCAPE_PYTHON_ENV=$DIR/venv \
+    SCAPE_CHECKPOINT_DIR=$DIR/ckpt-$run SCAPE_ARGS="--rho 0.1 --warmup 5 --comm-timeout-ms 60000" \
+    SCAPE_BUILD_DIR=$build timeout 300 sbatch --nodes=2 --output="$DIR/$run.out" --export=ALL "$@" \
+    "$root/slurm/generic.sbatch"
+}
+params_of() {  # run: the one sha256 of its trainers' final parameters
+  local h
+  [ "$(find "$DIR/$1" -name 'params-rank*.bin' | wc -l)" -eq 4 ] ||
+    fail "$1: not 4 trainers wrote parameters"
+  h=$(sha256sum "$DIR/$1"/params-rank*.bin | awk '{print $1}' | sort -u)
+  [ "$(echo "$h" | wc -l)" -eq 1 ] || fail "$1: the trainers' parameters differ"
+  echo "$h"
+}
+one_saver() {  # run: rank 0's save.pt is there, no other rank saved
+  if [ ! -f "$DIR/$1/save.pt" ] || [ -L "$DIR/$1/save.pt" ]; then fail "$1: rank 0 saved no save.pt"; fi
+  for r in 1 2 3; do
+    [ -L "$DIR/$1/view-rank$r/save.pt" ] || fail "$1: rank $r saved a checkpoint of its own"
+  done
+  if ls "$DIR/$1"/*.tmp "$DIR/$1"/view-rank*/*.tmp >/dev/null 2>&1; then fail "$1: a .tmp is left"; fi
+}
+check_env() {  # job output: the 4 trainers' launch environments are right
+  # each node's trainers: NODE_RANK = its place in the job's node list, RANK =
+  # NODE_RANK * 2 + LOCAL_RANK (Slurm's block distribution), SCAPE_INDEX = LOCAL_RANK
+  local tnodes node slot want="" got
+  read -r -a tnodes <<<"$(grep -o "^launch env n[0-9]" "$1" | awk '{print $3}' | sort -u | tr '\n' ' ')"
+  [ ${#tnodes[@]} -eq 2 ] || fail "$1: the trainers ran on ${tnodes[*]}, not 2 nodes"
+  for node in 0 1; do
+    for slot in 0 1; do
+      want+="${tnodes[node]} RANK=$((node * 2 + slot)) WORLD_SIZE=4 LOCAL_RANK=$slot"
+      want+=" LOCAL_WORLD_SIZE=2 NODE_RANK=$node SCAPE_INDEX=$slot MASTER_ADDR=unset;"
+    done
+  done
+  got=$(grep "^launch env " "$1" | sed 's/^launch env //; s/ python3=.*//' | sort -t= -k2n |
+        tr '\n' ';')
+  [ "$got" = "$want" ] || fail "$1: launch environments: $got; expected $want"
+}
+
+# scape-run under srun, one per node (srun --ntasks-per-node=1), 2 trainers
+# each, MASTER_ADDR set as a user might have it: the daemons take the job's
+# shape from Slurm, the trainers their launch environment from scape-run.
+# The node names do not resolve here (they do on a cluster): the coordinator
+# is given as the first node's address.
+cat >"$DIR/srun-scape-run.sh" <<EOF
+#!/bin/bash
+set -eu
+first=\$(scontrol show hostnames "\$SLURM_JOB_NODELIST" | head -n 1)
+addr=\$(scontrol show node "\$first" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
+# one trainer: says where it runs and what it got
+trainer='echo "launch env \$SLURMD_NODENAME RANK=\$RANK WORLD_SIZE=\$WORLD_SIZE LOCAL_RANK=\$LOCAL_RANK LOCAL_WORLD_SIZE=\$LOCAL_WORLD_SIZE NODE_RANK=\$NODE_RANK SCAPE_INDEX=\$SCAPE_INDEX MASTER_ADDR=\${MASTER_ADDR-unset}"'
+PYTHONPATH=$root/client/python SCAPE_BUILD_DIR=$build MASTER_ADDR=10.9.9.9 exec /usr/bin/python3 -m scape.run \\
+  --nproc-per-node 2 --set coordinator=tcp://\$addr:\$((20000 + SLURM_JOB_ID % 10000)) \\
+  -- bash -c "\$trainer"
+EOF
+printf '#!/bin/bash\nsrun --ntasks-per-node=1 bash %s\n' "$DIR/srun-scape-run.sh" >"$DIR/srun-job.sh"
+timeout 120 sbatch --wait --nodes=2 --output="$DIR/srun.out" --export=ALL "$DIR/srun-job.sh" \
+  >/dev/null || fail "the job of two scape-runs under srun failed"
+check_env "$DIR/srun.out"
+for r in 0 1; do
+  grep -q "rendezvous: rank $r of 2" "$DIR/srun.out" || fail "no daemon says rank $r of 2"
+done
+echo "template: scape-run under srun on 2 nodes x 2 trainers: the daemons took Slurm's shape," \
+     "the trainers RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, no MASTER_ADDR: ok"
+
+torch_job torch-plain --wait >/dev/null || fail "the torch job failed"
+out=$DIR/torch-plain.out
+grep -q "scape: trainers use $DIR/venv/bin/python3" "$out" || fail "SCAPE_PYTHON_ENV was not activated"
+[ "$(grep -c "^launch env .* python3=$DIR/venv/bin/python3$" "$out" || true)" -eq 4 ] ||
+  fail "not 4 trainers ran the venv's python3"
+[ "$(grep -c "torch_train: steps 1..$tsteps done" "$out" || true)" -eq 4 ] ||
+  fail "not every torch trainer finished"
+check_env "$out"
+firsts=$(grep -o "first batch sha256 [0-9a-f]* rank [0-9]*" "$out" | sort -k6n)
+[ "$(echo "$firsts" | awk '{print $6}' | tr '\n' ' ')" = "0 1 2 3 " ] ||
+  fail "first batches of ranks: $(echo "$firsts" | awk '{print $6}' | tr '\n' ' ')"
+[ "$(echo "$firsts" | awk '{print $4}' | sort -u | wc -l)" -eq 4 ] ||
+  fail "two trainers had the same first batch: $firsts"
+one_saver torch-plain
+tplain=$(params_of torch-plain)
+echo "template: torch_train.py, 2 nodes x 2 trainers in SCAPE_PYTHON_ENV: RANK, WORLD_SIZE," \
+     "LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK from Slurm, 4 distinct first batches," \
+     "one saver, equal parameters: ok ($((SECONDS - t_case)) s)"
+
+# The time limit: SIGUSR1 once the trainers saved at step 20 (and after);
+# the requeued job's daemons resume from the newer checkpoint the signal
+# made, and the trainers go on from there, with rank 0's older save on disk.
+t_case=$SECONDS
+job=$(torch_job torch-requeue --parsable --open-mode=append) || fail "sbatch refused the torch job"
+deadline=$((SECONDS + 120))
+until [ -f "$DIR/torch-requeue/save.pt" ] && grep -q "scape: every daemon is up" "$DIR/torch-requeue.out"; do
+  [ "$SECONDS" -lt "$deadline" ] || fail "the torch job saved nothing within 120 s"
+  sleep 0.2
+done
+scancel --signal=USR1 --batch "$job" || fail "scancel --signal=USR1 failed"
+deadline=$((SECONDS + 240))
+while :; do
+  state=$(scontrol show job "$job" | grep -o "JobState=[A-Z_]*" | cut -d= -f2)
+  case "$state" in
+  COMPLETED) break ;;
+  FAILED|CANCELLED|TIMEOUT|NODE_FAIL|OUT_OF_MEMORY) fail "the requeued torch job ended $state" ;;
+  esac
+  [ "$SECONDS" -lt "$deadline" ] || fail "the requeued torch job did not finish (state $state)"
+  sleep 1
+done
+out=$DIR/torch-requeue.out
+grep -q "checkpoint written; requeueing" "$out" || fail "the torch job was not requeued"
+grep -q "run 1 of job $job resumes from" "$out" || fail "the requeued torch job did not resume"
+from=$(grep -o "torch_train: steps [0-9]*..$tsteps done" "$out" | sort -u)
+if [ "$(echo "$from" | wc -l)" -ne 1 ] || [ "$(grep -c "$from" "$out")" -ne 4 ]; then
+  fail "the torch trainers did not all resume at one step: $from"
+fi
+case "$from" in "torch_train: steps 1..$tsteps done") fail "the torch trainers started over" ;; esac
+one_saver torch-requeue
+[ "$(params_of torch-requeue)" = "$tplain" ] || fail "the resumed torch job ended elsewhere"
+echo "template: torch_train.py: SIGUSR1 -> checkpoint -> requeue -> resume (${from#torch_train: })," \
+     "parameters equal to the uninterrupted job: ok ($((SECONDS - t_case)) s)"
+
+# ---- A daemon killed (SIGKILL, as the OOM killer or a crash would end it)
+# in the middle of a job with periodic checkpoints: its trainers fail within
+# their bound, the daemons' step ends (the srun of the daemons ends them all),
+# and the template requeues the job as for a lost daemon; it resumes from the
+# last checkpoint and ends with the uninterrupted job's parameters, bit for bit.
+t_case=$SECONDS
+export SCAPE_CHECKPOINT_DIR=$DIR/ckpt-killed
+job=$(SCAPE_ARGS="$SCAPE_ARGS --checkpoint-every 20" sbatch --parsable --nodes=4 \
+      --output="$DIR/killed.out" --export=ALL "$root/slurm/generic.sbatch") ||
+  fail "sbatch refused the killed-daemon job"
+deadline=$((SECONDS + 120))
+until [ -f "$SCAPE_CHECKPOINT_DIR/LATEST" ] && [ "$(cat "$SCAPE_CHECKPOINT_DIR/LATEST")" != step-20 ]; do
+  [ "$SECONDS" -lt "$deadline" ] || fail "the killed-daemon job made no second checkpoint in 120 s"
+  sleep 0.2
+done
+ckpt=$(cat "$SCAPE_CHECKPOINT_DIR/LATEST")
+pid=$(cat "$DIR/scape-job$job-n3/scaped.pid") || fail "no pid file of n3's daemon"
+kill -KILL "$pid" || fail "cannot kill n3's daemon (pid $pid)"
+t_kill=$SECONDS
+deadline=$((SECONDS + 300))
+while :; do
+  state=$(scontrol show job "$job" | grep -o "JobState=[A-Z_]*" | cut -d= -f2)
+  case "$state" in
+  COMPLETED) break ;;
+  FAILED|CANCELLED|TIMEOUT|NODE_FAIL|OUT_OF_MEMORY) fail "the killed-daemon job ended $state" ;;
+  esac
+  [ "$SECONDS" -lt "$deadline" ] || fail "the killed-daemon job did not finish (state $state)"
+  sleep 0.5
+done
+grep -q "scape: the daemons' step ended while the trainers ran (a daemon died); requeueing" \
+  "$DIR/killed.out" || fail "the template did not requeue on the killed daemon"
+grep -q "resumes from $SCAPE_CHECKPOINT_DIR/step-" "$DIR/killed.out" ||
+  fail "the requeued job did not resume from a checkpoint"
+resumed_at=$(grep -o "resumes from $SCAPE_CHECKPOINT_DIR/step-[0-9]*" "$DIR/killed.out" | tail -n 1)
+from=$((${resumed_at##*step-} + 1))
+[ "$from" -gt "${ckpt#step-}" ] || fail "resumed at step $from, before $ckpt"
+[ "$(grep -c "steps $from..$steps done" "$DIR/killed.out" || true)" -eq $((4 * trainers)) ] ||
+  fail "not every trainer resumed at step $from and finished"
+killed=$(grep -o "params [0-9a-f]*" "$DIR/killed.out" | sort -u)
+[ "$killed" = "$plain" ] || fail "after the killed daemon: $killed, uninterrupted $plain"
+echo "template: n3's daemon killed after $ckpt -> requeue -> resume (steps $from..$steps)," \
+     "parameters equal to the uninterrupted job: ok ($((SECONDS - t_case)) s, of which" \
+     "$((SECONDS - t_kill)) s after the kill)"
 
 # ---- A link cut in the middle of a job (test hosts only).  Node n3's link
 # (its host's port on the switch) goes down and comes back: the node, its
@@ -356,7 +594,7 @@ awk -v s="$named" -v t="$tmo" 'BEGIN { exit !(s <= t + 5) }' ||
 state=$(wait_end "$job" 300)
 [ "$state" = COMPLETED ] || fail "the lost-link job ended $state"
 [ "$(job_field "$job" Restarts)" -ge 1 ] || fail "the lost-link job was not requeued"
-grep -q "a daemon lost another part-way through a step; requeueing" "$DIR/cut-lost.out" ||
+grep -q "a daemon lost another part-way through a step, or died (.*broken.*); requeueing" "$DIR/cut-lost.out" ||
   fail "the template did not requeue on the lost daemon"
 grep -q "resumes from $SCAPE_CHECKPOINT_DIR/$ckpt\$" "$DIR/cut-lost.out" ||
   fail "the requeued job did not resume from $ckpt, the last checkpoint before the cut"

@@ -330,6 +330,91 @@ START_TEST(missing_checkpoints_are_named)
 END_TEST
 
 
+/* ---- what state_dicts hand out ---------------------------------------------------- */
+
+typedef struct keep_job {
+    char root[256];
+    char dirs[7][CKPT_PATH_MAX]; /* the step directory of each step's checkpoint */
+} keep_job;
+
+/* One rank, one trainer: a checkpoint after each of steps 1..6 (keep 2), and
+ * steps 1, 2 and 3's handed out by a state_dict right after they are taken. */
+static scape_rc keep_rank(rank_arg *a)
+{
+    keep_job *kj = a->ctx;
+    float *g = calloc(NUMEL, sizeof(float)), *p = calloc(NUMEL, sizeof(float));
+    eng_config cfg;
+    eng_config_default(&cfg);
+    cfg.rho = 0.05;
+    eng_t *e = NULL;
+    scape_rc rc = g && p ? make_engine(a, &cfg, 0, &e) : SCAPE_NOMEM;
+    if (rc == SCAPE_OK)
+        rc = eng_init_params(e, (void *const *)&p);
+    for (uint64_t t = 1; rc == SCAPE_OK && t <= 6; t++) {
+        rc = steps(e, a, t, t, &g, &p);
+        uint64_t at = 0;
+        if (rc == SCAPE_OK)
+            rc = ckpt_save(kj->root, e, a->comm, 2, &at, kj->dirs[t], sizeof kj->dirs[t]);
+        if (rc == SCAPE_OK && t <= 3)
+            rc = ckpt_mark_handed_out(kj->dirs[t]);
+    }
+    eng_destroy(&e);
+    free(g);
+    free(p);
+    return rc;
+}
+
+static int exists(const char *root, const char *name)
+{
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", root, name);
+    return access(path, F_OK) == 0;
+}
+
+START_TEST(handed_out_checkpoints_outlive_the_newest_keep)
+{
+    static keep_job kj;
+    memset(&kj, 0, sizeof kj);
+    temp_dir(kj.root, sizeof kj.root);
+    rank_arg args[1];
+    ck_assert_int_eq(run_ranks(1, keep_rank, &kj, args), 0);
+    ck_assert_msg(args[0].rc == SCAPE_OK, "%s", args[0].err);
+    /* the newest 2 (5, 6) and the newest 2 handed out (2, 3); 1 and 4 go */
+    const char *kept[] = { "step-2", "step-3", "step-5", "step-6" };
+    for (size_t i = 0; i < 4; i++)
+        ck_assert_msg(exists(kj.root, kept[i]), "%s was pruned", kept[i]);
+    ck_assert(!exists(kj.root, "step-1") && !exists(kj.root, "step-4"));
+    ck_assert_int_eq(ckpt_missing(kj.root, "step-1", 2), SCAPE_INVALID);
+    ck_assert_ptr_nonnull(strstr(scape_last_error(), "was pruned: checkpoint_keep is 2"));
+    ck_assert_int_eq(ckpt_missing(kj.root, "step-9", 2), SCAPE_INVALID);
+    ck_assert_ptr_nonnull(strstr(scape_last_error(), "not in"));
+    ck_assert_ptr_null(strstr(scape_last_error(), "was pruned"));
+
+    /* names relative to the root, also through a trailing slash and a link */
+    char name[64], root2[300], link[300];
+    ckpt_relative(kj.root, kj.dirs[5], name, sizeof name);
+    ck_assert_str_eq(name, "step-5");
+    snprintf(root2, sizeof root2, "%s/", kj.root);
+    ckpt_relative(root2, kj.dirs[6], name, sizeof name);
+    ck_assert_str_eq(name, "step-6");
+    snprintf(link, sizeof link, "%s-link", kj.root);
+    ck_assert_int_eq(symlink(kj.root, link), 0);
+    ckpt_relative(link, kj.dirs[3], name, sizeof name);
+    ck_assert_str_eq(name, "step-3");
+    ckpt_relative("/nonexistent/other", kj.dirs[3], name, sizeof name);
+    ck_assert_str_eq(name, "");
+    ck_assert_int_eq(unlink(link), 0);
+
+    /* the request files of between-steps rounds */
+    ck_assert(!ckpt_wanted(kj.root, 6, 0));
+    ck_assert_int_eq(ckpt_want(kj.root, 6, 0), SCAPE_OK);
+    ck_assert(ckpt_wanted(kj.root, 6, 0) && !ckpt_wanted(kj.root, 6, 1));
+    ckpt_unwant(kj.root, 6, 0);
+    ck_assert(!ckpt_wanted(kj.root, 6, 0));
+    remove_root(kj.root);
+}
+END_TEST
+
 /* ---- resharding: R ranks' checkpoint restored on another number ------------ */
 
 typedef struct rs_job {
@@ -489,6 +574,7 @@ int main(void)
     tcase_add_test(tc, other_settings_are_refused_on_every_rank);
     tcase_add_test(tc, parameter_groups_are_part_of_the_checkpoint);
     tcase_add_test(tc, missing_checkpoints_are_named);
+    tcase_add_test(tc, handed_out_checkpoints_outlive_the_newest_keep);
     tcase_add_test(tc, reshard_keeps_state_and_residual_sum);
     suite_add_tcase(s, tc);
     return check_run(s);

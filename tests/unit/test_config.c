@@ -14,7 +14,7 @@
 #include "exec.h"
 #include "check_run.h"
 
-#define NKEYS 41
+#define NKEYS 42
 
 /* Every key with a valid value other than its default. */
 static const struct {
@@ -31,6 +31,7 @@ static const struct {
     { "eps", "1e-06" },
     { "weight_decay", "0.1" },
     { "max_grad_norm", "1.5" },
+    { "clip_norm", "gradient" },
     { "wire_values", "f32" },
     { "gather_values", "delta" },
     { "rho_start", "0.25" },
@@ -77,6 +78,7 @@ static void check_full(const scaped_config *c)
     ck_assert_float_eq(c->engine.hyper.eps, 1e-6f);
     ck_assert_float_eq(c->engine.hyper.wd, 0.1f);
     ck_assert_float_eq(c->engine.max_grad_norm, 1.5f);
+    ck_assert_int_eq(c->engine.clip_norm, ENG_CLIP_GRAD);
     ck_assert_int_eq(c->engine.threads, 6);
     ck_assert_int_eq(c->executor, CFG_EXEC_SIM);
     ck_assert_int_eq(c->engine.residual_on_device, 1);
@@ -528,7 +530,8 @@ START_TEST(print_format)
         "runtime_dir: \"\"",  "log_level: info",       "optimizer: scape",
         "mode: replicated",   "rho: 0.01",             "warmup: 1",
         "beta1: 0.9",         "beta2: 0.95",           "eps: 1e-08",
-        "weight_decay: 0",    "max_grad_norm: 0",      "wire_values: bf16",
+        "weight_decay: 0",    "max_grad_norm: 0",      "clip_norm: sent",
+        "wire_values: bf16",
         "gather_values: params", "rho_start: 0",       "rho_steps: 1000",
         "dense_below: 0",     "mask_deltas: false",
         "engine_threads: 1",

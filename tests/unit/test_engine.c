@@ -458,8 +458,9 @@ static void check_collectives(ctx *c, uint64_t t, size_t K, const eng_t *e0)
             note_fail(c, "step %llu rank %d: %llu reductions of %llu bytes, want 1 of %zu",
                  (unsigned long long)t, r, (unsigned long long)reductions,
                  (unsigned long long)s->bytes[red], vsz * K);
-        /* clipping, sharded: the owners' sums of squares, one double each */
-        int clip_ag = sharded && sp->cfg.max_grad_norm > 0.0f;
+        /* clipping, both modes: each owner's sum of squares of g_hat and its
+         * |G_r|^2, two doubles a rank */
+        int clip_ag = sp->cfg.max_grad_norm > 0.0f;
         /* mask_deltas: a step that selects inside itself all-gathers the
          * sizes of the next mask's codes, 8 bytes a rank (a dense step
          * never defers its selection) */
@@ -469,7 +470,7 @@ static void check_collectives(ctx *c, uint64_t t, size_t K, const eng_t *e0)
                            (uint64_t)sizes_ag;
         uint64_t want_ag_bytes = (sharded ? gsz * K : 0) +
                                  (topk_sparse ? expected_mask_bytes(c, e0, 1, t) : 0) +
-                                 (clip_ag ? 8 * (uint64_t)sp->R : 0) +
+                                 (clip_ag ? 16 * (uint64_t)sp->R : 0) +
                                  (sizes_ag ? 8 * (uint64_t)sp->R : 0);
         if (s->calls[COMM_ALLGATHER] != want_ag || s->bytes[COMM_ALLGATHER] != want_ag_bytes)
             note_fail(c, "step %llu rank %d: %llu all-gathers of %llu bytes, want %llu of %llu",
@@ -503,9 +504,56 @@ static void check_collectives(ctx *c, uint64_t t, size_t K, const eng_t *e0)
     }
 }
 
+/* max_grad_norm: the norm torch's clip_grad_norm_ would see, in float64 from
+ * the gradients the trainers handed over: g_hat's own norm on a dense step
+ * (no residual yet), |G_0| / T with one rank, else (1/T) sum_r |G_r|; each
+ * local trainer's own norm (rank 0's); every rank the same bits.  Returns
+ * the reference. */
+static double check_mean_grad_norm(ctx *c, uint64_t t, eng_t *e0, double sent)
+{
+    const spec *sp = c->sp;
+    const eng_step_stats *st = &c->pub[0].st;
+    double ga, bound = 0.0, want;
+    for (int r = 0; r < sp->R; r++) {
+        double sq = 0.0;
+        for (size_t i = 0; i < c->n; i++) {
+            double g = grad_sum(c, r, t, i, &ga);
+            sq += g * g;
+        }
+        bound += sqrt(sq);
+        if (memcmp(&c->pub[r].st.mean_grad_norm, &st->mean_grad_norm, sizeof(double)) != 0 ||
+            c->pub[r].st.mean_grad_exact != st->mean_grad_exact)
+            note_fail(c, "step %llu: rank %d reports mean gradient norm %.17g, rank 0 %.17g",
+                      (unsigned long long)t, r, c->pub[r].st.mean_grad_norm,
+                      st->mean_grad_norm);
+    }
+    int dense = dense_at(sp, t);
+    want = dense ? sent : bound / (double)c->T;
+    if (fabs(st->mean_grad_norm - want) > (dense ? 1e-12 : 1e-6) * want + 1e-300 ||
+        st->mean_grad_exact != (dense || sp->R == 1))
+        note_fail(c, "step %llu: mean gradient norm %.17g (exact %d), want %.17g (exact %d)",
+                  (unsigned long long)t, st->mean_grad_norm, st->mean_grad_exact, want,
+                  dense || sp->R == 1);
+    for (int j = 0; j < sp->tr[0]; j++) {
+        double sq = 0.0;
+        for (size_t i = 0; i < c->n; i++) {
+            float g = grad_val(c, 0, j, t, i);
+            if (sp->gdt == KERN_BF16)
+                g = kern_f32_from_bf16(kern_bf16_from_f32(g));
+            sq += (double)g * (double)g;
+        }
+        double got = eng_trainer_grad_norm(e0, j);
+        if (fabs(got - sqrt(sq)) > 1e-9 * sqrt(sq))
+            note_fail(c, "step %llu: trainer %d's own gradient norm %.17g, want %.17g",
+                      (unsigned long long)t, j, got, sqrt(sq));
+    }
+    return want;
+}
+
 /* max_grad_norm: the norm of g_hat over the coordinates reduced, in
  * float64 from the holders' g_hat; the factor torch's clip_grad_norm_ takes
- * from it; every rank reports the same bits. */
+ * from it (or, with clip_norm gradient, from the mean gradient's norm);
+ * every rank reports the same bits. */
 static void check_clipping(ctx *c, uint64_t t, eng_t *e0)
 {
     const spec *sp = c->sp;
@@ -529,7 +577,9 @@ static void check_clipping(ctx *c, uint64_t t, eng_t *e0)
             double g = c->pub[holder].ghat[i];
             sq += g * g;
         }
-    double norm = sqrt(sq), coef = sp->cfg.max_grad_norm / (norm + 1e-6);
+    double norm = sqrt(sq), mean = check_mean_grad_norm(c, t, e0, norm);
+    double by = sp->cfg.clip_norm == ENG_CLIP_GRAD ? mean : norm;
+    double coef = sp->cfg.max_grad_norm / (by + 1e-6);
     double want = coef < 1.0 ? coef : 1.0;
     if (fabs(st->grad_norm - norm) > 1e-12 * norm + 1e-300)
         note_fail(c, "step %llu: norm of g_hat %.17g, want %.17g", (unsigned long long)t,
@@ -954,8 +1004,13 @@ START_TEST(clipping_by_global_norm)
         eng_optimizer opt;
         double rho;
         float max;
-    } opts[] = { { ENG_OPT_SCAPE, 0.1, 8.0f }, { ENG_OPT_SCAPE, 1.0, 8.0f },
-                 { ENG_OPT_ADAMW, 1.0, 8.0f }, { ENG_OPT_TOPK_ADAMW, 0.1, 8.0f } };
+        eng_clip_norm by;
+    } opts[] = { { ENG_OPT_SCAPE, 0.1, 8.0f, ENG_CLIP_SENT },
+                 { ENG_OPT_SCAPE, 1.0, 8.0f, ENG_CLIP_SENT },
+                 { ENG_OPT_ADAMW, 1.0, 8.0f, ENG_CLIP_SENT },
+                 { ENG_OPT_TOPK_ADAMW, 0.1, 8.0f, ENG_CLIP_SENT },
+                 { ENG_OPT_SCAPE, 0.1, 4.0f, ENG_CLIP_GRAD },
+                 { ENG_OPT_TOPK_ADAMW, 0.1, 4.0f, ENG_CLIP_GRAD } };
     for (size_t o = 0; o < sizeof opts / sizeof opts[0]; o++)
         for (int R = 1; R <= 3; R += 2) {
             memset(s_clip_seen, 0, sizeof s_clip_seen);
@@ -964,12 +1019,14 @@ START_TEST(clipping_by_global_norm)
             for (int mode = 0; mode < 2; mode++) {
                 spec sp = make_spec(opts[o].opt, (eng_mode)mode, R, opts[o].rho, 40);
                 sp.cfg.max_grad_norm = opts[o].max;
+                sp.cfg.clip_norm = opts[o].by;
                 sp.loud = 1;
                 run_spec(&sp, &fin[mode], &kh[mode], &n);
             }
             char what[128];
-            snprintf(what, sizeof what, "%s rho=%g R=%d clipped at %g: replicated vs sharded",
-                     eng_optimizer_name(opts[o].opt), opts[o].rho, R, (double)opts[o].max);
+            snprintf(what, sizeof what, "%s rho=%g R=%d clipped at %g by the %s norm: "
+                     "replicated vs sharded", eng_optimizer_name(opts[o].opt), opts[o].rho, R,
+                     (double)opts[o].max, eng_clip_norm_name(opts[o].by));
             expect_same(fin[0], fin[1], n, what);
             ck_assert_msg(s_clip_seen[0] > 0 && s_clip_seen[1] > 0,
                           "%s: %d steps clipped, %d did not: move the bound", what,
@@ -980,6 +1037,7 @@ START_TEST(clipping_by_global_norm)
             }
             spec sp = make_spec(opts[o].opt, (eng_mode)(R > 1), R, opts[o].rho, 40);
             sp.cfg.max_grad_norm = opts[o].max;
+            sp.cfg.clip_norm = opts[o].by;
             sp.loud = 1;
             snprintf(what, sizeof what, "%s rho=%g R=%d clipped: host / sim / sim resident",
                      eng_optimizer_name(opts[o].opt), opts[o].rho, R);

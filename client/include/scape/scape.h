@@ -53,8 +53,9 @@ typedef struct scape_options {
                                 lowest free one */
     int timeout_ms;          /* longest wait for any reply, default 600000 */
     int start_wait_ms;       /* how long to wait for scaped's control socket to appear
-                                (a daemon still starting; said once on stderr),
-                                default 0: no daemon there fails scape_attach at once */
+                                (a daemon still starting; said once on stderr);
+                                -1 (default): $SCAPE_START_WAIT_MS when set, else 0:
+                                no daemon there fails scape_attach at once */
     int ngroups;             /* parameter groups (torch's param_groups), 0 (default):
                                 one, with the daemon's weight_decay; at most
                                 SCAPE_MAX_GROUPS */
@@ -64,7 +65,26 @@ typedef struct scape_options {
                                 the daemon (its max_grad_norm key; 0: no clipping),
                                 refused at attach when the daemon's differs;
                                 default -1: whatever the daemon is configured with */
+    int daemon_lost_ms;      /* once scaped's process is gone (seen about every 100 ms
+                                while waiting), how long a wait still goes on for a
+                                reply already on its way before it fails (SCAPE_REMOTE,
+                                naming the daemon and its runtime directory); -1
+                                (default): $SCAPE_DAEMON_LOST_MS when set, else 2000.
+                                Needs an ipc:// endpoint (its peer's pid) */
+    void (*interrupt)(void *arg, int *give_up); /* NULL (default), or called while a
+                                call waits, after each signal and about every 100 ms,
+                                with *give_up 0: setting it gives the wait up (see
+                                "Signals" below) */
+    void *interrupt_arg;     /* its argument */
 } scape_options;
+
+/* Signals.  A signal that interrupts a wait inside libscape (its handler
+ * returned) does not end it: the wait goes on for what is left of its
+ * deadline, so no step is lost.  Only opts.interrupt can give a wait up:
+ * scape_step_wait then returns SCAPE_SYSTEM ("interrupted") with the step
+ * still in flight (wait for it again, or detach, which waits for it first);
+ * any other call returns SCAPE_SYSTEM and leaves the session fit only for
+ * scape_detach. */
 
 /* Per-step figures the daemon returns. */
 typedef struct scape_step_info {
@@ -77,9 +97,17 @@ typedef struct scape_step_info {
     double mask_churn;
     double step_seconds;     /* the daemon's engine step */
     double wait_seconds;     /* first trainer's post to the last's */
-    double grad_norm;        /* with max_grad_norm: the global L2 norm of the mean
-                                gradient before clipping (0 without) */
-    double clip;             /* the factor the mean gradient was scaled by (1: none) */
+    double grad_norm;        /* with max_grad_norm: the global L2 norm of g_hat, the
+                                mean of what the daemons sent (for scape and
+                                topk-adamw the error-feedback residual at the
+                                mask included), before clipping (0 without) */
+    double clip;             /* the factor g_hat was scaled by (1: none) */
+    double mean_grad_norm;   /* with max_grad_norm: the norm torch's clip_grad_norm_
+                                would see, of the mean of every trainer's
+                                gradient this step; -1 without, or not measured */
+    int mean_grad_exact;     /* 1: exact (one daemon, or a dense step); 0: the
+                                bound (1/T) sum over daemons of the norm of their
+                                trainers' summed gradient */
 } scape_step_info;
 
 typedef struct scape_session scape_session;
@@ -100,7 +128,7 @@ void *scape_grads(const scape_session *s);
 size_t scape_numel(const scape_session *s);
 int scape_index(const scape_session *s);
 /* The step the daemon expects next (1 for a fresh job; later when a trainer
- * re-attaches to a running one). */
+ * re-attaches to a running one); after a completed step, the one after it. */
 uint64_t scape_next_step(const scape_session *s);
 
 /* Call once the parameter buffer holds this trainer's initial parameters, and
@@ -143,22 +171,36 @@ scape_rc scape_set_stream(scape_session *s, void *stream, int blocking);
 
 /* state_dict: the job's checkpoint of the state after the last completed
  * step, asked for on the daemon's status socket (next to an ipc://DIR/control
- * endpoint; the daemon needs a checkpoint_dir).  A lone daemon writes it at
- * once; several write it before the next step starts (pending = 1, dir is
- * the directory it will have).  Between steps only. */
+ * endpoint).  It is on disk when this returns, with one daemon or several
+ * (they write it together; those whose trainers did not ask join in).
+ * Before the first step of a fresh job: step 0, dir and name "" (nothing to
+ * save; no checkpoint_dir needed).  After a restore and before the next
+ * step: the checkpoint restored.  Later steps need the daemon's
+ * checkpoint_dir.  Between steps only. */
 typedef struct scape_checkpoint_info {
-    uint64_t step;         /* the state after this step */
+    uint64_t step;         /* the state after this step (0: a fresh job) */
     uint64_t layout_hash;  /* of the job's layout (tensors and parameter groups) */
-    int pending;
-    char dir[1024];
+    int pending;           /* always 0 for a state_dict */
+    char dir[1024];        /* its step directory, as the daemon names it */
+    char name[256];        /* dir relative to checkpoint_dir ("step-25"); "" when
+                              not under it: scape_resume takes either */
+    uint32_t job;          /* the job's identity (the daemon's `job` key) */
 } scape_checkpoint_info;
 scape_rc scape_checkpoint(scape_session *s, scape_checkpoint_info *out);
+/* The step whose checkpoint the job was restored from (scaped --resume,
+ * SCAPE_RESUME, or a scape_resume), 0 for a fresh job: a trainer restores
+ * its own data position and schedule from it. */
+scape_rc scape_resumed_step(scape_session *s, uint64_t *step);
 /* load_state_dict: before the first step, restart the job from the
- * checkpoint in dir; every trainer of every daemon asks, and each returns
- * once its parameters are the checkpoint's (scape_next_step() is then the
- * step after it).  step and layout_hash (0: unchecked) must be the
+ * checkpoint in dir (absolute, or relative to the daemon's checkpoint_dir:
+ * scape_checkpoint_info.name); every trainer of every daemon asks, and each
+ * returns once its parameters are the checkpoint's (scape_next_step() is
+ * then the step after it).  step and layout_hash (0: unchecked) must be the
  * checkpoint's; refusals name the reason (another layout, groups or
- * optimizer, a missing file).  A refused restore leaves the job at step 1. */
+ * optimizer, a missing file, one pruned by checkpoint_keep).  A refused
+ * restore leaves the job at step 1.  A job restored at step
+ * scape_resumed_step() and not stepped since takes that same step as a
+ * no-op and refuses any other. */
 scape_rc scape_resume(scape_session *s, const char *dir, uint64_t step, uint64_t layout_hash);
 
 /* Tell the daemon goodbye, free the buffers, and set *s to NULL.  CUDA

@@ -13,10 +13,12 @@ See docs/python.md.  scape.torch holds a torch.optim.Optimizer on top.
 import ctypes
 import dataclasses
 import enum
+import sys
+import time
 
 import numpy as np
 
-from ._lib import (DTYPE_BF16, DTYPE_F32, MAX_GROUPS, MEMORY_CUDA, MEMORY_HOST,
+from ._lib import (DTYPE_BF16, DTYPE_F32, INTERRUPT_FN, MAX_GROUPS, MEMORY_CUDA, MEMORY_HOST,
                    CheckpointInfo as _CheckpointInfo, Options, StepInfo as _StepInfo, Tensor,
                    lib)
 
@@ -61,13 +63,84 @@ class StepInfo:
     mask_churn: float
     step_seconds: float
     wait_seconds: float
-    grad_norm: float = 0.0   # with max_grad_norm: the mean gradient's norm before clipping
-    clip: float = 1.0        # the factor it was scaled by (1: not clipped)
+    grad_norm: float = 0.0   # with max_grad_norm: g_hat's norm before clipping (what
+                             # the daemons sent: for scape the residual at the mask too)
+    clip: float = 1.0        # the factor g_hat was scaled by (1: not clipped)
+    mean_grad_norm: float = -1.0  # with max_grad_norm: the norm torch's clip_grad_norm_
+                             # would see (the trainers' mean gradient); -1: none
+    mean_grad_exact: int = 0  # 1: exact; 0: the bound (1/T) sum over daemons of |G_r|
 
 
 def _check(rc):
     if rc != Rc.OK:
         raise ScapeError(rc, lib.scape_last_error().decode(errors="replace"))
+
+
+_check_signals = ctypes.pythonapi.PyErr_CheckSignals
+_check_signals.restype = ctypes.c_int
+_check_signals.argtypes = []
+
+
+class _Signals:
+    """A session's scape_options.interrupt.  Python runs its signal handlers
+    only between bytecodes, and a libscape call waits in C: libscape calls
+    this after each signal and about every 100 ms, and it runs the handlers
+    there (PyErr_CheckSignals).  A handler that returns (SIGUSR1, Lightning's
+    SIGTERM) leaves the wait going on, so no step is lost.  One that raises
+    (KeyboardInterrupt on Ctrl-C) is held while the wait goes on for up to
+    settle_s, so that the step settles; a second one, or that bound, gives
+    the wait up.  The call then raises what the handler raised."""
+
+    def __init__(self, settle_s):
+        self.settle_s = settle_s
+        self.pending = None   # what a handler raised during the wait
+        self.since = 0.0
+        self.fn = INTERRUPT_FN(self._poll)  # kept alive as long as the session
+
+    def hold(self, e):
+        """A handler raised e during a wait: 1 when the wait is to be given up."""
+        if self.pending is not None:
+            return 1
+        self.pending, self.since = e, time.monotonic()
+        return 0
+
+    def _poll(self, _arg, give_up):
+        # A pending handler may already run on entry, before this try: that
+        # exception leaves ctypes as unraisable, _unraisable holds it, and
+        # give_up stays 0.
+        try:
+            _check_signals()
+        except BaseException as e:  # noqa: B036 - held, raised once the call returns
+            if self.hold(e):
+                give_up[0] = 1
+        if self.pending is not None and time.monotonic() - self.since >= self.settle_s:
+            give_up[0] = 1
+
+    def settle(self, rc):
+        """After a call: raise what a signal handler raised during it, else
+        ScapeError for rc."""
+        msg = None if rc == Rc.OK else lib.scape_last_error().decode(errors="replace")
+        e, self.pending = self.pending, None
+        if e is not None:
+            raise e
+        if msg is not None:
+            raise ScapeError(rc, msg)
+
+
+_hook_before = sys.unraisablehook
+
+
+def _unraisable(u):
+    """A signal handler that raised as _Signals._poll was entered: ctypes
+    reports that as unraisable; it belongs to that session's wait."""
+    owner = getattr(u.object, "__self__", None)
+    if isinstance(owner, _Signals) and u.exc_value is not None:
+        owner.hold(u.exc_value)
+        return
+    _hook_before(u)
+
+
+sys.unraisablehook = _unraisable
 
 
 def version():
@@ -132,14 +205,14 @@ class Session:
     torch CUDA tensors in device memory (float32 or bfloat16), whose raw
     addresses are also device_ptrs (params, grads); None after detach()."""
 
-    def __init__(self, handle, layout, param_ctype, grad_ctype, host, ordinal=0, ngroups=0):
+    def __init__(self, handle, layout, param_ctype, grad_ctype, host, ordinal=0, ngroups=0,
+                 signals=None):
         self._handle = handle
+        self._signals = signals or _Signals(0.0)
         self.layout = layout
         self.ngroups = ngroups  # parameter groups (0: none)
         self.numel = lib.scape_numel(handle)
         self.index = lib.scape_index(handle)
-        self.next_step = lib.scape_next_step(handle)  # the step step() posts next
-        self._pending = None
         p, g = lib.scape_params(handle), lib.scape_grads(handle)
         self.device_ptrs = None if host else (p, g)
         if host:
@@ -154,6 +227,12 @@ class Session:
             lib.scape_detach(ctypes.byref(self._handle))
             raise
 
+    @property
+    def next_step(self):
+        """The step step() posts next: libscape's count, so that it stays true
+        whichever bytecode a signal handler raised at (0 after detach)."""
+        return lib.scape_next_step(self._handle)
+
     def _live(self):
         if self._handle.value is None:
             raise ScapeError(Rc.INVALID, "the session is detached")
@@ -163,8 +242,7 @@ class Session:
         """Once params holds this trainer's initial values and before the first
         step: wait until params holds the job's (trainer 0's at the start, the
         current ones when joining a running job)."""
-        _check(lib.scape_sync(self._live()))
-        self.next_step = lib.scape_next_step(self._handle)
+        self._signals.settle(lib.scape_sync(self._live()))
 
     def set_stream(self, stream, blocking=False):
         """CUDA buffers: order the hand-over on `stream` (a cudaStream_t as an
@@ -192,31 +270,45 @@ class Session:
             _check(lib.scape_step_begin_groups(self._live(), step, lrs, len(lr), c_loss))
         else:
             _check(lib.scape_step_begin(self._live(), step, lr, c_loss))
-        self._pending = step
 
     def step_wait(self):
-        """Wait for the posted step's parameters.  TIMEOUT leaves it in flight."""
+        """Wait for the posted step's parameters.  TIMEOUT leaves it in flight,
+        and so does a KeyboardInterrupt that gave the wait up (see attach's
+        interrupt_settle_ms): step_wait() again completes it."""
         info = _StepInfo()
-        _check(lib.scape_step_wait(self._live(), ctypes.byref(info)))
-        self.next_step = self._pending + 1
-        self._pending = None
+        self._signals.settle(lib.scape_step_wait(self._live(), ctypes.byref(info)))
         return StepInfo(**{f: getattr(info, f) for f, _ in _StepInfo._fields_})
 
     def checkpoint(self):
         """The job's checkpoint of the state after the last completed step
-        (between steps): {"dir", "step", "layout_hash", "pending"}.  A lone
-        daemon writes it at once; several before the next step (pending)."""
+        (between steps), on disk when this returns, with one daemon or several:
+        {"dir", "name", "job", "step", "layout_hash", "pending"}.  name is dir
+        relative to the daemon's checkpoint_dir ("" when not under it).  Before
+        the first step of a fresh job: step 0, dir and name ""."""
         info = _CheckpointInfo()
-        _check(lib.scape_checkpoint(self._live(), ctypes.byref(info)))
-        return {"dir": info.dir.decode(), "step": info.step, "layout_hash": info.layout_hash,
+        self._signals.settle(lib.scape_checkpoint(self._live(), ctypes.byref(info)))
+        return {"dir": info.dir.decode(), "name": info.name.decode(), "job": info.job,
+                "step": info.step, "layout_hash": info.layout_hash,
                 "pending": bool(info.pending)}
 
     def resume(self, path, step=0, layout_hash=0):
         """Before the first step: restart the job from the checkpoint at path
-        (every trainer asks); params then hold its parameters and next_step
-        is the step after it.  step and layout_hash, when given, must match."""
-        _check(lib.scape_resume(self._live(), str(path).encode(), step, layout_hash))
-        self.next_step = lib.scape_next_step(self._handle)
+        (absolute, or relative to the daemon's checkpoint_dir; every trainer
+        asks); params then hold its parameters and next_step is the step after
+        it.  step and layout_hash, when given, must match.  In a job restored
+        at resumed_step and not stepped since, that step is a no-op and any
+        other is refused."""
+        self._signals.settle(lib.scape_resume(self._live(), str(path).encode(), step,
+                                              layout_hash))
+
+    @property
+    def resumed_step(self):
+        """The step whose checkpoint the job was restored from (the daemons'
+        --resume or SCAPE_RESUME after a requeue, or a resume()), 0 for a
+        fresh job; asked of the daemon each time (between steps)."""
+        step = ctypes.c_uint64(0)
+        _check(lib.scape_resumed_step(self._live(), ctypes.byref(step)))
+        return step.value
 
     def detach(self):
         """Say goodbye and free the buffers; idempotent.  Views taken from
@@ -224,7 +316,7 @@ class Session:
         if self._handle.value is None:
             return
         self.params = self.grads = self.device_ptrs = None
-        _check(lib.scape_detach(ctypes.byref(self._handle)))
+        self._signals.settle(lib.scape_detach(ctypes.byref(self._handle)))
 
     def __enter__(self):
         return self
@@ -234,12 +326,17 @@ class Session:
 
 
 def attach(endpoint=None, layout=(), dtype="float32", grad_dtype=None, index=-1,
-           timeout_ms=600000, device="cpu", start_wait_ms=0, max_grad_norm=None,
-           groups=None, tensor_groups=None):
+           timeout_ms=600000, device="cpu", start_wait_ms=None, max_grad_norm=None,
+           groups=None, tensor_groups=None, daemon_lost_ms=None, interrupt_settle_ms=10000):
     """Attach to scaped at endpoint (None: $SCAPE_ENDPOINT, else the default
     runtime directory) with layout, and return a Session.  With no daemon
     there it fails at once (ScapeError, saying where it looked), unless
-    start_wait_ms gives a daemon that is still starting that long.
+    start_wait_ms (None: $SCAPE_START_WAIT_MS, else 0) gives a daemon that is
+    still starting that long.  A call whose daemon dies fails once it has
+    been gone for daemon_lost_ms (None: $SCAPE_DAEMON_LOST_MS, else 2000).
+    A signal handler that raises during a call (Ctrl-C) has its exception
+    raised once the call's reply came, or after interrupt_settle_ms more (or
+    a second Ctrl-C) with the call given up (see docs/python.md).
     max_grad_norm (None: the daemon's) is the clipping bound this trainer
     expects; a daemon configured with another one refuses the attach.
     Parameter groups: groups lists each group's weight decay (None: the
@@ -254,7 +351,11 @@ def attach(endpoint=None, layout=(), dtype="float32", grad_dtype=None, index=-1,
     lib.scape_options_default(ctypes.byref(opts))
     opts.param_dtype, opts.grad_dtype = pd, gd
     opts.memory, opts.device = _memory(device)
-    opts.index, opts.timeout_ms, opts.start_wait_ms = index, timeout_ms, start_wait_ms
+    opts.index, opts.timeout_ms = index, timeout_ms
+    opts.start_wait_ms = -1 if start_wait_ms is None else start_wait_ms
+    opts.daemon_lost_ms = -1 if daemon_lost_ms is None else daemon_lost_ms
+    signals = _Signals(interrupt_settle_ms / 1000.0)
+    opts.interrupt = signals.fn
     if max_grad_norm is not None:
         if not max_grad_norm >= 0:
             raise ValueError("max_grad_norm: >= 0 (0: no clipping), or None for the daemon's")
@@ -272,6 +373,10 @@ def attach(endpoint=None, layout=(), dtype="float32", grad_dtype=None, index=-1,
     c_layout = (Tensor * len(tensors))(*[Tensor(nm, off, n, g)
                                          for nm, (_, off, n), g in zip(names, tensors, tg)])
     handle = ctypes.c_void_p()
-    _check(lib.scape_attach(None if endpoint is None else endpoint.encode(), c_layout,
-                            len(tensors), ctypes.byref(opts), ctypes.byref(handle)))
-    return Session(handle, tensors, pc, gc, opts.memory == MEMORY_HOST, opts.device, ngroups)
+    rc = lib.scape_attach(None if endpoint is None else endpoint.encode(), c_layout,
+                          len(tensors), ctypes.byref(opts), ctypes.byref(handle))
+    if rc == Rc.OK and signals.pending is not None:
+        lib.scape_detach(ctypes.byref(handle))  # attached, but the caller was interrupted
+    signals.settle(rc)
+    return Session(handle, tensors, pc, gc, opts.memory == MEMORY_HOST, opts.device, ngroups,
+                   signals)

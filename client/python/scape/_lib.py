@@ -20,6 +20,9 @@ class Tensor(ctypes.Structure):
 
 MAX_GROUPS = 16
 
+# scape_options.interrupt: void (*)(void *arg, int *give_up)
+INTERRUPT_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))
+
 
 class Options(ctypes.Structure):
     _fields_ = [("param_dtype", ctypes.c_int),
@@ -31,7 +34,10 @@ class Options(ctypes.Structure):
                 ("start_wait_ms", ctypes.c_int),
                 ("ngroups", ctypes.c_int),
                 ("group_weight_decay", ctypes.POINTER(ctypes.c_float)),
-                ("max_grad_norm", ctypes.c_float)]
+                ("max_grad_norm", ctypes.c_float),
+                ("daemon_lost_ms", ctypes.c_int),
+                ("interrupt", INTERRUPT_FN),
+                ("interrupt_arg", ctypes.c_void_p)]
 
 
 class StepInfo(ctypes.Structure):
@@ -45,14 +51,18 @@ class StepInfo(ctypes.Structure):
                 ("step_seconds", ctypes.c_double),
                 ("wait_seconds", ctypes.c_double),
                 ("grad_norm", ctypes.c_double),
-                ("clip", ctypes.c_double)]
+                ("clip", ctypes.c_double),
+                ("mean_grad_norm", ctypes.c_double),
+                ("mean_grad_exact", ctypes.c_int)]
 
 
 class CheckpointInfo(ctypes.Structure):
     _fields_ = [("step", ctypes.c_uint64),
                 ("layout_hash", ctypes.c_uint64),
                 ("pending", ctypes.c_int),
-                ("dir", ctypes.c_char * 1024)]
+                ("dir", ctypes.c_char * 1024),
+                ("name", ctypes.c_char * 256),
+                ("job", ctypes.c_uint32)]
 
 
 def _installed_prefix():
@@ -143,6 +153,7 @@ def _declare(lib):
         "scape_set_stream": (rc, [sess, ctypes.c_void_p, ctypes.c_int]),
         "scape_checkpoint": (rc, [sess, P(CheckpointInfo)]),
         "scape_resume": (rc, [sess, ctypes.c_char_p, ctypes.c_uint64, ctypes.c_uint64]),
+        "scape_resumed_step": (rc, [sess, P(ctypes.c_uint64)]),
         "scape_detach": (rc, [P(sess)]),
         "scape_version": (ctypes.c_char_p, []),
         "scape_rc_name": (ctypes.c_char_p, [ctypes.c_int]),

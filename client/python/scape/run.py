@@ -5,17 +5,21 @@
 It starts scaped with a fresh runtime directory, waits until the daemon
 answers (for several nodes: until the daemons have met at the rendezvous),
 starts the trainers with SCAPE_ENDPOINT, SCAPE_RUNTIME_DIR, SCAPE_INDEX and
-torch's LOCAL_RANK, RANK, WORLD_SIZE, LOCAL_WORLD_SIZE set, forwards SIGINT
-and SIGTERM to them, stops the daemon when they are done, and exits with
-their status.  When a trainer fails it stops the others, says which one
-failed and how, and exits with that trainer's status.
+torch's LOCAL_RANK, RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK set (and
+MASTER_ADDR, MASTER_PORT removed: they are scape-run's rendezvous, not a
+torch.distributed one), passes SIGTERM on to them (SIGINT reaches them
+directly: they share scape-run's process group, the terminal's), stops the
+daemon (kept out of that group) once they have ended, and exits with their
+status.  When a trainer fails it stops the others, says which one failed
+and how, and exits with that trainer's status.
 
 Several nodes: run one scape-run per node with --nnodes, --node-rank and
 --master-addr/--master-port (or NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT
-in the environment).  Under Slurm (SLURM_PROCID set, one task per node) the
-daemon takes the job's shape from Slurm itself.
+in the environment).  Under srun (one task per node: srun --ntasks-per-node=1)
+the job's shape comes from Slurm: node rank SLURM_PROCID of SLURM_NTASKS.
 """
 import argparse
+import ctypes
 import os
 import shutil
 import signal
@@ -115,7 +119,46 @@ def parse(argv):
     for kv in a.set:
         if "=" not in kv or not kv.split("=", 1)[0]:
             ap.error("--set %r: KEY=VALUE" % kv)
+    a.nodes, a.node_index, a.batch_script = max(a.nnodes, 1), a.node_rank, False
+    if not a.nnodes and "SLURM_PROCID" in env:
+        try:
+            a.nodes, a.node_index, a.batch_script = slurm_shape(env)
+        except ValueError as e:
+            ap.error(str(e))
     return a
+
+
+def _slurm_int(env, *names):
+    for n in names:
+        v = env.get(n, "")
+        if v:
+            if not v.isdigit():
+                raise ValueError("%s=%r is not a number" % (n, v))
+            return n, int(v)
+    raise ValueError("Slurm set SLURM_PROCID but none of %s" % ", ".join(names))
+
+
+def slurm_shape(env):
+    """(nodes, this node's rank, whether this is the batch script) of an
+    srun step with one task per node, as scaped's own Slurm defaults see it
+    (rank SLURM_PROCID of SLURM_NTASKS), or of a one-node job's batch script;
+    ValueError naming the variables for any other shape."""
+    _, procid = _slurm_int(env, "SLURM_PROCID")
+    nn, nnodes = _slurm_int(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES",
+                            "SLURM_JOB_NUM_NODES")
+    if "SLURM_STEP_ID" not in env:  # srun sets it; the batch script has none
+        if nnodes > 1:
+            raise ValueError("this is the batch script of a %d-node job, which runs on its "
+                             "first node only: start scape-run once per node, with srun "
+                             "--ntasks-per-node=1 scape-run ..." % nnodes)
+        return 1, 0, True
+    tn, ntasks = _slurm_int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
+    if ntasks != nnodes:
+        raise ValueError("under srun, scape-run runs once per node and starts the trainers "
+                         "itself: this step has %s=%d tasks on %s=%d nodes; use srun "
+                         "--ntasks-per-node=1 and --nproc-per-node for the trainers"
+                         % (tn, ntasks, nn, nnodes))
+    return nnodes, procid, False
 
 
 def reach_address(host, port):
@@ -153,6 +196,21 @@ def pump(stream, prefix):
     stream.close()
 
 
+def _die_with(parent):
+    """For scaped's child before exec: SIGTERM when scape-run (pid parent)
+    dies, even by SIGKILL (scaped is in a session of its own, out of reach
+    of the terminal's signals)."""
+    def preexec():
+        if _LIBC is not None and _LIBC.prctl(1, int(signal.SIGTERM), 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+        if os.getppid() != parent:  # it died before the prctl
+            os._exit(1)
+    return preexec
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
 def status_name(rc):
     return "killed by signal %d (%s)" % (-rc, signal.Signals(-rc).name) if rc < 0 \
         else "exit status %d" % rc
@@ -160,6 +218,18 @@ def status_name(rc):
 
 def exit_code(rc):
     return 128 - rc if rc < 0 else rc
+
+
+def trainer_env(base, rt, local, per_node, node, nodes):
+    """Trainer `local` of node `node`: its slot, torch's variables, and no
+    MASTER_ADDR/MASTER_PORT, with which frameworks would start
+    torch.distributed and all-reduce the gradients besides scaped."""
+    env = {k: v for k, v in base.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env.update(SCAPE_RUNTIME_DIR=rt, SCAPE_ENDPOINT="ipc://%s/control" % rt,
+               SCAPE_INDEX=str(local), LOCAL_RANK=str(local),
+               LOCAL_WORLD_SIZE=str(per_node), NODE_RANK=str(node),
+               RANK=str(node * per_node + local), WORLD_SIZE=str(nodes * per_node))
+    return env
 
 
 class Launch:
@@ -171,9 +241,16 @@ class Launch:
         self.pumps = []
 
     def on_signal(self, signum, _frame):
+        """SIGTERM is passed on; SIGINT is not: it comes from a terminal's
+        Ctrl-C (or a kill of the process group), which reached the trainers
+        too, and a second one would interrupt their shutdown saves."""
         if self.signalled is None:
             self.signalled = signum
-            say("%s: passing it to the trainers" % signal.Signals(signum).name)
+            say("%s: %s" % (signal.Signals(signum).name,
+                            "the trainers got it too (one process group); waiting for them"
+                            if signum == signal.SIGINT else "passing it to the trainers"))
+        if signum == signal.SIGINT:
+            return
         for p in self.trainers:
             if p.poll() is None:
                 try:
@@ -206,14 +283,8 @@ class Launch:
 
     def start_trainers(self, rt):
         a = self.a
-        nodes = max(a.nnodes, 1)
         for i in range(a.nproc_per_node):
-            env = dict(os.environ)
-            env.update(SCAPE_RUNTIME_DIR=rt, SCAPE_ENDPOINT="ipc://%s/control" % rt,
-                       SCAPE_INDEX=str(i), LOCAL_RANK=str(i),
-                       RANK=str(a.node_rank * a.nproc_per_node + i),
-                       WORLD_SIZE=str(nodes * a.nproc_per_node),
-                       LOCAL_WORLD_SIZE=str(a.nproc_per_node))
+            env = trainer_env(os.environ, rt, i, a.nproc_per_node, a.node_index, a.nodes)
             try:
                 self.trainers.append(subprocess.Popen(a.cmd, env=env))
             except OSError as e:
@@ -271,8 +342,14 @@ class Launch:
         code = 1
         try:
             cmd = daemon_command(a, scaped, rt)
-            self.daemon = subprocess.Popen(cmd, stdout=subprocess.PIPE,
-                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            # a batch script's SLURM_PROCID (0) would have scaped take the
+            # job's task count (or none) for its world: it is one node alone
+            env = {k: v for k, v in os.environ.items()
+                   if not (a.batch_script and k == "SLURM_PROCID")}
+            self.daemon = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                           start_new_session=True,
+                                           preexec_fn=_die_with(os.getpid()))
             t = threading.Thread(target=pump, args=(self.daemon.stdout, b"[scaped] "),
                                  daemon=True)
             t.start()

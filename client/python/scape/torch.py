@@ -4,6 +4,8 @@ The parameters and their .grad become views of libscape's flat shared
 buffers, so backward() writes gradients straight into the memory the daemon
 reads, and the daemon's update lands in the parameters with no copy.
 """
+import contextlib
+
 import torch
 
 import scape
@@ -60,6 +62,30 @@ def _host_tensor(array, dtype):
     return torch.from_numpy(array.view("int16")).view(torch.bfloat16)
 
 
+_DEFAULTS = {}  # attach_defaults()'s, for the ScapeOptimizers made inside it
+
+
+@contextlib.contextmanager
+def attach_defaults(**kwargs):
+    """Within the block, a ScapeOptimizer made without endpoint, timeout_ms,
+    start_wait_ms or max_grad_norm takes these: how an integration (the
+    Lightning strategy) hands its settings, such as the Trainer's
+    gradient_clip_val, to the optimizer the user's code makes.  adopt: a
+    ScapeOptimizer still attached (of an earlier fit) whose session the new
+    one takes over when it has the same parameters, groups and settings (so
+    the trainer never leaves the job), and which is detached otherwise."""
+    bad = set(kwargs) - {"endpoint", "timeout_ms", "start_wait_ms", "max_grad_norm", "adopt"}
+    if bad:
+        raise TypeError("attach_defaults: no setting %s" % ", ".join(sorted(bad)))
+    saved = dict(_DEFAULTS)
+    _DEFAULTS.update(kwargs)
+    try:
+        yield
+    finally:
+        _DEFAULTS.clear()
+        _DEFAULTS.update(saved)
+
+
 class ScapeOptimizer(torch.optim.Optimizer):
     """ScapeOptimizer(model.parameters()) or ScapeOptimizer(model.named_parameters()).
 
@@ -84,7 +110,14 @@ class ScapeOptimizer(torch.optim.Optimizer):
     clipping, last_info.clip the factor applied."""
 
     def __init__(self, params, endpoint=None, lr=1e-3, weight_decay=None, index=-1,
-                 timeout_ms=600000, start_wait_ms=0, max_grad_norm=None):
+                 timeout_ms=None, start_wait_ms=None, max_grad_norm=None):
+        endpoint = _DEFAULTS.get("endpoint") if endpoint is None else endpoint
+        timeout_ms = _DEFAULTS.get("timeout_ms", 600000) if timeout_ms is None else timeout_ms
+        start_wait_ms = (_DEFAULTS.get("start_wait_ms", 0) if start_wait_ms is None
+                         else start_wait_ms)
+        if max_grad_norm is None:
+            max_grad_norm = _DEFAULTS.get("max_grad_norm")
+        self.max_grad_norm = max_grad_norm  # the bound stated at attach (None: the daemon's)
         named, tgroup, torch_groups = _groups(params)
         super().__init__(torch_groups, dict(lr=lr, weight_decay=weight_decay))
         # parameter groups go to the daemon when there are several, or any sets
@@ -95,6 +128,16 @@ class ScapeOptimizer(torch.optim.Optimizer):
             if g["weight_decay"] is not None and not g["weight_decay"] >= 0:
                 raise ValueError("ScapeOptimizer: weight_decay %r: >= 0, or None for the "
                                  "daemon's" % (g["weight_decay"],))
+        self._weight_decays = [g["weight_decay"] for g in self.param_groups]  # as registered
+        self._registered = (endpoint, max_grad_norm, tgroup, self._grouped, self._weight_decays,
+                            [n for n, _ in named])
+        old = _DEFAULTS.get("adopt")
+        if old is not None and old.attached:
+            if old._registered == self._registered and len(named) == len(old._views) and \
+                    all(p is q for (_, p), (q, _, _) in zip(named, old._views)):
+                self._take_over(old)
+                return
+            old.detach()
         dtype = _one_dtype(named)
         devices = {p.device for _, p in named}
         if len(devices) != 1:
@@ -135,22 +178,50 @@ class ScapeOptimizer(torch.optim.Optimizer):
         self.last_info = None  # the StepInfo of the latest step
 
     def state_dict(self):
-        """What identifies the job's checkpoint of the state after the last
-        step (the daemon writes it into its checkpoint_dir; several daemons
-        before the next step starts), with the groups' hyper-parameters:
-        save it with torch.save next to the model's."""
+        """The optimizer's state as torch keeps it ("state", "param_groups"
+        with each group's hyper-parameters and parameter indices), where the
+        state is the job's checkpoint of the state after the last step, on
+        disk in the daemons' checkpoint_dir when this returns (with one daemon
+        or several, and at the last step too).  It is named by
+        "scaped_checkpoint" (the step directory as the daemon saw it),
+        "checkpoint_name" (that directory relative to checkpoint_dir, which
+        load_state_dict resolves against the loading daemon's checkpoint_dir)
+        and "job".  Before the first step of a fresh job it describes that
+        fresh job (step 0, no checkpoint; no checkpoint_dir needed): loading
+        it then is a no-op.  Save it with torch.save next to the model's."""
         info = self.session.checkpoint()
-        return {"scaped_checkpoint": info["dir"], "step": info["step"],
-                "layout_hash": info["layout_hash"],
-                "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                                 for g in self.param_groups]}
+        fresh = info["step"] == 0
+        groups, index = [], 0
+        for g in self.param_groups:
+            saved = {k: v for k, v in g.items() if k != "params"}
+            saved["params"] = list(range(index, index + len(g["params"])))
+            index += len(g["params"])
+            groups.append(saved)
+        return {"state": {},
+                "scaped_checkpoint": None if fresh else info["dir"],
+                "checkpoint_name": info["name"] or None,
+                "job": info["job"],
+                "step": info["step"], "layout_hash": info["layout_hash"],
+                "param_groups": groups}
+
+    @property
+    def resumed_step(self):
+        """The step whose checkpoint the daemons restored (0: a fresh job).
+        After a requeue they resume from their newest checkpoint on their own
+        (scaped --resume, SCAPE_RESUME): restore the data position and the
+        learning-rate schedule from this step; load_state_dict of a state_dict
+        of this same step is a no-op, of any other step refused."""
+        return self.session.resumed_step
 
     def load_state_dict(self, state_dict):
         """Before the first step: restart the job from that checkpoint (every
         trainer calls it); the parameters become the checkpoint's and the
-        next step the one after it (session.next_step).  Refused, with the
-        reason, for another layout, groups or optimizer, or a missing
-        checkpoint."""
+        next step the one after it (session.next_step).  A fresh job's
+        state_dict (step 0) is a no-op before the first step; a state_dict of
+        the step the job was restored at (resumed_step) is a no-op until the
+        next step.  Refused, with the reason, for another layout, groups or
+        optimizer, a checkpoint pruned by checkpoint_keep or missing, or
+        another step than the one a resumed job was restored at."""
         if not isinstance(state_dict, dict) or "scaped_checkpoint" not in state_dict:
             raise ValueError("ScapeOptimizer.load_state_dict: not a ScapeOptimizer "
                              "state_dict (no 'scaped_checkpoint')")
@@ -158,14 +229,37 @@ class ScapeOptimizer(torch.optim.Optimizer):
         if len(groups) != len(self.param_groups):
             raise ValueError("ScapeOptimizer.load_state_dict: %d parameter groups saved, "
                              "this optimizer has %d" % (len(groups), len(self.param_groups)))
-        self._follow_stream()  # the model's own load_state_dict copies land first
-        self.session.resume(state_dict["scaped_checkpoint"], state_dict["step"],
-                            state_dict["layout_hash"])
+        where = state_dict["scaped_checkpoint"]
+        if where is None:  # a fresh job's: nothing to restore
+            if self.session.next_step != 1:
+                raise ValueError("ScapeOptimizer.load_state_dict: a fresh job's state_dict "
+                                 "(step 0) loads only before the first step; this job is at "
+                                 "step %d" % (self.session.next_step - 1))
+        else:
+            name = state_dict.get("checkpoint_name")
+            if name and where.rstrip("/").endswith("/" + name):
+                where = name  # resolved against the daemon's checkpoint_dir
+            self._follow_stream()  # the model's own load_state_dict copies land first
+            self.session.resume(where, state_dict["step"], state_dict["layout_hash"])
         for g, saved in zip(self.param_groups, groups):
-            g.update(saved)
+            g.update({k: v for k, v in saved.items() if k != "params"})
+
+    def add_param_group(self, param_group):
+        """torch.optim.Optimizer's, while constructing; refused afterwards: the
+        parameters and their groups are registered with scaped at attach."""
+        if getattr(self, "session", None) is not None:
+            raise ValueError("ScapeOptimizer.add_param_group: the parameters and their groups "
+                             "are registered with scaped when the optimizer is made; pass "
+                             "every group to ScapeOptimizer(...) (for another set of "
+                             "parameters: detach() and make a new ScapeOptimizer)")
+        super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none=True):
-        """Zero the shared gradient buffer; .grad stays a view of it either way."""
+        """Zero the shared gradient buffer; .grad stays a view of it either way
+        (set_to_none or not; step() would re-own a fresh .grad anyway).
+        After detach(), torch's zero_grad."""
+        if self._flat_grads is None:
+            return super().zero_grad(set_to_none=set_to_none)
         self._flat_grads.zero_()
 
     def step(self, closure=None):
@@ -177,11 +271,16 @@ class ScapeOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        lr = ([g["lr"] for g in self.param_groups] if self._grouped
-              else self.param_groups[0]["lr"])
+        lr = [float(g["lr"]) for g in self.param_groups]  # a scheduler's may be a tensor
+        for i, (g, wd) in enumerate(zip(self.param_groups, self._weight_decays)):
+            if g["weight_decay"] != wd:
+                raise ValueError("ScapeOptimizer.step: param_groups[%d]['weight_decay'] was "
+                                 "changed from %r to %r; the daemon keeps each group's weight "
+                                 "decay as registered at attach (only 'lr' may change between "
+                                 "steps)" % (i, wd, g["weight_decay"]))
         self._own_grads()
         self._follow_stream()
-        self.last_info = self.session.step(lr,
+        self.last_info = self.session.step(lr if self._grouped else lr[0],
                                            loss=None if loss is None else
                                            float(loss.detach() if torch.is_tensor(loss)
                                                  else loss))
@@ -221,9 +320,28 @@ class ScapeOptimizer(torch.optim.Optimizer):
             self.session.set_stream(torch.cuda.current_stream(self._device).cuda_stream,
                                     blocking=False)
 
+    @property
+    def attached(self):
+        """Whether this optimizer holds an attached session (not after
+        detach() or after another ScapeOptimizer took it over)."""
+        return self._flat_grads is not None
+
+    def _take_over(self, old):
+        """old's session, views and buffers become this optimizer's; old is
+        left detached (without detaching the session)."""
+        if any(p.data_ptr() != pv.data_ptr() for p, pv, _ in old._views):
+            raise RuntimeError("ScapeOptimizer: a parameter no longer holds the daemon's buffer "
+                               "since the earlier optimizer was made (its .data was replaced); "
+                               "detach() that optimizer first")
+        self.session, self._device, self._views = old.session, old._device, old._views
+        self._flat_grads, self.last_info = old._flat_grads, old.last_info
+        old.session, old._flat_grads, old._views = None, None, []
+
     def detach(self):
         """Give the parameters private copies of their values, drop .grad, and
         detach from scaped; idempotent."""
+        if self.session is None:  # handed over to another ScapeOptimizer
+            return
         if self._flat_grads is not None:
             with torch.no_grad():
                 for group in self.param_groups:
