@@ -29,6 +29,12 @@ run_suite() {  # name, build dir, extra cmake args...
 }
 
 mkdir -p build-test
+# the Python stacks the integration tests train with: HF transformers +
+# accelerate against Debian's torch 1.13, and torch 2.x + Lightning from PyPI
+bash deploy/hf-venv.sh build-test/release/hf-venv
+SCAPE_TORCH2_VENV=$root/build-test/torch2-venv
+export SCAPE_TORCH2_VENV
+bash deploy/torch2-venv.sh "$SCAPE_TORCH2_VENV"
 run_suite release build-test/release -DCMAKE_BUILD_TYPE=RelWithDebInfo
 run_suite sanitize build-test/asan -DCMAKE_BUILD_TYPE=Debug -DSCAPE_SANITIZE=ON
 
