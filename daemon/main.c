@@ -92,7 +92,9 @@ static const char *config_path(int argc, char **argv)
  * only sets defaults, which the file, SCAPE_* variables and flags override. */
 static scape_rc slurm_defaults(scaped_config *cfg)
 {
-    if (getenv("SLURM_PROCID") == NULL)
+    /* a batch script without --ntasks has SLURM_PROCID but no SLURM_NTASKS:
+     * it is not a step of several tasks, so one node, as outside Slurm */
+    if (getenv("SLURM_PROCID") == NULL || getenv("SLURM_NTASKS") == NULL)
         return SCAPE_OK;
     int rank, world;
     uint64_t job;
