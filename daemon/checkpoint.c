@@ -20,6 +20,22 @@
  * flag clear, before that step until a round where no flag is set.  Rounds
  * pair one to one on every daemon, so no daemon waits for a round the others
  * never enter, whichever trainers call state_dict and whenever.
+ *
+ * Leaving together.  Such a round needs every daemon, so a daemon whose own
+ * trainers have ended must not stop while another's may still ask: under
+ * scape-run each node stops its daemon as soon as its own trainers end, and
+ * rank 0 typically saves last.  Every daemon keeps a marker in
+ * checkpoint_dir (per job and rank): ".idle-" while it has no trainer,
+ * ".leaving-" once it is told to stop.  A daemon told to stop waits, serving
+ * rounds as when idle, until every rank has a marker; then every daemon
+ * (stopping or idle) meets in one last 4-byte round with the flag LEAVE and
+ * removes its marker; none can be asked for a state_dict any more.  The
+ * round is entered only when all markers are there and at least one says
+ * leaving, and markers are removed only after it (or by a daemon that gives
+ * up), so every daemon sees the same set: it pairs one to one like the
+ * others.  A lone daemon, a job without checkpoint_dir, one that never
+ * stepped or is broken stops at once; the wait is bounded by comm_timeout_ms
+ * and a second SIGTERM/SIGINT (server.c).
  */
 #define _POSIX_C_SOURCE 200809L
 #include <signal.h>
@@ -33,6 +49,7 @@
 #include "try.h"
 
 #define IDLE_LOOK_S 0.5 /* idle seconds after a step before request files are looked for */
+#define FLAG_LEAVE 2u   /* a round's flag: the leave round (no checkpoint) */
 
 static volatile sig_atomic_t s_ckpt_signal;
 
@@ -108,6 +125,10 @@ static void set_dir(server *s, const char *dir)
 scape_rc ckp_start(server *s, void *const *params)
 {
     s->ckpt_rounds = 0;
+    s->job_over = 0;
+    s->leave_mark = CKPT_NO_MARK; /* a marker of an earlier run: gone before agree_start */
+    if (s->cfg.world > 1 && s->cfg.checkpoint_dir[0])
+        ckpt_mark(s->cfg.checkpoint_dir, s->cfg.job, s->cfg.rank, CKPT_NO_MARK);
     TRY(agree_start(s));
     if (!s->resuming)
         return eng_init_params(s->eng, params);
@@ -142,25 +163,40 @@ static int wanted_here(server *s, uint64_t step)
     return s->ckpt_requested || periodic;
 }
 
-/* Every daemon's wish, one 4-byte flag each; any one asks for all. */
-static scape_rc agree(server *s, int mine, int *due)
+/* Every daemon's wish, one 4-byte flag each; any one asks for all.
+ * FLAG_LEAVE is the leave round's (*leave: how many daemons sent it); in any
+ * other round it is an error: that daemon has left the job. */
+static scape_rc agree_flags(server *s, uint32_t flag, int *due, int *leave)
 {
-    *due = mine;
+    *due = flag == 1;
+    *leave = flag == FLAG_LEAVE;
     if (s->cfg.world == 1)
         return SCAPE_OK;
     int R = s->comm->size;
-    uint32_t flag = mine != 0, *all = calloc((size_t)R, sizeof *all);
+    uint32_t *all = calloc((size_t)R, sizeof *all);
     size_t *counts = calloc((size_t)R, sizeof *counts);
     scape_rc rc = all && counts ? SCAPE_OK : scape_set_error(SCAPE_NOMEM, "out of memory");
     for (int r = 0; rc == SCAPE_OK && r < R; r++)
         counts[r] = sizeof flag;
     if (rc == SCAPE_OK)
         rc = comm_allgather(s->comm, &flag, all, counts);
-    for (int r = 0; rc == SCAPE_OK && r < R; r++)
-        *due |= all[r] != 0;
+    *leave = 0;
+    for (int r = 0; rc == SCAPE_OK && r < R; r++) {
+        *due |= all[r] == 1;
+        *leave += all[r] == FLAG_LEAVE;
+    }
+    if (rc == SCAPE_OK && *leave && flag != FLAG_LEAVE)
+        rc = scape_set_error(SCAPE_REMOTE, "%d daemon(s) of the job left it in this round "
+                             "(every daemon had no trainer or was stopping)", *leave);
     free(all);
     free(counts);
     return rc;
+}
+
+static scape_rc agree(server *s, int mine, int *due)
+{
+    int leave = 0;
+    return agree_flags(s, mine != 0, due, &leave);
 }
 
 void ckp_after_step(server *s, uint64_t step)
@@ -237,7 +273,11 @@ scape_rc ckp_before_step(server *s, uint64_t t)
     return SCAPE_OK; /* a failed write is reported and the job goes on */
 }
 
-void ckp_idle(server *s)
+static void leave_idle(server *s);
+static void mark(server *s, int kind);
+
+/* Idle: a state_dict on another daemon asks for a round (its request file). */
+static void join_state_dict(server *s)
 {
     if (s->cfg.world == 1 || s->cfg.checkpoint_dir[0] == '\0' || s->eng == NULL ||
         s->broken || s->next_step <= 1 || saved(s, s->next_step - 1) ||
@@ -251,6 +291,12 @@ void ckp_idle(server *s)
     round_of(s, 1, &due); /* its outcome is logged; the trainer asked elsewhere hears it */
 }
 
+void ckp_idle(server *s)
+{
+    join_state_dict(s);
+    leave_idle(s);
+}
+
 /* The state after step t, on disk before this returns. */
 static scape_rc save_now(server *s, uint64_t t)
 {
@@ -261,6 +307,7 @@ static scape_rc save_now(server *s, uint64_t t)
                                "--checkpoint-dir)", (unsigned long long)t);
     if (s->cfg.world == 1)
         return take(s);
+    mark(s, CKPT_NO_MARK); /* a trainer is here again: no longer idle */
     TRY(ckpt_want(s->cfg.checkpoint_dir, t, s->ckpt_rounds));
     LOG_INFO(SUB_STATUS, "state_dict: saving the state after step %llu with the other "
              "daemons", (unsigned long long)t);
@@ -396,4 +443,104 @@ void ckp_info(const server *s, Scape__CheckpointInfo *c)
     c->job = s->cfg.job;
     c->has_keep = 1;
     c->keep = (uint32_t)s->cfg.checkpoint_keep;
+}
+
+/* ---- leaving together ------------------------------------------------------ */
+
+static int attached(const server *s)
+{
+    int n = 0;
+    for (int i = 0; i < SRV_MAX_SLOTS; i++)
+        n += s->slots[i].used;
+    return n;
+}
+
+/* A trainer on some daemon of the job may still ask for a state_dict, and
+ * this daemon would then be needed in its round. */
+static int may_be_asked(const server *s)
+{
+    return s->cfg.world > 1 && s->cfg.checkpoint_dir[0] != '\0' && s->eng != NULL &&
+           !s->broken && s->next_step > 1 && !s->job_over;
+}
+
+static void mark(server *s, int kind)
+{
+    if (kind == s->leave_mark)
+        return;
+    if (ckpt_mark(s->cfg.checkpoint_dir, s->cfg.job, s->cfg.rank, kind) == SCAPE_OK) {
+        s->leave_mark = kind;
+        s->leave_warned = 0;
+    } else if (!s->leave_warned) {
+        s->leave_warned = 1;
+        LOG_WARN(SUB_ENGINE, "%s (the daemons of the job may not leave together)",
+                 scape_last_error());
+    }
+}
+
+/* The last round: every daemon is done with the job. */
+static void leave_round(server *s)
+{
+    int due = 0, leave = 0;
+    scape_rc rc = agree_flags(s, FLAG_LEAVE, &due, &leave);
+    s->job_over = 1;
+    if (rc == SCAPE_OK && leave != s->cfg.world)
+        rc = scape_set_error(SCAPE_REMOTE, "only %d of the %d daemons were leaving in the "
+                             "leave round", leave, s->cfg.world);
+    mark(s, CKPT_NO_MARK); /* every daemon has seen every marker */
+    if (rc != SCAPE_OK) {
+        srv_mark_broken(s);
+        LOG_WARN(SUB_ENGINE, "the leave round failed: %s", scape_last_error());
+        return;
+    }
+    LOG_INFO(SUB_ENGINE, "every daemon of the job is done with it (no trainer, or stopping): "
+             "no state_dict can come any more");
+}
+
+/* At each liveness check: keep this daemon's marker true, and meet the
+ * others in the leave round once every daemon has one and one is leaving. */
+static void leave_idle(server *s)
+{
+    if (s->job_over && !s->stopping && attached(s) > 0)
+        s->job_over = 0; /* trainers came back after the others left: a new round */
+    if (!may_be_asked(s))
+        return;
+    mark(s, s->stopping ? CKPT_LEAVING : attached(s) == 0 ? CKPT_IDLE : CKPT_NO_MARK);
+    if (s->leave_mark == CKPT_NO_MARK)
+        return;
+    int leaving = 0; /* one lookup a rank at most, up to the first unmarked */
+    if (ckpt_marks(s->cfg.checkpoint_dir, s->cfg.job, s->cfg.world, &leaving, NULL, 0) == 0 &&
+        leaving > 0)
+        leave_round(s);
+}
+
+int ckp_leave_begin(server *s)
+{
+    if (!may_be_asked(s))
+        return 0;
+    mark(s, CKPT_LEAVING);
+    if (s->leave_mark != CKPT_LEAVING)
+        return 0; /* the others cannot know: logged */
+    int leaving = 0;
+    char missing[256];
+    if (ckpt_marks(s->cfg.checkpoint_dir, s->cfg.job, s->cfg.world, &leaving, missing,
+                   sizeof missing) == 0) {
+        leave_round(s);
+        ckp_leave_end(s, s->broken ? s->broken_why : NULL);
+        return 0;
+    }
+    LOG_INFO(SUB_MAIN, "waiting for daemons %s to leave (a state_dict may still come; at most "
+             "comm_timeout_ms, %d ms; a second SIGTERM or SIGINT stops at once)", missing,
+             s->cfg.comm_timeout_ms);
+    return 1;
+}
+
+int ckp_left(const server *s) { return s->job_over || s->broken; }
+
+void ckp_leave_end(server *s, const char *why)
+{
+    if (why)
+        LOG_WARN(SUB_MAIN, "stopping without the other daemons: %s", why);
+    else if (s->job_over && !s->broken)
+        LOG_INFO(SUB_MAIN, "the other daemons are leaving too: stopping");
+    mark(s, CKPT_NO_MARK);
 }

@@ -1248,3 +1248,64 @@ void ckpt_unwant(const char *root, uint64_t step, uint32_t round)
     if (unlink(path) != 0 && errno != ENOENT)
         LOG_WARN(SUB_ENGINE, "%s: %s", path, strerror(errno));
 }
+
+/* The marker of rank `rank` of job `job`: what it says (CKPT_IDLE, CKPT_LEAVING). */
+static void mark_path(const char *root, uint32_t job, int rank, int kind, char *path,
+                      size_t len)
+{
+    snprintf(path, len, "%s/.%s-%u.%d", root, kind == CKPT_LEAVING ? "leaving" : "idle",
+             (unsigned)job, rank);
+}
+
+scape_rc ckpt_mark(const char *root, uint32_t job, int rank, int kind)
+{
+    char path[CKPT_PATH_MAX + 48], old[CKPT_PATH_MAX + 48];
+    if (kind != CKPT_NO_MARK) { /* the new one first: a rank is never seen unmarked between */
+        TRY(mkdir_p(root));
+        mark_path(root, job, rank, kind, path, sizeof path);
+        int fd = open(path, O_WRONLY | O_CREAT | O_CLOEXEC, 0640);
+        if (fd < 0)
+            return scape_set_error(SCAPE_SYSTEM, "cannot tell the other daemons through %s: "
+                                   "%s", path, strerror(errno));
+        close(fd);
+    }
+    for (int k = CKPT_IDLE; k <= CKPT_LEAVING; k++) {
+        if (k == kind)
+            continue;
+        mark_path(root, job, rank, k, old, sizeof old);
+        if (unlink(old) != 0 && errno != ENOENT)
+            LOG_WARN(SUB_ENGINE, "%s: %s", old, strerror(errno));
+    }
+    return SCAPE_OK;
+}
+
+int ckpt_marks(const char *root, uint32_t job, int world, int *leaving, char *missing,
+               size_t len)
+{
+    char path[CKPT_PATH_MAX + 48];
+    int n = 0;
+    size_t used = 0;
+    *leaving = 0;
+    if (len)
+        missing[0] = '\0';
+    for (int r = 0; r < world; r++) {
+        mark_path(root, job, r, CKPT_LEAVING, path, sizeof path);
+        if (access(path, F_OK) == 0) {
+            (*leaving)++;
+            continue;
+        }
+        mark_path(root, job, r, CKPT_IDLE, path, sizeof path);
+        if (access(path, F_OK) == 0)
+            continue;
+        if (len == 0)
+            return 1; /* whether any is missing is all the caller asks */
+        if (used < len) {
+            int w = snprintf(missing + used, len - used, "%s%d", n ? ", " : "", r);
+            used += w > 0 ? (size_t)w : 0;
+        }
+        n++;
+    }
+    if (len > 4 && used >= len) /* cut: say so */
+        snprintf(missing + len - 5, 5, "...");
+    return n;
+}

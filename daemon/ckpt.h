@@ -67,6 +67,17 @@ scape_rc ckpt_missing(const char *root, const char *name, int keep);
 scape_rc ckpt_want(const char *root, uint64_t step, uint32_t round);
 int ckpt_wanted(const char *root, uint64_t step, uint32_t round);
 void ckpt_unwant(const char *root, uint64_t step, uint32_t round);
+/* Leaving together (several daemons): each rank marks in root whether it
+ * has no trainer (CKPT_IDLE) or is stopping (CKPT_LEAVING), or neither
+ * (CKPT_NO_MARK, which removes its marker).  ckpt_marks counts the ranks of
+ * `world` with neither (their list, comma-separated, in missing) and those
+ * leaving (*leaving); with len 0 it stops at the first such rank (1). */
+#define CKPT_NO_MARK 0
+#define CKPT_IDLE 1
+#define CKPT_LEAVING 2
+scape_rc ckpt_mark(const char *root, uint32_t job, int rank, int kind);
+int ckpt_marks(const char *root, uint32_t job, int world, int *leaving, char *missing,
+               size_t len);
 /* 64-bit checksum of n bytes, continuing from h (start with CKPT_HASH_SEED):
  * a change confined to one 8-byte word always changes it. */
 #define CKPT_HASH_SEED 0x5343415045434b50ull

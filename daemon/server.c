@@ -28,12 +28,21 @@
 #include "server_internal.h"
 #include "try.h"
 
-static volatile sig_atomic_t s_stop;
+static volatile sig_atomic_t s_stop;          /* stop requests (signals) so far */
+static volatile sig_atomic_t s_stop_leaving = -1; /* s_stop when leaving began; -1: not */
 
-void srv_request_stop(void) { s_stop = 1; }
+void srv_request_stop(void)
+{
+    if (s_stop < 1000)
+        s_stop++;
+}
 
-/* A collective waiting on another daemon gives up when we are told to stop. */
-static int stop_requested(void) { return s_stop != 0; }
+/* A collective waiting on another daemon gives up when we are told to stop
+ * (while leaving with the other daemons: told once more). */
+static int stop_requested(void)
+{
+    return s_stop > 0 && (s_stop_leaving < 0 || s_stop > s_stop_leaving);
+}
 
 void srv_mark_broken(server *s)
 {
@@ -555,6 +564,33 @@ scape_rc srv_serve_once(server *s, int timeout_ms, int *handled)
     return SCAPE_OK;
 }
 
+/* Several daemons: stay, serving checkpoint rounds, until every daemon of
+ * the job is leaving too (checkpoint.c, "Leaving together"), a peer is gone
+ * or the job broken, comm_timeout_ms passes, or another signal comes. */
+static void leave_together(server *s)
+{
+    s_stop_leaving = s_stop; /* from here the rounds go on until told again */
+    if (!ckp_leave_begin(s)) {
+        s_stop_leaving = -1;
+        return;
+    }
+    double until = srv_now() + 1e-3 * s->cfg.comm_timeout_ms;
+    scape_rc rc = SCAPE_OK;
+    while (rc == SCAPE_OK && !ckp_left(s) && s_stop <= s_stop_leaving && srv_now() < until)
+        rc = srv_serve_once(s, s->cfg.liveness_ms, NULL);
+    const char *why = NULL;
+    if (s_stop > s_stop_leaving)
+        why = "told to stop again: stopping now";
+    else if (rc != SCAPE_OK)
+        why = scape_last_error();
+    else if (!ckp_left(s))
+        why = "comm_timeout_ms passed";
+    else if (s->broken)
+        why = s->broken_why;
+    s_stop_leaving = -1;
+    ckp_leave_end(s, why);
+}
+
 scape_rc srv_run(server *s)
 {
     LOG_INFO(SUB_MAIN, "serving %s (status %s, events %s)", s->ep_control, s->ep_status,
@@ -564,6 +600,7 @@ scape_rc srv_run(server *s)
     s->stopping = 1;
     LOG_INFO(SUB_MAIN, "stopping after step %llu", (unsigned long long)s->next_step - 1);
     farewell(s);
+    leave_together(s);
     return SCAPE_OK;
 }
 

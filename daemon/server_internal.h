@@ -116,6 +116,11 @@ struct server {
     uint32_t ckpt_rounds;           /* between-steps checkpoint rounds since the last step */
     double ckpt_look_at;            /* srv_now() from which an idle daemon looks for
                                        another's state_dict request */
+    int leave_mark;                 /* this daemon's marker in checkpoint_dir: CKPT_NO_MARK,
+                                       CKPT_IDLE (no trainer) or CKPT_LEAVING (stopping) */
+    int leave_warned;               /* a marker that could not be written was logged */
+    int job_over;                   /* every daemon agreed that none can be asked for a
+                                       state_dict any more (the leave round) */
 };
 
 double srv_now(void);
@@ -187,6 +192,14 @@ scape_rc ckp_before_step(server *s, uint64_t t);
 /* Idle, several daemons: join a between-steps round that a state_dict on
  * another daemon asked for (its request file in checkpoint_dir). */
 void ckp_idle(server *s);
+/* Stopping, several daemons (checkpoint.c's "Leaving together"): 1 when
+ * this daemon must first wait for the others, whose trainers may still ask
+ * for a state_dict (it has said so in its log); then the loop serves
+ * ckp_idle until ckp_left, or a bound, and ckp_leave_end (why: NULL when
+ * every daemon left together, else why this one stops alone). */
+int ckp_leave_begin(server *s);
+int ckp_left(const server *s);
+void ckp_leave_end(server *s, const char *why);
 /* load_state_dict's checkpoint: given (relative to checkpoint_dir, or
  * absolute) as a path in dir; a step directory that is gone is refused
  * with the reason (pruned by checkpoint_keep, or never there). */

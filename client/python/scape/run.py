@@ -367,6 +367,14 @@ class Launch:
             code = 128 + self.signalled if self.signalled else 1
         finally:
             if self.daemon is not None:
+                if a.nodes > 1:  # scaped waits, up to its comm_timeout_ms (300 s unless
+                    # --set), for the other nodes' daemons: a state_dict may still come
+                    ms = [kv.split("=", 1)[1] for kv in a.set
+                          if kv.split("=", 1)[0].replace("-", "_") == "comm_timeout_ms"]
+                    try:
+                        a.grace += float(ms[-1]) / 1000 if ms else 300.0
+                    except ValueError:
+                        a.grace += 300.0
                 self.stop([self.daemon], "stopping scaped")
                 drc = self.daemon.returncode
                 if drc not in (0, -signal.SIGTERM) and code == 0:
