@@ -85,9 +85,13 @@ static scape_rc agree_start(server *s)
     if (s->cfg.world == 1)
         return SCAPE_OK;
     int R = s->comm->size;
-    uint64_t mine[3] = { (uint64_t)s->resuming, s->resuming ? s->resume.step : 0,
-                         s->resuming ? s->resume.world : 0 };
-    uint64_t *all = calloc((size_t)R * 3, sizeof *all);
+    /* the fourth word, whether this daemon has a checkpoint_dir, may differ:
+     * only when every daemon has one can a state_dict reach them all, and
+     * only then do they leave together (ckp_leave_begin) */
+    uint64_t mine[4] = { (uint64_t)s->resuming, s->resuming ? s->resume.step : 0,
+                         s->resuming ? s->resume.world : 0,
+                         s->cfg.checkpoint_dir[0] != '\0' };
+    uint64_t *all = calloc((size_t)R * 4, sizeof *all);
     size_t *counts = calloc((size_t)R, sizeof *counts);
     scape_rc rc = all && counts ? SCAPE_OK : scape_set_error(SCAPE_NOMEM, "out of memory");
     for (int r = 0; rc == SCAPE_OK && r < R; r++)
@@ -95,19 +99,22 @@ static scape_rc agree_start(server *s)
     if (rc == SCAPE_OK)
         rc = comm_allgather(s->comm, mine, all, counts);
     for (int r = 0; rc == SCAPE_OK && r < R; r++)
-        if (memcmp(all + 3 * r, mine, sizeof mine) != 0)
+        if (memcmp(all + 4 * r, mine, 3 * sizeof mine[0]) != 0)
             rc = scape_set_error(SCAPE_INVALID,
                                  "job start: rank %d %s, this rank (%d) %s; every daemon must "
                                  "resume the same checkpoint or none", r,
-                                 all[3 * r] ? "resumes a checkpoint" : "starts fresh",
+                                 all[4 * r] ? "resumes a checkpoint" : "starts fresh",
                                  s->cfg.rank, s->resuming ? "resumes one" : "starts fresh");
     if (rc == SCAPE_OK && s->resuming)
         for (int r = 0; rc == SCAPE_OK && r < R; r++)
-            if (all[3 * r + 1] != mine[1])
+            if (all[4 * r + 1] != mine[1])
                 rc = scape_set_error(SCAPE_INVALID, "job start: rank %d resumes step %llu, "
                                      "this rank step %llu", r,
-                                     (unsigned long long)all[3 * r + 1],
+                                     (unsigned long long)all[4 * r + 1],
                                      (unsigned long long)mine[1]);
+    s->all_ckpt_dirs = rc == SCAPE_OK;
+    for (int r = 0; rc == SCAPE_OK && r < R; r++)
+        s->all_ckpt_dirs &= all[4 * r + 3] != 0;
     free(all);
     free(counts);
     return rc;
@@ -459,7 +466,8 @@ static int attached(const server *s)
  * this daemon would then be needed in its round. */
 static int may_be_asked(const server *s)
 {
-    return s->cfg.world > 1 && s->cfg.checkpoint_dir[0] != '\0' && s->eng != NULL &&
+    return s->cfg.world > 1 && s->cfg.checkpoint_dir[0] != '\0' && s->all_ckpt_dirs &&
+           s->eng != NULL &&
            !s->broken && s->next_step > 1 && !s->job_over;
 }
 

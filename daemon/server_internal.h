@@ -119,6 +119,8 @@ struct server {
     int leave_mark;                 /* this daemon's marker in checkpoint_dir: CKPT_NO_MARK,
                                        CKPT_IDLE (no trainer) or CKPT_LEAVING (stopping) */
     int leave_warned;               /* a marker that could not be written was logged */
+    int all_ckpt_dirs;              /* every daemon of the job has a checkpoint_dir (agreed at
+                                       the start): only then do they leave together */
     int job_over;                   /* every daemon agreed that none can be asked for a
                                        state_dict any more (the leave round) */
 };
