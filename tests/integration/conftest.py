@@ -107,7 +107,10 @@ class Daemon:
         with open(self.log_path) as f:
             return f.read()
 
-    def stop(self, timeout=20):
+    def stop(self, timeout=45):
+        # a daemon of several waits up to comm_timeout_ms (the tests' groups
+        # use 20 s) for the others to leave too, when one may still be asked
+        # for a state_dict: stopping is bounded by that, not by an instant
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
