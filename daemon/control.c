@@ -62,7 +62,7 @@ static scape_rc pick_slot(server *s, int want, int *out)
     if (want >= 0) {
         /* a trainer restarted at once may ask for its slot before the
          * liveness check has seen the old process go: drop that one now */
-        if (s->slots[want].used && srv_pid_dead(s->slots[want].pid))
+        if (s->slots[want].used && wire_pid_gone(s->slots[want].pid))
             ctl_drop(s, &s->slots[want], 1);
         if (s->slots[want].used)
             return scape_set_error(SCAPE_INVALID, "slot %d is taken by %s", want,
@@ -360,7 +360,7 @@ static scape_rc await_grads(const server *s, trainer **ts, int n, trainer **dead
              * query that fails for a dead trainer is its death, not the
              * step's error (deaths otherwise show at the pid checks) */
             scape_rc rc = shm_map_event_done(&ts[i]->grads, &done[i], what[i]);
-            if (rc != SCAPE_OK && srv_pid_dead(ts[i]->pid)) {
+            if (rc != SCAPE_OK && wire_pid_gone(ts[i]->pid)) {
                 *dead = ts[i];
                 return SCAPE_OK;
             }
@@ -373,7 +373,7 @@ static scape_rc await_grads(const server *s, trainer **ts, int n, trainer **dead
         if (now >= look) {
             look = now + 0.05;
             for (int i = 0; i < n; i++)
-                if (!done[i] && srv_pid_dead(ts[i]->pid)) {
+                if (!done[i] && wire_pid_gone(ts[i]->pid)) {
                     *dead = ts[i];
                     return SCAPE_OK;
                 }

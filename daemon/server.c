@@ -436,26 +436,10 @@ static void control_recv(server *s)
         scape__request__free_unpacked(q, NULL);
 }
 
-int srv_pid_dead(pid_t pid)
-{
-    if (kill(pid, 0) != 0 && errno == ESRCH)
-        return 1;
-    char path[64], buf[256];
-    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
-    FILE *f = fopen(path, "r");
-    if (f == NULL)
-        return 0;
-    size_t n = fread(buf, 1, sizeof buf - 1, f);
-    fclose(f);
-    buf[n] = '\0';
-    const char *close_paren = strrchr(buf, ')');
-    return close_paren && close_paren[1] == ' ' && close_paren[2] == 'Z';
-}
-
 static void check_liveness(server *s)
 {
     for (int i = 0; i < SRV_MAX_SLOTS; i++)
-        if (s->slots[i].used && srv_pid_dead(s->slots[i].pid))
+        if (s->slots[i].used && wire_pid_gone(s->slots[i].pid))
             ctl_drop(s, &s->slots[i], 1);
 }
 

@@ -127,7 +127,6 @@ struct server {
 
 double srv_now(void);
 /* 1 when the process is gone, or a zombie nobody has reaped yet. */
-int srv_pid_dead(pid_t pid);
 /* Send an encoded Reply to the trainer with routing id rid. */
 scape_rc srv_reply(server *s, const unsigned char *rid, size_t rid_len, const Scape__Reply *r);
 /* Send an error reply with code rc and the current last-error message. */

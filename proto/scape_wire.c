@@ -1,8 +1,11 @@
-/* scape_wire.c - socket locations and status mapping. */
+/* scape_wire.c - socket locations, status mapping and the liveness of a peer. */
 #define _POSIX_C_SOURCE 200809L
+#include <errno.h>
 #include <pwd.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
 #include "scape_wire.h"
@@ -15,6 +18,22 @@ static scape_rc fits(int n, size_t len, const char *what)
     if (n < 0 || (size_t)n >= len)
         return scape_set_error(SCAPE_INVALID, "%s does not fit in %zu bytes", what, len);
     return SCAPE_OK;
+}
+
+int wire_pid_gone(pid_t pid)
+{
+    if (kill(pid, 0) != 0 && errno == ESRCH)
+        return 1;
+    char path[64], buf[256];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (f == NULL)
+        return 0;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    const char *close_paren = strrchr(buf, ')');
+    return close_paren && close_paren[1] == ' ' && close_paren[2] == 'Z';
 }
 
 scape_rc wire_runtime_dir(char *buf, size_t len)

@@ -4,6 +4,7 @@
 #define SCAPE_WIRE_H
 
 #include <stddef.h>
+#include <sys/types.h>
 
 #include "scape.pb-c.h"
 #include "scape_rc.h"
@@ -22,6 +23,11 @@ scape_rc wire_endpoint(char *buf, size_t len, const char *dir, const char *name)
 /* Fill r (and its error e) as the error reply for rc, carrying the calling
  * thread's last-error message; both stay valid while that message does. */
 void wire_error_reply(Scape__Reply *r, Scape__Error *e, scape_rc rc);
+
+/* 1 when process pid is gone, or a zombie nobody has reaped yet: the
+ * liveness check of a peer on this node, the daemon's of its trainers and a
+ * trainer's of its daemon. */
+int wire_pid_gone(pid_t pid);
 
 /* Map between scape_rc and Scape__Status (they share numbering). */
 Scape__Status wire_status(scape_rc rc);

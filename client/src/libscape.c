@@ -169,23 +169,6 @@ static double now_s(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* 1 when process pid is gone, or a zombie nobody has reaped yet. */
-static int pid_gone(pid_t pid)
-{
-    if (kill(pid, 0) != 0 && errno == ESRCH)
-        return 1;
-    char path[64], buf[256];
-    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
-    FILE *f = fopen(path, "r");
-    if (f == NULL)
-        return 0;
-    size_t n = fread(buf, 1, sizeof buf - 1, f);
-    fclose(f);
-    buf[n] = '\0';
-    const char *close_paren = strrchr(buf, ')');
-    return close_paren && close_paren[1] == ' ' && close_paren[2] == 'Z';
-}
-
 /* The runtime directory of an ipc://DIR/control endpoint (else the endpoint). */
 static const char *endpoint_dir(const char *endpoint, char *buf, size_t len)
 {
@@ -242,7 +225,7 @@ static scape_rc wait_ready(scape_session *s, void *sock, short events, double de
         if (interrupted(s))
             return scape_set_error(SCAPE_SYSTEM, "interrupted: the caller gave up waiting "
                                    "for the %s", what);
-        if (s->daemon_pid > 0 && gone_since == 0.0 && pid_gone(s->daemon_pid))
+        if (s->daemon_pid > 0 && gone_since == 0.0 && wire_pid_gone(s->daemon_pid))
             gone_since = now_s();
         if (gone_since > 0.0 && now_s() - gone_since >= 1e-3 * s->opts.daemon_lost_ms)
             return daemon_lost(s, what);
