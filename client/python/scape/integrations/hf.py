@@ -40,6 +40,7 @@ import torch
 from torch.utils.data import DistributedSampler
 from transformers import Trainer, TrainingArguments
 
+from scape.integrations import launch_ranks
 from scape.torch import ScapeOptimizer
 
 # what a launcher sets for torch.distributed, and the MPI/PMI variables
@@ -54,33 +55,19 @@ _DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_AD
 _LAUNCH = {}
 
 
-def _env_int(name, default):
-    v = os.environ.get(name, "")
-    if v == "":
-        return default
-    try:
-        return int(v)
-    except ValueError:
-        raise ValueError("scape.integrations.hf: %s=%r is not a number" % (name, v)) from None
-
-
 def launch():
     """{"rank", "world_size", "local_rank"} of this trainer, read once from
     RANK, WORLD_SIZE and LOCAL_RANK (scape-run and the Slurm templates set
     them; without them one trainer: 0, 1, 0); the first call then removes
     the launch's torch.distributed variables from os.environ."""
     if not _LAUNCH:
-        rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
-        local = _env_int("LOCAL_RANK", 0)
-        if world < 1 or not 0 <= rank < world or local < 0:
-            raise ValueError("scape.integrations.hf: RANK=%d, WORLD_SIZE=%d, LOCAL_RANK=%d: "
-                             "need 0 <= RANK < WORLD_SIZE (launch with scape-run or the "
-                             "Slurm templates)" % (rank, world, local))
+        got = launch_ranks("scape.integrations.hf")
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             raise RuntimeError("scape.integrations.hf: torch.distributed is already "
                                "initialized; scaped reduces the gradients, so nothing may "
                                "init_process_group (remove it, or MASTER_ADDR, from the script)")
-        _LAUNCH.update(rank=rank, world_size=world, local_rank=local)
+        _LAUNCH.update(rank=got["rank"], world_size=got["world_size"],
+                       local_rank=got["local_rank"])
         for k in _DIST_VARS:
             os.environ.pop(k, None)
     return dict(_LAUNCH)

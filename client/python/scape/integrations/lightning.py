@@ -40,7 +40,6 @@ Tested with Lightning 2.6.6 on torch 2.15.0 (deploy/torch2-venv.sh installs
 them); current Lightning needs torch >= 2.1, so not on Debian's torch 1.13.
 """
 import atexit
-import os
 import weakref
 
 import torch
@@ -58,18 +57,8 @@ except ImportError:  # only the standalone pytorch_lightning is installed
     from pytorch_lightning.strategies import ParallelStrategy
     from pytorch_lightning.utilities import rank_zero as _rank_zero
 
+from scape.integrations import launch_ranks
 from scape.torch import ScapeOptimizer, attach_defaults
-
-
-def _env_int(name, default):
-    v = os.environ.get(name, "")
-    if v == "":
-        return default
-    try:
-        return int(v)
-    except ValueError:
-        raise ValueError("scape.integrations.lightning: %s=%r is not a number" % (name, v)) \
-            from None
 
 
 _LAUNCH = {}
@@ -92,13 +81,7 @@ def launch():
     the end of a fit.  ValueError when they do not make a rank of the world."""
     if _LAUNCH:
         return dict(_LAUNCH)
-    got = dict(rank=_env_int("RANK", 0), world_size=_env_int("WORLD_SIZE", 1),
-               local_rank=_env_int("LOCAL_RANK", 0), node_rank=_env_int("NODE_RANK", 0))
-    if got["world_size"] < 1 or not 0 <= got["rank"] < got["world_size"] or \
-            got["local_rank"] < 0 or got["node_rank"] < 0:
-        raise ValueError("scape.integrations.lightning: RANK=%(rank)d, WORLD_SIZE=%(world_size)d,"
-                         " LOCAL_RANK=%(local_rank)d, NODE_RANK=%(node_rank)d: need 0 <= RANK < "
-                         "WORLD_SIZE (launch with scape-run or the Slurm templates)" % got)
+    got = launch_ranks("scape.integrations.lightning")
     _LAUNCH.update(got)
     return got
 
