@@ -230,6 +230,12 @@ int comm_data_bytes(const comm_t *c, uint64_t *sent, uint64_t *recvd)
     return 1;
 }
 
+int comm_gone(const comm_t *c, long long *down_ms)
+{
+    *down_ms = 0;
+    return c && c->ops && c->ops->gone ? c->ops->gone(c, down_ms) : -1;
+}
+
 uint64_t comm_foreign(const comm_t *c, char *why, size_t len)
 {
     if (why && len)

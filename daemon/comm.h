@@ -84,6 +84,10 @@ typedef struct comm_ops {
      * synchronising CUDA call (cudaFreeHost) cannot wait on a collective
      * that a dead peer stalls (NULL: the backend runs nothing on a device). */
     int (*quiet)(const comm_t *c);
+    /* Between collectives: a peer whose connection has stayed closed for the
+     * backend's grace period (its daemon is gone), how long into *down_ms;
+     * -1 when none is (NULL: the backend cannot tell without a collective). */
+    int (*gone)(const comm_t *c, long long *down_ms);
     /* The CUDA stream (a cudaStream_t) on which the backend also takes
      * device memory: a collective on device buffers is then enqueued there,
      * in place, and returns at once; it is done when the stream has reached
@@ -142,6 +146,9 @@ uint64_t comm_device_bytes(const comm_t *c);
 /* 1 when no device work of the comm is in flight (always, without a device
  * backend or without a comm). */
 int comm_quiet(const comm_t *c);
+/* A peer that is known to be gone while no collective runs (comm_ops.gone),
+ * or -1: none, or the backend cannot tell. */
+int comm_gone(const comm_t *c, long long *down_ms);
 /* Messages the backend dropped because they cannot be from a rank of this
  * job (another job's, or not its framing): how many so far, and (why, len
  * bytes) what the last one was.  0 for backends that cannot receive any. */

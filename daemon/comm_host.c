@@ -56,7 +56,10 @@
  * timeout tells.
  */
 #define _POSIX_C_SOURCE 200809L
+#include <arpa/inet.h>
 #include <errno.h>
+#include <net/if.h>
+#include <netdb.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -954,6 +957,12 @@ static uint64_t hc_refused(const comm_t *c, char *why, size_t len)
     return zap_refused(h->zap, why, len);
 }
 
+static int hc_gone(const comm_t *c, long long *down_ms)
+{
+    const host *h = c->impl;
+    return peers_down(c, h->timeout_ms < LOST_GRACE_MS ? h->timeout_ms : LOST_GRACE_MS, down_ms);
+}
+
 static void hc_data_bytes(const comm_t *c, uint64_t *sent, uint64_t *recvd)
 {
     const host *h = c->impl;
@@ -983,6 +992,7 @@ static const comm_ops s_host_ops = {
     .foreign = hc_foreign,
     .refused = hc_refused,
     .data_bytes = hc_data_bytes,
+    .gone = hc_gone,
 };
 
 static scape_rc host_alloc(const comm_host_opts *o, host **out)
@@ -1091,10 +1101,46 @@ static scape_rc curve_client(const comm_host_opts *o, void *push, const char *se
     return SCAPE_OK;
 }
 
+/* ZeroMQ binds an address or an interface name, never a host name (it says
+ * "No such device"): tcp://HOST:PORT with a host name becomes HOST's first
+ * IPv4 address; anything else is bound as it is. */
+static scape_rc bind_endpoint(const char *ep, int rank, char *buf, size_t len)
+{
+    const char *h = strncmp(ep, "tcp://", 6) == 0 ? ep + 6 : ep;
+    const char *colon = strrchr(h, ':');
+    char name[256], ip[INET_ADDRSTRLEN];
+    struct in_addr a;
+    snprintf(buf, len, "%s", ep);
+    if (h == ep || colon == NULL || colon == h || (size_t)(colon - h) >= sizeof name ||
+        h[0] == '[' || h[0] == '*')
+        return SCAPE_OK;
+    memcpy(name, h, (size_t)(colon - h));
+    name[colon - h] = '\0';
+    if (inet_pton(AF_INET, name, &a) == 1 || if_nametoindex(name) != 0)
+        return SCAPE_OK;
+    struct addrinfo hints = { .ai_family = AF_INET, .ai_socktype = SOCK_STREAM }, *res = NULL;
+    int e = getaddrinfo(name, NULL, &hints, &res);
+    if (e != 0)
+        return scape_set_error(SCAPE_INVALID, "comm host: rank %d cannot listen on %s: '%s' is "
+                               "neither an IPv4 address nor an interface of this host, and as "
+                               "a host name it does not resolve (%s); give listen an address "
+                               "or an interface, e.g. tcp://10.0.0.5:* or tcp://ib0:*", rank,
+                               ep, name, e == EAI_SYSTEM ? strerror(errno) : gai_strerror(e));
+    const struct sockaddr_in *sin = (const struct sockaddr_in *)res->ai_addr;
+    const char *txt = inet_ntop(AF_INET, &sin->sin_addr, ip, sizeof ip);
+    freeaddrinfo(res);
+    if (txt == NULL)
+        return scape_set_error(SCAPE_SYSTEM, "comm host: inet_ntop: %s", strerror(errno));
+    if ((size_t)snprintf(buf, len, "tcp://%s%s", ip, colon) >= len)
+        return scape_set_error(SCAPE_INVALID, "comm host: listen %s is too long", ep);
+    return SCAPE_OK;
+}
+
 static scape_rc host_connect(const comm_host_opts *o, host *h)
 {
-    const char *self = o->meet ? o->listen : o->endpoints[o->rank];
     const char *const *eps = o->endpoints, *const *keys = o->curve_keys;
+    char self[300];
+    TRY(bind_endpoint(o->meet ? o->listen : o->endpoints[o->rank], o->rank, self, sizeof self));
     h->curve = o->curve_public != NULL;
     if ((h->zctx = zmq_ctx_new()) == NULL)
         return zerr("zmq_ctx_new");

@@ -25,6 +25,7 @@
 #include "rendezvous.h"
 #include "scape_wire.h"
 #include "exec.h"
+#include "metrics_http.h"
 #include "server_internal.h"
 #include "try.h"
 
@@ -347,6 +348,8 @@ scape_rc srv_create(server **out, const scaped_config *cfg)
         rc = open_socket(s, &s->status, ZMQ_REP, "status", s->ep_status, sizeof s->ep_status);
     if (rc == SCAPE_OK)
         rc = open_socket(s, &s->events, ZMQ_PUB, "events", s->ep_events, sizeof s->ep_events);
+    if (rc == SCAPE_OK && s->cfg.metrics_listen[0] && strcmp(s->cfg.metrics_listen, "off") != 0)
+        rc = mhttp_create(&s->metrics_http, s->cfg.metrics_listen, status_metrics, s);
     if (rc == SCAPE_OK)
         rc = open_socket(s, &s->ctrl, ZMQ_ROUTER, "control", s->ep_control, sizeof s->ep_control);
     if (rc == SCAPE_OK) {
@@ -524,8 +527,10 @@ static void farewell(server *s)
 
 scape_rc srv_serve_once(server *s, int timeout_ms, int *handled)
 {
-    zmq_pollitem_t items[] = { { s->ctrl, 0, ZMQ_POLLIN, 0 }, { s->status, 0, ZMQ_POLLIN, 0 } };
-    int rc = zmq_poll(items, 2, timeout_ms);
+    zmq_pollitem_t items[2 + MHTTP_MAX_ITEMS] = { { s->ctrl, 0, ZMQ_POLLIN, 0 },
+                                                  { s->status, 0, ZMQ_POLLIN, 0 } };
+    int nhttp = s->metrics_http ? mhttp_poll_items(s->metrics_http, items + 2) : 0;
+    int rc = zmq_poll(items, 2 + nhttp, timeout_ms);
     if (rc < 0 && zmq_errno() != EINTR)
         return scape_set_error(SCAPE_ZMQ, "zmq_poll: %s", zmq_strerror(zmq_errno()));
     int n = 0;
@@ -537,6 +542,8 @@ scape_rc srv_serve_once(server *s, int timeout_ms, int *handled)
         status_serve(s);
         n++;
     }
+    if (s->metrics_http)
+        mhttp_serve(s->metrics_http, items + 2, rc > 0 ? nhttp : 0);
     srv_reap_maps(s, 0);
     if (srv_now() >= s->next_check) {
         check_liveness(s);
@@ -560,17 +567,26 @@ static void leave_together(server *s)
     }
     double until = srv_now() + 1e-3 * s->cfg.comm_timeout_ms;
     scape_rc rc = SCAPE_OK;
-    while (rc == SCAPE_OK && !ckp_left(s) && s_stop <= s_stop_leaving && srv_now() < until)
+    int lost = -1;
+    long long down_ms = 0;
+    while (rc == SCAPE_OK && !ckp_left(s) && s_stop <= s_stop_leaving && srv_now() < until &&
+           (lost = comm_gone(s->comm, &down_ms)) < 0)
         rc = srv_serve_once(s, s->cfg.liveness_ms, NULL);
     const char *why = NULL;
-    if (s_stop > s_stop_leaving)
+    char gone[160];
+    if (s_stop > s_stop_leaving) {
         why = "told to stop again: stopping now";
-    else if (rc != SCAPE_OK)
+    } else if (rc != SCAPE_OK) {
         why = scape_last_error();
-    else if (!ckp_left(s))
+    } else if (lost >= 0) {
+        snprintf(gone, sizeof gone, "rank %d's daemon is gone (its connection closed %lld ms "
+                 "ago): no state_dict can come any more", lost, down_ms);
+        why = gone;
+    } else if (!ckp_left(s)) {
         why = "comm_timeout_ms passed";
-    else if (s->broken)
+    } else if (s->broken) {
         why = s->broken_why;
+    }
     s_stop_leaving = -1;
     ckp_leave_end(s, why);
 }
@@ -601,6 +617,7 @@ void srv_destroy(server **sp)
     comm_destroy(&s->comm); /* finalized or aborted: nothing in flight any more */
     srv_reap_maps(s, 1);
     free(s->graves);
+    mhttp_destroy(&s->metrics_http);
     void *socks[] = { s->ctrl, s->status, s->events };
     for (size_t i = 0; i < 3; i++)
         if (socks[i])

@@ -7,8 +7,9 @@ together"), with real scape-run processes, daemons and torch trainers:
   state_dict(): the checkpoint is complete on disk when it returns, both
   scape-runs exit 0, and node 1's daemon served that checkpoint and left only
   with rank 0's;
-- a daemon of a pair whose peer was SIGKILLed stops by itself once
-  comm_timeout_ms has passed, and says why.
+- a daemon of a pair whose peer was SIGKILLed stops by itself as soon as the
+  peer's connection has stayed closed for a second, and says why; with a
+  hung peer (its connection open) once comm_timeout_ms has passed.
 Needs torch in the interpreter running the tests (/usr/bin/python3).
 """
 import os
@@ -91,11 +92,12 @@ def test_the_last_save_of_rank_0_finds_node_1s_daemon(tmp_path):
     assert not [n for n in os.listdir(ck) if n.startswith((".leaving-", ".idle-"))]
 
 
-@pytest.mark.parametrize("how", ["marked", "unmarked", "twice"])
+@pytest.mark.parametrize("how", ["marked", "gone", "hung", "twice"])
 def test_a_daemon_whose_peer_was_killed_stops_by_itself(daemon_factory, tmp_path, how):
     """The peer killed once idle (its marker left behind: the leave round
-    finds it gone), or while it had a trainer (no marker, as the test makes
-    it: the wait ends at comm_timeout_ms, or at a second SIGTERM)."""
+    finds it gone); killed while it had a trainer (no marker, as the test
+    makes it: its closed connection tells); or hung (SIGSTOP: its connection
+    stays open, so the wait ends at comm_timeout_ms, or at a second SIGTERM)."""
     timeout_ms = "60000" if how == "twice" else "3000"
     ck = str(tmp_path / "ck")
     coord = free_endpoints(1)[0]
@@ -113,20 +115,30 @@ def test_a_daemon_whose_peer_was_killed_stops_by_itself(daemon_factory, tmp_path
     while not all(map(os.path.exists, idle)):
         assert time.time() < deadline, "no idle markers: %s" % os.listdir(ck)
         time.sleep(0.05)
-    daemons[0].proc.send_signal(signal.SIGKILL)
-    daemons[0].proc.wait()
-    if how != "marked":
-        os.unlink(idle[0])
-    if how == "twice":
-        daemons[1].proc.send_signal(signal.SIGTERM)
-        while "waiting for daemons 0 to leave" not in daemons[1].output():
-            assert daemons[1].proc.poll() is None and time.time() < deadline, \
-                daemons[1].output()
-            time.sleep(0.05)
-    assert daemons[1].stop() == 0, daemons[1].output()
+    hung = how in ("hung", "twice")
+    daemons[0].proc.send_signal(signal.SIGSTOP if hung else signal.SIGKILL)
+    try:
+        if not hung:
+            daemons[0].proc.wait()
+        if how != "marked":
+            os.unlink(idle[0])
+        if how == "twice":
+            daemons[1].proc.send_signal(signal.SIGTERM)
+            while "waiting for daemons 0 to leave" not in daemons[1].output():
+                assert daemons[1].proc.poll() is None and time.time() < deadline, \
+                    daemons[1].output()
+                time.sleep(0.05)
+        assert daemons[1].stop() == 0, daemons[1].output()
+    finally:
+        if hung:
+            daemons[0].proc.send_signal(signal.SIGKILL)
+            daemons[0].proc.wait()
     log = daemons[1].output()
     if how == "marked":
         assert "the leave round failed" in log, log
+    elif how == "gone":
+        assert re.search(r"stopping without the other daemons: rank 0's daemon is gone "
+                         r"\(its connection closed \d+ ms ago\)", log), log
     elif how == "twice":
         assert "stopping without the other daemons: told to stop again" in log, log
     else:

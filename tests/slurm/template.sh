@@ -22,7 +22,8 @@ build=$(cd "$1" && pwd)
 trainers=${2:-2}
 cluster=$root/deploy/slurm-cluster.sh
 DIR=$(mktemp -d /tmp/scape-slurm-tpl.XXXXXX)
-fail() { echo "template: FAIL: $*" >&2; exit 1; }
+failed=""    # the failure, said again after the logs (CI shows the end of the output)
+fail() { failed="template: FAIL: $*"; echo "$failed" >&2; exit 1; }
 cut_host=""  # a test host whose link is down now, restored by the cleanup
 stray=""     # a scaped started by the test, stopped by the cleanup
 cleanup() {
@@ -44,6 +45,7 @@ cleanup() {
   fi
   bash "$cluster" stop "$DIR" >/dev/null
   rm -rf "$DIR"
+  [ -n "$failed" ] && echo "$failed (the logs above)" >&2
   exit "$rc"
 }
 trap cleanup EXIT
@@ -469,8 +471,10 @@ while :; do
   [ "$SECONDS" -lt "$deadline" ] || fail "the killed-daemon job did not finish (state $state)"
   sleep 0.5
 done
-grep -q "scape: the daemons' step ended while the trainers ran (a daemon died); requeueing" \
-  "$DIR/killed.out" || fail "the template did not requeue on the killed daemon"
+# (the reason is the daemons' step that ended, or, when the trainers' step
+# ended first, n3's daemon that the others' state calls gone)
+grep -q "; requeueing job $job to resume from its last checkpoint" "$DIR/killed.out" ||
+  fail "the template did not requeue on the killed daemon"
 grep -q "resumes from $SCAPE_CHECKPOINT_DIR/step-" "$DIR/killed.out" ||
   fail "the requeued job did not resume from a checkpoint"
 resumed_at=$(grep -o "resumes from $SCAPE_CHECKPOINT_DIR/step-[0-9]*" "$DIR/killed.out" | tail -n 1)
