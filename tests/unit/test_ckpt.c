@@ -525,6 +525,50 @@ static void run_reshard(rs_job *jb, int R_)
     pthread_mutex_destroy(&jb->lock);
 }
 
+/* The leave markers: a rank marked idle or leaving is not missing; a new
+ * mark replaces the old one (never both, never neither in between); no mark
+ * removes it; other jobs' markers do not count; a cut list says so. */
+START_TEST(leave_markers_are_counted_per_job)
+{
+    char root[64] = "/tmp/scape-ckpt-XXXXXX";
+    ck_assert_ptr_nonnull(mkdtemp(root));
+    char missing[64];
+    int leaving = -1;
+    ck_assert_int_eq(ckpt_marks(root, 7, 3, &leaving, missing, sizeof missing), 3);
+    ck_assert_str_eq(missing, "0, 1, 2");
+    ck_assert_int_eq(leaving, 0);
+    ck_assert_int_eq(ckpt_mark(root, 7, 1, CKPT_IDLE), SCAPE_OK);
+    ck_assert_int_eq(ckpt_mark(root, 8, 0, CKPT_LEAVING), SCAPE_OK); /* another job */
+    ck_assert_int_eq(ckpt_marks(root, 7, 3, &leaving, missing, sizeof missing), 2);
+    ck_assert_str_eq(missing, "0, 2");
+    ck_assert_int_eq(leaving, 0);
+    ck_assert_int_eq(ckpt_mark(root, 7, 1, CKPT_LEAVING), SCAPE_OK);
+    ck_assert_int_eq(ckpt_mark(root, 7, 0, CKPT_LEAVING), SCAPE_OK);
+    ck_assert_int_eq(ckpt_marks(root, 7, 3, &leaving, missing, sizeof missing), 1);
+    ck_assert_str_eq(missing, "2");
+    ck_assert_int_eq(leaving, 2);
+    char path[128];
+    snprintf(path, sizeof path, "%s/.idle-7.1", root); /* replaced, not kept */
+    ck_assert_int_ne(access(path, F_OK), 0);
+    ck_assert_int_eq(ckpt_marks(root, 7, 3, &leaving, missing, 0), 1); /* any missing: 1 */
+    ck_assert_int_eq(ckpt_mark(root, 7, 2, CKPT_IDLE), SCAPE_OK);
+    ck_assert_int_eq(ckpt_marks(root, 7, 3, &leaving, missing, sizeof missing), 0);
+    ck_assert_str_eq(missing, "");
+    ck_assert_int_eq(ckpt_marks(root, 7, 3, &leaving, missing, 0), 0);
+    for (int r = 0; r < 3; r++)
+        ck_assert_int_eq(ckpt_mark(root, 7, r, CKPT_NO_MARK), SCAPE_OK);
+    ck_assert_int_eq(ckpt_mark(root, 7, 2, CKPT_NO_MARK), SCAPE_OK); /* twice: still fine */
+    ck_assert_int_eq(ckpt_marks(root, 7, 3, &leaving, missing, sizeof missing), 3);
+    ck_assert_int_eq(leaving, 0);
+    char small[8]; /* "0, 1, 2" does not fit in 7 characters and a NUL: cut */
+    ck_assert_int_eq(ckpt_marks(root, 7, 40, &leaving, small, sizeof small), 40);
+    ck_assert_ptr_nonnull(strstr(small, "..."));
+    snprintf(path, sizeof path, "%s/.leaving-8.0", root);
+    ck_assert_int_eq(unlink(path), 0);
+    remove_root(root);
+}
+END_TEST
+
 START_TEST(reshard_keeps_state_and_residual_sum)
 {
     const eng_mode modes[] = { ENG_MODE_SHARDED, ENG_MODE_REPLICATED };
@@ -575,6 +619,7 @@ int main(void)
     tcase_add_test(tc, parameter_groups_are_part_of_the_checkpoint);
     tcase_add_test(tc, missing_checkpoints_are_named);
     tcase_add_test(tc, handed_out_checkpoints_outlive_the_newest_keep);
+    tcase_add_test(tc, leave_markers_are_counted_per_job);
     tcase_add_test(tc, reshard_keeps_state_and_residual_sum);
     suite_add_tcase(s, tc);
     return check_run(s);
