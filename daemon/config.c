@@ -330,6 +330,10 @@ static const cfg_key s_keys[] = {
     { .name = "resume", .type = KT_STRING, .offset = OFF(resume),
       .size = sizeof ((scaped_config *)0)->resume, .def = "",
       .doc = "checkpoint to restore when the job starts: a checkpoint_dir or one step-N in it" },
+    { .name = "metrics_listen", .type = KT_STRING, .offset = OFF(metrics_listen),
+      .size = sizeof ((scaped_config *)0)->metrics_listen, .def = "",
+      .doc = "serve Prometheus metrics over HTTP at http://HOST:PORT/metrics: HOST:PORT, "
+             ":PORT (every interface) or [IPv6]:PORT (\"\" or off: not served)" },
 };
 
 #define KEY_COUNT (sizeof s_keys / sizeof s_keys[0])

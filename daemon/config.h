@@ -73,6 +73,7 @@ typedef struct scaped_config {
     uint32_t checkpoint_every;  /* take one every this many steps; 0 = on request */
     int checkpoint_keep;        /* complete checkpoints kept, 1..1000, default 2 */
     char resume[512];           /* a checkpoint to restore at the job's start */
+    char metrics_listen[256];   /* HTTP /metrics at HOST:PORT ("" or "off": none) */
 } scaped_config;
 
 /* The engine's executor for the executor key: auto resolved here (*why

@@ -27,6 +27,15 @@ typedef struct grave {
     size_t rid_len;
 } grave;
 
+/* What the completed steps add up to since the daemon started: the
+ * counters of status replies and metrics. */
+typedef struct status_totals {
+    uint64_t steps;
+    uint64_t bytes, wire_bytes;     /* StepDone.bytes and wire_bytes summed */
+    uint64_t coll_calls[COMM_OP_COUNT], coll_bytes[COMM_OP_COUNT]; /* per comm_op */
+    uint64_t clipped;               /* steps whose clip factor was below 1 */
+} status_totals;
+
 typedef struct trainer {
     int used;
     int registered;
@@ -99,6 +108,8 @@ struct server {
     double last_loss;
     double queued_total;           /* Phases.queued summed over the steps run */
     int have_loss;
+    status_totals totals;          /* the steps' figures summed (status_publish) */
+    struct mhttp *metrics_http;    /* metrics_listen's HTTP server (NULL: off) */
 
     /* Checkpoints (checkpoint.c). */
     int ckpt_requested;             /* scapectl checkpoint, not yet taken */
@@ -166,8 +177,13 @@ void srv_reply_detached(server *s, int graves_before, const unsigned char *rid, 
 void srv_mark_broken(server *s);
 /* Answer one request on the status socket. */
 void status_serve(server *s);
-/* Publish the last step's Metrics on the events socket. */
+/* After each completed step: add it to s->totals and publish its Metrics
+ * on the events socket. */
 void status_publish(server *s);
+/* The Prometheus text exposition of a status reply, as scapectl metrics
+ * prints it, written to out (metrics_http's render callback; arg: the
+ * server).  0, or -1 when it could not be written. */
+int status_metrics(void *arg, FILE *out);
 
 /* Check the configured `resume` checkpoint at start-up (before any trainer
  * attaches): the job will continue after its step. */

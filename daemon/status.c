@@ -9,6 +9,7 @@
 #include "auth.h"
 #include "comm_host.h"
 #include "log.h"
+#include "scape_prom.h"
 #include "scape_wire.h"
 #include "server_internal.h"
 
@@ -72,7 +73,33 @@ typedef struct status_buf {
     char foreign_last[200];
     char refused_last[200];
     char memory[SRV_MAX_SLOTS][16];
+    Scape__CollectiveCount coll[COMM_OP_COUNT];
+    Scape__CollectiveCount *coll_p[COMM_OP_COUNT];
 } status_buf;
+
+/* The counters: what the completed steps add up to. */
+static void fill_totals(const server *s, status_buf *b)
+{
+    Scape__StatusReply *st = &b->st;
+    const status_totals *t = &s->totals;
+    st->has_steps_total = st->has_collective_bytes_total = st->has_wire_bytes_total = 1;
+    st->steps_total = t->steps;
+    st->collective_bytes_total = t->bytes;
+    st->wire_bytes_total = t->wire_bytes;
+    st->has_clipped_steps_total = 1;
+    st->clipped_steps_total = t->clipped;
+    st->collectives_total = b->coll_p;
+    for (int op = 0; op < COMM_OP_COUNT; op++) {
+        if (t->coll_calls[op] == 0)
+            continue;
+        Scape__CollectiveCount *c = &b->coll[st->n_collectives_total];
+        scape__collective_count__init(c);
+        c->op = (char *)comm_op_name((comm_op)op);
+        c->calls = t->coll_calls[op];
+        c->bytes = t->coll_bytes[op];
+        b->coll_p[st->n_collectives_total++] = c;
+    }
+}
 
 static void fill_status(server *s, status_buf *b)
 {
@@ -184,6 +211,7 @@ static void fill_status(server *s, status_buf *b)
     st->trainers = b->ptrs;
     ckp_info(s, &b->ckpt);
     st->checkpoint = &b->ckpt;
+    fill_totals(s, b);
 }
 
 static void send_reply(server *s, const Scape__Reply *r)
@@ -286,8 +314,39 @@ void status_serve(server *s)
     scape__request__free_unpacked(q, NULL);
 }
 
+/* The completed step s->last, added to the counters. */
+static void add_to_totals(server *s)
+{
+    status_totals *t = &s->totals;
+    const Scape__StepDone *d = &s->last;
+    t->steps++;
+    t->bytes += d->bytes;
+    t->wire_bytes += d->wire_bytes;
+    if (d->has_clip && d->clip < 1.0)
+        t->clipped++;
+    for (size_t i = 0; i < d->n_collectives; i++)
+        for (int op = 0; op < COMM_OP_COUNT; op++)
+            if (strcmp(d->collectives[i]->op, comm_op_name((comm_op)op)) == 0) {
+                t->coll_calls[op] += d->collectives[i]->calls;
+                t->coll_bytes[op] += d->collectives[i]->bytes;
+            }
+}
+
+int status_metrics(void *arg, FILE *out)
+{
+    server *s = arg;
+    status_buf *b = malloc(sizeof *b);
+    if (b == NULL)
+        return -1;
+    fill_status(s, b);
+    int rc = prom_render(out, &b->st);
+    free(b);
+    return rc;
+}
+
 void status_publish(server *s)
 {
+    add_to_totals(s);
     Scape__Metrics m = SCAPE__METRICS__INIT;
     m.rank = (uint32_t)s->cfg.rank;
     m.step = &s->last;
