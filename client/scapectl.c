@@ -12,6 +12,10 @@
 
 #include "scapectl.h"
 
+#ifndef SCAPE_VERSION
+#define SCAPE_VERSION "unknown" /* a build that does not pass CMake's project version */
+#endif
+
 enum { OPT_JSON = 1, OPT_INTERVAL = 2, OPT_COUNT = 4, OPT_WAIT = 8 }; /* subcommand options */
 
 typedef struct command {
@@ -61,12 +65,12 @@ typedef struct args {
     long num[NOPTIONS]; /* values of the numeric options */
     unsigned given;     /* OPT_* bits seen */
     unsigned flags;     /* 1 << O_* of the options without a value seen */
-    int help;
+    int help, version;
 } args;
 
 static const char s_usage[] =
     "usage: scapectl [--runtime-dir DIR | --endpoint ipc://DIR/status] [--timeout-ms MS] "
-    "COMMAND [OPTIONS]";
+    "COMMAND [OPTIONS]\n       scapectl --version | -h | --help";
 
 scape_rc cmd_help(const ctl_opts *o)
 {
@@ -88,6 +92,8 @@ scape_rc cmd_help(const ctl_opts *o)
            "  --count N           watch: stop after N updates (default: never)\n"
            "  --wait              checkpoint: wait until it is written (or failed)\n"
            "  --wait-ms MS        checkpoint --wait: longest wait (default 600000)\n"
+           "  --version           the version of scapectl, then exit\n"
+           "  -h, --help          this text\n"
            "\nExit status: 0 when scaped answered OK; the reply's status code (1-10) when it\n"
            "refused; 9 when it did not answer in time; 64 on a usage error.\n");
     return SCAPE_OK;
@@ -170,6 +176,10 @@ static int parse_option(args *a, char **argv, int *i)
         a->help = 1;
         return 0;
     }
+    if (strcmp(arg, "--version") == 0) {
+        a->version = 1;
+        return 0;
+    }
     const option_spec *opt = find_option(arg, &len);
     if (opt == NULL)
         return usage_error("unknown option '%s'", arg);
@@ -202,7 +212,7 @@ static int parse_args(int argc, char **argv, args *a)
         if (u)
             return u;
     }
-    if (a->help)
+    if (a->help || a->version)
         return 0;
     if (a->cmd == NULL)
         return usage_error("no command given");
@@ -285,8 +295,12 @@ int main(int argc, char **argv)
     int u = parse_args(argc, argv, &a);
     if (u)
         return u;
-    if (a.help || a.cmd->run == cmd_help)
+    if (a.help || (a.cmd && a.cmd->run == cmd_help))
         return (int)cmd_help(NULL);
+    if (a.version) {
+        printf("scapectl %s\n", SCAPE_VERSION);
+        return fflush(stdout) == 0 && !ferror(stdout) ? 0 : 1;
+    }
     ctl_opts o;
     if ((u = locate(&a, &o)) != 0)
         return u;

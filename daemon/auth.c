@@ -167,8 +167,9 @@ static scape_rc munge_open(auth_ctx *a, const void *in, size_t n, uint8_t **p, s
 int auth_munge_answers(const char *socket, char *why, size_t len)
 {
     (void)socket;
-    snprintf(why, len, "this scaped was built without libmunge (install libmunge-dev and "
-             "rebuild)");
+    snprintf(why, len, "this scaped was built without libmunge, so it has no auth: munge (for "
+             "that, install libmunge's headers: libmunge-dev on Debian, munge-devel on RHEL, "
+             "munge in Spack; and rebuild scaped)");
     return 0;
 }
 #endif

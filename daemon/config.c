@@ -183,19 +183,38 @@ static const char *name_clip_norm(const void *f)
 }
 static const char *name_gather(const void *f) { return eng_gather_name(*(const eng_gather *)f); }
 
-/* Booleans as YAML 1.1 writes them; an int field. */
-static scape_rc parse_bool(const char *s, void *f)
+/* s is word (lower case) as YAML 1.1 allows it: "yes", "Yes" or "YES". */
+static int yaml_spelling(const char *s, const char *word)
 {
-    static const char *const yes[] = { "true", "yes", "on", "1" }, *const no[] = { "false", "no",
-                                                                                  "off", "0" };
-    for (size_t i = 0; s && i < 4; i++)
-        if (strcmp(s, yes[i]) == 0 || strcmp(s, no[i]) == 0) {
-            *(int *)f = strcmp(s, yes[i]) == 0;
+    size_t n = strlen(word);
+    if (strlen(s) != n)
+        return 0;
+    int lower = 1, capital = toupper((unsigned char)s[0]) == s[0], upper = 1;
+    for (size_t i = 0; i < n; i++) {
+        lower &= s[i] == word[i];
+        upper &= s[i] == toupper((unsigned char)word[i]);
+        capital &= i == 0 || s[i] == word[i];
+    }
+    capital &= tolower((unsigned char)s[0]) == word[0];
+    return lower || capital || upper;
+}
+
+scape_rc cfg_bool_parse(const char *s, int *out)
+{
+    static const char *const yes[] = { "true", "yes", "on", "y", "1" },
+                             *const no[] = { "false", "no", "off", "n", "0" };
+    for (size_t i = 0; s && out && i < sizeof yes / sizeof yes[0]; i++)
+        if (yaml_spelling(s, yes[i]) || yaml_spelling(s, no[i])) {
+            *out = yaml_spelling(s, yes[i]);
             return SCAPE_OK;
         }
-    return scape_set_error(SCAPE_INVALID, "'%s' is not a boolean (true or false)",
+    return scape_set_error(SCAPE_INVALID, "'%s' is not a boolean (true, yes, on, y or 1; "
+                           "false, no, off, n or 0; also Capitalised or UPPER case)",
                            s ? s : "(null)");
 }
+
+/* Booleans as YAML 1.1 writes them; an int field. */
+static scape_rc parse_bool(const char *s, void *f) { return cfg_bool_parse(s, f); }
 static const char *name_bool(const void *f) { return *(const int *)f ? "true" : "false"; }
 
 #define OFF(field) offsetof(scaped_config, field)
@@ -298,7 +317,8 @@ static const cfg_key s_keys[] = {
       .doc = "rank 0's rendezvous endpoint, e.g. tcp://node1:29517 (world > 1)" },
     { .name = "listen", .type = KT_STRING, .offset = OFF(listen),
       .size = sizeof ((scaped_config *)0)->listen, .def = "",
-      .doc = "this daemon's data endpoint, e.g. tcp://10.0.0.2:* (*: a free port; world > 1)" },
+      .doc = "this daemon's data endpoint: an address, interface or host name, e.g. "
+             "tcp://10.0.0.2:* (*: a free port; world > 1)" },
     { .name = "job", .type = KT_U32, .offset = OFF(job), .min = 0, .max = UINT32_MAX,
       .def = "0", .doc = "job id: daemons of another job are refused at rendezvous" },
     { .name = "comm_timeout_ms", .type = KT_INT, .offset = OFF(comm_timeout_ms), .min = 100,
@@ -383,18 +403,30 @@ static size_t edit_distance(const char *s, const char *key)
     return row[lk];
 }
 
-static scape_rc unknown_key(const char *name)
+/* Keep candidate in *best when it is nearer to name than *best_d edits and
+ * near enough to be a typo of it. */
+static void nearer(const char *name, const char *candidate, const char **best, size_t *best_d)
+{
+    size_t d = edit_distance(name, candidate);
+    /* A typo is a few edits; more than that suggests an unrelated key. */
+    if (d < *best_d && d <= 1 + strlen(candidate) / 4) {
+        *best = candidate;
+        *best_d = d;
+    }
+}
+
+const char *cfg_closest_key(const char *name)
 {
     const char *best = NULL;
     size_t best_d = SIZE_MAX;
-    for (size_t i = 0; i < KEY_COUNT; i++) {
-        size_t d = edit_distance(name, s_keys[i].name);
-        /* A typo is a few edits; more than that suggests an unrelated key. */
-        if (d < best_d && d <= 1 + strlen(s_keys[i].name) / 4) {
-            best = s_keys[i].name;
-            best_d = d;
-        }
-    }
+    for (size_t i = 0; name && i < KEY_COUNT; i++)
+        nearer(name, s_keys[i].name, &best, &best_d);
+    return best;
+}
+
+static scape_rc unknown_key(const char *name)
+{
+    const char *best = cfg_closest_key(name);
     if (best)
         return scape_set_error(SCAPE_INVALID, "unknown key '%s' (did you mean '%s'?)", name,
                                best);
@@ -783,6 +815,23 @@ scape_rc cfg_load_text(scaped_config *c, const char *name, const char *text, siz
     return load_from(c, name, NULL, text ? text : "", len);
 }
 
+/* s in upper case into buf (len bytes), cut to fit. */
+static void upper_copy(const char *s, char *buf, size_t len)
+{
+    size_t i = 0;
+    for (; s[i] && i + 1 < len; i++)
+        buf[i] = (char)toupper((unsigned char)s[i]);
+    buf[i] = '\0';
+}
+
+/* Key k's environment variable, SCAPE_<KEY>, into buf. */
+static void env_name(const cfg_key *k, char *buf, size_t len)
+{
+    char up[MAX_KEY_CHARS + 1];
+    upper_copy(k->name, up, sizeof up);
+    snprintf(buf, len, "SCAPE_%s", up);
+}
+
 scape_rc cfg_apply_env(scaped_config *c)
 {
     if (!c)
@@ -790,9 +839,7 @@ scape_rc cfg_apply_env(scaped_config *c)
     scaped_config next = *c;
     for (size_t i = 0; i < KEY_COUNT; i++) {
         char var[MAX_KEY_CHARS + 8];
-        snprintf(var, sizeof var, "SCAPE_%s", s_keys[i].name);
-        for (char *p = var; *p; p++)
-            *p = (char)toupper((unsigned char)*p);
+        env_name(&s_keys[i], var, sizeof var);
         /* An empty variable counts as unset, as "SCAPE_RHO= scaped" intends. */
         const char *v = getenv(var);
         if (v && *v && set_key(&next, &s_keys[i], v) != SCAPE_OK)
@@ -800,6 +847,97 @@ scape_rc cfg_apply_env(scaped_config *c)
     }
     *c = next;
     return SCAPE_OK;
+}
+
+/* SCAPE_* variables that are no key of scaped's but are read by the other
+ * parts of SCAPE (libscape, scapectl, scape-run, the Slurm scripts, the tests
+ * and their tools): a job sets them for those, so no warning.  test_cli.py
+ * checks that this covers every variable the tree reads. */
+static const char *const s_other_env[] = {
+    "SCAPE_ARGS", "SCAPE_BIN", "SCAPE_BUILD_DIR", "SCAPE_COORD_HOST", "SCAPE_CUDA",
+    "SCAPE_DAEMON_LOST_MS", "SCAPE_DATA_PORT", "SCAPE_ENDPOINT", "SCAPE_GPU_BUDGET",
+    "SCAPE_HOME", "SCAPE_INDEX", "SCAPE_LIB", "SCAPE_LIGHTNING_SPEC", "SCAPE_LISTEN_HOST",
+    "SCAPE_LISTEN_IFACE", "SCAPE_MAX_RESTARTS", "SCAPE_PYTHON", "SCAPE_PYTHON_ENV",
+    "SCAPE_RDV_PORT", "SCAPE_RUN_BASE", "SCAPE_SOURCE_DIR", "SCAPE_START_WAIT_MS",
+    "SCAPE_TEST_SEED",
+};
+/* ... and whole families of them: the fuzzers', the test cluster's, the test
+ * virtual environments'. */
+static const char *const s_other_env_prefix[] = { "SCAPE_FUZZ_", "SCAPE_SLURM_", "SCAPE_HF_",
+                                                  "SCAPE_TORCH2_" };
+
+#define NELEM(a) (sizeof (a) / sizeof (a)[0])
+
+static int other_env(const char *name)
+{
+    for (size_t i = 0; i < NELEM(s_other_env); i++)
+        if (strcmp(name, s_other_env[i]) == 0)
+            return 1;
+    for (size_t i = 0; i < NELEM(s_other_env_prefix); i++)
+        if (strncmp(name, s_other_env_prefix[i], strlen(s_other_env_prefix[i])) == 0)
+            return 1;
+    return 0;
+}
+
+/* The known variable (a key's or another part's) nearest to name, which is
+ * in upper case, into buf; 0 when none is near enough to be a typo of it. */
+static int nearest_env(const char *name, char *buf, size_t len)
+{
+    char cand[MAX_KEY_CHARS + 8];
+    const char *best = NULL; /* points into cand: only tested for NULL */
+    size_t best_d = SIZE_MAX;
+    for (size_t i = 0; i < KEY_COUNT + NELEM(s_other_env); i++) {
+        if (i < KEY_COUNT)
+            env_name(&s_keys[i], cand, sizeof cand);
+        else
+            snprintf(cand, sizeof cand, "%s", s_other_env[i - KEY_COUNT]);
+        size_t was = best_d;
+        nearer(name + 6, cand + 6, &best, &best_d);
+        if (best_d < was)
+            snprintf(buf, len, "%s", cand);
+    }
+    return best != NULL;
+}
+
+int cfg_env_unknown(const char *name, char *msg, size_t len)
+{
+    char var[MAX_KEY_CHARS + 8], up[256], near[MAX_KEY_CHARS + 8];
+    if (!name || strncmp(name, "SCAPE_", 6) != 0 || other_env(name))
+        return 0;
+    for (size_t i = 0; i < KEY_COUNT; i++) {
+        env_name(&s_keys[i], var, sizeof var);
+        if (strcmp(name, var) == 0)
+            return 0;
+    }
+    upper_copy(name, up, sizeof up); /* SCAPE_rho is unknown, but near SCAPE_RHO */
+    if (msg && len && nearest_env(up, near, sizeof near))
+        snprintf(msg, len, "unknown environment variable %s, ignored (did you mean %s?)", name,
+                 near);
+    else if (msg && len)
+        snprintf(msg, len, "unknown environment variable %s, ignored (SCAPE_<KEY> sets a "
+                 "key; scaped --help lists them)", name);
+    return 1;
+}
+
+extern char **environ;
+
+int cfg_warn_env(void)
+{
+    int n = 0;
+    for (char **e = environ; e && *e; e++) {
+        char name[256], msg[512];
+        size_t len = strcspn(*e, "=");
+        if (strncmp(*e, "SCAPE_", 6) != 0)
+            continue;
+        len = len < sizeof name ? len : sizeof name - 1; /* a longer one is named cut */
+        memcpy(name, *e, len);
+        name[len] = '\0';
+        if (cfg_env_unknown(name, msg, sizeof msg)) {
+            LOG_WARN(SUB_CONFIG, "%s", msg);
+            n++;
+        }
+    }
+    return n;
 }
 
 scape_rc cfg_set(scaped_config *c, const char *key, const char *value, const char *origin)

@@ -92,6 +92,19 @@ scape_rc cfg_load_text(scaped_config *c, const char *name, const char *text, siz
  * SCAPE_WEIGHT_DECAY, ...); the only place the daemon reads the environment
  * for configuration. */
 scape_rc cfg_apply_env(scaped_config *c);
+/* Warn (LOG_WARN) about each SCAPE_* environment variable that is neither a
+ * key nor read by another part of SCAPE, naming the nearest known one;
+ * returns how many. */
+int cfg_warn_env(void);
+/* Whether the environment variable name is such an unknown SCAPE_* one; if
+ * so, msg (len bytes) says so and names the nearest known variable, if any. */
+int cfg_env_unknown(const char *name, char *msg, size_t len);
+/* The key nearest to name by edit distance when name looks like a typo of
+ * it ("optimiser" -> "optimizer"), else NULL. */
+const char *cfg_closest_key(const char *name);
+/* A boolean as YAML 1.1 spells it: true, yes, on, y (and 1) or false, no,
+ * off, n (and 0), each also Capitalised or UPPER case; *out 1 or 0. */
+scape_rc cfg_bool_parse(const char *s, int *out);
 /* Set key from its text; origin names the source in messages ("--rho"). */
 scape_rc cfg_set(scaped_config *c, const char *key, const char *value, const char *origin);
 /* Write c as YAML, one "key: value  # doc" line per key, that cfg_load_file

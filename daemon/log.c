@@ -127,7 +127,9 @@ void log_msg(log_level l, log_sub sub, const char *file, int line, const char *f
     size_t n = start + scape_text_clean(buf + start, msg_cap - start, raw, fit(want, sizeof raw));
     if (want >= sizeof raw || n + 1 >= msg_cap)
         memcpy(buf + n - 3, "...", 3);
-    if (l <= LOG_LVL_WARN) {
+    /* Where in the code a line comes from is for developers: shown at log
+     * level debug only, so that users read the cause, not "(main.c:190)". */
+    if (log_enabled(LOG_LVL_DEBUG)) {
         const char *base = file ? strrchr(file, '/') : NULL;
         n = fit(put(buf, n, sizeof buf - 1, " (%s:%d)", base ? base + 1 : file ? file : "?",
                     line),

@@ -2,7 +2,8 @@
  *
  * Every line reads
  *   2026-11-29T10:20:30.123Z scaped[rank 0 host] INFO  ctrl: message
- * (UTC with milliseconds); warnings and errors end with " (file.c:123)".
+ * (UTC with milliseconds); at level debug every line ends with " (file.c:123)"
+ * too, the place in the code that wrote it.
  * A line goes out in one write, so lines of different threads never mix.
  * The LOG_* macros test the level before their arguments are evaluated.
  */
@@ -42,7 +43,7 @@ int log_enabled(log_level level);
 scape_rc log_level_parse(const char *s, log_level *out);
 /* The name log_level_parse takes for l ("?" when out of range). */
 const char *log_level_name(log_level l);
-/* Write one line if l is enabled; file:line is shown for WARN and ERROR.
+/* Write one line if l is enabled; file:line is shown at level debug.
  * Newlines in the message become spaces, so one call is one line. */
 void log_msg(log_level l, log_sub sub, const char *file, int line, const char *fmt, ...)
     __attribute__((format(printf, 5, 6)));

@@ -7,16 +7,21 @@
 #include <string.h>
 
 #include "auth.h"
+#include "comm_nccl.h"
 #include "config.h"
 #include "log.h"
 #include "rendezvous.h"
 #include "server.h"
 
+#ifndef SCAPE_VERSION
+#define SCAPE_VERSION "unknown" /* a build that does not pass CMake's project version */
+#endif
 
 static void usage(FILE *out)
 {
     fprintf(out,
             "usage: scaped [--config FILE] [--print-config] [--KEY VALUE | --KEY=VALUE ...]\n"
+            "       scaped --version | -h | --help\n"
             "       scaped keygen FILE   write a fresh key for auth: secret (mode 0600)\n"
             "\n"
             "The per-node SCAPE optimizer daemon.  Trainers attach over\n"
@@ -24,7 +29,8 @@ static void usage(FILE *out)
             "\n"
             "  --config FILE     read a YAML configuration file\n"
             "  --print-config    print the effective configuration and exit\n"
-            "  --help            this text\n"
+            "  --version         the version and what this build can do, then exit\n"
+            "  -h, --help        this text\n"
             "\n"
             "Every configuration key is also a flag (underscores or dashes), and an\n"
             "environment variable SCAPE_<KEY>:\n");
@@ -37,6 +43,29 @@ static void usage(FILE *out)
     }
 }
 
+/* scaped --version: the version, and what this build has of the choices
+ * that depend on it (executor, comm_backend, auth). */
+static int version(void)
+{
+#ifdef SCAPE_HAVE_CUDA
+    const char *exec = "host, sim, cuda";
+#else
+    const char *exec = "host, sim (no cuda: built without CUDA)";
+#endif
+#ifdef SCAPE_HAVE_MUNGE
+    const char *auth = "munge, secret, none";
+#else
+    const char *auth = "secret, none (no munge: built without libmunge)";
+#endif
+    printf("scaped %s\n"
+           "executor:     %s\n"
+           "comm_backend: %s\n"
+           "auth:         %s\n", SCAPE_VERSION, exec,
+           comm_nccl_built() ? "host, nccl" : "host (no nccl: built without CUDA and NCCL)",
+           auth);
+    return fflush(stdout) == 0 && !ferror(stdout) ? 0 : 1;
+}
+
 /* "--max-trainers" -> "max_trainers" in key (size len). */
 static void flag_to_key(const char *flag, char *key, size_t len)
 {
@@ -46,13 +75,42 @@ static void flag_to_key(const char *flag, char *key, size_t len)
     key[i] = '\0';
 }
 
+static int known_key(const char *key)
+{
+    const char *name;
+    for (size_t i = 0; cfg_key_doc(i, &name) != NULL; i++)
+        if (strcmp(key, name) == 0)
+            return 1;
+    return 0;
+}
+
+/* A flag that is no key: name the nearest key, spelt as the flag was. */
+static int unknown_flag(const char *flag, const char *key)
+{
+    int n = (int)strcspn(flag, "=");
+    const char *near = cfg_closest_key(key);
+    char alt[64];
+    if (near == NULL) {
+        fprintf(stderr, "scaped: unknown option %.*s (scaped --help lists them)\n", n, flag);
+        return 2;
+    }
+    snprintf(alt, sizeof alt, "%s", near);
+    const char *dash = strchr(flag + 2, '-');
+    int dashes = dash != NULL && dash < flag + n; /* --mask-delta, not --mask_delta */
+    for (char *p = alt; dashes && *p; p++)
+        if (*p == '_')
+            *p = '-';
+    fprintf(stderr, "scaped: unknown option %.*s (did you mean --%s?)\n", n, flag, alt);
+    return 2;
+}
+
 /* Apply every --KEY VALUE flag; --config, --print-config and --help are
  * handled by the caller.  Returns 0, or 2 on a usage error. */
 static int apply_flags(scaped_config *cfg, int argc, char **argv)
 {
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
-        if (strcmp(a, "--print-config") == 0 || strcmp(a, "--help") == 0)
+        if (strcmp(a, "--print-config") == 0)
             continue;
         if (strncmp(a, "--", 2) != 0) {
             fprintf(stderr, "scaped: unexpected argument '%s' (see --help)\n", a);
@@ -60,6 +118,8 @@ static int apply_flags(scaped_config *cfg, int argc, char **argv)
         }
         char key[64];
         flag_to_key(a + 2, key, sizeof key);
+        if (strcmp(key, "config") != 0 && !known_key(key))
+            return unknown_flag(a, key);
         const char *eq = strchr(a, '=');
         const char *val = eq ? eq + 1 : (i + 1 < argc ? argv[++i] : NULL);
         if (val == NULL) {
@@ -165,10 +225,12 @@ int main(int argc, char **argv)
 {
     if (argc >= 2 && strcmp(argv[1], "keygen") == 0)
         return keygen(argc, argv);
-    if (has_flag(argc, argv, "--help")) {
+    if (has_flag(argc, argv, "--help") || has_flag(argc, argv, "-h")) {
         usage(stdout);
         return 0;
     }
+    if (has_flag(argc, argv, "--version"))
+        return version();
     scaped_config cfg;
     cfg_defaults(&cfg);
     const char *path = config_path(argc, argv);
@@ -180,9 +242,10 @@ int main(int argc, char **argv)
     int urc = apply_flags(&cfg, argc, argv);
     if (urc)
         return urc;
+    log_init(cfg.rank, cfg.log_level, NULL);
+    cfg_warn_env();
     if (has_flag(argc, argv, "--print-config"))
         return cfg_print(&cfg, stdout) == SCAPE_OK ? 0 : 1;
-    log_init(cfg.rank, cfg.log_level, NULL);
     if (install_signals() != 0) {
         LOG_ERROR(SUB_MAIN, "cannot install signal handlers");
         return 1;

@@ -14,7 +14,7 @@
 #include "exec.h"
 #include "check_run.h"
 
-#define NKEYS 42
+#define NKEYS 43
 
 /* Every key with a valid value other than its default. */
 static const struct {
@@ -62,6 +62,7 @@ static const struct {
     { "checkpoint_every", "500" },
     { "checkpoint_keep", "3" },
     { "resume", "/scratch/ck points/step-500" },
+    { "metrics_listen", "127.0.0.1:9464" },
 };
 
 static void check_full(const scaped_config *c)
@@ -102,6 +103,7 @@ static void check_full(const scaped_config *c)
     ck_assert_uint_eq(c->checkpoint_every, 500);
     ck_assert_int_eq(c->checkpoint_keep, 3);
     ck_assert_str_eq(c->resume, "/scratch/ck points/step-500");
+    ck_assert_str_eq(c->metrics_listen, "127.0.0.1:9464");
 }
 
 /* Field by field and exact: the padding of a struct copy is not compared. */
@@ -134,6 +136,7 @@ static void check_same(const scaped_config *a, const scaped_config *b)
     ck_assert_uint_eq(a->checkpoint_every, b->checkpoint_every);
     ck_assert_int_eq(a->checkpoint_keep, b->checkpoint_keep);
     ck_assert_str_eq(a->resume, b->resume);
+    ck_assert_str_eq(a->metrics_listen, b->metrics_listen);
 }
 
 /* A new temporary file holding text; its name goes into path. */
@@ -546,7 +549,7 @@ START_TEST(print_format)
         "auth: auto",         "auth_key_file: \"\"",     "munge_socket: \"\"",
         "cuda_device: 0",
         "checkpoint_dir: \"\"", "checkpoint_every: 0",    "checkpoint_keep: 2",
-        "resume: \"\"",
+        "resume: \"\"",        "metrics_listen: \"\"",
     };
     scaped_config c;
     cfg_defaults(&c);
@@ -622,6 +625,138 @@ START_TEST(executor_resolution)
 }
 END_TEST
 
+/* Booleans: every YAML 1.1 spelling, each in the three cases YAML allows
+ * (made here from the lower-case word), and nothing else. */
+START_TEST(bool_spellings)
+{
+    static const char *const yes[] = { "true", "yes", "on", "y" },
+                             *const no[] = { "false", "no", "off", "n" };
+    for (int t = 0; t < 2; t++)
+        for (int i = 0; i < 4; i++) {
+            char forms[3][8];
+            const char *w = t ? yes[i] : no[i];
+            for (int f = 0; f < 3; f++) {
+                for (size_t j = 0; j <= strlen(w); j++)
+                    forms[f][j] = (char)(f == 2 || (f == 1 && j == 0) ? toupper(w[j]) : w[j]);
+                int v = -1;
+                ck_assert_int_eq(cfg_bool_parse(forms[f], &v), SCAPE_OK);
+                ck_assert_msg(v == t, "%s gave %d", forms[f], v);
+            }
+        }
+    int v = -1;
+    ck_assert_int_eq(cfg_bool_parse("1", &v), SCAPE_OK);
+    ck_assert_int_eq(v, 1);
+    ck_assert_int_eq(cfg_bool_parse("0", &v), SCAPE_OK);
+    ck_assert_int_eq(v, 0);
+    static const char *const refused[] = { "tRUE", "TRue", "yES", "oN", "Truee", "", "2",
+                                           "nope", "t", "f", "+1", " true", "true ", NULL };
+    for (int i = 0; i < (int)(sizeof refused / sizeof refused[0]); i++) {
+        v = 7;
+        ck_assert_msg(cfg_bool_parse(refused[i], &v) == SCAPE_INVALID, "'%s' was taken",
+                      refused[i] ? refused[i] : "NULL");
+        ck_assert_int_eq(v, 7);
+    }
+    ck_assert_msg(strstr(scape_last_error(), "is not a boolean") != NULL, "%s",
+                  scape_last_error());
+}
+END_TEST
+
+/* The same spellings in a file, a flag and the environment. */
+START_TEST(bool_everywhere)
+{
+    static const char text[] = "mask_deltas: True\ndefer_select: OFF\nresidual_on_device: Y\n";
+    scaped_config c;
+    cfg_defaults(&c);
+    ck_assert_int_eq(c.engine.mask_deltas, 0);
+    ck_assert_int_eq(c.engine.defer_select, 1);
+    ck_assert_int_eq(cfg_load_text(&c, "t.yaml", text, sizeof text - 1), SCAPE_OK);
+    ck_assert_int_eq(c.engine.mask_deltas, 1);
+    ck_assert_int_eq(c.engine.defer_select, 0);
+    ck_assert_int_eq(c.engine.residual_on_device, 1);
+    ck_assert_int_eq(cfg_set(&c, "mask_deltas", "No", "--mask-deltas"), SCAPE_OK);
+    ck_assert_int_eq(c.engine.mask_deltas, 0);
+    setenv("SCAPE_MASK_DELTAS", "YES", 1);
+    scape_rc rc = cfg_apply_env(&c);
+    unsetenv("SCAPE_MASK_DELTAS");
+    ck_assert_int_eq(rc, SCAPE_OK);
+    ck_assert_int_eq(c.engine.mask_deltas, 1);
+    ck_assert_int_eq(cfg_set(&c, "mask_deltas", "tRUE", "--mask-deltas"), SCAPE_INVALID);
+    ck_assert_int_eq(c.engine.mask_deltas, 1);
+}
+END_TEST
+
+START_TEST(closest_key)
+{
+    ck_assert_str_eq(cfg_closest_key("warmupp"), "warmup");
+    ck_assert_str_eq(cfg_closest_key("optimiser"), "optimizer");
+    ck_assert_str_eq(cfg_closest_key("mask_delta"), "mask_deltas");
+    ck_assert_str_eq(cfg_closest_key("comm_timeout"), "comm_timeout_ms");
+    ck_assert_str_eq(cfg_closest_key("rank"), "rank");
+    ck_assert_ptr_null(cfg_closest_key("frobnicate"));
+    ck_assert_ptr_null(cfg_closest_key(""));
+    ck_assert_ptr_null(cfg_closest_key(NULL));
+}
+END_TEST
+
+/* Unknown SCAPE_* variables name the nearest known one; keys, the variables
+ * the other parts of SCAPE read and other names are not unknown. */
+START_TEST(env_unknown)
+{
+    static const char *const known[] = { "SCAPE_WARMUP", "SCAPE_MASK_DELTAS", "SCAPE_INDEX",
+                                         "SCAPE_DAEMON_LOST_MS", "SCAPE_START_WAIT_MS",
+                                         "SCAPE_BUILD_DIR", "SCAPE_PYTHON_ENV", "SCAPE_ARGS",
+                                         "SCAPE_ENDPOINT", "SCAPE_FUZZ_LOG", "SCAPE_SLURM_NET",
+                                         "HOME", "SCAPEX", "" };
+    char msg[512];
+    for (int i = 0; i < (int)(sizeof known / sizeof known[0]); i++)
+        ck_assert_msg(!cfg_env_unknown(known[i], msg, sizeof msg), "%s warned", known[i]);
+    static const struct {
+        const char *name, *hint;
+    } unknown[] = {
+        { "SCAPE_WARMUPP", "(did you mean SCAPE_WARMUP?)" },
+        { "SCAPE_warmup", "(did you mean SCAPE_WARMUP?)" },
+        { "SCAPE_MASK_DELTA", "(did you mean SCAPE_MASK_DELTAS?)" },
+        { "SCAPE_INDX", "(did you mean SCAPE_INDEX?)" },
+        { "SCAPE_FROBNICATE", "(SCAPE_<KEY> sets a key; scaped --help lists them)" },
+    };
+    for (int i = 0; i < (int)(sizeof unknown / sizeof unknown[0]); i++) {
+        char want[256];
+        snprintf(want, sizeof want, "unknown environment variable %s, ignored %s",
+                 unknown[i].name, unknown[i].hint);
+        ck_assert_int_eq(cfg_env_unknown(unknown[i].name, msg, sizeof msg), 1);
+        ck_assert_str_eq(msg, want);
+    }
+}
+END_TEST
+
+/* cfg_warn_env: one warning line per unknown variable of the environment. */
+START_TEST(env_warnings)
+{
+    FILE *f = tmpfile();
+    ck_assert_ptr_nonnull(f);
+    log_init(0, LOG_LVL_INFO, f);
+    setenv("SCAPE_WARMUPP", "3", 1);
+    setenv("SCAPE_INDEX", "1", 1);
+    int n = cfg_warn_env();
+    unsetenv("SCAPE_WARMUPP");
+    unsetenv("SCAPE_INDEX");
+    ck_assert_int_eq(fflush(f), 0);
+    rewind(f);
+    static char text[8192];
+    text[fread(text, 1, sizeof text - 1, f)] = '\0';
+    fclose(f);
+    log_init(0, LOG_LVL_INFO, NULL);
+    int lines = 0;
+    for (const char *p = text; (p = strstr(p, " WARN  config: ")) != NULL; p++)
+        lines++;
+    ck_assert_int_ge(n, 1);
+    ck_assert_int_eq(lines, n);
+    ck_assert_msg(strstr(text, "unknown environment variable SCAPE_WARMUPP, ignored (did you "
+                               "mean SCAPE_WARMUP?)\n") != NULL, "%s", text);
+    ck_assert_msg(strstr(text, "SCAPE_INDEX") == NULL, "%s", text);
+}
+END_TEST
+
 int main(void)
 {
 Suite *s = suite_create("config");
@@ -644,6 +779,11 @@ Suite *s = suite_create("config");
     tcase_add_test(tc, print_format);
     tcase_add_test(tc, print_write_error);
     tcase_add_test(tc, executor_resolution);
+    tcase_add_test(tc, bool_spellings);
+    tcase_add_test(tc, bool_everywhere);
+    tcase_add_test(tc, closest_key);
+    tcase_add_test(tc, env_unknown);
+    tcase_add_test(tc, env_warnings);
     suite_add_tcase(s, tc);
     return check_run(s);
 }

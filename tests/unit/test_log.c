@@ -76,18 +76,18 @@ START_TEST(line_format)
     setenv("TZ", "XST-5:30", 1);
     tzset();
     time_t before = time(NULL);
-    LOG_INFO(SUB_CTRL, "hello %d", 42);
-    int line = __LINE__; LOG_WARN(SUB_COMM, "careful: %s", "x");
+    int line = __LINE__; LOG_INFO(SUB_CTRL, "hello %d", 42);
+    LOG_WARN(SUB_COMM, "careful: %s", "x");
     LOG_ERROR(SUB_SHM, "bad");
     LOG_DEBUG(SUB_STATUS, "detail");
     time_t after = time(NULL);
     const char *text = slurp(f);
     snprintf(want, sizeof want,
-             "^" STAMP "scaped\\[rank 3 %s\\] INFO  ctrl: hello 42\n"
+             "^" STAMP "scaped\\[rank 3 %s\\] INFO  ctrl: hello 42 \\(test_log\\.c:%d\\)\n"
              STAMP "scaped\\[rank 3 %s\\] WARN  comm: careful: x \\(test_log\\.c:%d\\)\n"
              STAMP "scaped\\[rank 3 %s\\] ERROR shm: bad \\(test_log\\.c:%d\\)\n"
-             STAMP "scaped\\[rank 3 %s\\] DEBUG status: detail\n$",
-             host, host, line, host, line + 1, host);
+             STAMP "scaped\\[rank 3 %s\\] DEBUG status: detail \\(test_log\\.c:%d\\)\n$",
+             host, line, host, line + 1, host, line + 2, host, line + 3);
     ck_assert_msg(matches(want, text), "got:\n%s", text);
 
     /* The time is UTC: the date and hour agree with gmtime around the call. */
@@ -124,7 +124,8 @@ START_TEST(filtered_before_formatting)
     log_set_level(LOG_LVL_DEBUG);
     LOG_DEBUG(SUB_ENGINE, "now %d", side_effect());
     ck_assert_int_eq(s_evaluated, 1);
-    ck_assert(matches("^" STAMP "scaped\\[rank 0 [^]]*\\] DEBUG engine: now 1\n$", slurp(f)));
+    ck_assert(matches("^" STAMP "scaped\\[rank 0 [^]]*\\] DEBUG engine: now 1 "
+                      "\\(test_log\\.c:[0-9]+\\)\n$", slurp(f)));
     fclose(f);
 }
 END_TEST
@@ -138,9 +139,12 @@ START_TEST(one_line_per_call)
     memset(big, 'x', sizeof big - 1);
     LOG_INFO(SUB_CONFIG, "two\nlines\r%s", "here");
     LOG_WARN(SUB_CONFIG, "%s", big);
+    LOG_ERROR(SUB_MAIN, "the cause");
+    /* below level debug no line shows where in the code it was written */
     const char *text = slurp(f);
     ck_assert(matches("^" STAMP "scaped\\[rank 1 [^]]*\\] INFO  config: two lines here\n" STAMP
-                      "scaped\\[rank 1 [^]]*\\] WARN  config: x+\\.\\.\\. \\(test_log\\.c:[0-9]+\\)\n$",
+                      "scaped\\[rank 1 [^]]*\\] WARN  config: x+\\.\\.\\.\n" STAMP
+                      "scaped\\[rank 1 [^]]*\\] ERROR main: the cause\n$",
                       text));
     ck_assert_uint_lt(strlen(text), 2 * 2048);
     fclose(f);
