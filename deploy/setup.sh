@@ -39,6 +39,16 @@ else
   echo "setup: installed ${missing[*]}"
 fi
 
+# The .debs that tests/install/prefix.sh unpacks into its private prefix
+# (fetched here, at set-up time, so that the test itself reaches no mirror).
+if [ "${1:-}" = "--tests" ]; then
+  if [ "$(id -u)" -eq 0 ]; then
+    bash "$(dirname "${BASH_SOURCE[0]}")/../tests/install/prefix.sh" --fetch
+  else
+    echo "setup: not root: tests/install/prefix.sh (install_prefix, root only) is skipped"
+  fi
+fi
+
 if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
   echo "setup: CUDA toolkit found ($(command -v nvcc || echo /usr/local/cuda/bin/nvcc)); CUDA twins will be built"
 else

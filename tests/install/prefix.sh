@@ -6,8 +6,9 @@
 # and BUILD_TESTING=OFF (no Check); then a two-daemon group runs from the
 # install, with a trainer built against the installed libscape on each daemon.
 #
-# The private prefix holds the files of the Debian packages (from apt's cache
-# or `apt-get download`, the installed versions), unpacked with dpkg -x. The
+# The private prefix holds the files of the Debian packages (their .debs,
+# which `prefix.sh --fetch` -- run by deploy/setup.sh --tests -- keeps in
+# /var/cache/scape/debs; the test reaches no mirror), unpacked with dpkg -x. The
 # build runs in a private mount namespace where overlays hide /usr's copies
 # of those packages (and Check's): whiteouts, so they do not exist there, and
 # anything that still looks for them in /usr fails. The user is made once
@@ -16,7 +17,7 @@
 # says so and exits 77 (skipped).
 set -euo pipefail
 stage=outer
-if [ "${1:-}" = --inner ] || [ "${1:-}" = --user ]; then
+if [ "${1:-}" = --inner ] || [ "${1:-}" = --user ] || [ "${1:-}" = --fetch ]; then
   stage=${1#--}
   shift
 fi
@@ -29,6 +30,48 @@ multiarch=$(dpkg-architecture -qDEB_HOST_MULTIARCH 2>/dev/null || gcc -print-mul
 # the packages whose files come from the private prefix (and are hidden in /usr)
 deps=(libzmq3-dev libzmq5 libprotobuf-c-dev libprotobuf-c1 protobuf-c-compiler libyaml-dev
       libyaml-0-2 libsodium-dev libsodium23 libmunge-dev libmunge2)
+# where --fetch (run by deploy/setup.sh --tests) keeps their .debs
+cache=${SCAPE_DEB_CACHE:-/var/cache/scape/debs}
+# the .deb file name of an installed package's installed version
+deb_of() {
+  local ver a
+  ver=$(dpkg-query -W -f='${Version}' "$1" 2>/dev/null) || return 1
+  a=$(dpkg-query -W -f='${Architecture}' "$1")
+  echo "${1}_${ver/:/%3a}_$a.deb"
+}
+# ---- --fetch: the packages' .debs into the cache, once (set-up time) ----------
+fetch_stage() {
+  local name deb want=()
+  mkdir -p "$cache"
+  for name in "${deps[@]}"; do
+    deb=$(deb_of "$name") || die "$name is not installed (deploy/setup.sh installs it)"
+    if [ -f "/var/cache/apt/archives/$deb" ] && [ ! -f "$cache/$deb" ]; then
+      cp "/var/cache/apt/archives/$deb" "$cache/"
+    fi
+    [ -f "$cache/$deb" ] || want+=("$name=$(dpkg-query -W -f='${Version}' "$name")")
+  done
+  if [ ${#want[@]} -eq 0 ]; then
+    say "the ${#deps[@]} packages of the private prefix are in $cache"
+    return 0
+  fi
+  chown _apt "$cache" 2>/dev/null || true  # apt downloads as _apt where it can
+  # the installed versions; if the archive has moved on, its current ones
+  # (the prefix is complete either way, and /usr's copies stay hidden)
+  if ! (cd "$cache" && apt-get download -q "${want[@]}") >/tmp/scape-fetch.log 2>&1; then
+    (cd "$cache" && apt-get download -q "${want[@]%%=*}") >>/tmp/scape-fetch.log 2>&1 ||
+      { cat /tmp/scape-fetch.log >&2; die "apt-get download ${want[*]%%=*} failed (is a Debian mirror reachable?)"; }
+  fi
+  for name in "${deps[@]}"; do  # an archive that moved on: its version under the installed name
+    deb=$(deb_of "$name")
+    if [ ! -f "$cache/$deb" ]; then
+      local got
+      got=$(ls "$cache/${name}_"*.deb 2>/dev/null | head -n 1) || true
+      [ -n "$got" ] || die "apt-get download gave no $name"
+      cp "$got" "$cache/$deb"
+    fi
+  done
+  say "downloaded ${#want[@]} package(s) into $cache"
+}
 # hidden in /usr, not provided: the build must not need them
 absent=(check)
 user=scapebuild
@@ -219,29 +262,18 @@ outer_stage() {
 
   say "the private prefix: ${deps[*]}"
   mkdir "$tmp/debs" "$tmp/deps"
-  local name ver a deb fetch=()
+  local name deb
   for name in "${deps[@]}"; do
-    ver=$(dpkg-query -W -f='${Version}' "$name" 2>/dev/null) ||
-      die "$name is not installed (deploy/setup.sh installs it)"
-    a=$(dpkg-query -W -f='${Architecture}' "$name")
-    deb=/var/cache/apt/archives/${name}_${ver/:/%3a}_$a.deb
-    if [ -f "$deb" ]; then
-      cp "$deb" "$tmp/debs/"
+    deb=$(deb_of "$name") || die "$name is not installed (deploy/setup.sh installs it)"
+    if [ -f "$cache/$deb" ]; then
+      cp "$cache/$deb" "$tmp/debs/"
+    elif [ -f "/var/cache/apt/archives/$deb" ]; then
+      cp "/var/cache/apt/archives/$deb" "$tmp/debs/"
     else
-      fetch+=("$name=$ver")
+      die "no $deb in $cache or apt's cache: deploy/setup.sh --tests fetches the packages" \
+          "(tests/install/prefix.sh --fetch); the test itself reaches no mirror"
     fi
   done
-  if [ ${#fetch[@]} -gt 0 ]; then
-    # apt downloads as _apt where it can
-    chown _apt "$tmp/debs" 2>/dev/null || true
-    # the installed versions; if the archive has moved on, its current ones
-    # (the prefix is complete either way, and /usr's copies stay hidden)
-    if ! (cd "$tmp/debs" && apt-get download -q "${fetch[@]}") >"$tmp/download.log" 2>&1; then
-      (cd "$tmp/debs" && apt-get download -q "${fetch[@]%%=*}") >>"$tmp/download.log" 2>&1 ||
-        { cat "$tmp/download.log" >&2; die "apt-get download ${fetch[*]%%=*} failed (is a Debian mirror reachable?)"; }
-    fi
-    say "downloaded ${#fetch[@]} package(s) with apt-get download"
-  fi
   for deb in "$tmp"/debs/*.deb; do
     dpkg -x "$deb" "$tmp/deps" || die "dpkg -x $deb failed"
   done
@@ -273,6 +305,7 @@ outer_stage() {
 }
 
 case $stage in
+  fetch) fetch_stage ;;
   outer) outer_stage "$@" ;;
   inner) inner_stage "$@" ;;
   user) user_stage "$@" ;;
