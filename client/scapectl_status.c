@@ -152,19 +152,43 @@ static void print_peers(printer *p, const Scape__StatusReply *st)
     pr_close(p);
 }
 
-/* The step's collectives, one row per op: `allreduce : calls 1, 2.3 KiB`. */
-static void print_collectives(printer *p, const Scape__StepDone *d)
+/* Collectives, one row per op: `allreduce : calls 1, 2.3 KiB` (a step's,
+ * or the totals since the daemon started). */
+static void print_collectives(printer *p, const char *key, const char *label, size_t n,
+                              Scape__CollectiveCount *const *cc)
 {
     char b[32];
-    pr_list(p, "collectives", "Collectives", d->n_collectives);
-    for (size_t i = 0; i < d->n_collectives; i++) {
-        const Scape__CollectiveCount *c = d->collectives[i];
+    pr_list(p, key, label, n);
+    for (size_t i = 0; i < n; i++) {
+        const Scape__CollectiveCount *c = cc[i];
         pr_row(p, NULL, c->op);
         pr_str(p, "op", NULL, c->op);
         pr_uint(p, "calls", "calls", c->calls, NULL);
         pr_uint(p, "bytes", "", c->bytes, fmt_bytes(b, sizeof b, c->bytes));
         pr_close(p);
     }
+    pr_close(p);
+}
+
+/* The counters since the daemon started (what `scapectl metrics` and the
+ * HTTP endpoint serve as *_total): absent from a daemon that predates them. */
+static void print_totals(printer *p, const Scape__StatusReply *st)
+{
+    if (!st->has_steps_total)
+        return;
+    char b[32], w[32], sum[160];
+    snprintf(sum, sizeof sum, "%llu steps, %s collective (%s on the wire), %llu clipped",
+             (unsigned long long)st->steps_total,
+             fmt_bytes(b, sizeof b, st->collective_bytes_total),
+             fmt_bytes(w, sizeof w, st->wire_bytes_total),
+             (unsigned long long)st->clipped_steps_total);
+    pr_open(p, "totals", "Totals", sum);
+    pr_uint(p, "steps_total", NULL, st->steps_total, NULL);
+    pr_uint(p, "collective_bytes_total", NULL, st->collective_bytes_total, NULL);
+    pr_uint(p, "wire_bytes_total", NULL, st->wire_bytes_total, NULL);
+    pr_uint(p, "clipped_steps_total", NULL, st->clipped_steps_total, NULL);
+    print_collectives(p, "collectives_total", "Collectives", st->n_collectives_total,
+                      st->collectives_total);
     pr_close(p);
 }
 
@@ -207,7 +231,7 @@ static void print_last(printer *p, const Scape__StepDone *d)
                 fmt_bytes(b, sizeof b, d->control_bytes));
     else
         pr_null(p, "control_bytes", "Control bytes");
-    print_collectives(p, d);
+    print_collectives(p, "collectives", "Collectives", d->n_collectives, d->collectives);
     print_phases(p, d->phases);
     pr_close(p);
 }
@@ -295,6 +319,7 @@ static void print_status(printer *p, const Scape__StatusReply *st)
                  st->queued_seconds_total);
         pr_real(p, "queued_seconds_total", "Queued", st->queued_seconds_total, q);
     }
+    print_totals(p, st);
     print_checkpoint(p, st->checkpoint);
     pr_str(p, "runtime_dir", "Runtime dir", st->runtime_dir);
 }

@@ -148,6 +148,16 @@ def test_scrapes_during_a_run(served):
     assert got["scape_checkpoints_total"] == steps // EVERY
     assert got["scape_collective_bytes_total"] >= step_done[5][0] > 0
     assert last[("scape_trainers", R0)] == 0
+    # and scapectl status --json shows the same totals
+    out = subprocess.run([binary("client", "scapectl"), "--runtime-dir", d.rt, "status",
+                          "--json"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    totals = json.loads(out.stdout)["totals"]
+    assert {k: totals[k] for k in ("steps_total", "collective_bytes_total", "wire_bytes_total",
+                                   "clipped_steps_total")} == {
+        "steps_total": st[45][0], "collective_bytes_total": st[46][0],
+        "wire_bytes_total": st[47][0], "clipped_steps_total": st[49][0]}
+    assert {c["op"]: c["calls"] for c in totals["collectives_total"]} == by_op
 
     # the shipped Grafana dashboard asks only for series the daemon serves
     with open(os.path.join(SOURCE, "deploy", "grafana-scaped.json")) as f:
