@@ -37,7 +37,9 @@ module unload scaped
 py=${SCAPE_PYTHON:-/usr/bin/python3}
 "$py" -m venv --system-site-packages "$tmp/venv"
 cp -r "$tmp/prefix/share/scaped/python" "$tmp/pysrc"
-"$tmp/venv/bin/pip" install -q --no-build-isolation --no-index "$tmp/pysrc"
+# --no-cache-dir: a wheel from pip's cache would install without the
+# install-time check for libscape (setup.py)
+"$tmp/venv/bin/pip" install -q --no-cache-dir --no-build-isolation --no-index "$tmp/pysrc"
 clean=(env -i PATH=/usr/bin:/bin HOME="$tmp" TMPDIR="$tmp")
 # a sanitizer build's libscape needs its runtime preloaded
 [ -z "${LD_PRELOAD:-}" ] || clean+=(LD_PRELOAD="$LD_PRELOAD" ASAN_OPTIONS="${ASAN_OPTIONS:-}")
@@ -50,7 +52,7 @@ grep -q "2 trainer(s) done" "$tmp/run.err"
 "$py" -m venv --system-site-packages "$tmp/venv2"
 cp -r "$here/../../client/python" "$tmp/pysrc2"
 rm -f "$tmp/pysrc2/scape/_prefix.py"
-"$tmp/venv2/bin/pip" install -q --no-build-isolation --no-index "$tmp/pysrc2"
+"$tmp/venv2/bin/pip" install -q --no-cache-dir --no-build-isolation --no-index "$tmp/pysrc2"
 (cd "$tmp" && "${clean[@]}" PKG_CONFIG_PATH="$libdir/pkgconfig" "$tmp/venv2/bin/python" -c \
     "import scape, scape._lib as l; assert l.LOADED_FROM.startswith('$libdir'), l.LOADED_FROM")
 echo "install: pkg-config and find_package(Scape) consumers built and ran; module load scaped works;"

@@ -1,12 +1,10 @@
 """ctypes declarations for libscape: the structs of scape.h field for field,
-and argtypes/restype for every function the binding calls."""
+and argtypes/restype for every function the binding calls.  Importing it
+loads libscape from the first place of scape._find's list that loads."""
 import ctypes
-import ctypes.util
 import os
 
-# Read once, here; documented in docs/python.md.
-_ENV_LIB = os.environ.get("SCAPE_LIB")
-_ENV_BUILD = os.environ.get("SCAPE_BUILD_DIR")
+from . import _find
 
 DTYPE_F32, DTYPE_BF16 = 0, 1
 MEMORY_HOST, MEMORY_CUDA = 0, 1
@@ -65,69 +63,25 @@ class CheckpointInfo(ctypes.Structure):
                 ("job", ctypes.c_uint32)]
 
 
-def _installed_prefix():
-    """(libdir, bindir) the CMake install wrote into scape/_prefix.py when it
-    installed this package's source under PREFIX/share/scaped/python, or None."""
-    try:
-        from scape import _prefix
-    except ImportError:
-        return None
-    return _prefix.LIBDIR, _prefix.BINDIR
-
-
-def _pkg_config_libdir():
-    """libscape's directory as pkg-config knows it (scape.pc), or None."""
-    import shutil
-    import subprocess
-    if shutil.which("pkg-config") is None:
-        return None
-    try:
-        r = subprocess.run(["pkg-config", "--variable=libdir", "scape"], capture_output=True,
-                           text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return r.stdout.strip() or None if r.returncode == 0 else None
-
-
-def _candidates():
-    """Where to look, in order; $SCAPE_LIB, when set, is the only place:
-    $SCAPE_BUILD_DIR's build tree, the prefix the package was installed from,
-    PREFIX/lib next to a package inside PREFIX, pkg-config, the linker's path."""
-    if _ENV_LIB:
-        return [_ENV_LIB]
-    here = os.path.dirname(os.path.abspath(__file__))
-    paths = [os.path.join(_ENV_BUILD, "client", "libscape.so")] if _ENV_BUILD else []
-    pre = _installed_prefix()
-    if pre:
-        paths.append(os.path.join(pre[0], "libscape.so"))
-    paths.append(os.path.normpath(os.path.join(here, "..", "..", "lib", "libscape.so")))
-    pc = _pkg_config_libdir()
-    if pc:
-        paths.append(os.path.join(pc, "libscape.so"))
-    return paths + [ctypes.util.find_library("scape")]
-
-
 LOADED_FROM = None  # the path libscape was loaded from (None: by soname)
 
 
 def _load():
     tried = []
-    for path in _candidates():
-        if path is None:
-            tried.append('ctypes.util.find_library("scape") (nothing found)')
-        elif os.sep in path and not os.path.exists(path):
-            tried.append("%s (missing)" % path)
+    for where, path, why in _find.candidates():
+        if not _find.present(path):
+            tried.append(_find.tried(where, path, why or "missing"))
         else:
             try:
                 lib = ctypes.CDLL(path)
             except OSError as e:
-                tried.append("%s (%s)" % (path, e))
+                tried.append(_find.tried(where, path, str(e)))
                 continue
             global LOADED_FROM
             LOADED_FROM = path if os.sep in path else None
             return lib
-    raise ImportError("scape: cannot load libscape.so; set SCAPE_LIB or SCAPE_BUILD_DIR. "
-                      "Tried: " + "; ".join(tried))
+    raise ImportError("scape: cannot load libscape.so; tried %s. %s"
+                      % ("; ".join(tried), _find.FIX))
 
 
 def _declare(lib):

@@ -30,6 +30,8 @@ import tempfile
 import threading
 import time
 
+from scape import __version__
+
 PROG = "scape-run"
 
 
@@ -39,15 +41,13 @@ def say(msg):
 
 def _here_bin(name):
     """name in the prefix the package was installed from, or next to the
-    libscape it loaded (PREFIX/bin for PREFIX/lib, or a build tree)."""
-    try:
-        from scape import _lib
-    except Exception:  # the launcher works without libscape loadable
-        return None
-    pre = _lib._installed_prefix()
+    libscape the binding loads (PREFIX/bin for PREFIX/lib, or a build tree),
+    found without loading it."""
+    from scape import _find
+    pre = _find.installed_prefix()
     cands = [os.path.join(pre[1], name)] if pre else []
-    path = _lib.LOADED_FROM
-    if path:
+    path, _ = _find.first_present()
+    if path and os.sep in path:
         top = os.path.dirname(os.path.dirname(path))
         cands += [os.path.join(top, "bin", name),
                   os.path.join(top, "daemon" if name == "scaped" else "client", name)]
@@ -78,6 +78,8 @@ def parse(argv):
         prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
         description=__doc__.split("\n\n")[0].split(": ", 1)[1],
         epilog=__doc__.split("\n\n", 2)[2])
+    ap.add_argument("--version", action="version", version="%s %s" % (PROG, __version__),
+                    help="the version of scape-run (scaped's), then exit")
     ap.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
                     help="trainer processes on this node (default 1)")
     ap.add_argument("--nnodes", type=int, default=int(env.get("NNODES", "0") or 0),

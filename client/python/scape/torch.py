@@ -9,6 +9,7 @@ import contextlib
 import torch
 
 import scape
+import scape._binding  # libscape loads with scape.torch: an ImportError here says the fix
 
 
 _DTYPES = (torch.float32, torch.bfloat16)
