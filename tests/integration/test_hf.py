@@ -11,7 +11,8 @@ ddp_train.py under torch.distributed, and the doc's diff against the files.
 
 The HF tests run in the virtual environment of deploy/hf-venv.sh, named by
 SCAPE_HF_VENV (ctest integration_hf sets it); without it they are skipped
-(the whole-directory run, integration_service, leaves them to that ctest)."""
+(integration_hf_ddp_port runs the rest of the file, leaving them to that
+ctest)."""
 import difflib
 import json
 import os

@@ -2,7 +2,7 @@
 and schedulers use, and the torch tests under a current torch 2.x.
 
 The API tests run in the interpreter running the tests: Debian's torch 1.13
-in integration_service, torch 2.x when test_torch_tests_under_torch2 runs
+in integration_torch2_api, torch 2.x when test_torch_tests_under_torch2 runs
 them again (with test_torch_train.py and the ScapeOptimizer tests of
 test_python.py, unchanged) under the interpreter of the torch 2.x virtual
 environment in $SCAPE_TORCH2_VENV (ctest integration_torch2;
