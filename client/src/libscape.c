@@ -30,7 +30,9 @@
 #include "scape/scape.h"
 #include "scape_wire.h"
 
-#define LIBSCAPE_VERSION "0.1.0"
+#ifndef LIBSCAPE_VERSION /* the project's version, from CMake */
+#define LIBSCAPE_VERSION "unknown"
+#endif
 
 typedef struct shm_buf {
     char name[64];

@@ -120,6 +120,7 @@ def test_install_with_libscape(work):
             env, work)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split()[1] == os.path.join(build, "client", "libscape.so"), r.stdout
+    assert r.stdout.split()[0] == project_version(), r.stdout  # libscape's, from CMake
     skip_if_system_libscape(work)
     r = run([py, "-c", "import scape; scape.attach"], bare_env(), work)
     assert r.returncode != 0 and "ImportError: scape: cannot load libscape.so" in r.stderr, \
