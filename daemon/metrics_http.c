@@ -248,12 +248,16 @@ static void respond_metrics(mhttp *h, conn *c)
     free(text);
 }
 
-/* The request line of a complete request: METHOD SP TARGET SP HTTP/x.y. */
+/* The request line of a complete request: METHOD SP TARGET SP HTTP/x.y.
+ * Each SP is one space, matched as such ("%1[ ]"): a " " in the format
+ * would match no space at all, or newlines, and so read a request line out
+ * of "GET/metrics" or across the end of the headers. */
 static void answer(mhttp *h, conn *c)
 {
-    char method[16], target[256], version[16];
+    char method[16], target[256], version[16], sp[2];
     c->req[c->req_len] = '\0';
-    if (sscanf(c->req, "%15[A-Z] %255[^ \r\n] %15[^ \r\n]", method, target, version) != 3 ||
+    if (sscanf(c->req, "%15[A-Z]%1[ ]%255[^ \r\n]%1[ ]%15[^ \r\n]", method, sp, target, sp,
+               version) != 5 ||
         strncmp(version, "HTTP/", 5) != 0) {
         respond_text(c, 400, "Bad Request", "", "not an HTTP request; try GET /metrics\n");
         return;
