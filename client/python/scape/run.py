@@ -104,7 +104,9 @@ def parse(argv):
     ap.add_argument("--start-timeout", type=float, default=120.0, metavar="S",
                     help="seconds to wait for scaped to answer (default 120)")
     ap.add_argument("--grace", type=float, default=10.0, metavar="S",
-                    help="seconds processes get to stop before SIGKILL (default 10)")
+                    help="seconds processes get to stop before SIGKILL (default 10; "
+                         "with several nodes scaped gets comm_timeout_ms more, since it "
+                         "waits that long for the other daemons to leave)")
     ap.add_argument("cmd", nargs=argparse.REMAINDER,
                     help="-- and the trainer command line")
     a = ap.parse_args(argv)
