@@ -346,7 +346,8 @@ static const cfg_key s_keys[] = {
       .max = UINT32_MAX, .def = "0",
       .doc = "checkpoint every this many steps (0: on scapectl checkpoint or SIGUSR1 only)" },
     { .name = "checkpoint_keep", .type = KT_INT, .offset = OFF(checkpoint_keep), .min = 1,
-      .max = 1000, .def = "2", .doc = "complete checkpoints kept; older ones are removed (and of those a state_dict "
+      .max = 1000, .def = "2",
+      .doc = "complete checkpoints kept; older ones are removed (and of those a state_dict "
              "named, as many again)" },
     { .name = "resume", .type = KT_STRING, .offset = OFF(resume),
       .size = sizeof ((scaped_config *)0)->resume, .def = "",
