@@ -54,11 +54,3 @@ scape_rc kern_bf16_to_f32(const uint16_t *src, float *dst, size_t n)
         dst[i] = scape_f_from_bf16(src[i]);
     return SCAPE_OK;
 }
-
-scape_rc kern_sum_bf16_parts(const uint16_t *parts, unsigned nparts, size_t n, float *out)
-{
-    TRY(kern_check_parts("kern_sum_bf16_parts", parts, nparts, n, out));
-    for (size_t i = 0; i < n; i++)
-        out[i] = scape_f_sum_bf16_parts(parts, nparts, n, i);
-    return SCAPE_OK;
-}

@@ -35,31 +35,6 @@ scape_rc kern_mask_popcount(const uint32_t *mask, size_t n, size_t *count)
     return SCAPE_OK;
 }
 
-scape_rc kern_mask_prefix(const uint32_t *mask, size_t nwords, uint32_t *prefix)
-{
-    KERN_NONNULL("kern_mask_prefix", mask);
-    KERN_NONNULL("kern_mask_prefix", prefix);
-    KERN_MAXN("kern_mask_prefix", nwords * 32);
-    KERN_DISJOINT("kern_mask_prefix", mask, nwords * 4, prefix, (nwords + 1) * 4);
-    uint32_t acc = 0;
-    for (size_t w = 0; w < nwords; w++) {
-        prefix[w] = acc;
-        acc += (uint32_t)__builtin_popcount(mask[w]);
-    }
-    prefix[nwords] = acc;
-    return SCAPE_OK;
-}
-
-scape_rc kern_mask_or(uint32_t *dst, const uint32_t *src, size_t nwords)
-{
-    KERN_NONNULL("kern_mask_or", dst);
-    KERN_NONNULL("kern_mask_or", src);
-    KERN_DISJOINT("kern_mask_or", dst, nwords * 4, src, nwords * 4);
-    for (size_t w = 0; w < nwords; w++)
-        dst[w] |= src[w];
-    return SCAPE_OK;
-}
-
 static scape_rc pack_ef(const char *fn, const float *g, float *e, const uint32_t *mask,
                         size_t n, float *out, size_t *k_out, int bf16)
 {
@@ -116,7 +91,7 @@ scape_rc kern_pack_ef_bf16(const float *g, float *e, const uint32_t *mask, size_
 scape_rc kern_mask_compact_dt(const float *dense, const uint32_t *mask, size_t n,
                               void *packed, kern_dtype pdt, size_t *k_out)
 {
-    static const char fn[] = "kern_mask_compact";
+    static const char fn[] = "kern_mask_compact_dt";
     KERN_NONNULL(fn, dense);
     KERN_NONNULL(fn, mask);
     KERN_NONNULL(fn, packed);
@@ -144,16 +119,10 @@ scape_rc kern_mask_compact_dt(const float *dense, const uint32_t *mask, size_t n
     return SCAPE_OK;
 }
 
-scape_rc kern_mask_compact(const float *dense, const uint32_t *mask, size_t n,
-                           float *packed, size_t *k_out)
-{
-    return kern_mask_compact_dt(dense, mask, n, packed, KERN_F32, k_out);
-}
-
 scape_rc kern_mask_expand_dt(const void *packed, kern_dtype pdt, const uint32_t *mask,
                              size_t n, void *dense, kern_dtype dt)
 {
-    static const char fn[] = "kern_mask_expand";
+    static const char fn[] = "kern_mask_expand_dt";
     KERN_NONNULL(fn, packed);
     KERN_NONNULL(fn, mask);
     KERN_NONNULL(fn, dense);
@@ -248,10 +217,4 @@ scape_rc kern_mask_expand_delta(const uint16_t *packed, const uint32_t *mask, si
         }
     }
     return SCAPE_OK;
-}
-
-scape_rc kern_mask_expand(const float *packed, const uint32_t *mask, size_t n,
-                          void *dense, kern_dtype dt)
-{
-    return kern_mask_expand_dt(packed, KERN_F32, mask, n, dense, dt);
 }

@@ -135,14 +135,9 @@ static void topk_pick(const kseg_topk_args *a)
     for (uint32_t s = 0; s < a->nsel; s++) {
         kseg_tstate *st = &a->st[s];
         const uint32_t *h = a->hist + (size_t)s * KSEG_BINS0;
-        uint32_t need = a->level == 0 ? a->t[a->first + s].k : st->need, above = 0;
-        for (uint32_t d = bins; d-- > 0;) {
-            if (above + h[d] >= need || d == 0) {
-                kseg_record_digit(st, a->level, d, need - above, h[d]);
-                break;
-            }
-            above += h[d];
-        }
+        uint32_t need = a->level == 0 ? a->t[a->first + s].k : st->need, above;
+        uint32_t d = kseg_pick(h, bins, need, &above);
+        kseg_record_digit(st, a->level, d, need - above, h[d]);
     }
 }
 
@@ -183,11 +178,9 @@ static void topk_write(const kseg_topk_args *a)
             eq[wq] |= (uint32_t)(key == s->tau) << bit;
         });
         uint32_t off = a->item_eq[i];
-        int trim = s->need < s->eq_total;
         for (uint32_t q = 0; q < it->nwords; q++) {
-            uint32_t ties = trim ? kseg_first_ties(eq[q], off, s->need) : eq[q];
+            a->mask[it->word + q] = kseg_topk_word(s, gt[q], eq[q], off);
             off += popc(eq[q]);
-            a->mask[it->word + q] = gt[q] | ties;
         }
     }
 }

@@ -1,60 +1,26 @@
-/* cpu_topk.c - the mask statistics and exact per-tensor top-k selection.
+/* cpu_topk.c - the exact per-tensor top-k selection of the host executor.
  *
- * Selection is a radix select on the bits of |stat|: for non-negative floats
- * the IEEE bit pattern orders like the value, so digit passes (11, 10 and 10
- * bits) find the exact k-th largest key tau and how many keys equal to tau
- * still have to be taken; every key above tau and the first `need` keys
- * equal to it, in index order, are the top k (the ties rule).  As soon as
- * the bucket holding tau is small (usually after the first pass) one more
- * pass sets every key above the bucket and collects the bucket's keys, and
- * the rest runs on those: two passes over the data instead of four.
+ * Selection is the radix select of scape_seg.h on the bits of |stat|: for
+ * non-negative floats the IEEE bit pattern orders like the value, so digit
+ * passes (11, 10 and 10 bits: kseg_digit, kseg_pick) find the exact k-th
+ * largest key tau and how many keys equal to tau still have to be taken;
+ * every key above tau and the first `need` keys equal to it, in index order,
+ * are the top k (the ties rule, kseg_topk_word).  Unlike the segmented
+ * version it keeps no keys: the statistic is recomputed in each pass.  As
+ * soon as the bucket holding tau is small (usually after the first pass) one
+ * more pass sets every key above the bucket and collects the bucket's keys,
+ * and the rest runs on those: two passes over the data instead of four.
  */
 #include <string.h>
 
 #include "kern_internal.h"
+#include "scape_seg.h"
 
-#define DIGIT_BITS 11
-#define NBUCKETS (1u << DIGIT_BITS)
-
-scape_rc kern_mask_stat(const float *m, const float *g, const float *e, size_t n,
-                        float beta1, float t_r, float *stat)
-{
-    static const char fn[] = "kern_mask_stat";
-    KERN_NONNULL(fn, m);
-    KERN_NONNULL(fn, g);
-    KERN_NONNULL(fn, e);
-    KERN_NONNULL(fn, stat);
-    TRY(kern_check_stat_args(fn, n, m, beta1, t_r));
-    KERN_DISJOINT(fn, stat, n * 4, m, n * 4);
-    KERN_DISJOINT(fn, stat, n * 4, g, n * 4);
-    KERN_DISJOINT(fn, stat, n * 4, e, n * 4);
-    const float c1 = 1.0f - beta1;
-    for (size_t i = 0; i < n; i++) {
-        stat[i] = scape_f_stat(m[i], scape_f_ef(g[i], e[i]), beta1, c1, t_r);
-    }
-    return SCAPE_OK;
-}
-
-scape_rc kern_abs_stat(const float *g, const float *e, size_t n, float *stat)
-{
-    static const char fn[] = "kern_abs_stat";
-    KERN_NONNULL(fn, g);
-    KERN_NONNULL(fn, e);
-    KERN_NONNULL(fn, stat);
-    KERN_MAXN(fn, n);
-    KERN_DISJOINT(fn, stat, n * 4, g, n * 4);
-    KERN_DISJOINT(fn, stat, n * 4, e, n * 4);
-    for (size_t i = 0; i < n; i++)
-        stat[i] = scape_f_abs_stat(scape_f_ef(g[i], e[i]));
-    return SCAPE_OK;
-}
-
-/* Where the keys come from: a stored statistic, or one computed on the fly
- * with exactly the expressions of kern_mask_stat / kern_abs_stat, from
- * a = g + e, or from a already stored (at the j-th set bit of `sent` in
- * packed[j], elsewhere in e). */
+/* Where the keys come from: the statistic computed on the fly with exactly
+ * the expressions of scape_f_stat / scape_f_abs_stat, from a = g + e, or
+ * from a already stored (at the j-th set bit of `sent` in packed[j],
+ * elsewhere in e). */
 typedef struct key_src {
-    const float *stat;      /* stored statistic, or NULL */
     const float *m;         /* NULL: the statistic is |a| */
     const float *g, *e;     /* g == NULL: a is stored */
     const uint32_t *sent;   /* stored a: the mask that was packed, or NULL */
@@ -75,11 +41,6 @@ static inline float stat_of(const float *m, float m_i, float a, float beta1, flo
 static void word_keys(const key_src *s, size_t base, size_t len, size_t *j, uint32_t *out)
 {
     float a[32];
-    if (s->stat) {
-        for (size_t i = 0; i < len; i++)
-            out[i] = scape_f_key(s->stat[base + i]);
-        return;
-    }
     uint32_t bits = 0; /* stored a: the packed coordinates of this word */
     if (s->g) {
         for (size_t i = 0; i < len; i++)
@@ -119,57 +80,80 @@ static size_t cand_cap(size_t n) { return n < CAND_CAP ? n : CAND_CAP; }
 
 size_t kern_topk_scratch_bytes(size_t n)
 {
-    return n ? NBUCKETS * sizeof(uint32_t) + cand_cap(n) * sizeof(cand) : 0;
+    return n ? KSEG_BINS0 * sizeof(uint32_t) + cand_cap(n) * sizeof(cand) : 0;
 }
 
-/* Walk the histogram from the top; return the bucket holding the need-th
- * largest key and reduce *need by the count of all larger buckets. */
-static uint32_t pick_bucket(const uint32_t *hist, uint32_t nb, size_t *need)
-{
-    size_t above = 0;
-    uint32_t d = nb - 1;
-    for (;; d--) {
-        if (above + hist[d] >= *need || d == 0)
-            break;
-        above += hist[d];
-    }
-    *need -= above;
-    return d;
-}
-
-/* The three digits of a 31-bit key: bits 30..20, 19..10, 9..0. */
+/* The bits below digit `level` (scape_seg.h's digits: 30..20, 19..10, 9..0). */
 static const int s_shift[3] = { 20, 10, 0 };
-static const int s_bits[3] = { DIGIT_BITS, 10, 10 };
 
-/* Histogram of digit d over the keys whose higher digits equal prefix. */
-static void hist_pass(const key_src *src, size_t n, int d, uint32_t prefix, uint32_t *hist)
+/* Histogram of digit d over the keys whose higher digits are those st chose;
+ * inlined once per digit, so the digit's tests fold. */
+static inline __attribute__((always_inline)) void hist_digit(const key_src *src, size_t n,
+                                                             const int d, const kseg_tstate *st,
+                                                             uint32_t *hist)
 {
-    memset(hist, 0, ((size_t)1 << s_bits[d]) * sizeof *hist);
-    int hi = s_shift[d] + s_bits[d]; /* bits above this digit */
-    uint32_t dmask = (1u << s_bits[d]) - 1u;
+    memset(hist, 0, (d ? KSEG_BINS : KSEG_BINS0) * sizeof *hist);
     size_t j = 0;
     uint32_t keys[32];
     for (size_t base = 0; base < n; base += 32) {
         size_t len = n - base < 32 ? n - base : 32;
         word_keys(src, base, len, &j, keys);
         for (size_t i = 0; i < len; i++)
-            if (d == 0 || (keys[i] >> hi) == prefix)
-                hist[(keys[i] >> s_shift[d]) & dmask]++;
+            if (kseg_in_prefix(st, keys[i], d))
+                hist[kseg_digit(keys[i], d)]++;
     }
 }
 
-/* The last pass over the data, in index order.  With the bucket of the
- * k-th largest key known (its top bits `prefix`, `shift` low bits
- * undecided) and small enough: set the bits of every key above the bucket
- * and collect the bucket's keys in c; the rest of the selection runs on those
- * alone.  With every bit known (shift 0, prefix = tau, c NULL): every key
- * above tau and the first `need` keys equal to it (the ties rule).
+static void hist_pass(const key_src *src, size_t n, int d, const kseg_tstate *st, uint32_t *hist)
+{
+    if (d == 0)
+        hist_digit(src, n, 0, st, hist);
+    else if (d == 1)
+        hist_digit(src, n, 1, st, hist);
+    else
+        hist_digit(src, n, 2, st, hist);
+}
+
+/* Pick digit `level`'s bucket from its histogram into st (scape_seg.h). */
+static uint32_t pick(kseg_tstate *st, int level, const uint32_t *hist)
+{
+    uint32_t above, b = kseg_pick(hist, level ? KSEG_BINS : KSEG_BINS0, st->need, &above);
+    kseg_record_digit(st, level, b, st->need - above, hist[b]);
+    return hist[b];
+}
+
+/* Every key above tau and the first st->need keys equal to it, word by
+ * word in index order (the ties rule of scape_seg.h): the last pass once
+ * all three digits are known. */
+static void write_mask(const key_src *src, size_t n, const kseg_tstate *st, uint32_t *mask)
+{
+    size_t nw = kern_mask_words(n), j = 0;
+    uint32_t keys[32], off = 0;
+    for (size_t w = 0; w < nw; w++) {
+        size_t base = w * 32, len = n - base < 32 ? n - base : 32;
+        uint32_t gt = 0, eq = 0;
+        word_keys(src, base, len, &j, keys);
+        for (size_t i = 0; i < len; i++) {
+            gt |= (uint32_t)(keys[i] > st->tau) << i;
+            eq |= (uint32_t)(keys[i] == st->tau) << i;
+        }
+        mask[w] = kseg_topk_word(st, gt, eq, off);
+        off += (uint32_t)__builtin_popcount(eq);
+    }
+}
+
+/* The last pass over the data, in index order, once the bucket of digit
+ * `level` that holds the k-th largest key is known and small enough: set
+ * the bits of every key above the bucket and collect the bucket's keys in c;
+ * the remaining digits and the ties are then chosen among those alone.
  * Returns nonzero when the bucket held more than the `cap` keys the
  * histogram counted: the input changed between the passes (a trainer writing
  * the gradient it posted); the mask is then incomplete. */
-static int finish_in_bucket(const key_src *src, size_t n, uint32_t prefix, int shift,
-                            size_t need, uint32_t *mask, cand *c, size_t cap, uint32_t *hist)
+static int finish_in_bucket(const key_src *src, size_t n, kseg_tstate *st, int level,
+                            uint32_t *mask, cand *c, size_t cap, uint32_t *hist)
 {
+    const int shift = s_shift[level];
+    const uint32_t prefix = level == 0 ? st->digit[0] : (st->digit[0] << 10) | st->digit[1];
     size_t nw = kern_mask_words(n), j = 0, nc = 0;
     int overflow = 0;
     uint32_t keys[32];
@@ -179,32 +163,28 @@ static int finish_in_bucket(const key_src *src, size_t n, uint32_t prefix, int s
         word_keys(src, base, len, &j, keys);
         for (size_t i = 0; i < len; i++) {
             uint32_t top = keys[i] >> shift;
-            if (top > prefix)
+            if (top > prefix) {
                 word |= 1u << i;
-            else if (top == prefix && c && nc < cap)
-                c[nc++] = (cand){ (uint32_t)(base + i), keys[i] };
-            else if (top == prefix && c)
-                overflow = 1;
-            else if (top == prefix && need > 0 && need--)
-                word |= 1u << i;
+            } else if (top == prefix) {
+                if (nc < cap)
+                    c[nc++] = (cand){ (uint32_t)(base + i), keys[i] };
+                else
+                    overflow = 1;
+            }
         }
         mask[w] = word;
     }
-    /* the remaining digits, 10 bits each, over the candidates */
-    uint32_t low = 0, lmask = (1u << shift) - 1u;
-    for (int done = 0; done < shift; done += 10) {
-        int sh = shift - done - 10;
-        memset(hist, 0, 1024 * sizeof *hist);
-        for (size_t q = 0; q < nc; q++) {
-            uint32_t l = c[q].key & lmask;
-            if ((l >> (sh + 10)) == low)
-                hist[(l >> sh) & 1023u]++;
-        }
-        low = (low << 10) | pick_bucket(hist, 1024, &need);
+    /* the remaining digits over the candidates */
+    for (int d = level + 1; d < 3; d++) {
+        memset(hist, 0, KSEG_BINS * sizeof *hist);
+        for (size_t q = 0; q < nc; q++)
+            if (kseg_in_prefix(st, c[q].key, d))
+                hist[kseg_digit(c[q].key, d)]++;
+        pick(st, d, hist);
     }
-    uint32_t tau = (prefix << shift) | low;
+    uint32_t need = st->need; /* the ties, in index order */
     for (size_t q = 0; q < nc; q++)
-        if (c[q].key > tau || (c[q].key == tau && need > 0 && need--))
+        if (c[q].key > st->tau || (c[q].key == st->tau && need > 0 && need--))
             mask[c[q].idx / 32] |= 1u << (c[q].idx % 32);
     return overflow;
 }
@@ -229,40 +209,24 @@ static scape_rc topk_run(const char *fn, const key_src *src, size_t n, size_t k,
     if (k == 0)
         return SCAPE_OK;
     uint32_t *hist = scratch;
-    cand *c = (cand *)(void *)((char *)scratch + NBUCKETS * sizeof(uint32_t));
-    size_t cap = (scratch_bytes - NBUCKETS * sizeof(uint32_t)) / sizeof(cand);
-    size_t need = k;
-    uint32_t prefix = 0;
-    for (int d = 0; d < 3; d++) {
-        hist_pass(src, n, d, prefix, hist);
-        uint32_t b = pick_bucket(hist, 1u << s_bits[d], &need);
-        size_t in_bucket = hist[b];
-        prefix = (prefix << s_bits[d]) | b;
-        if (d < 2 && in_bucket <= cap) {
-            if (finish_in_bucket(src, n, prefix, s_shift[d], need, mask, c, in_bucket, hist))
+    cand *c = (cand *)(void *)((char *)scratch + KSEG_BINS0 * sizeof(uint32_t));
+    size_t cap = (scratch_bytes - KSEG_BINS0 * sizeof(uint32_t)) / sizeof(cand);
+    kseg_tstate st = { { 0, 0, 0 }, (uint32_t)k, 0, 0 };
+    for (int d = 0; d < 2; d++) {
+        hist_pass(src, n, d, &st, hist);
+        size_t in_bucket = pick(&st, d, hist);
+        if (in_bucket <= cap) {
+            if (finish_in_bucket(src, n, &st, d, mask, c, in_bucket, hist))
                 return scape_set_error(SCAPE_INVALID,
                                        "%s: the input changed while it was being selected "
                                        "from (is its writer still running?)", fn);
             return SCAPE_OK;
         }
     }
-    finish_in_bucket(src, n, prefix, 0, need, mask, NULL, 0, hist);
+    hist_pass(src, n, 2, &st, hist);
+    pick(&st, 2, hist);
+    write_mask(src, n, &st, mask);
     return SCAPE_OK;
-}
-
-scape_rc kern_topk_mask(const float *stat, size_t n, size_t k, uint32_t *mask,
-                        void *scratch, size_t scratch_bytes)
-{
-    static const char fn[] = "kern_topk_mask";
-    KERN_NONNULL(fn, stat);
-    KERN_NONNULL(fn, mask);
-    KERN_NONNULL(fn, scratch);
-    KERN_MAXN(fn, n);
-    size_t nw = kern_mask_words(n);
-    KERN_DISJOINT(fn, mask, nw * 4, stat, n * 4);
-    KERN_DISJOINT(fn, stat, n * 4, scratch, scratch_bytes);
-    key_src src = { .stat = stat };
-    return topk_run(fn, &src, n, k, mask, scratch, scratch_bytes);
 }
 
 scape_rc kern_topk_ef(const float *m, const float *g, const float *e, size_t n,
@@ -310,17 +274,11 @@ scape_rc kern_topk_packed(const float *m, const float *e, const uint32_t *sent,
     return topk_run(fn, &src, n, k, mask, scratch, scratch_bytes);
 }
 
-scape_rc kern_stat_packed(const float *m, const uint32_t *sent, const float *packed_a, size_t n,
-                          float beta1, float t_r, float *packed_stat)
-{
-    return kern_stat_packed_rest(m, sent, packed_a, NULL, n, beta1, t_r, packed_stat);
-}
-
 scape_rc kern_stat_packed_rest(const float *m, const uint32_t *sent, const float *packed_a,
                                const float *rest, size_t n, float beta1, float t_r,
                                float *packed_stat)
 {
-    static const char fn[] = "kern_stat_packed";
+    static const char fn[] = "kern_stat_packed_rest";
     KERN_NONNULL(fn, sent);
     KERN_NONNULL(fn, packed_a);
     KERN_NONNULL(fn, packed_stat);

@@ -1,5 +1,7 @@
-/* cuda_none.c - the one CUDA entry point of a CPU-only build: it reports
- * that the twins are absent, so callers can skip with a reason. */
+/* cuda_none.c - the CUDA entry points of a CPU-only build that callers
+ * reach without CUDA: they report that the CUDA kernels are absent, so
+ * callers can skip with a reason.  (The nccl backend, the only caller of
+ * cuda_comm.cu's kernels, is built only with CUDA.) */
 #include "scape_kernels.h"
 #include "scape_seg.h"
 
@@ -7,12 +9,6 @@ int kern_cuda_available(const char **why)
 {
     if (why)
         *why = "scaped was built without CUDA (SCAPE_CUDA=OFF or no nvcc/NCCL found)";
-    return 0;
-}
-
-size_t kern_cuda_scratch_bytes(size_t n)
-{
-    (void)n;
     return 0;
 }
 

@@ -1,5 +1,5 @@
-/* cuda_scan.cuh - the prefix sums the CUDA kernels share (cuda_kernels.cu,
- * cuda_seg.cu): across a warp, across a block, and over a run of counts by
+/* cuda_scan.cuh - the prefix sums of the segmented CUDA kernels
+ * (cuda_seg.cu): across a warp, across a block, and over a run of counts by
  * one block. */
 #ifndef SCAPE_CUDA_SCAN_CUH
 #define SCAPE_CUDA_SCAN_CUH

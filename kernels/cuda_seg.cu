@@ -301,9 +301,8 @@ static __global__ void __launch_bounds__(KSEG_TILE)
     const unsigned q = threadIdx.x;
     uint32_t eq = q < it.nwords ? s_eq[q] : 0u;
     uint32_t off = a.item_eq[blockIdx.x] + block_excl_scan<KSEG_TILE>(__popc(eq), NULL);
-    uint32_t ties = s.need < s.eq_total ? kseg_first_ties(eq, off, s.need) : eq;
     if (q < it.nwords)
-        a.mask[it.word + q] = s_gt[q] | ties;
+        a.mask[it.word + q] = kseg_topk_word(&s, s_gt[q], eq, off);
 }
 
 /* ---- mask code ------------------------------------------------------------------------ */

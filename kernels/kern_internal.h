@@ -1,5 +1,5 @@
-/* kern_internal.h - argument checks and helpers shared by the CPU reference
- * and the CUDA twins.  Not installed; included only by kernels/. */
+/* kern_internal.h - argument checks and helpers shared by the per-tensor
+ * CPU kernels and cuda_comm.cu.  Not installed; included only by kernels/. */
 #ifndef SCAPE_KERN_INTERNAL_H
 #define SCAPE_KERN_INTERNAL_H
 
@@ -46,8 +46,7 @@ static inline int kern_overlap(const void *a, size_t abytes, const void *b,
     return pa < pb + bbytes && pb < pa + abytes;
 }
 
-/* n, and beta1 and t_r of the SCAPE statistic (ignored without m): the
- * same checks for the CPU functions and their CUDA twins. */
+/* n, and beta1 and t_r of the SCAPE statistic (ignored without m). */
 static inline scape_rc kern_check_stat_args(const char *fn, size_t n, const float *m,
                                             float beta1, float t_r)
 {
@@ -59,7 +58,7 @@ static inline scape_rc kern_check_stat_args(const char *fn, size_t n, const floa
     return SCAPE_OK;
 }
 
-/* kern_sum_bf16_parts and its CUDA twin: nparts parts of n bf16 values. */
+/* kern_cuda_sum_bf16_parts: nparts parts of n bf16 values. */
 static inline scape_rc kern_check_parts(const char *fn, const uint16_t *parts, unsigned nparts,
                                         size_t n, const float *out)
 {

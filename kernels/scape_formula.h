@@ -1,13 +1,13 @@
 /* scape_formula.h - every element-wise formula of SCAPE, defined once.
  *
- * The CPU reference (kernels/cpu_*.c), the segmented kernels' CPU version
- * (kernels/cpu_seg.c) and every CUDA kernel (kernels/cuda_*.cu) compute each
+ * The per-tensor CPU kernels (kernels/cpu_*.c), the segmented kernels' CPU
+ * version (kernels/cpu_seg.c) and every CUDA kernel (kernels/cuda_*.cu) compute each
  * coordinate through these functions, so the CPU tests check the very
  * arithmetic the GPU runs.  Both compilers see them with FMA contraction off
  * (-ffp-contract=off for C and for nvcc's host pass, --fmad=false for the
  * device), and IEEE division and square root (nvcc's defaults, never
- * --use_fast_math): a*b + c is then two roundings everywhere, and the twins
- * agree to the last bit.
+ * --use_fast_math): a*b + c is then two roundings everywhere, and CPU and
+ * GPU agree to the last bit.
  *
  * Order of operations is part of the contract (docs/algorithm.md):
  *  - the local gradient G is trainer 0's value, then each further trainer's

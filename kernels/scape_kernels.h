@@ -1,8 +1,9 @@
-/* scape_kernels.h - the numerical operations of SCAPE.
+/* scape_kernels.h - the per-tensor CPU kernels of the host executor
+ * (daemon/exec_host.c), and the CUDA kernels of the nccl comm backend.
  *
- * Every operation has a CPU reference (plain C, kern_*) and a CUDA twin
- * (kern_cuda_*, device pointers, enqueued on a caller stream) with the same
- * semantics.  Masks are packed bits in uint32_t words: element i of a segment
+ * The device executor runs the segmented kernels instead (scape_seg.h: one
+ * CPU and one CUDA version of each); both families compute every element
+ * with scape_formula.h, so they agree to the last bit.  Masks are packed bits in uint32_t words: element i of a segment
  * is bit (i & 31) of word (i >> 5), LSB first.  A segment's mask always starts
  * on a word boundary; bits past n in its last word are zero after any kernel
  * that writes a mask, and are ignored by kernels that read one.
@@ -12,8 +13,7 @@
  * n == 0 is a valid, empty segment; null pointers never are.
  *
  * Arithmetic is spelled out in the order of docs/algorithm.md and compiled without
- * FMA contraction on both CPU and GPU, so the twins agree to the last bit on
- * the update kernels and on the masks.
+ * FMA contraction on both CPU and GPU.
  */
 #ifndef SCAPE_KERNELS_H
 #define SCAPE_KERNELS_H
@@ -58,28 +58,15 @@ scape_rc kern_pack_ef(const float *g, float *e, const uint32_t *mask, size_t n,
 scape_rc kern_pack_ef_bf16(const float *g, float *e, const uint32_t *mask, size_t n,
                            float *out, size_t *k_out);
 
-/* SCAPE mask statistic: stat_i = |beta1*m_i + (1-beta1)*((g_i+e_i)/t_r)|,
- * with t_r >= 1 the number of local trainers (a_r / T_r is their mean).
- * stat must not overlap the inputs. */
-scape_rc kern_mask_stat(const float *m, const float *g, const float *e, size_t n,
-                        float beta1, float t_r, float *stat);
-
-/* Raw-gradient statistic for the top-k baseline: stat_i = |g_i + e_i|. */
-scape_rc kern_abs_stat(const float *g, const float *e, size_t n, float *stat);
-
-/* Scratch bytes kern_topk_mask needs for a segment of n elements. */
+/* Scratch bytes the top-k functions below need for a segment of n elements. */
 size_t kern_topk_scratch_bytes(size_t n);
 
-/* Exact top-k by radix select on the float bits of |stat| (O(n)): sets exactly
- * k bits, those of the k largest values; among equal values the lower index
- * wins.  NaN ranks above +inf.  Requires k <= n. */
-scape_rc kern_topk_mask(const float *stat, size_t n, size_t k, uint32_t *mask,
-                        void *scratch, size_t scratch_bytes);
-
-/* Fused statistic and top-k: the mask kern_topk_mask would build from the
- * statistic of kern_mask_stat (m given) or kern_abs_stat (m == NULL), bit for
- * bit, with the statistic recomputed in each pass instead of stored: no
- * n-element buffer.  beta1 and t_r are ignored when m is NULL.  Scratch as
+/* Exact top-k by radix select on the float bits of the statistic
+ * (scape_formula.h: scape_f_stat with m given, scape_f_abs_stat of a = g + e
+ * with m == NULL), recomputed in each pass instead of stored: no n-element
+ * buffer.  Sets exactly k bits, those of the k largest keys (scape_f_key);
+ * among equal keys the lower index wins; NaN ranks above +inf.  Requires
+ * k <= n.  beta1 and t_r are ignored when m is NULL.  Scratch as
  * kern_topk_scratch_bytes(n).  The inputs are read in several passes and
  * must not change during the call; if a change is noticed (another process
  * writing a shared gradient) the call fails with SCAPE_INVALID instead of
@@ -98,19 +85,16 @@ scape_rc kern_topk_packed(const float *m, const float *e, const uint32_t *sent,
 
 /* The statistic at the set bits of `sent` alone, packed: for the j-th set
  * bit i, packed_stat[j] = |beta1 m_i + (1 - beta1) a / t_r| with a =
- * packed_a[j] (|a| when m is NULL), the expression of kern_mask_stat.  Taken
- * before m changes at those coordinates, it lets kern_topk_prestat select
- * afterwards. */
-scape_rc kern_stat_packed(const float *m, const uint32_t *sent, const float *packed_a, size_t n,
-                          float beta1, float t_r, float *packed_stat);
-/* As kern_stat_packed with bf16 values: a = packed_a[j] + rest[i], the
- * value sent and the residual kept (scape_f_send). */
+ * packed_a[j] + rest[i] (|a| when m is NULL), the value sent and the
+ * residual kept (scape_f_send); rest == NULL: a = packed_a[j] (fp32 values,
+ * nothing kept).  Taken before m changes at those coordinates, it lets
+ * kern_topk_prestat select afterwards. */
 scape_rc kern_stat_packed_rest(const float *m, const uint32_t *sent, const float *packed_a,
                                const float *rest, size_t n, float beta1, float t_r,
                                float *packed_stat);
 
 /* kern_topk_packed with the keys at the set bits of `sent` taken from
- * packed_stat (kern_stat_packed) instead of computed from m and the packed
+ * packed_stat (kern_stat_packed_rest) instead of computed from m and the packed
  * a; elsewhere a_i = e_i as there.  Bit-identical to kern_topk_packed on the
  * inputs the statistic was taken from, however m has changed at `sent`'s
  * bits since. */
@@ -121,25 +105,15 @@ scape_rc kern_topk_prestat(const float *m, const float *e, const uint32_t *sent,
 /* Number of set bits among the first n bits. */
 scape_rc kern_mask_popcount(const uint32_t *mask, size_t n, size_t *count);
 
-/* Exclusive prefix over words: prefix[w] = set bits in words [0, w);
- * prefix[nwords] = total.  prefix holds nwords + 1 entries.  Bits past the
- * segment are the caller's to keep zero. */
-scape_rc kern_mask_prefix(const uint32_t *mask, size_t nwords, uint32_t *prefix);
-
-/* Compact: packed[j] = dense[i] for the j-th set bit i; *k_out = count. */
-scape_rc kern_mask_compact(const float *dense, const uint32_t *mask, size_t n,
-                           float *packed, size_t *k_out);
-/* As kern_mask_compact, packed values stored in pdt (bf16: rounded to
- * nearest even, as every conversion to the trainers' bf16). */
+/* Compact: packed[j] = dense[i] for the j-th set bit i, stored in pdt (bf16:
+ * rounded to nearest even, as every conversion to the trainers' bf16);
+ * *k_out = count. */
 scape_rc kern_mask_compact_dt(const float *dense, const uint32_t *mask, size_t n,
                               void *packed, kern_dtype pdt, size_t *k_out);
 
-/* Expand: dense[i] = packed[j] for the j-th set bit i, converted to dt;
- * positions whose bit is clear are left untouched. */
-scape_rc kern_mask_expand(const float *packed, const uint32_t *mask, size_t n,
-                          void *dense, kern_dtype dt);
-/* As kern_mask_expand from packed values of dtype pdt (bf16 into bf16 is a
- * copy of the bits). */
+/* Expand: dense[i] = packed[j] for the j-th set bit i, converted from pdt to
+ * dt (bf16 into bf16 is a copy of the bits); positions whose bit is clear
+ * are left untouched. */
 scape_rc kern_mask_expand_dt(const void *packed, kern_dtype pdt, const uint32_t *mask,
                              size_t n, void *dense, kern_dtype dt);
 
@@ -151,9 +125,6 @@ scape_rc kern_mask_compact_delta(float *theta, const float *old, const uint32_t 
                                  size_t n, uint16_t *packed, size_t *k_out);
 scape_rc kern_mask_expand_delta(const uint16_t *packed, const uint32_t *mask, size_t n,
                                 float *dense);
-
-/* dst |= src over nwords words (union of masks); dst and src are disjoint. */
-scape_rc kern_mask_or(uint32_t *dst, const uint32_t *src, size_t nwords);
 
 /* Masked AdamS with the single-buffer reconstruction.  For the j-th set bit i,
  * with g = sum[j] / div (times h->clip, when it clips):
@@ -190,82 +161,27 @@ scape_rc kern_grad_accum(float *dst, const void *src, kern_dtype dt, size_t n,
 scape_rc kern_f32_to_bf16(const float *src, uint16_t *dst, size_t n);
 /* bf16 -> fp32 (exact). */
 scape_rc kern_bf16_to_f32(const uint16_t *src, float *dst, size_t n);
-/* out[i] = the fp32 sum, in part order, of the nparts bf16 parts (part q
- * at parts + q * n): what an owner computes from every rank's bf16 values
- * (scape_f_sum_bf16_parts). */
-scape_rc kern_sum_bf16_parts(const uint16_t *parts, unsigned nparts, size_t n, float *out);
 
 /* Scalar conversions (scape_formula.h), under their kernel names. */
 static inline uint16_t kern_bf16_from_f32(float x) { return scape_f_bf16(x); }
 static inline float kern_f32_from_bf16(uint16_t x) { return scape_f_from_bf16(x); }
 
-/* ---- CUDA twins ----------------------------------------------------------
- * Same semantics as the CPU functions of the same name, on device pointers,
- * enqueued on `stream` (a cudaStream_t; NULL is the legacy default stream).
- * Functions that count return the count through a host pointer and therefore
- * synchronise the stream.  Scratch is device memory of at least
- * kern_cuda_scratch_bytes(n) bytes; the top-k twins keep their bookkeeping
- * there, so one scratch must not serve two streams at once.  Declared
- * always; defined only in builds with SCAPE_HAVE_CUDA (check
- * kern_cuda_available() at run time).
- * Exceptions to "the same bits": a NaN that passes through arithmetic comes
- * out as the device's one canonical NaN (the CPU keeps the payload), and top-k
- * ranks NaNs of different payloads as ties, in index order.  The deferred
- * selection pair (kern_stat_packed, kern_topk_prestat) has no twin: the
- * daemon runs it on the host.
+/* ---- CUDA (cuda_comm.cu) ---------------------------------------------------
+ * The kernels of the nccl comm backend: device pointers, enqueued on
+ * `stream` (a cudaStream_t; NULL is the legacy default stream), the values
+ * of scape_formula.h bit for bit.  Declared always; defined only in builds
+ * with SCAPE_HAVE_CUDA (check kern_cuda_available() at run time).
  */
 
-/* 1 when this build has the CUDA twins and a device is visible, else 0;
- * *why (if non-null) says why not. */
+/* 1 when this build has the CUDA kernels (these and scape_seg.h's) and a
+ * device is visible, else 0; *why (if non-null) says why not. */
 int kern_cuda_available(const char **why);
-/* Device scratch bytes any single twin below needs for n elements. */
-size_t kern_cuda_scratch_bytes(size_t n);
 
-scape_rc kern_cuda_pack_ef(const float *g, float *e, const uint32_t *mask, size_t n,
-                           float *out, void *scratch, size_t scratch_bytes,
-                           void *stream);
-scape_rc kern_cuda_mask_stat(const float *m, const float *g, const float *e, size_t n,
-                             float beta1, float t_r, float *stat, void *stream);
-scape_rc kern_cuda_abs_stat(const float *g, const float *e, size_t n, float *stat,
-                            void *stream);
-scape_rc kern_cuda_topk_mask(const float *stat, size_t n, size_t k, uint32_t *mask,
-                             void *scratch, size_t scratch_bytes, void *stream);
-scape_rc kern_cuda_topk_ef(const float *m, const float *g, const float *e, size_t n,
-                           float beta1, float t_r, size_t k, uint32_t *mask, void *scratch,
-                           size_t scratch_bytes, void *stream);
-scape_rc kern_cuda_topk_packed(const float *m, const float *e, const uint32_t *sent,
-                               const float *packed, size_t n, float beta1, float t_r,
-                               size_t k, uint32_t *mask, void *scratch,
-                               size_t scratch_bytes, void *stream);
-scape_rc kern_cuda_mask_popcount(const uint32_t *mask, size_t n, size_t *count,
-                                 void *scratch, size_t scratch_bytes, void *stream);
-scape_rc kern_cuda_mask_prefix(const uint32_t *mask, size_t nwords, uint32_t *prefix,
-                               void *scratch, size_t scratch_bytes, void *stream);
-scape_rc kern_cuda_mask_compact(const float *dense, const uint32_t *mask, size_t n,
-                                float *packed, void *scratch, size_t scratch_bytes,
-                                void *stream);
-scape_rc kern_cuda_mask_expand(const float *packed, const uint32_t *mask, size_t n,
-                               void *dense, kern_dtype dt, void *scratch,
-                               size_t scratch_bytes, void *stream);
-scape_rc kern_cuda_mask_or(uint32_t *dst, const uint32_t *src, size_t nwords,
-                           void *stream);
-scape_rc kern_cuda_adams_masked(float *theta, float *m, const float *sum, float div,
-                                const uint32_t *mask, size_t n, const kern_hyper *h,
-                                float lr, void *scratch, size_t scratch_bytes,
-                                void *stream);
-scape_rc kern_cuda_adams_dense(float *theta, float *m, const float *sum, float div,
-                               size_t n, const kern_hyper *h, float lr, void *stream);
-scape_rc kern_cuda_adamw_dense(float *theta, float *m, float *v, const float *sum,
-                               float div, size_t n, const kern_hyper *h, float lr,
-                               uint64_t t, void *stream);
-scape_rc kern_cuda_adamw_masked(float *theta, float *m, float *v, const float *sum,
-                                float div, const uint32_t *mask, size_t n,
-                                const kern_hyper *h, float lr, uint64_t t,
-                                void *scratch, size_t scratch_bytes, void *stream);
-scape_rc kern_cuda_grad_accum(float *dst, const void *src, kern_dtype dt, size_t n,
-                              int overwrite, void *stream);
+/* dst[i] = scape_f_bf16(src[i]): fp32 -> bf16, round to nearest even. */
 scape_rc kern_cuda_f32_to_bf16(const float *src, uint16_t *dst, size_t n, void *stream);
-scape_rc kern_cuda_bf16_to_f32(const uint16_t *src, float *dst, size_t n, void *stream);
+/* out[i] = the fp32 sum, in part order, of the nparts bf16 parts (part q
+ * at parts + q * n): what an owner computes from every rank's bf16 values
+ * (scape_f_sum_bf16_parts). */
 scape_rc kern_cuda_sum_bf16_parts(const uint16_t *parts, unsigned nparts, size_t n, float *out,
                                   void *stream);
 

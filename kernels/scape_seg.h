@@ -370,7 +370,13 @@ SCAPE_HD void kseg_elem(kseg_kernel op, const kseg_args *a, const kseg_tensor *t
     }
 }
 
-/* ---- top-k: one selected tensor's digits -------------------------------- */
+/* ---- top-k: one selected tensor's digits --------------------------------
+ * The radix select, written once for every top-k of kernels/: the per-tensor
+ * CPU one of the host executor (cpu_topk.c) and the segmented CPU and CUDA
+ * ones (cpu_seg.c, cuda_seg.cu) split a key (scape_f_key) into the same
+ * three digits, pick the bucket of the k-th largest key by the same rule and
+ * take the ties in index order by the same rule; they differ only in how
+ * they run the passes. */
 
 /* The bits of digit `level` of a key, and whether the key's higher digits
  * are those chosen so far. */
@@ -386,6 +392,20 @@ SCAPE_HD int kseg_in_prefix(const kseg_tstate *s, uint32_t key, int level)
     if (level == 1)
         return (key >> 20) == s->digit[0];
     return (key >> 10) == ((s->digit[0] << 10) | s->digit[1]);
+}
+
+/* The bucket of a digit's histogram h (`bins` buckets) that holds the
+ * need-th largest key, walking down from the top; *above gets the count of
+ * the buckets above it.  need 0 gives the top bucket, fewer keys than need
+ * bucket 0 (neither happens with 1 <= k <= len).  The CUDA version
+ * (topk_pick_kernel) finds the same bucket with a block scan. */
+SCAPE_HD uint32_t kseg_pick(const uint32_t *h, uint32_t bins, uint32_t need, uint32_t *above)
+{
+    uint32_t acc = 0, d = bins - 1;
+    while (acc + h[d] < need && d > 0)
+        acc += h[d--];
+    *above = acc;
+    return d;
 }
 
 /* Choose the bucket of digit `level` that holds the need-th largest key,
@@ -413,6 +433,15 @@ SCAPE_HD uint32_t kseg_first_ties(uint32_t eq, uint32_t off, uint32_t need)
         eq &= eq - 1;
     }
     return sel;
+}
+
+/* A mask word of the selection from its keys above tau (gt) and equal to it
+ * (eq), the first of whose ties has rank `off` among the tensor's: all of
+ * gt, and the ties ranked below need (all of them when the tensor's ties
+ * are all taken). */
+SCAPE_HD uint32_t kseg_topk_word(const kseg_tstate *s, uint32_t gt, uint32_t eq, uint32_t off)
+{
+    return gt | (s->need < s->eq_total ? kseg_first_ties(eq, off, s->need) : eq);
 }
 
 /* ---- mask code ---------------------------------------------------------------- */

@@ -35,8 +35,6 @@ typedef enum bench_role {
     BR_PACKED,      /* k fp32 inputs, one per set bit of BR_MASK */
     BR_OUT,         /* k fp32 outputs, zeroed */
     BR_MASK,        /* n-bit mask of density rho */
-    BR_MASK2,       /* a second, independent mask of density rho */
-    BR_PREFIX,      /* nw + 1 word counts, zeroed */
     BR_COUNT
 } bench_role;
 

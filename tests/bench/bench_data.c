@@ -74,23 +74,18 @@ static size_t role_bytes(const bench_case *c, bench_role r)
     case BR_OUT:
         return c->k * 4;
     case BR_MASK:
-    case BR_MASK2:
         return c->nw * 4;
-    case BR_PREFIX:
-        return (c->nw + 1) * 4;
     default:
         return c->n * 4;
     }
 }
 
-/* Mask bits, then the set-bit count and the touched-line counts of BR_MASK. */
+/* Mask bits, then their set-bit count and touched-line counts. */
 static void fill_mask(bench_case *c, bench_role r)
 {
     uint32_t *m = c->p[r];
     for (size_t w = 0; w < c->nw; w++)
         m[w] = bench_mask_word(r, c->n, w, c->rho);
-    if (r != BR_MASK)
-        return;
     for (size_t w = 0; w < c->nw; w++) {
         c->k += (size_t)__builtin_popcount(m[w]);
         c->lines4 += ((m[w] & 0xffffu) != 0) + ((m[w] >> 16) != 0);
@@ -100,9 +95,9 @@ static void fill_mask(bench_case *c, bench_role r)
 
 static void fill_role(bench_case *c, bench_role r)
 {
-    if (r == BR_MASK || r == BR_MASK2) {
+    if (r == BR_MASK) {
         fill_mask(c, r);
-    } else if (r == BR_OUT || r == BR_PREFIX) {
+    } else if (r == BR_OUT) {
         memset(c->p[r], 0, role_bytes(c, r));
     } else if (r == BR_HALF) {
         uint16_t *h = c->p[r];
@@ -133,8 +128,8 @@ scape_rc bench_case_init(bench_case *c, size_t n, double rho, unsigned roles)
 {
     /* The masks first: their set-bit count k sizes the packed buffers. */
     static const bench_role order[BR_COUNT] = {
-        BR_MASK, BR_MASK2, BR_G, BR_E, BR_M, BR_V, BR_THETA, BR_SUM,
-        BR_DST, BR_HALF, BR_PACKED, BR_OUT, BR_PREFIX,
+        BR_MASK, BR_G, BR_E, BR_M, BR_V, BR_THETA, BR_SUM,
+        BR_DST, BR_HALF, BR_PACKED, BR_OUT,
     };
     memset(c, 0, sizeof *c);
     c->n = n;

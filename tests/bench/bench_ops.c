@@ -73,44 +73,7 @@ static size_t check_pack(const bench_case *c)
 /* g, e read; e written; mask read; k packed values written. */
 static size_t bytes_pack(const bench_case *c) { return 12 * c->n + 4 * c->nw + 4 * c->k; }
 
-static scape_rc run_stat(void *p)
-{
-    bench_case *c = p;
-    return kern_mask_stat(c->p[BR_M], c->p[BR_G], c->p[BR_E], c->n,
-                          BENCH_BETA1, BENCH_TRAINERS, c->p[BR_DST]);
-}
-
-static size_t check_stat(const bench_case *c)
-{
-    const float *stat = c->p[BR_DST];
-    const double b1 = BENCH_BETA1, tr = BENCH_TRAINERS;
-    size_t bad = 0;
-    for (size_t i = 0; i < c->n; i++) {
-        double a = (double)bench_f32(BR_G, i) + bench_f32(BR_E, i);
-        bad += off(stat[i], fabs(b1 * bench_f32(BR_M, i) + (1.0 - b1) * (a / tr)));
-    }
-    return bad;
-}
-
-/* m, g, e read; stat written. */
-static size_t bytes_stat(const bench_case *c) { return 16 * c->n; }
-
-static scape_rc run_abs(void *p)
-{
-    bench_case *c = p;
-    return kern_abs_stat(c->p[BR_G], c->p[BR_E], c->n, c->p[BR_DST]);
-}
-
-static size_t check_abs(const bench_case *c)
-{
-    const float *stat = c->p[BR_DST];
-    size_t bad = 0;
-    for (size_t i = 0; i < c->n; i++)
-        bad += stat[i] != fabsf(bench_f32(BR_G, i) + bench_f32(BR_E, i));
-    return bad;
-}
-
-/* g, e read; stat written. */
+/* dst, src read; dst written (grad_accum f32). */
 static size_t bytes_12n(const bench_case *c) { return 12 * c->n; }
 
 /* ---- compact and expand ------------------------------------------------- */
@@ -118,8 +81,8 @@ static size_t bytes_12n(const bench_case *c) { return 12 * c->n; }
 static scape_rc run_compact(void *p)
 {
     bench_case *c = p;
-    return kern_mask_compact(c->p[BR_G], c->p[BR_MASK], c->n, c->p[BR_OUT],
-                             &c->k_out);
+    return kern_mask_compact_dt(c->p[BR_G], c->p[BR_MASK], c->n, c->p[BR_OUT], KERN_F32,
+                                &c->k_out);
 }
 
 static size_t check_compact(const bench_case *c)
@@ -144,8 +107,8 @@ static size_t bytes_compact(const bench_case *c)
 static scape_rc run_expand_f32(void *p)
 {
     bench_case *c = p;
-    return kern_mask_expand(c->p[BR_PACKED], c->p[BR_MASK], c->n, c->p[BR_DST],
-                            KERN_F32);
+    return kern_mask_expand_dt(c->p[BR_PACKED], KERN_F32, c->p[BR_MASK], c->n, c->p[BR_DST],
+                               KERN_F32);
 }
 
 static size_t check_expand_f32(const bench_case *c)
@@ -163,8 +126,8 @@ static size_t check_expand_f32(const bench_case *c)
 static scape_rc run_expand_bf16(void *p)
 {
     bench_case *c = p;
-    return kern_mask_expand(c->p[BR_PACKED], c->p[BR_MASK], c->n, c->p[BR_HALF],
-                            KERN_BF16);
+    return kern_mask_expand_dt(c->p[BR_PACKED], KERN_F32, c->p[BR_MASK], c->n, c->p[BR_HALF],
+                               KERN_BF16);
 }
 
 static size_t check_expand_bf16(const bench_case *c)
@@ -402,45 +365,6 @@ static size_t check_popcount(const bench_case *c)
 /* mask read. */
 static size_t bytes_popcount(const bench_case *c) { return 4 * c->nw; }
 
-static scape_rc run_prefix(void *p)
-{
-    bench_case *c = p;
-    return kern_mask_prefix(c->p[BR_MASK], c->nw, c->p[BR_PREFIX]);
-}
-
-static size_t check_prefix(const bench_case *c)
-{
-    const uint32_t *pre = c->p[BR_PREFIX];
-    size_t bad = 0, acc = 0;
-    for (size_t w = 0; w < c->nw; w++) {
-        bad += pre[w] != acc;
-        acc += (size_t)__builtin_popcount(bench_mask_word(BR_MASK, c->n, w, c->rho));
-    }
-    return bad + (pre[c->nw] != acc);
-}
-
-/* mask read, nw + 1 counts written. */
-static size_t bytes_prefix(const bench_case *c) { return 8 * c->nw + 4; }
-
-static scape_rc run_or(void *p)
-{
-    bench_case *c = p;
-    return kern_mask_or(c->p[BR_MASK], c->p[BR_MASK2], c->nw);
-}
-
-static size_t check_or(const bench_case *c)
-{
-    const uint32_t *m = c->p[BR_MASK];
-    size_t bad = 0;
-    for (size_t w = 0; w < c->nw; w++)
-        bad += m[w] != (bench_mask_word(BR_MASK, c->n, w, c->rho) |
-                        bench_mask_word(BR_MASK2, c->n, w, c->rho));
-    return bad;
-}
-
-/* dst read and written, src read. */
-static size_t bytes_or(const bench_case *c) { return 12 * c->nw; }
-
 /* ---- the table ---------------------------------------------------------- */
 
 #define PACK_ROLES (BR(BR_G) | BR(BR_E) | BR(BR_MASK) | BR(BR_OUT))
@@ -452,9 +376,6 @@ const bench_op bench_ops[] = {
     { "pack_ef rho=0.01", 0.01, PACK_ROLES, run_pack, check_pack, bytes_pack },
     { "pack_ef rho=0.1", 0.1, PACK_ROLES, run_pack, check_pack, bytes_pack },
     { "pack_ef all-ones", 1.0, PACK_ROLES, run_pack, check_pack, bytes_pack },
-    { "mask_stat", 0, BR(BR_M) | BR(BR_G) | BR(BR_E) | BR(BR_DST), run_stat,
-      check_stat, bytes_stat },
-    { "abs_stat", 0, BR(BR_G) | BR(BR_E) | BR(BR_DST), run_abs, check_abs, bytes_12n },
     { "mask_compact rho=0.01", 0.01, BR(BR_G) | BR(BR_MASK) | BR(BR_OUT),
       run_compact, check_compact, bytes_compact },
     { "mask_expand f32 rho=0.01", 0.01, SPARSE | BR(BR_DST), run_expand_f32,
@@ -479,10 +400,6 @@ const bench_op bench_ops[] = {
       bytes_convert },
     { "mask_popcount rho=0.01", 0.01, BR(BR_MASK), run_popcount, check_popcount,
       bytes_popcount },
-    { "mask_prefix rho=0.01", 0.01, BR(BR_MASK) | BR(BR_PREFIX), run_prefix,
-      check_prefix, bytes_prefix },
-    { "mask_or rho=0.01", 0.01, BR(BR_MASK) | BR(BR_MASK2), run_or, check_or,
-      bytes_or },
 };
 
 const size_t bench_nops = sizeof bench_ops / sizeof bench_ops[0];

@@ -136,7 +136,7 @@ void bench_print_markdown(FILE *f, const bench_results *r)
     fprintf(f, "|---|---:|---:|---:|---:|---:|---:|\n");
     for (size_t i = 0; i < r->nrows; i++)
         md_row(f, &r->rows[i]);
-    fprintf(f, "\n| top-k n | k | mask_stat ms | topk_mask ms | sort-select ms | "
+    fprintf(f, "\n| top-k n | k | stat ms | topk ms | sort-select ms | "
             "speedup (select) | speedup (stat + select) |\n");
     fprintf(f, "|---:|---:|---:|---:|---:|---:|---:|\n");
     for (size_t i = 0; i < r->ntopk; i++)

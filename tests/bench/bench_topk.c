@@ -1,5 +1,8 @@
-/* bench_topk.c - top-k selection (kern_mask_stat + kern_topk_mask) against a
- * sort-based selection of the same statistic, measured in the same run.
+/* bench_topk.c - top-k selection (the SCAPE statistic of scape_formula.h, then
+ * the radix select of kern_topk_packed on it) against a sort-based selection
+ * of the same statistic, measured in the same run.  (The host executor runs
+ * the two fused, kern_topk_ef; apart, the selection alone compares with the
+ * sort.)
  *
  * The baseline copies (stat, index) pairs, sorts them with qsort by value
  * descending and index ascending, and sets the bits of the first k: the
@@ -20,7 +23,7 @@ typedef struct sel_pair {
 typedef struct topk_job {
     bench_case c;       /* m, g, e in; BR_DST holds the statistic */
     size_t k;
-    uint32_t *mask;     /* kern_topk_mask */
+    uint32_t *mask;     /* kern_topk_packed */
     uint32_t *ref;      /* sort baseline */
     void *scratch;
     size_t scratch_bytes;
@@ -30,15 +33,21 @@ typedef struct topk_job {
 static scape_rc run_stat(void *p)
 {
     bench_case *c = &((topk_job *)p)->c;
-    return kern_mask_stat(c->p[BR_M], c->p[BR_G], c->p[BR_E], c->n, BENCH_BETA1,
-                          BENCH_TRAINERS, c->p[BR_DST]);
+    const float *m = c->p[BR_M], *g = c->p[BR_G], *e = c->p[BR_E];
+    float *stat = c->p[BR_DST];
+    const float c1 = 1.0f - BENCH_BETA1;
+    for (size_t i = 0; i < c->n; i++)
+        stat[i] = scape_f_stat(m[i], scape_f_ef(g[i], e[i]), BENCH_BETA1, c1, BENCH_TRAINERS);
+    return SCAPE_OK;
 }
 
+/* The selection by the stored statistic: with nothing sent and no m,
+ * kern_topk_packed's keys are those of e = stat itself. */
 static scape_rc run_topk(void *p)
 {
     topk_job *j = p;
-    return kern_topk_mask(j->c.p[BR_DST], j->c.n, j->k, j->mask, j->scratch,
-                          j->scratch_bytes);
+    return kern_topk_packed(NULL, j->c.p[BR_DST], NULL, NULL, j->c.n, 0.0f, 1.0f, j->k, j->mask,
+                            j->scratch, j->scratch_bytes);
 }
 
 static int cmp_pair(const void *a, const void *b)

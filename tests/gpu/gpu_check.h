@@ -4,8 +4,9 @@
 
 #include "gpu_common.h"
 
-/* Call every CUDA twin with bad arguments and expect SCAPE_INVALID with a
- * message naming the function; also the valid empty-segment calls. */
+/* Call every kern_cuda_* function with bad arguments and expect
+ * SCAPE_INVALID with a message naming the function, and an unknown
+ * segmented kernel id; also the valid empty-segment calls. */
 void check_bad_args(gc_tally *t);
 
 #endif /* SCAPE_GPU_CHECK_H */

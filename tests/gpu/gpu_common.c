@@ -57,7 +57,7 @@ int gc_gpu_ready(const char *prog)
     const char *why = NULL;
     if (kern_cuda_available(&why))
         return 1;
-    printf("SKIP: %s: %s\n", prog, why ? why : "CUDA twins unavailable");
+    printf("SKIP: %s: %s\n", prog, why ? why : "CUDA kernels unavailable");
     return 0;
 }
 

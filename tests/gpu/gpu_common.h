@@ -29,7 +29,7 @@ double gc_unit(gc_rng *r);
 /* Standard normal (Box-Muller). */
 float gc_normal(gc_rng *r);
 
-/* 1 when the CUDA twins can run here; otherwise print "SKIP: <reason>" and
+/* 1 when the CUDA kernels can run here; otherwise print "SKIP: <reason>" and
  * return 0 (the caller then exits with GC_SKIP). */
 int gc_gpu_ready(const char *prog);
 

@@ -4,7 +4,7 @@
 # machine with every build dependency; carry it along) when they load here,
 # else build them (CMake when it can configure the project, otherwise nvcc +
 # cc directly, so a machine without CMake, Check or ZeroMQ still works); run
-# gpu_check (CUDA twins against the CPU reference), gpu_exec (the cuda
+# gpu_check (the segmented CUDA kernels against their CPU versions), gpu_exec (the cuda
 # executor against the host executor, bitwise), the nccl backend with one
 # rank and a whole scaped on it with a host and a CUDA IPC trainer (run_nccl),
 # CUDA IPC trainers handing over in place, by events, and one killed mid-job
@@ -245,7 +245,7 @@ build_direct() {
         check+=("$(cc_one "$src")") || die "compiling $src failed"
     done
     bench+=("$(cc_one tests/gpu/gpu_bench.c)") || die "compiling gpu_bench.c failed"
-    for src in cuda_kernels cuda_seg; do
+    for src in cuda_seg cuda_comm; do
         "$NVCC" -std=c++17 -O3 --fmad=false -Xcompiler=-Wall -Xcompiler=-ffp-contract=off \
             -Ikernels -gencode arch=compute_90,code=sm_90 \
             -gencode arch=compute_90,code=compute_90 \

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""torch.topk on |N(0,1)| data, timed like gpu_bench times kern_cuda_topk_mask:
+"""torch.topk on |N(0,1)| data, timed like gpu_bench times the segmented top-k:
 k = max(1, n // 100), median of REPEATS calls, CUDA events, a 256 MiB write
 before each call to evict the L2.  Prints one line per size and variant:
 

@@ -321,50 +321,28 @@ START_TEST(test_pack)
 }
 END_TEST
 
-/* ---- statistics --------------------------------------------------------- */
+/* ---- statistics ---------------------------------------------------------- */
 
-/* The header's formula in float, in its order. */
-static void stat_case(rng *r, size_t n, float beta1, float t_r)
+/* The header's formula in float, in its order: the SCAPE statistic (m given)
+ * or |g + e|; the keys kern_topk_ef selects by. */
+static void ref_stat(const float *m, const float *g, const float *e, size_t n, float beta1,
+                     float t_r, float *stat)
 {
-    float *m = rand_f32(r, n), *g = rand_f32(r, n), *e = rand_f32(r, n);
-    float *want = xalloc(n * 4), *stat = galloc(n * 4);
     for (size_t i = 0; i < n; i++) {
         float a = g[i] + e[i], c1 = 1.0f - beta1;
-        want[i] = fabsf(beta1 * m[i] + c1 * (a / t_r));
+        stat[i] = m ? fabsf(beta1 * m[i] + c1 * (a / t_r)) : fabsf(a);
     }
-    assert_ok(kern_mask_stat(m, g, e, n, beta1, t_r, stat), "kern_mask_stat", n);
-    assert_f32_eq(stat, want, n, "mask_stat");
-    gcheck(stat, "mask_stat");
-    free(m), free(g), free(e), free(want), gfree(stat);
 }
-
-START_TEST(test_mask_stat)
-{
-    /* t_r = 3 and 7 round differently from (1-beta1)*a/t_r, 1 and 8 do not. */
-    static const float betas[] = { 0.9f, 0.0f, 0.5f, 0.9f };
-    static const float trs[] = { 3.0f, 1.0f, 8.0f, 7.0f };
-    rng r = rng_make(__func__, _i);
-    for (int c = 0; c < 4; c++)
-        stat_case(&r, s_sizes[_i], betas[c], trs[c]);
-}
-END_TEST
-
-START_TEST(test_abs_stat)
-{
-    size_t n = s_sizes[_i];
-    rng r = rng_make(__func__, _i);
-    float *g = rand_f32(&r, n), *e = rand_f32(&r, n);
-    float *want = xalloc(n * 4), *stat = galloc(n * 4);
-    for (size_t i = 0; i < n; i++)
-        want[i] = fabsf(g[i] + e[i]);
-    assert_ok(kern_abs_stat(g, e, n, stat), "kern_abs_stat", n);
-    assert_f32_eq(stat, want, n, "abs_stat");
-    gcheck(stat, "abs_stat");
-    free(g), free(e), free(want), gfree(stat);
-}
-END_TEST
 
 /* ---- top-k -------------------------------------------------------------- */
+
+/* The top-k of a stored statistic: kern_topk_packed with nothing sent and no
+ * m selects by |e| itself, the radix select without arithmetic on the keys. */
+static scape_rc topk_of(const float *stat, size_t n, size_t k, uint32_t *mask, void *scratch,
+                        size_t sb)
+{
+    return kern_topk_packed(NULL, stat, NULL, NULL, n, 0.0f, 1.0f, k, mask, scratch, sb);
+}
 
 typedef struct ranked { float v; size_t i; } ranked;
 
@@ -420,7 +398,7 @@ static void run_topk(const float *stat, size_t n, size_t k, const ranked *order)
     memset(want, 0, nw * 4);
     for (size_t j = 0; j < k; j++)
         want[order[j].i >> 5] |= 1u << (order[j].i & 31);
-    assert_ok(kern_topk_mask(stat, n, k, mask, scratch, sb), "kern_topk_mask", n);
+    assert_ok(topk_of(stat, n, k, mask, scratch, sb), "kern_topk_packed", n);
     size_t got = 0;
     for (size_t w = 0; w < nw; w++)
         got += bits_in(mask[w]);
@@ -502,7 +480,7 @@ START_TEST(test_topk_all_equal)
         }
         uint32_t *mask = galloc(nw * 4);
         void *scratch = galloc(sb);
-        assert_ok(kern_topk_mask(stat, n, k, mask, scratch, sb), "kern_topk_mask", n);
+        assert_ok(topk_of(stat, n, k, mask, scratch, sb), "kern_topk_packed", n);
         for (size_t w = 0; w < nw; w++)
             if (mask[w] != first_k_word(w, k))
                 ck_abort_msg("all-equal kind %d n=%zu k=%zu: word %zu is 0x%08x, "
@@ -587,8 +565,8 @@ START_TEST(test_topk_crafted)
     for (size_t k = 0; k <= 8; k++) {
         uint32_t *mask = galloc(4);
         void *scratch = galloc(kern_topk_scratch_bytes(8));
-        assert_ok(kern_topk_mask(stat, 8, k, mask, scratch, kern_topk_scratch_bytes(8)),
-                  "kern_topk_mask", 8);
+        assert_ok(topk_of(stat, 8, k, mask, scratch, kern_topk_scratch_bytes(8)),
+                  "kern_topk_packed", 8);
         ck_assert_msg(mask[0] == want[k], "k=%zu: mask 0x%08x, want 0x%08x", k,
                       (unsigned)mask[0], (unsigned)want[k]);
         gcheck(mask, "topk mask");
@@ -613,28 +591,6 @@ START_TEST(test_mask_popcount)
 }
 END_TEST
 
-/* Sizes are word counts here; every bit of every word counts. */
-START_TEST(test_mask_prefix)
-{
-    size_t nw = s_sizes[_i];
-    rng r = rng_make(__func__, _i);
-    for (int kind = 0; kind < MK_COUNT; kind++) {
-        uint32_t *mask = xalloc(nw * 4), *want = xalloc((nw + 1) * 4);
-        uint32_t *prefix = galloc((nw + 1) * 4), acc = 0;
-        for (size_t w = 0; w < nw; w++) {
-            mask[w] = mask_word(&r, kind);
-            want[w] = acc;
-            acc += (uint32_t)bits_in(mask[w]);
-        }
-        want[nw] = acc;
-        assert_ok(kern_mask_prefix(mask, nw, prefix), "kern_mask_prefix", nw);
-        assert_u32_eq(prefix, want, nw + 1, "prefix");
-        gcheck(prefix, "prefix");
-        free(mask), free(want), gfree(prefix);
-    }
-}
-END_TEST
-
 static void compact_case(rng *r, size_t n, int kind)
 {
     float *dense = rand_f32(r, n);
@@ -644,7 +600,8 @@ static void compact_case(rng *r, size_t n, int kind)
     for (size_t i = 0; i < n; i++)
         if (bit(mask, i))
             want[j++] = dense[i];
-    assert_ok(kern_mask_compact(dense, mask, n, packed, &k_out), "kern_mask_compact", n);
+    assert_ok(kern_mask_compact_dt(dense, mask, n, packed, KERN_F32, &k_out),
+              "kern_mask_compact_dt", n);
     ck_assert_uint_eq(k_out, k);
     assert_f32_eq(packed, want, k, "compact");
     gcheck(packed, "compact");
@@ -677,7 +634,8 @@ static void expand_case(rng *r, size_t n, int kind, kern_dtype dt)
         memcpy(want + i * es, dt == KERN_F32 ? (void *)&packed[j] : (void *)&h, es);
         j++;
     }
-    assert_ok(kern_mask_expand(packed, mask, n, dense, dt), "kern_mask_expand", n);
+    assert_ok(kern_mask_expand_dt(packed, KERN_F32, mask, n, dense, dt), "kern_mask_expand_dt",
+              n);
     if (dt == KERN_F32)
         assert_f32_eq((const float *)dense, (const float *)want, n, "expand f32");
     else
@@ -740,24 +698,6 @@ START_TEST(test_mask_delta)
 }
 END_TEST
 
-/* Sizes are word counts here. */
-START_TEST(test_mask_or)
-{
-    size_t nw = s_sizes[_i];
-    rng r = rng_make(__func__, _i);
-    uint32_t *src = xalloc(nw * 4), *dst = galloc(nw * 4), *want = xalloc(nw * 4);
-    for (size_t w = 0; w < nw; w++) {
-        src[w] = mask_word(&r, MK_MIXED);
-        dst[w] = mask_word(&r, MK_MIXED);
-        want[w] = dst[w] | src[w];
-    }
-    assert_ok(kern_mask_or(dst, src, nw), "kern_mask_or", nw);
-    assert_u32_eq(dst, want, nw, "mask_or");
-    gcheck(dst, "mask_or");
-    free(src), gfree(dst), free(want);
-}
-END_TEST
-
 /* ---- bf16 conversion ---------------------------------------------------- */
 
 static const struct { uint32_t f; uint16_t b; } s_bf16_cases[] = {
@@ -803,7 +743,8 @@ static void convert(const uint32_t *bits, size_t n, uint16_t *dst, int via_expan
     uint32_t mask[2] = { ~0u, ~0u };
     ck_assert_uint_le(n, 64);
     if (via_expand)
-        assert_ok(kern_mask_expand(src, mask, n, dst, KERN_BF16), "kern_mask_expand", n);
+        assert_ok(kern_mask_expand_dt(src, KERN_F32, mask, n, dst, KERN_BF16),
+                  "kern_mask_expand_dt", n);
     else
         assert_ok(kern_f32_to_bf16(src, dst, n), "kern_f32_to_bf16", n);
     free(src);
@@ -831,9 +772,10 @@ START_TEST(test_bf16_crafted)
 }
 END_TEST
 
-/* The owners' rank-order sum of bf16 parts: against the sum written out
- * here in fp32, part after part, and an exact double sum where the fp32
- * one is exact (small integers); refused arguments. */
+/* The owners' rank-order sum of bf16 parts (scape_f_sum_bf16_parts, the
+ * formula of kern_cuda_sum_bf16_parts): against the sum written out here in
+ * fp32, part after part, and an exact sum where the fp32 one is exact
+ * (small integers). */
 START_TEST(test_sum_bf16_parts)
 {
     enum { N = 1000, P = 5 };
@@ -845,7 +787,8 @@ START_TEST(test_sum_bf16_parts)
         parts[i] = kern_bf16_from_f32(v);
     }
     for (unsigned np = 1; np <= P; np++) {
-        assert_ok(kern_sum_bf16_parts(parts, np, N / 2, out), "kern_sum_bf16_parts", N / 2);
+        for (size_t i = 0; i < N / 2; i++)
+            out[i] = scape_f_sum_bf16_parts(parts, np, N / 2, i);
         for (size_t i = 0; i < N / 2; i++) {
             float want = kern_f32_from_bf16(parts[i]);
             for (unsigned q = 1; q < np; q++)
@@ -856,13 +799,11 @@ START_TEST(test_sum_bf16_parts)
     }
     for (size_t i = 0; i < (size_t)3 * N; i++)
         parts[i] = kern_bf16_from_f32((float)((int)(i % 255) - 127));
-    assert_ok(kern_sum_bf16_parts(parts, 3, N, out), "kern_sum_bf16_parts", N);
+    for (size_t i = 0; i < N; i++)
+        out[i] = scape_f_sum_bf16_parts(parts, 3, N, i);
     for (size_t i = 0; i < N; i++)
         ck_assert_float_eq(out[i], (float)((int)(i % 255) - 127 + (int)((N + i) % 255) - 127 +
                                            (int)((2 * N + i) % 255) - 127));
-    ck_assert_int_eq(kern_sum_bf16_parts(NULL, 1, 4, out), SCAPE_INVALID);
-    ck_assert_int_eq(kern_sum_bf16_parts(parts, 0, 4, out), SCAPE_INVALID);
-    ck_assert_int_eq(kern_sum_bf16_parts(parts, 2, 4, (float *)(void *)parts), SCAPE_INVALID);
 }
 END_TEST
 
@@ -1225,47 +1166,41 @@ START_TEST(test_null_pack_stat)
     REFUSE(&f, "kern_pack_ef", kern_pack_ef(f.g, f.e, NULL, n, f.out, &f.count));
     REFUSE(&f, "kern_pack_ef", kern_pack_ef(f.g, f.e, f.mask, n, NULL, &f.count));
     REFUSE(&f, "kern_pack_ef", kern_pack_ef(f.g, f.e, f.mask, n, f.out, NULL));
-    REFUSE(&f, "kern_mask_stat", kern_mask_stat(NULL, f.g, f.e, n, 0.9f, 2.0f, f.stat));
-    REFUSE(&f, "kern_mask_stat", kern_mask_stat(f.m, NULL, f.e, n, 0.9f, 2.0f, f.stat));
-    REFUSE(&f, "kern_mask_stat", kern_mask_stat(f.m, f.g, NULL, n, 0.9f, 2.0f, f.stat));
-    REFUSE(&f, "kern_mask_stat", kern_mask_stat(f.m, f.g, f.e, n, 0.9f, 2.0f, NULL));
-    REFUSE(&f, "kern_abs_stat", kern_abs_stat(NULL, f.e, n, f.stat));
-    REFUSE(&f, "kern_abs_stat", kern_abs_stat(f.g, NULL, n, f.stat));
-    REFUSE(&f, "kern_abs_stat", kern_abs_stat(f.g, f.e, n, NULL));
     assert_ok(kern_pack_ef(f.g, f.e, f.mask, n, f.out, &f.count), "kern_pack_ef", n);
-    assert_ok(kern_mask_stat(f.m, f.g, f.e, n, 0.9f, 2.0f, f.stat), "kern_mask_stat", n);
-    assert_ok(kern_abs_stat(f.g, f.e, n, f.stat), "kern_abs_stat", n);
 }
 END_TEST
 
 START_TEST(test_null_topk_masks)
 {
-    size_t n = _i ? BN : 0, nw = kern_mask_words(n);
+    size_t n = _i ? BN : 0;
     fx f;
     fx_init(&f, __func__, _i);
     size_t sb = sizeof f.scratch;
-    REFUSE(&f, "kern_topk_mask", kern_topk_mask(NULL, n, 0, f.mask, f.scratch, sb));
-    REFUSE(&f, "kern_topk_mask", kern_topk_mask(f.stat, n, 0, NULL, f.scratch, sb));
-    REFUSE(&f, "kern_topk_mask", kern_topk_mask(f.stat, n, 0, f.mask, NULL, sb));
+    REFUSE(&f, "kern_topk_packed", topk_of(NULL, n, 0, f.mask, f.scratch, sb));
+    REFUSE(&f, "kern_topk_packed", topk_of(f.stat, n, 0, NULL, f.scratch, sb));
+    REFUSE(&f, "kern_topk_packed", topk_of(f.stat, n, 0, f.mask, NULL, sb));
     REFUSE(&f, "kern_mask_popcount", kern_mask_popcount(NULL, n, &f.count));
     REFUSE(&f, "kern_mask_popcount", kern_mask_popcount(f.mask, n, NULL));
-    REFUSE(&f, "kern_mask_prefix", kern_mask_prefix(NULL, nw, f.prefix));
-    REFUSE(&f, "kern_mask_prefix", kern_mask_prefix(f.mask, nw, NULL));
-    REFUSE(&f, "kern_mask_compact", kern_mask_compact(NULL, f.mask, n, f.out, &f.count));
-    REFUSE(&f, "kern_mask_compact", kern_mask_compact(f.g, NULL, n, f.out, &f.count));
-    REFUSE(&f, "kern_mask_compact", kern_mask_compact(f.g, f.mask, n, NULL, &f.count));
-    REFUSE(&f, "kern_mask_compact", kern_mask_compact(f.g, f.mask, n, f.out, NULL));
-    REFUSE(&f, "kern_mask_expand", kern_mask_expand(NULL, f.mask, n, f.out, KERN_F32));
-    REFUSE(&f, "kern_mask_expand", kern_mask_expand(f.g, NULL, n, f.out, KERN_F32));
-    REFUSE(&f, "kern_mask_expand", kern_mask_expand(f.g, f.mask, n, NULL, KERN_BF16));
-    REFUSE(&f, "kern_mask_or", kern_mask_or(NULL, f.mask2, nw));
-    REFUSE(&f, "kern_mask_or", kern_mask_or(f.mask, NULL, nw));
-    assert_ok(kern_topk_mask(f.stat, n, 0, f.mask, f.scratch, sb), "kern_topk_mask", n);
+    REFUSE(&f, "kern_mask_compact_dt",
+           kern_mask_compact_dt(NULL, f.mask, n, f.out, KERN_F32, &f.count));
+    REFUSE(&f, "kern_mask_compact_dt",
+           kern_mask_compact_dt(f.g, NULL, n, f.out, KERN_F32, &f.count));
+    REFUSE(&f, "kern_mask_compact_dt",
+           kern_mask_compact_dt(f.g, f.mask, n, NULL, KERN_F32, &f.count));
+    REFUSE(&f, "kern_mask_compact_dt",
+           kern_mask_compact_dt(f.g, f.mask, n, f.out, KERN_F32, NULL));
+    REFUSE(&f, "kern_mask_expand_dt",
+           kern_mask_expand_dt(NULL, KERN_F32, f.mask, n, f.out, KERN_F32));
+    REFUSE(&f, "kern_mask_expand_dt",
+           kern_mask_expand_dt(f.g, KERN_F32, NULL, n, f.out, KERN_F32));
+    REFUSE(&f, "kern_mask_expand_dt",
+           kern_mask_expand_dt(f.g, KERN_F32, f.mask, n, NULL, KERN_BF16));
+    assert_ok(topk_of(f.stat, n, 0, f.mask, f.scratch, sb), "kern_topk_packed", n);
     assert_ok(kern_mask_popcount(f.mask, n, &f.count), "kern_mask_popcount", n);
-    assert_ok(kern_mask_prefix(f.mask, nw, f.prefix), "kern_mask_prefix", n);
-    assert_ok(kern_mask_compact(f.g, f.mask, n, f.out, &f.count), "kern_mask_compact", n);
-    assert_ok(kern_mask_expand(f.g, f.mask, n, f.out, KERN_F32), "kern_mask_expand", n);
-    assert_ok(kern_mask_or(f.mask, f.mask2, nw), "kern_mask_or", n);
+    assert_ok(kern_mask_compact_dt(f.g, f.mask, n, f.out, KERN_F32, &f.count),
+              "kern_mask_compact_dt", n);
+    assert_ok(kern_mask_expand_dt(f.g, KERN_F32, f.mask, n, f.out, KERN_F32),
+              "kern_mask_expand_dt", n);
 }
 END_TEST
 
@@ -1336,17 +1271,6 @@ START_TEST(test_bad_pack_stat)
     REFUSE(&f, "kern_pack_ef", kern_pack_ef(f.g, f.e, f.mask, BN, f.e + 1, &f.count));
     REFUSE(&f, "kern_pack_ef", kern_pack_ef(f.e, f.e, f.mask, BN, f.out, &f.count));
     REFUSE(&f, "kern_pack_ef", kern_pack_ef(f.g, f.e, f.mask, BN, f.g, &f.count));
-    REFUSE(&f, "kern_mask_stat", kern_mask_stat(f.m, f.g, f.e, BN, 1.0f, 2.0f, f.stat));
-    REFUSE(&f, "kern_mask_stat", kern_mask_stat(f.m, f.g, f.e, BN, -0.5f, 2.0f, f.stat));
-    REFUSE(&f, "kern_mask_stat", kern_mask_stat(f.m, f.g, f.e, BN, NAN, 2.0f, f.stat));
-    REFUSE(&f, "kern_mask_stat", kern_mask_stat(f.m, f.g, f.e, BN, 0.9f, 0.0f, f.stat));
-    REFUSE(&f, "kern_mask_stat", kern_mask_stat(f.m, f.g, f.e, BN, 0.9f, -1.0f, f.stat));
-    REFUSE(&f, "kern_mask_stat", kern_mask_stat(f.m, f.g, f.e, BN, 0.9f, NAN, f.stat));
-    REFUSE(&f, "kern_mask_stat", kern_mask_stat(f.m, f.g, f.e, BN, 0.9f, 2.0f, f.m));
-    REFUSE(&f, "kern_mask_stat", kern_mask_stat(f.m, f.g, f.e, BN, 0.9f, 2.0f, f.g));
-    REFUSE(&f, "kern_mask_stat", kern_mask_stat(f.m, f.g, f.e, BN, 0.9f, 2.0f, f.e + 3));
-    REFUSE(&f, "kern_abs_stat", kern_abs_stat(f.g, f.e, BN, f.g));
-    REFUSE(&f, "kern_abs_stat", kern_abs_stat(f.g, f.e, BN, f.e));
 }
 END_TEST
 
@@ -1356,13 +1280,12 @@ START_TEST(test_bad_topk)
     fx f;
     fx_init(&f, __func__, 0);
     ck_assert_uint_le(sb, sizeof f.scratch);
-    REFUSE(&f, "kern_topk_mask", kern_topk_mask(f.stat, BN, BN + 1, f.mask, f.scratch, sb));
-    REFUSE(&f, "kern_topk_mask", kern_topk_mask(f.stat, 0, 1, f.mask, f.scratch, sb));
-    REFUSE(&f, "kern_topk_mask", kern_topk_mask(f.stat, BN, 3, f.mask, f.scratch, sb - 1));
-    REFUSE(&f, "kern_topk_mask",
-           kern_topk_mask(f.stat, BN, 3, (uint32_t *)(void *)f.stat, f.scratch, sb));
-    REFUSE(&f, "kern_topk_mask", kern_topk_mask(f.stat, BN, 3, f.mask, f.stat, sb));
-    REFUSE(&f, "kern_topk_mask", kern_topk_mask(f.stat, BN, 3, f.scratch, f.scratch, sb));
+    REFUSE(&f, "kern_topk_packed", topk_of(f.stat, BN, BN + 1, f.mask, f.scratch, sb));
+    REFUSE(&f, "kern_topk_packed", topk_of(f.stat, 0, 1, f.mask, f.scratch, sb));
+    REFUSE(&f, "kern_topk_packed", topk_of(f.stat, BN, 3, f.mask, f.scratch, sb - 1));
+    REFUSE(&f, "kern_topk_packed",
+           topk_of(f.stat, BN, 3, (uint32_t *)(void *)f.stat, f.scratch, sb));
+    REFUSE(&f, "kern_topk_packed", topk_of(f.stat, BN, 3, f.scratch, f.scratch, sb));
 }
 END_TEST
 
@@ -1370,18 +1293,20 @@ START_TEST(test_bad_masks)
 {
     fx f;
     fx_init(&f, __func__, 0);
-    REFUSE(&f, "kern_mask_prefix", kern_mask_prefix(f.mask, 2, f.mask));
-    REFUSE(&f, "kern_mask_prefix", kern_mask_prefix(f.mask, 2, f.mask + 1));
-    REFUSE(&f, "kern_mask_compact", kern_mask_compact(f.g, f.mask, BN, f.g, &f.count));
-    REFUSE(&f, "kern_mask_compact",
-           kern_mask_compact(f.g, f.mask, BN, (float *)(void *)f.mask, &f.count));
-    REFUSE(&f, "kern_mask_expand", kern_mask_expand(f.g, f.mask, BN, f.out, (kern_dtype)2));
-    REFUSE(&f, "kern_mask_expand", kern_mask_expand(f.g, f.mask, BN, f.out, (kern_dtype)-1));
-    REFUSE(&f, "kern_mask_expand", kern_mask_expand(f.g, f.mask, BN, f.g, KERN_F32));
-    REFUSE(&f, "kern_mask_expand", kern_mask_expand(f.g, f.mask, BN, f.g + 1, KERN_BF16));
-    REFUSE(&f, "kern_mask_expand", kern_mask_expand(f.g, f.mask, BN, f.mask, KERN_F32));
-    REFUSE(&f, "kern_mask_or", kern_mask_or(f.mask, f.mask, 2));
-    REFUSE(&f, "kern_mask_or", kern_mask_or(f.mask, f.mask + 1, 2));
+    REFUSE(&f, "kern_mask_compact_dt",
+           kern_mask_compact_dt(f.g, f.mask, BN, f.g, KERN_F32, &f.count));
+    REFUSE(&f, "kern_mask_compact_dt",
+           kern_mask_compact_dt(f.g, f.mask, BN, (float *)(void *)f.mask, KERN_F32, &f.count));
+    REFUSE(&f, "kern_mask_expand_dt",
+           kern_mask_expand_dt(f.g, KERN_F32, f.mask, BN, f.out, (kern_dtype)2));
+    REFUSE(&f, "kern_mask_expand_dt",
+           kern_mask_expand_dt(f.g, KERN_F32, f.mask, BN, f.out, (kern_dtype)-1));
+    REFUSE(&f, "kern_mask_expand_dt",
+           kern_mask_expand_dt(f.g, KERN_F32, f.mask, BN, f.g, KERN_F32));
+    REFUSE(&f, "kern_mask_expand_dt",
+           kern_mask_expand_dt(f.g, KERN_F32, f.mask, BN, f.g + 1, KERN_BF16));
+    REFUSE(&f, "kern_mask_expand_dt",
+           kern_mask_expand_dt(f.g, KERN_F32, f.mask, BN, f.mask, KERN_F32));
 }
 END_TEST
 
@@ -1515,11 +1440,8 @@ static void topk_ef_case(rng *r, size_t n, int tied, int scape_stat)
     float *stat = xalloc((n ? n : 1) * sizeof *stat);
     uint32_t *want = xalloc((nw ? nw : 1) * 4), *got = galloc(nw * 4);
     void *scratch = xalloc(sb ? sb : 1);
-    if (scape_stat)
-        assert_ok(kern_mask_stat(m, g, e, n, 0.9f, 3.0f, stat), "kern_mask_stat", n);
-    else
-        assert_ok(kern_abs_stat(g, e, n, stat), "kern_abs_stat", n);
-    assert_ok(kern_topk_mask(stat, n, k, want, scratch, sb), "kern_topk_mask", n);
+    ref_stat(scape_stat ? m : NULL, g, e, n, 0.9f, 3.0f, stat);
+    assert_ok(topk_of(stat, n, k, want, scratch, sb), "kern_topk_packed", n);
     assert_ok(kern_topk_ef(scape_stat ? m : NULL, g, e, n, 0.9f, 3.0f, k, got, scratch, sb),
               "kern_topk_ef", n);
     ck_assert_msg(memcmp(got, want, nw * 4) == 0, "kern_topk_ef differs (n=%zu, tied=%d, "
@@ -1563,7 +1485,8 @@ static void topk_packed_case(rng *r, size_t n, int scape_stat, int dense)
          * (the update) and the packed a overwritten (the reduction): the
          * selection from the kept statistic is the same */
         float *pstat = xalloc((kp ? kp : 1) * 4);
-        assert_ok(kern_stat_packed(mm, sent, packed, n, 0.9f, 2.0f, pstat), "kern_stat_packed", n);
+        assert_ok(kern_stat_packed_rest(mm, sent, packed, NULL, n, 0.9f, 2.0f, pstat),
+                  "kern_stat_packed_rest", n);
         for (size_t i = 0; i < n; i++)
             if ((sent[i / 32] >> (i % 32)) & 1u)
                 m[i] = -7.5f * m[i] + 1.0f;
@@ -1619,12 +1542,18 @@ START_TEST(test_bad_topk_ef)
     REFUSE(&f, "kern_topk_packed", kern_topk_packed(f.m, f.e, NULL, NULL, BN, 0.9f, 0.0f, 1, f.mask, f.scratch, sb));
     REFUSE(&f, "kern_topk_packed", kern_topk_packed(f.m, f.e, f.mask, f.out, BN, 0.9f, 1.0f, 1, f.mask, f.scratch, sb));
     assert_ok(kern_topk_packed(f.m, f.e, f.mask2, f.out, BN, 0.9f, 1.0f, 1, f.mask, f.scratch, sb), "kern_topk_packed", BN);
-    REFUSE(&f, "kern_stat_packed", kern_stat_packed(f.m, NULL, f.out, BN, 0.9f, 1.0f, f.g));
-    REFUSE(&f, "kern_stat_packed", kern_stat_packed(f.m, f.mask2, NULL, BN, 0.9f, 1.0f, f.g));
-    REFUSE(&f, "kern_stat_packed", kern_stat_packed(f.m, f.mask2, f.out, BN, 0.9f, 1.0f, NULL));
-    REFUSE(&f, "kern_stat_packed", kern_stat_packed(f.m, f.mask2, f.out, BN, 1.0f, 1.0f, f.g));
-    REFUSE(&f, "kern_stat_packed", kern_stat_packed(f.m, f.mask2, f.out, BN, 0.9f, 1.0f, f.out));
-    assert_ok(kern_stat_packed(f.m, f.mask2, f.out, BN, 0.9f, 1.0f, f.g), "kern_stat_packed", BN);
+    REFUSE(&f, "kern_stat_packed_rest",
+           kern_stat_packed_rest(f.m, NULL, f.out, NULL, BN, 0.9f, 1.0f, f.g));
+    REFUSE(&f, "kern_stat_packed_rest",
+           kern_stat_packed_rest(f.m, f.mask2, NULL, NULL, BN, 0.9f, 1.0f, f.g));
+    REFUSE(&f, "kern_stat_packed_rest",
+           kern_stat_packed_rest(f.m, f.mask2, f.out, NULL, BN, 0.9f, 1.0f, NULL));
+    REFUSE(&f, "kern_stat_packed_rest",
+           kern_stat_packed_rest(f.m, f.mask2, f.out, NULL, BN, 1.0f, 1.0f, f.g));
+    REFUSE(&f, "kern_stat_packed_rest",
+           kern_stat_packed_rest(f.m, f.mask2, f.out, NULL, BN, 0.9f, 1.0f, f.out));
+    assert_ok(kern_stat_packed_rest(f.m, f.mask2, f.out, NULL, BN, 0.9f, 1.0f, f.g),
+              "kern_stat_packed_rest", BN);
     REFUSE(&f, "kern_topk_prestat", kern_topk_prestat(f.m, NULL, f.mask2, f.g, BN, 0.9f, 1.0f, 1, f.mask, f.scratch, sb));
     REFUSE(&f, "kern_topk_prestat", kern_topk_prestat(f.m, f.e, NULL, f.g, BN, 0.9f, 1.0f, 1, f.mask, f.scratch, sb));
     REFUSE(&f, "kern_topk_prestat", kern_topk_prestat(f.m, f.e, f.mask2, NULL, BN, 0.9f, 1.0f, 1, f.mask, f.scratch, sb));
@@ -1653,18 +1582,14 @@ static Suite *kernels_suite(void)
     tcase_add_test(tc, test_last_error);
     suite_add_tcase(s, tc);
     suite_add_tcase(s, sized("pack", test_pack, 300));
-    suite_add_tcase(s, sized("mask_stat", test_mask_stat, 300));
-    suite_add_tcase(s, sized("abs_stat", test_abs_stat, 300));
     suite_add_tcase(s, sized("topk", test_topk, 900));
     suite_add_tcase(s, sized("topk_all_equal", test_topk_all_equal, 300));
     suite_add_tcase(s, sized("topk_ef", test_topk_ef, 900));
     suite_add_tcase(s, sized("topk_packed", test_topk_packed, 900));
     suite_add_tcase(s, sized("popcount", test_mask_popcount, 300));
-    suite_add_tcase(s, sized("prefix", test_mask_prefix, 300));
     suite_add_tcase(s, sized("compact", test_mask_compact, 300));
     suite_add_tcase(s, sized("expand", test_mask_expand, 300));
     suite_add_tcase(s, sized("delta", test_mask_delta, 300));
-    suite_add_tcase(s, sized("mask_or", test_mask_or, 300));
     suite_add_tcase(s, sized("bf16_random", test_bf16_random, 300));
     suite_add_tcase(s, sized("grad_accum", test_grad_accum, 300));
     suite_add_tcase(s, sized("adams_masked", test_adams_masked, 600));

@@ -4,11 +4,12 @@
  *    KSEG_DECODE_* against mcode_decode on valid and corrupted codes:
  *    refused exactly when mcode_decode refuses (for the same reason when one
  *    thing is wrong), the same words when both accept;
- *  - top-k: the segmented radix select against kern_topk_mask per tensor;
+ *  - top-k: the segmented radix select against the per-tensor one of the
+ *    host executor (kern_topk_packed on a stored statistic) per tensor;
  *  - the word-range kernels (PACK, UPDATE, COMPACT, WRITEBACK) against
- *    kern_grad_accum, kern_mask_stat / kern_abs_stat, kern_pack_ef,
- *    kern_adams_* / kern_adamw_*, kern_mask_compact and kern_mask_expand,
- *    applied tensor by tensor in comm order.
+ *    kern_grad_accum, the statistic of scape_formula.h, kern_pack_ef,
+ *    kern_adams_* / kern_adamw_*, kern_mask_compact_dt and
+ *    kern_mask_expand_dt, applied tensor by tensor in comm order.
  * The tables are built as daemon/exec_dev.c builds them (build_tensors,
  * build_range, build_sel); host memory stands in for device memory, since
  * the CPU kernels run on the host.  Outputs start from the same poison on
@@ -65,6 +66,17 @@ static uint64_t pick_seed(void)
 }
 
 /* ---- memory ------------------------------------------------------------ */
+
+/* prefix[w] = set bits of words [0, w), prefix[nw] = all of them. */
+static void ref_prefix(const uint32_t *mask, uint64_t nw, uint32_t *prefix)
+{
+    uint32_t acc = 0;
+    for (uint64_t w = 0; w < nw; w++) {
+        prefix[w] = acc;
+        acc += (uint32_t)__builtin_popcount(mask[w]);
+    }
+    prefix[nw] = acc;
+}
 
 static void *xcalloc(size_t n, size_t size)
 {
@@ -225,7 +237,7 @@ static void mask_exact_k(rng *r, const layout *l, uint32_t *words)
 }
 
 /* KSEG_SCAN of words [w0, w1) into a fresh table, checked against
- * kern_mask_prefix: tile i's entry is the prefix at word i * KSEG_TILE. */
+ * ref_prefix: tile i's entry is the prefix at word i * KSEG_TILE. */
 static uint32_t *scan_words(const uint32_t *mask, uint64_t w0, uint64_t w1, const char *ctx)
 {
     uint64_t nw = w1 - w0, ntiles = kseg_tiles(nw);
@@ -237,7 +249,7 @@ static uint32_t *scan_words(const uint32_t *mask, uint64_t w0, uint64_t w1, cons
     s.w1 = w1;
     s.tiles = tiles;
     run(KSEG_SCAN, &s);
-    ck_assert_int_eq(kern_mask_prefix(mask + w0, nw, prefix), SCAPE_OK);
+    ref_prefix(mask + w0, nw, prefix);
     for (uint64_t i = 0; i < ntiles; i++)
         ck_assert_msg(tiles[i] == prefix[i * KSEG_TILE], "%s: tile %" PRIu64 " is %u, want %u",
                       ctx, i, tiles[i], prefix[i * KSEG_TILE]);
@@ -747,7 +759,8 @@ static void kern_topk(const layout *l, uint32_t first, uint32_t n, const uint32_
     free(s.item0);
 }
 
-/* kern_topk_mask per selected tensor, into its words of mask. */
+/* The host executor's top-k per selected tensor, into its words of mask:
+ * kern_topk_packed with nothing sent and no m selects by the stored |stat|. */
 static void ref_topk(const layout *l, uint32_t first, uint32_t n, const float *stats,
                      uint64_t key_lo, uint32_t *mask)
 {
@@ -758,8 +771,9 @@ static void ref_topk(const layout *l, uint32_t first, uint32_t n, const float *s
     void *scratch = xcalloc(1, sb);
     for (uint32_t q = 0; q < n; q++) {
         const kseg_tensor *t = &l->t[first + q];
-        ck_assert_int_eq(kern_topk_mask(stats + (t->pos - key_lo), t->len, t->k,
-                                        mask + t->word, scratch, sb), SCAPE_OK);
+        ck_assert_int_eq(kern_topk_packed(NULL, stats + (t->pos - key_lo), NULL, NULL, t->len,
+                                          0.0f, 1.0f, t->k, mask + t->word, scratch, sb),
+                         SCAPE_OK);
     }
     free(scratch);
 }
@@ -821,7 +835,7 @@ typedef struct wcase {
     uint64_t nwords, n;
     uint32_t *mask;          /* NULL: dense */
     uint32_t *tiles;         /* KSEG_SCAN of the mask from word 0 */
-    uint32_t *prefix;        /* kern_mask_prefix of the mask: bits before each word */
+    uint32_t *prefix;        /* ref_prefix of the mask: bits before each word */
     uint64_t nbits;
     uint64_t w0, w1, p0, p1; /* the range and its elements, comm order */
     uint32_t ntr;
@@ -911,7 +925,7 @@ static void wcase_new(rng *r, wcase *c, int dense, const char *name, int it)
     c->mask = random_mask(r, c->l);
     c->tiles = scan_words(c->mask, 0, c->nwords, c->ctx);
     c->prefix = xcalloc(c->nwords + 1, 4);
-    ck_assert_int_eq(kern_mask_prefix(c->mask, c->nwords, c->prefix), SCAPE_OK);
+    ref_prefix(c->mask, c->nwords, c->prefix);
     c->nbits = c->prefix[c->nwords];
 }
 
@@ -1079,10 +1093,12 @@ static double ref_pack(const wcase *c, const pack_opt *o, const float *m, float 
         else
             memcpy(es, e + r0, s.n * 4);
         if (o->keys) {
-            scape_rc rc = o->key_abs ? kern_abs_stat(g, es, s.n, stat)
-                                     : kern_mask_stat(m + r0, g, es, s.n, 0.9f,
-                                                      (float)c->ntr, stat);
-            ck_assert_int_eq(rc, SCAPE_OK);
+            for (uint64_t i = 0; i < s.n; i++) {
+                float a = scape_f_ef(g[i], es[i]);
+                stat[i] = o->key_abs ? scape_f_abs_stat(a)
+                                     : scape_f_stat(m[r0 + i], a, 0.9f, 1.0f - 0.9f,
+                                                    (float)c->ntr);
+            }
             for (uint64_t i = 0; i < s.n; i++)
                 if (s.pos + i >= o->key_lo && s.pos + i < o->key_hi)
                     keys[s.pos + i - o->key_lo] = scape_f_key(stat[i]);
@@ -1276,8 +1292,8 @@ static void compact_one(rng *r, const wcase *c)
     for (uint32_t j = 0; j < c->l->nt; j++) {
         size_t k;
         if (seg_get(c, j, &s))
-            ck_assert_int_eq(kern_mask_compact(theta + (s.pos - c->p0), seg_mask(mask, &s), s.n,
-                                               want + s.j0, &k), SCAPE_OK);
+            ck_assert_int_eq(kern_mask_compact_dt(theta + (s.pos - c->p0), seg_mask(mask, &s),
+                                                  s.n, want + s.j0, KERN_F32, &k), SCAPE_OK);
     }
     kseg_status st = status_new();
     kseg_args a = wargs(c, &st);
@@ -1308,7 +1324,7 @@ END_TEST
 
 /* ---- WRITEBACK ---- */
 
-/* kern_mask_expand into every trainer's buffer, per segment. */
+/* kern_mask_expand_dt into every trainer's buffer, per segment. */
 static void ref_writeback(const wcase *c, const float *in, const uint32_t *mask, void **tr)
 {
     size_t es = c->bf16 ? 2 : 4;
@@ -1316,9 +1332,9 @@ static void ref_writeback(const wcase *c, const float *in, const uint32_t *mask,
     for (uint32_t q = 0; q < c->ntr; q++)
         for (uint32_t j = 0; j < c->l->nt; j++)
             if (seg_get(c, j, &s))
-                ck_assert_int_eq(kern_mask_expand(in + s.j0, seg_mask(mask, &s), s.n,
-                                                  (char *)tr[q] + (s.t->off + s.i0) * es,
-                                                  c->bf16 ? KERN_BF16 : KERN_F32),
+                ck_assert_int_eq(kern_mask_expand_dt(in + s.j0, KERN_F32, seg_mask(mask, &s),
+                                                     s.n, (char *)tr[q] + (s.t->off + s.i0) * es,
+                                                     c->bf16 ? KERN_BF16 : KERN_F32),
                                  SCAPE_OK);
 }
 
