@@ -1045,7 +1045,7 @@ static scape_rc reshard_local(const ckpt_ref *ref, eng_t *e, int rank, int R, co
 {
     size_t n = eng_n(e), nt = eng_ntensors(e);
     const eng_config *cfg = eng_get_config(e);
-    int adamw = cfg->optimizer == ENG_OPT_ADAMW || cfg->optimizer == ENG_OPT_TOPK_ADAMW;
+    int adamw = eng_opt_get(cfg->optimizer)->keeps_v;
     memset(c, 0, sizeof *c);
     c->m = calloc(n, sizeof(float));
     c->v = adamw ? calloc(n, sizeof(float)) : NULL;

@@ -14,10 +14,25 @@
 #define ENG_MAX_TRAINERS 1024
 
 
-static const char *const s_opt_names[ENG_OPT_COUNT] = {
-    [ENG_OPT_SCAPE] = "scape", [ENG_OPT_ADAMS] = "adams",
-    [ENG_OPT_ADAMW] = "adamw", [ENG_OPT_TOPK_ADAMW] = "topk-adamw",
+#define SEC(id) (1u << ENG_SEC_##id)
+#define MASK_SECS (SEC(RESIDUAL) | SEC(MASK_CUR) | SEC(MASK_NEXT))
+
+/* The optimizers (engine.h, eng_opt), in eng_optimizer's order. */
+static const eng_opt s_opts[ENG_OPT_COUNT] = {
+    { ENG_OPT_SCAPE, "scape", 0, ENG_MASK_LAGGED_M, 0, SEC(M) | SEC(THETA) | MASK_SECS,
+      ENG_UPD_ADAMS },
+    { ENG_OPT_ADAMS, "adams", 0, ENG_MASK_NONE, 0, SEC(M) | SEC(THETA) | SEC(RESIDUAL),
+      ENG_UPD_ADAMS },
+    { ENG_OPT_ADAMW, "adamw", 1, ENG_MASK_NONE, 0,
+      SEC(M) | SEC(V) | SEC(THETA) | SEC(RESIDUAL), ENG_UPD_ADAMW },
+    { ENG_OPT_TOPK_ADAMW, "topk-adamw", 1, ENG_MASK_TOPK_GRAD, 1,
+      SEC(M) | SEC(V) | SEC(THETA) | SEC(RESIDUAL), ENG_UPD_ADAMW },
 };
+
+const eng_opt *eng_opt_get(eng_optimizer opt)
+{
+    return (unsigned)opt < ENG_OPT_COUNT ? &s_opts[opt] : NULL;
+}
 static const char *const s_mode_names[ENG_MODE_COUNT] = {
     [ENG_MODE_REPLICATED] = "replicated", [ENG_MODE_SHARDED] = "sharded",
 };
@@ -48,7 +63,7 @@ void eng_config_default(eng_config *cfg)
 
 const char *eng_optimizer_name(eng_optimizer opt)
 {
-    return (unsigned)opt < ENG_OPT_COUNT ? s_opt_names[opt] : "?";
+    return (unsigned)opt < ENG_OPT_COUNT ? s_opts[opt].name : "?";
 }
 
 const char *eng_mode_name(eng_mode mode)
@@ -114,7 +129,10 @@ scape_rc eng_executor_parse(const char *s, eng_executor *out)
 
 scape_rc eng_optimizer_parse(const char *s, eng_optimizer *out)
 {
-    PARSE_ENUM(eng_optimizer, s_opt_names, ENG_OPT_COUNT, "optimizer");
+    const char *names[ENG_OPT_COUNT];
+    for (int i = 0; i < ENG_OPT_COUNT; i++)
+        names[i] = s_opts[i].name;
+    PARSE_ENUM(eng_optimizer, names, ENG_OPT_COUNT, "optimizer");
 }
 
 scape_rc eng_mode_parse(const char *s, eng_mode *out)
@@ -200,7 +218,7 @@ uint64_t eng_config_hash(const eng_config *c)
 void eng_code_sizes(eng_t *e)
 {
     const plan *p = e->p;
-    int topk = e->cfg.optimizer == ENG_OPT_TOPK_ADAMW;
+    int topk = e->opt->mask == ENG_MASK_TOPK_GRAD;
     /* SCAPE: each rank sends its shard's bits; topk-adamw: every rank all of its own. */
     e->code_total = 0;
     for (int r = 0; r < e->comm->size; r++) {
@@ -215,7 +233,7 @@ void eng_code_sizes(eng_t *e)
 
 scape_rc eng_mask_density(eng_t *e, uint64_t t)
 {
-    if (e->cfg.optimizer != ENG_OPT_SCAPE || !(e->cfg.rho_start > 0.0))
+    if (e->opt->mask != ENG_MASK_LAGGED_M || !(e->cfg.rho_start > 0.0))
         return SCAPE_OK;
     double rho = plan_rho_at(&e->cfg, t);
     if (rho == e->k_rho)
@@ -223,7 +241,7 @@ scape_rc eng_mask_density(eng_t *e, uint64_t t)
     plan_set_rho(e->p, rho);
     e->k_rho = rho;
     eng_code_sizes(e);
-    if (e->p->k_total > e->k_cap || e->code_total > e->code_cap)
+    if (e->p->k_total > e->a.k_cap || e->code_total > e->a.code_cap)
         return scape_set_error(SCAPE_INVALID, "engine: step %llu's density %g needs more "
                                "than the buffers hold", (unsigned long long)t, rho);
     return e->x->ops->replan(e->x);
@@ -237,29 +255,29 @@ static scape_rc alloc_state(eng_t *e)
     size_t n = p->n, R = (size_t)e->comm->size;
     const plan_shard *me = &p->shard[e->rank];
     int sharded = e->cfg.mode == ENG_MODE_SHARDED;
-    int topk = e->cfg.optimizer == ENG_OPT_TOPK_ADAMW;
-    int dense_only = e->cfg.optimizer == ENG_OPT_ADAMS || e->cfg.optimizer == ENG_OPT_ADAMW;
+    int topk = e->opt->mask == ENG_MASK_TOPK_GRAD;
+    int dense_only = e->opt->mask == ENG_MASK_NONE;
 
-    e->state_base = sharded ? me->pos0 : 0;
-    e->state_len = sharded ? me->len : n;
+    e->a.state_base = sharded ? me->pos0 : 0;
+    e->a.state_len = sharded ? me->len : n;
     e->k_target = p->k_total;
     /* with a density schedule the buffers are sized for its densest mask,
      * the first (every k_l and mask code only shrinks from there) */
-    if (e->cfg.optimizer == ENG_OPT_SCAPE && e->cfg.rho_start > 0.0) {
+    if (e->opt->mask == ENG_MASK_LAGGED_M && e->cfg.rho_start > 0.0) {
         e->k_rho = plan_rho_at(&e->cfg, (uint64_t)e->cfg.warmup + 1);
         plan_set_rho(e->p, e->k_rho);
     }
-    e->k_cap = dense_only ? 1 : topk ? (R * p->k_total < n ? R * p->k_total : n) : p->k_total;
-    e->toff = calloc(p->ntensors + 1, sizeof(size_t));
+    e->a.k_cap = dense_only ? 1 : topk ? (R * p->k_total < n ? R * p->k_total : n) : p->k_total;
+    e->a.toff = calloc(p->ntensors + 1, sizeof(size_t));
     e->counts = calloc(R, sizeof(size_t));
     e->code_bytes = calloc(R, sizeof(size_t));
     e->sq = calloc(2 * R, sizeof(double));
     e->gsq = calloc(ENG_MAX_TRAINERS + 1, sizeof(double));
-    if (e->toff == NULL || e->counts == NULL || e->code_bytes == NULL || e->sq == NULL ||
+    if (e->a.toff == NULL || e->counts == NULL || e->code_bytes == NULL || e->sq == NULL ||
         e->gsq == NULL)
         return scape_set_error(SCAPE_NOMEM, "engine: cannot allocate state for N=%zu", n);
     eng_code_sizes(e);
-    e->code_cap = e->code_total;
+    e->a.code_cap = e->code_total;
     e->gcounts = e->code_bytes;
     if (eng_scape_masks(e) && e->cfg.mask_deltas) {
         /* each rank's code gains a word saying which form it takes; dmax
@@ -274,7 +292,7 @@ static scape_rc alloc_state(eng_t *e)
         e->dmax = calloc(R, sizeof *e->dmax);
         if (e->dcounts == NULL || e->dsizes == NULL || e->dmax == NULL)
             return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
-        e->code_cap = 0;
+        e->a.code_cap = 0;
         for (size_t r = 0; r < R; r++) {
             const plan_shard *sh = &p->shard[r];
             uint64_t bits = 0;
@@ -285,14 +303,14 @@ static scape_rc alloc_state(eng_t *e)
             }
             size_t delta = 4 * (size_t)((bits + 31) / 32);
             e->dmax[r] = delta > e->code_bytes[r] ? delta : e->code_bytes[r];
-            e->code_cap += 4 + e->dmax[r];
+            e->a.code_cap += 4 + e->dmax[r];
         }
-        if ((e->dhost = malloc(e->code_cap)) == NULL)
+        if ((e->dhost = malloc(e->a.code_cap)) == NULL)
             return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
     }
-    TRY(exec_create(e));
-    e->mask_cur = NULL;
-    e->mask_next = e->mask_buf[0];
+    TRY(exec_create(&e->a, &e->x));
+    e->a.mask_cur = NULL;
+    e->a.mask_next = e->a.mask_buf[0];
     return SCAPE_OK;
 }
 
@@ -304,24 +322,24 @@ static scape_rc set_groups(eng_t *e, const eng_layout *l)
     if (l->ngroups > ENG_MAX_GROUPS || (l->ngroups && l->groups == NULL))
         return scape_set_error(SCAPE_INVALID, "layout: %zu parameter groups (at most %d)",
                                l->ngroups, ENG_MAX_GROUPS);
-    e->ngroups = l->ngroups ? l->ngroups : 1;
-    for (size_t g = 0; g < e->ngroups; g++) {
+    e->a.ngroups = l->ngroups ? l->ngroups : 1;
+    for (size_t g = 0; g < e->a.ngroups; g++) {
         float wd = l->ngroups ? l->groups[g].weight_decay : NAN;
-        e->gwd[g] = isnan(wd) ? e->cfg.hyper.wd : wd;
-        if (!(e->gwd[g] >= 0.0f) || !isfinite(e->gwd[g]))
+        e->a.gwd[g] = isnan(wd) ? e->cfg.hyper.wd : wd;
+        if (!(e->a.gwd[g] >= 0.0f) || !isfinite(e->a.gwd[g]))
             return scape_set_error(SCAPE_INVALID, "layout: parameter group %zu: weight_decay "
-                                   "%g must be finite and >= 0", g, (double)e->gwd[g]);
+                                   "%g must be finite and >= 0", g, (double)e->a.gwd[g]);
     }
     for (size_t i = 0; i < e->p->ntensors; i++)
-        if (e->p->t[i].group >= e->ngroups)
+        if (e->p->t[i].group >= e->a.ngroups)
             return scape_set_error(SCAPE_INVALID, "layout: tensor %s is in parameter group %u "
                                    "of %zu", e->p->t[i].name ? e->p->t[i].name : "-",
-                                   (unsigned)e->p->t[i].group, e->ngroups);
+                                   (unsigned)e->p->t[i].group, e->a.ngroups);
     if (l->ngroups) {
         uint64_t h = e->p->hash ^ 0x9e3779b97f4a7c15ull * (uint64_t)l->ngroups;
-        for (size_t g = 0; g < e->ngroups; g++) {
+        for (size_t g = 0; g < e->a.ngroups; g++) {
             uint32_t bits;
-            memcpy(&bits, &e->gwd[g], sizeof bits);
+            memcpy(&bits, &e->a.gwd[g], sizeof bits);
             h = (h ^ bits) * 0x100000001b3ull;
         }
         e->p->hash = h;
@@ -332,14 +350,14 @@ static scape_rc set_groups(eng_t *e, const eng_layout *l)
 /* Exchange T_r and the hashes of config and layout; all ranks must agree. */
 static scape_rc handshake(eng_t *e)
 {
-    e->t_total = 0;
+    e->a.t_total = 0;
     int R = e->comm->size;
     /* defer_select and the gather are not in the config hash (checkpoints
      * do not depend on them) but must agree: the one moves the mask
      * all-gather among the collectives, the other sets the gather's value
      * size (and, delta, rounds updates) */
-    uint64_t mine[6] = { (uint64_t)e->tr, e->p->hash, eng_config_hash(&e->cfg),
-                         (uint64_t)(e->cfg.defer_select != 0), (uint64_t)e->pdt,
+    uint64_t mine[6] = { (uint64_t)e->a.tr, e->p->hash, eng_config_hash(&e->cfg),
+                         (uint64_t)(e->cfg.defer_select != 0), (uint64_t)e->a.pdt,
                          (uint64_t)e->cfg.gather };
     uint64_t *all = calloc((size_t)R * 6, sizeof *all);
     if (all == NULL)
@@ -350,8 +368,8 @@ static scape_rc handshake(eng_t *e)
     /* the owners gather the updated parameters in the trainers' dtype when
      * every rank's trainers hold bf16, and their changes in bf16 (delta)
      * when every rank's trainers hold fp32 */
-    e->vbf16 = e->cfg.gather != ENG_GATHER_F32 && e->pdt == KERN_BF16;
-    e->vdelta = e->cfg.gather == ENG_GATHER_DELTA && e->pdt == KERN_F32;
+    e->vbf16 = e->cfg.gather != ENG_GATHER_F32 && e->a.pdt == KERN_BF16;
+    e->vdelta = e->cfg.gather == ENG_GATHER_DELTA && e->a.pdt == KERN_F32;
     for (int r = 0; rc == SCAPE_OK && r < R; r++) {
         const uint64_t *a = all + 6 * (size_t)r;
         if (a[4] != (uint64_t)KERN_BF16)
@@ -370,7 +388,7 @@ static scape_rc handshake(eng_t *e)
             rc = scape_set_error(SCAPE_INVALID,
                                  "engine: rank %d has a different optimizer config than rank %d",
                                  r, e->rank);
-        else if (a[3] != mine[3] && e->cfg.optimizer == ENG_OPT_SCAPE)
+        else if (a[3] != mine[3] && e->opt->mask == ENG_MASK_LAGGED_M)
             rc = scape_set_error(SCAPE_INVALID,
                                  "engine: rank %d has defer_select %s and rank %d %s: set it "
                                  "alike on every daemon", r, a[3] ? "on" : "off",
@@ -383,7 +401,7 @@ static scape_rc handshake(eng_t *e)
                                                                          : ENG_GATHER_COUNT),
                                  e->rank, eng_gather_name(e->cfg.gather));
         else
-            e->t_total += (int)a[0];
+            e->a.t_total += (int)a[0];
     }
     free(all);
     return rc;
@@ -406,12 +424,14 @@ scape_rc eng_create(eng_t **out, const eng_config *cfg, const eng_layout *layout
     if (e == NULL)
         return scape_set_error(SCAPE_NOMEM, "eng_create: out of memory");
     e->cfg = *cfg;
+    e->opt = eng_opt_get(cfg->optimizer);
     e->comm = comm;
     e->rank = comm->rank;
-    e->tr = local_trainers;
-    e->pdt = layout->param_dtype;
-    e->gdt = layout->grad_dtype;
+    e->a = (exec_args){ .cfg = &e->cfg, .opt = e->opt, .comm = comm, .rank = comm->rank,
+                        .pdt = layout->param_dtype, .gdt = layout->grad_dtype,
+                        .stats = &e->last, .tr = local_trainers };
     scape_rc rc = plan_build(&e->p, layout->tensors, layout->ntensors, comm->size, cfg->rho);
+    e->a.p = e->p;
     if (rc == SCAPE_OK)
         plan_set_dense(e->p, cfg->dense_below, cfg->rho);
     if (rc == SCAPE_OK)
@@ -435,11 +455,12 @@ void eng_destroy(eng_t **ep)
     eng_t *e = *ep;
     if (e->mask_pending && !e->broken)
         comm_iallgather_wait(e->comm);
-    exec_destroy(e);
+    exec_destroy(&e->x);
     eng_ckpt_unstage(e);
     plan_destroy(&e->p);
-    void *bufs[] = { e->code_bytes, e->toff, e->counts, e->ghat, e->ghave, e->bounce,
-                     e->mbounce, e->sq, e->gsq, e->gn_part, e->gn_buf, e->dcounts, e->dsizes, e->dhost, e->dmax };
+    void *bufs[] = { e->code_bytes, e->a.toff, e->counts, e->ghat, e->ghave, e->bounce,
+                     e->mbounce, e->sq, e->gsq, e->a.gn_part, e->a.gn_buf, e->dcounts,
+                     e->dsizes, e->dhost, e->dmax };
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         free(bufs[i]);
     free(e);
@@ -455,7 +476,7 @@ scape_rc eng_set_local_trainers(eng_t *e, int local_trainers)
                                "eng_set_local_trainers: %d not in [1, %d]", local_trainers,
                                ENG_MAX_TRAINERS);
     TRY(eng_step_finish(e)); /* it selects with the old T_r */
-    e->tr = local_trainers;
+    e->a.tr = local_trainers;
     return handshake(e);
 }
 
@@ -465,7 +486,7 @@ static scape_rc check_buffers(const eng_t *e, const void *const *bufs, const cha
 {
     if (bufs == NULL)
         return scape_set_error(SCAPE_INVALID, "engine: %s array is NULL", what);
-    for (int j = 0; j < e->tr; j++)
+    for (int j = 0; j < e->a.tr; j++)
         if (bufs[j] == NULL)
             return scape_set_error(SCAPE_INVALID, "engine: %s[%d] is NULL", what, j);
     return SCAPE_OK;
@@ -478,21 +499,21 @@ scape_rc eng_init_params(eng_t *e, void *const *params)
     if (e->initialised)
         return scape_set_error(SCAPE_INVALID, "eng_init_params: already initialised");
     TRY(check_buffers(e, (const void *const *)params, "params"));
-    size_t bytes = e->p->n * kern_dtype_size(e->pdt);
+    size_t bytes = e->p->n * kern_dtype_size(e->a.pdt);
     exec_t *x = e->x;
     /* On the host, trainer 0's buffer itself; else through the dense buffer
      * (N floats hold N parameters of either dtype) */
-    void *buf = x->host_memory ? params[0] : (void *)e->dense;
+    void *buf = x->host_memory ? params[0] : (void *)e->a.dense;
     if (buf != params[0])
         TRY(x->ops->copy(x, buf, params[0], bytes));
     TRY(eng_broadcast(e, buf, bytes, 0));
-    for (int j = 0; j < e->tr; j++)
+    for (int j = 0; j < e->a.tr; j++)
         if (params[j] != buf)
             TRY(x->ops->copy(x, params[j], buf, bytes));
     TRY(x->ops->load_theta(x, buf));
     TRY(x->ops->sync(x));
-    if (buf == e->e)
-        e->e_stale = 1; /* it held the parameters: the residual is zero */
+    if (buf == e->a.e)
+        e->a.e_stale = 1; /* it held the parameters: the residual is zero */
     e->initialised = 1;
     return SCAPE_OK;
 }
@@ -511,15 +532,15 @@ static scape_rc check_step(const eng_t *e, uint64_t t, const float *lrs,
                                (unsigned long long)t, (unsigned long long)e->last_step + 1);
     if (lrs == NULL)
         return scape_set_error(SCAPE_INVALID, "engine: no learning rates");
-    for (size_t g = 0; g < e->ngroups; g++)
+    for (size_t g = 0; g < e->a.ngroups; g++)
         if (!isfinite(lrs[g]) || lrs[g] < 0.0f)
             return scape_set_error(SCAPE_INVALID, "engine: lr=%g%s must be finite and >= 0",
-                                   (double)lrs[g], e->ngroups > 1 ? " of a group" : "");
+                                   (double)lrs[g], e->a.ngroups > 1 ? " of a group" : "");
     TRY(check_buffers(e, grads, "grads"));
     TRY(check_buffers(e, (const void *const *)params, "params"));
-    size_t pb = e->p->n * kern_dtype_size(e->pdt), gb = e->p->n * kern_dtype_size(e->gdt);
-    for (int a = 0; a < e->tr; a++)
-        for (int b = 0; b < e->tr; b++) {
+    size_t pb = e->p->n * kern_dtype_size(e->a.pdt), gb = e->p->n * kern_dtype_size(e->a.gdt);
+    for (int a = 0; a < e->a.tr; a++)
+        for (int b = 0; b < e->a.tr; b++) {
             const char *pa = params[a], *pbuf = params[b], *gbuf = grads[b];
             if ((a != b && pa < pbuf + pb && pbuf < pa + pb) ||
                 (pa < gbuf + gb && gbuf < pa + pb))
@@ -532,7 +553,7 @@ static scape_rc check_step(const eng_t *e, uint64_t t, const float *lrs,
     return SCAPE_OK;
 }
 
-size_t eng_groups(const eng_t *e) { return e ? e->ngroups : 0; }
+size_t eng_groups(const eng_t *e) { return e ? e->a.ngroups : 0; }
 
 scape_rc eng_step(eng_t *e, uint64_t t, float lr, const void *const *grads,
                   void *const *params)
@@ -549,7 +570,7 @@ scape_rc eng_step_groups(eng_t *e, uint64_t t, const float *lrs, const void *con
     if (e == NULL)
         return scape_set_error(SCAPE_INVALID, "eng_step: engine is NULL");
     TRY(check_step(e, t, lrs, grads, params));
-    memcpy(e->glr, lrs, e->ngroups * sizeof *lrs);
+    memcpy(e->a.glr, lrs, e->a.ngroups * sizeof *lrs);
     TRY(eng_step_finish(e)); /* the caller left the last step's selection */
     eng_ckpt_unstage(e);     /* a checkpoint's host copies are written by now */
     comm_stats before = e->comm->stats;
@@ -581,7 +602,7 @@ scape_rc eng_step_finish(eng_t *e)
 {
     if (e == NULL)
         return scape_set_error(SCAPE_INVALID, "eng_step_finish: engine is NULL");
-    if (!e->select_pending)
+    if (!e->a.select_pending)
         return SCAPE_OK;
     if (e->broken)
         return scape_set_error(SCAPE_INVALID, "eng_step_finish: the engine is broken");

@@ -336,6 +336,39 @@ typedef enum eng_ckpt_section {
     ENG_SEC_COUNT
 } eng_ckpt_section;
 
+/* Where an optimizer's mask comes from. */
+typedef enum eng_mask_src {
+    ENG_MASK_NONE = 0,  /* none: every step is dense */
+    ENG_MASK_LAGGED_M,  /* SCAPE: each owner's top-k of the first-moment statistic,
+                           chosen a step ahead and all-gathered while the step runs */
+    ENG_MASK_TOPK_GRAD, /* each rank's top-k of |G_r + e_r| per tensor, chosen each
+                           step after the warm-up; the step uses their union */
+} eng_mask_src;
+
+/* The update formula (scape_formula.h) the kernels run. */
+typedef enum eng_update {
+    ENG_UPD_ADAMS = 0, /* AdamS: m only, v rebuilt from it */
+    ENG_UPD_ADAMW,     /* AdamW with bias correction: m and v */
+} eng_update;
+
+/* One optimizer: everything the engine, the executors and the checkpoints
+ * branch on.  One row each in engine.c's table; nothing else compares
+ * eng_config.optimizer. */
+typedef struct eng_opt {
+    eng_optimizer id;
+    const char *name;     /* as in configuration files */
+    int keeps_v;          /* a second moment v beside m and theta */
+    eng_mask_src mask;
+    int intake;           /* the step sums G_r whole before the pack
+                             (exec_ops.intake): its mask is chosen from G_r */
+    uint32_t secs;        /* sections its checkpoints may hold (1u << ENG_SEC_*):
+                             the residual and the masks only as the flags say */
+    eng_update update;    /* the update variant, per tensor and segmented */
+} eng_opt;
+
+/* The row of `opt`; NULL when there is none. */
+const eng_opt *eng_opt_get(eng_optimizer opt);
+
 /* A run of engine memory that a checkpoint holds. */
 typedef struct eng_ckpt_sec {
     uint32_t id;   /* eng_ckpt_section */

@@ -29,11 +29,11 @@ int eng_ckpt_layout(eng_optimizer opt, uint32_t flags, size_t state_len, size_t 
                     size_t nwords, eng_ckpt_sec *secs)
 {
     size_t sl = state_len * sizeof(float), wb = nwords * sizeof(uint32_t);
+    uint32_t has = eng_opt_get(opt)->secs;
     int k = 0;
-    secs[k++] = (eng_ckpt_sec){ ENG_SEC_M, NULL, sl };
-    if (opt == ENG_OPT_ADAMW || opt == ENG_OPT_TOPK_ADAMW)
-        secs[k++] = (eng_ckpt_sec){ ENG_SEC_V, NULL, sl };
-    secs[k++] = (eng_ckpt_sec){ ENG_SEC_THETA, NULL, sl };
+    for (uint32_t id = ENG_SEC_M; id <= ENG_SEC_THETA; id++)
+        if (has & (1u << id))
+            secs[k++] = (eng_ckpt_sec){ id, NULL, sl };
     if (!(flags & ENG_CKF_RESIDUAL_ZERO))
         secs[k++] = (eng_ckpt_sec){ ENG_SEC_RESIDUAL, NULL, n * sizeof(float) };
     if (flags & ENG_CKF_MASK_CUR)
@@ -97,19 +97,19 @@ static scape_rc unstage_up(eng_t *e, int residual)
 /* The layout, pointing into this engine's buffers. */
 static void describe(eng_t *e, uint32_t flags, eng_ckpt_sec *secs, int *nsecs)
 {
-    *nsecs = eng_ckpt_layout(e->cfg.optimizer, flags, e->state_len, e->p->n, e->p->nwords,
+    *nsecs = eng_ckpt_layout(e->cfg.optimizer, flags, e->a.state_len, e->p->n, e->p->nwords,
                              secs);
     for (int i = 0; i < *nsecs; i++) {
         switch (secs[i].id) {
-        case ENG_SEC_M: secs[i].ptr = e->m; break;
-        case ENG_SEC_V: secs[i].ptr = e->v; break;
-        case ENG_SEC_THETA: secs[i].ptr = e->theta; break;
-        case ENG_SEC_RESIDUAL: secs[i].ptr = e->e; break;
+        case ENG_SEC_M: secs[i].ptr = e->a.m; break;
+        case ENG_SEC_V: secs[i].ptr = e->a.v; break;
+        case ENG_SEC_THETA: secs[i].ptr = e->a.theta; break;
+        case ENG_SEC_RESIDUAL: secs[i].ptr = e->a.e; break;
         /* A fresh engine's next mask is buffer 0; the last one goes to buffer 1. */
         case ENG_SEC_MASK_CUR:
-            secs[i].ptr = e->mask_cur ? (void *)e->mask_cur : e->mask_buf[1];
+            secs[i].ptr = e->a.mask_cur ? (void *)e->a.mask_cur : e->a.mask_buf[1];
             break;
-        default: secs[i].ptr = e->mask_next; break;
+        default: secs[i].ptr = e->a.mask_next; break;
         }
     }
 }
@@ -131,9 +131,9 @@ static void fill_meta(const eng_t *e, eng_ckpt_meta *m)
     m->optimizer = (uint32_t)e->cfg.optimizer;
     m->mode = (uint32_t)e->cfg.mode;
     m->n = e->p->n;
-    m->state_base = e->state_base;
-    m->state_len = e->state_len;
-    m->trainers = (uint32_t)e->t_total;
+    m->state_base = e->a.state_base;
+    m->state_len = e->a.state_len;
+    m->trainers = (uint32_t)e->a.t_total;
 }
 
 scape_rc eng_ckpt_save(eng_t *e, eng_ckpt_meta *meta, eng_ckpt_sec *secs, int *nsecs)
@@ -149,10 +149,10 @@ scape_rc eng_ckpt_save(eng_t *e, eng_ckpt_meta *meta, eng_ckpt_sec *secs, int *n
     TRY(eng_mask_finish(e, NULL));
     fill_meta(e, meta);
     /* topk-adamw chooses its mask afresh each step: only SCAPE carries one. */
-    int scape = e->cfg.optimizer == ENG_OPT_SCAPE;
-    if (e->e_stale)
+    int carries = (e->opt->secs & (1u << ENG_SEC_MASK_CUR)) != 0;
+    if (e->a.e_stale)
         meta->flags |= ENG_CKF_RESIDUAL_ZERO;
-    if (scape && e->mask_cur)
+    if (carries && e->a.mask_cur)
         meta->flags |= ENG_CKF_MASK_CUR;
     if (next_mask_due(e, e->last_step))
         meta->flags |= ENG_CKF_MASK_NEXT;
@@ -218,16 +218,16 @@ scape_rc eng_ckpt_load_begin(eng_t *e, const eng_ckpt_meta *meta, eng_ckpt_sec *
 static scape_rc publish_theta(eng_t *e, void *const *params)
 {
     exec_t *x = e->x;
-    const float *src = e->theta;
+    const float *src = e->a.theta;
     float *whole = NULL;
     size_t k;
     if (e->cfg.mode == ENG_MODE_SHARDED) {
         /* on the host apart, the residual being restored; elsewhere the
          * dense buffer, whose residual (if it is one) is uploaded after */
-        whole = x->host_memory ? malloc((e->p->n ? e->p->n : 1) * sizeof *whole) : e->dense;
+        whole = x->host_memory ? malloc((e->p->n ? e->p->n : 1) * sizeof *whole) : e->a.dense;
         if (whole == NULL)
             return scape_set_error(SCAPE_NOMEM, "restore: out of memory");
-        scape_rc rc = eng_gather_shards(e, e->theta, whole);
+        scape_rc rc = eng_gather_shards(e, e->a.theta, whole);
         if (rc != SCAPE_OK) {
             if (x->host_memory)
                 free(whole);
@@ -235,9 +235,9 @@ static scape_rc publish_theta(eng_t *e, void *const *params)
         }
         src = whole;
     }
-    e->mask_cur = NULL;
-    e->pub_bf16 = 0; /* from theta, in fp32 */
-    e->pub_delta = 0;
+    e->a.mask_cur = NULL;
+    e->a.pub_bf16 = 0; /* from theta, in fp32 */
+    e->a.pub_delta = 0;
     scape_rc rc = x->ops->offsets(x, &k);
     if (rc == SCAPE_OK)
         rc = x->ops->write_back(x, src, params);
@@ -252,7 +252,7 @@ scape_rc eng_ckpt_load_finish(eng_t *e, const eng_ckpt_meta *meta, void *const *
 {
     if (e == NULL || meta == NULL || params == NULL)
         return scape_set_error(SCAPE_INVALID, "eng_ckpt_load_finish: NULL argument");
-    for (int q = 0; q < e->tr; q++)
+    for (int q = 0; q < e->a.tr; q++)
         if (params[q] == NULL)
             return scape_set_error(SCAPE_INVALID, "restore: params[%d] is NULL", q);
     TRY(unstage_up(e, 0));
@@ -260,11 +260,11 @@ scape_rc eng_ckpt_load_finish(eng_t *e, const eng_ckpt_meta *meta, void *const *
     TRY(unstage_up(e, 1));
     eng_ckpt_unstage(e);
     e->last_step = meta->step;
-    e->e_stale = (meta->flags & ENG_CKF_RESIDUAL_ZERO) != 0;
-    e->mask_cur = (meta->flags & ENG_CKF_MASK_CUR) ? e->mask_buf[1] : NULL;
-    e->mask_next = e->mask_buf[0];
+    e->a.e_stale = (meta->flags & ENG_CKF_RESIDUAL_ZERO) != 0;
+    e->a.mask_cur = (meta->flags & ENG_CKF_MASK_CUR) ? e->a.mask_buf[1] : NULL;
+    e->a.mask_next = e->a.mask_buf[0];
     e->mask_pending = 0;
-    e->select_pending = 0;
+    e->a.select_pending = 0;
     memset(e->next_iag, 0, sizeof e->next_iag); /* the mask came from the file */
     TRY(eng_mask_density(e, meta->step + 1)); /* k_l of that mask, for its offsets */
     e->initialised = 1;
@@ -309,15 +309,15 @@ static void to_comm_order(const eng_t *e, const float *src, float *dst, int stat
         const plan_tensor *t = &e->p->t[l];
         if (!state)
             memcpy(dst + t->pos, src + t->off, t->len * sizeof(float));
-        else if (t->pos >= e->state_base && t->pos < e->state_base + e->state_len)
-            memcpy(dst + (t->pos - e->state_base), src + t->off, t->len * sizeof(float));
+        else if (t->pos >= e->a.state_base && t->pos < e->a.state_base + e->a.state_len)
+            memcpy(dst + (t->pos - e->a.state_base), src + t->off, t->len * sizeof(float));
     }
 }
 
 scape_rc eng_ckpt_load_coords(eng_t *e, const eng_coord_state *st, void *const *params)
 {
     if (e == NULL || st == NULL || params == NULL || st->m == NULL || st->theta == NULL ||
-        (eng_uses_v(e) && st->v == NULL))
+        (e->opt->keeps_v && st->v == NULL))
         return scape_set_error(SCAPE_INVALID, "eng_ckpt_load_coords: missing state");
     if (e->initialised)
         return scape_set_error(SCAPE_INVALID, "restore: the engine has already started");

@@ -18,7 +18,7 @@
 #include "scape_formula.h"
 
 typedef struct gn_ctx {
-    eng_t *e;
+    exec_args *a;
     const void *const *grads;
     size_t nchunks;
     int nw;              /* sums per chunk: tr, and G_r's when tr > 1 */
@@ -50,53 +50,53 @@ static double sq_chunk(const float *x, size_t n)
 static scape_rc gn_chunk(void *ctx, size_t c, int w)
 {
     const gn_ctx *q = ctx;
-    eng_t *e = q->e;
-    size_t off = c * SCAPE_SQ_CHUNK, left = e->p->n - off;
+    exec_args *a = q->a;
+    size_t off = c * SCAPE_SQ_CHUNK, left = a->p->n - off;
     size_t len = left < SCAPE_SQ_CHUNK ? left : SCAPE_SQ_CHUNK;
-    size_t esz = kern_dtype_size(e->gdt);
-    float *one = e->gn_buf + (size_t)w * 2 * SCAPE_SQ_CHUNK, *sum = one + SCAPE_SQ_CHUNK;
-    double *part = e->gn_part + c * (size_t)q->nw;
-    for (int j = 0; j < e->tr; j++) {
+    size_t esz = kern_dtype_size(a->gdt);
+    float *one = a->gn_buf + (size_t)w * 2 * SCAPE_SQ_CHUNK, *sum = one + SCAPE_SQ_CHUNK;
+    double *part = a->gn_part + c * (size_t)q->nw;
+    for (int j = 0; j < a->tr; j++) {
         const char *src = (const char *)q->grads[j] + off * esz;
         const float *g = (const float *)src;
-        if (e->gdt != KERN_F32) {
-            TRY(kern_grad_accum(one, src, e->gdt, len, 1));
+        if (a->gdt != KERN_F32) {
+            TRY(kern_grad_accum(one, src, a->gdt, len, 1));
             g = one;
         }
         part[j] = sq_chunk(g, len);
-        if (q->nw > e->tr)
-            TRY(kern_grad_accum(sum, src, e->gdt, len, j == 0));
+        if (q->nw > a->tr)
+            TRY(kern_grad_accum(sum, src, a->gdt, len, j == 0));
     }
-    if (q->nw > e->tr)
-        part[e->tr] = sq_chunk(sum, len);
+    if (q->nw > a->tr)
+        part[a->tr] = sq_chunk(sum, len);
     return SCAPE_OK;
 }
 
-static scape_rc gn_grow(eng_t *e, size_t parts, size_t bufs)
+static scape_rc gn_grow(exec_args *a, size_t parts, size_t bufs)
 {
-    if (parts > e->gn_part_cap) {
-        double *p = realloc(e->gn_part, parts * sizeof *p);
+    if (parts > a->gn_part_cap) {
+        double *p = realloc(a->gn_part, parts * sizeof *p);
         if (p == NULL)
             return scape_set_error(SCAPE_NOMEM, "engine: out of memory for max_grad_norm");
-        e->gn_part = p;
-        e->gn_part_cap = parts;
+        a->gn_part = p;
+        a->gn_part_cap = parts;
     }
-    if (bufs > e->gn_buf_cap) {
-        float *b = realloc(e->gn_buf, bufs * sizeof *b);
+    if (bufs > a->gn_buf_cap) {
+        float *b = realloc(a->gn_buf, bufs * sizeof *b);
         if (b == NULL)
             return scape_set_error(SCAPE_NOMEM, "engine: out of memory for max_grad_norm");
-        e->gn_buf = b;
-        e->gn_buf_cap = bufs;
+        a->gn_buf = b;
+        a->gn_buf_cap = bufs;
     }
     return SCAPE_OK;
 }
 
-scape_rc eng_grad_sqsums(eng_t *e, pool *pl, const void *const *grads, double *out)
+scape_rc eng_grad_sqsums(exec_args *a, pool *pl, const void *const *grads, double *out)
 {
     int workers = pl ? pool_size(pl) : 1;
-    gn_ctx q = { e, grads, (e->p->n + SCAPE_SQ_CHUNK - 1) / SCAPE_SQ_CHUNK,
-                 e->tr > 1 ? e->tr + 1 : e->tr };
-    TRY(gn_grow(e, q.nchunks * (size_t)q.nw, (size_t)workers * 2 * SCAPE_SQ_CHUNK));
+    gn_ctx q = { a, grads, (a->p->n + SCAPE_SQ_CHUNK - 1) / SCAPE_SQ_CHUNK,
+                 a->tr > 1 ? a->tr + 1 : a->tr };
+    TRY(gn_grow(a, q.nchunks * (size_t)q.nw, (size_t)workers * 2 * SCAPE_SQ_CHUNK));
     if (pl)
         TRY(pool_run(pl, q.nchunks, gn_chunk, &q));
     for (size_t c = 0; pl == NULL && c < q.nchunks; c++)
@@ -104,17 +104,17 @@ scape_rc eng_grad_sqsums(eng_t *e, pool *pl, const void *const *grads, double *o
     for (int j = 0; j < q.nw; j++) {
         double total = 0.0;
         for (size_t c = 0; c < q.nchunks; c++)
-            total += e->gn_part[c * (size_t)q.nw + (size_t)j];
+            total += a->gn_part[c * (size_t)q.nw + (size_t)j];
         out[j] = total;
     }
-    if (q.nw == e->tr)
-        out[e->tr] = out[0];
+    if (q.nw == a->tr)
+        out[a->tr] = out[0];
     return SCAPE_OK;
 }
 
 double eng_trainer_grad_norm(const eng_t *e, int j)
 {
-    if (e == NULL || !(e->cfg.max_grad_norm > 0.0f) || j < 0 || j >= e->tr ||
+    if (e == NULL || !(e->cfg.max_grad_norm > 0.0f) || j < 0 || j >= e->a.tr ||
         e->last.step == 0 || !(e->gsq[j] >= 0.0))
         return -1.0;
     return sqrt(e->gsq[j]);

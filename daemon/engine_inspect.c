@@ -7,35 +7,6 @@
 
 size_t eng_n(const eng_t *e) { return e ? e->p->n : 0; }
 
-scape_rc eng_view(const eng_t *e, const void *p, size_t bytes, const void **out)
-{
-    *out = NULL;
-    exec_t *x = e->x;
-    if (x->host_memory) {
-        *out = p;
-        return SCAPE_OK;
-    }
-    void *h = malloc(bytes ? bytes : 1);
-    if (h == NULL)
-        return scape_set_error(SCAPE_NOMEM, "engine: cannot allocate %zu bytes for a view of "
-                               "the executor's memory", bytes);
-    scape_rc rc = x->ops->copy(x, h, p, bytes);
-    if (rc == SCAPE_OK)
-        rc = x->ops->sync(x);
-    if (rc != SCAPE_OK) {
-        free(h);
-        return rc;
-    }
-    *out = h;
-    return SCAPE_OK;
-}
-
-void eng_view_free(const eng_t *e, const void *view)
-{
-    if (!e->x->host_memory)
-        free((void *)view);
-}
-
 scape_rc eng_upload(eng_t *e, void *dst, const void *src, size_t bytes)
 {
     if (dst == src)
@@ -68,11 +39,11 @@ uint64_t eng_state_bytes(const eng_t *e)
 {
     if (e == NULL)
         return 0;
-    uint64_t per = 2 + (uint64_t)eng_uses_v(e); /* m, theta, (v) */
-    return sizeof(float) * (per * (uint64_t)e->state_len + (uint64_t)e->p->n);
+    uint64_t per = 2 + (uint64_t)e->opt->keeps_v; /* m, theta, (v) */
+    return sizeof(float) * (per * (uint64_t)e->a.state_len + (uint64_t)e->p->n);
 }
 
-int eng_total_trainers(const eng_t *e) { return e ? e->t_total : 0; }
+int eng_total_trainers(const eng_t *e) { return e ? e->a.t_total : 0; }
 
 size_t eng_tensor_k(const eng_t *e, size_t l)
 {
@@ -94,36 +65,36 @@ scape_rc eng_get_residual(const eng_t *e, float *out)
     if (e == NULL || out == NULL)
         return scape_set_error(SCAPE_INVALID, "eng_get_residual: NULL argument");
     const void *v = NULL;
-    if (!e->e_stale)
-        TRY(eng_view(e, e->e, e->p->n * sizeof(float), &v));
+    if (!e->a.e_stale)
+        TRY(exec_view(e->x, e->a.e, e->p->n * sizeof(float), &v));
     const float *res = v;
     for (size_t l = 0; l < e->p->ntensors; l++) {
         const plan_tensor *t = &e->p->t[l];
-        if (e->e_stale)
+        if (e->a.e_stale)
             memset(out + t->off, 0, t->len * sizeof *out);
         else
             memcpy(out + t->off, res + t->pos, t->len * sizeof *out);
     }
     if (v)
-        eng_view_free(e, v);
+        exec_view_free(e->x, v);
     return SCAPE_OK;
 }
 
 static int holds(const eng_t *e, const plan_tensor *t)
 {
-    return t->pos >= e->state_base && t->pos < e->state_base + e->state_len;
+    return t->pos >= e->a.state_base && t->pos < e->a.state_base + e->a.state_len;
 }
 
 scape_rc eng_get_state(const eng_t *e, eng_state_vec which, float *out, unsigned char *have)
 {
     if (e == NULL || out == NULL || have == NULL)
         return scape_set_error(SCAPE_INVALID, "eng_get_state: NULL argument");
-    const float *src = which == ENG_VEC_M ? e->m : which == ENG_VEC_V ? e->v
-                     : which == ENG_VEC_THETA ? e->theta : NULL;
+    const float *src = which == ENG_VEC_M ? e->a.m : which == ENG_VEC_V ? e->a.v
+                     : which == ENG_VEC_THETA ? e->a.theta : NULL;
     if (src == NULL)
         return scape_set_error(SCAPE_INVALID, "eng_get_state: this optimizer keeps no such vector");
     const void *v;
-    TRY(eng_view(e, src, e->state_len * sizeof(float), &v));
+    TRY(exec_view(e->x, src, e->a.state_len * sizeof(float), &v));
     const float *state = v;
     memset(out, 0, e->p->n * sizeof *out);
     memset(have, 0, e->p->n);
@@ -131,10 +102,10 @@ scape_rc eng_get_state(const eng_t *e, eng_state_vec which, float *out, unsigned
         const plan_tensor *t = &e->p->t[i];
         if (!holds(e, t))
             continue;
-        memcpy(out + t->off, state + (t->pos - e->state_base), t->len * sizeof *out);
+        memcpy(out + t->off, state + (t->pos - e->a.state_base), t->len * sizeof *out);
         memset(have + t->off, 1, t->len);
     }
-    eng_view_free(e, v);
+    exec_view_free(e->x, v);
     return SCAPE_OK;
 }
 
@@ -143,8 +114,8 @@ scape_rc eng_get_mask(const eng_t *e, unsigned char *bits)
     if (e == NULL || bits == NULL)
         return scape_set_error(SCAPE_INVALID, "eng_get_mask: NULL argument");
     const void *v = NULL;
-    if (e->mask_cur)
-        TRY(eng_view(e, e->mask_cur, e->p->nwords * sizeof(uint32_t), &v));
+    if (e->a.mask_cur)
+        TRY(exec_view(e->x, e->a.mask_cur, e->p->nwords * sizeof(uint32_t), &v));
     const uint32_t *mask = v;
     for (size_t l = 0; l < e->p->ntensors; l++) {
         const plan_tensor *t = &e->p->t[l];
@@ -157,7 +128,7 @@ scape_rc eng_get_mask(const eng_t *e, unsigned char *bits)
             bits[t->off + i] = (unsigned char)((w[i >> 5] >> (i & 31)) & 1u);
     }
     if (v)
-        eng_view_free(e, v);
+        exec_view_free(e->x, v);
     return SCAPE_OK;
 }
 

@@ -25,45 +25,37 @@
 
 struct eng {
     eng_config cfg;
+    const eng_opt *opt;  /* cfg.optimizer's row */
     plan *p;
     comm_t *comm;
     int rank;
-    int tr;              /* trainers on this rank, T_r */
-    int t_total;         /* T */
-    kern_dtype pdt, gdt;
     uint64_t last_step;
     int initialised;
     int broken;          /* a step failed after its collectives began */
 
-    exec_t *x;           /* the executor: it owns every vector below */
+    exec_t *x;           /* the executor: it owns every vector of a */
+    /* What the executor reads and writes (exec.h): the trainers, the state
+     * range, the vectors and this step's mask, sums and publishing.  The
+     * residual a.e is stale when it is zero (it holds a dense step's sums,
+     * or nothing); a.dense is the residual itself where that is N floats of
+     * the executor's working memory; a.send is reduced with the own segment
+     * in place; a.mask_next is the target of the lagged all-gather;
+     * a.code_all holds every rank's mask bits in wire form (maskcode.h), as
+     * the all-gather leaves them, this rank's encoded in place at code_off.
+     * a.pub_delta: vdelta on a masked step; a.pub_bf16: vbf16 and not
+     * published from theta itself.  defer_select: the selection waits for
+     * eng_step_finish (a.select_pending, a.sel_tr), from what the executor
+     * kept (keep_stats) before the update changed m.  Parameter groups
+     * (a.ngroups): their weight decay a.gwd and this step's learning rates
+     * a.glr (one group, of the configured weight decay, without). */
+    exec_args a;
 
-    /* Optimizer state in comm order, elements [base, base + len). */
-    size_t state_base, state_len;
-    float *m, *v, *theta;
-
-    float *e;            /* residual e_r, comm order, N */
-    int e_stale;         /* the residual is zero (e holds a dense step's sums,
-                            or nothing) */
-    float *dense;        /* where a dense step packs a and reduces it, N (the
-                            residual itself where it is N floats of the
-                            executor's working memory) */
-    float *g;            /* topk-adamw: G_r whole, coordinate order */
-    size_t k_cap;        /* most values a sparse step reduces */
-    float *send;         /* sparse: packed a_r, then the sums (own segment in place) */
-    float *upd;          /* sparse: packed updated parameters */
-
-    uint32_t *mask_buf[2];
-    const uint32_t *mask_cur; /* mask of the last step; NULL: all ones (dense) */
-    uint32_t *mask_next; /* target of the lagged all-gather */
-    int mask_pending;    /* that all-gather is outstanding */
+    int mask_pending;    /* the lagged all-gather is outstanding */
     double mask_started; /* when it started (monotonic seconds) */
-    uint32_t *code_all;  /* every rank's mask bits in wire form (maskcode.h), as
-                          * the mask all-gather leaves them; this rank's code is
-                          * encoded in place at code_off */
     size_t *code_bytes;  /* per rank: the size of its code */
     size_t code_off;     /* bytes before this rank's code */
-    size_t code_total;   /* bytes of all ranks' codes: a mask all-gather's payload */
-    size_t code_cap;     /* the most code_total can be (code_all's size) */
+    size_t code_total;   /* bytes of all ranks' codes: a mask all-gather's payload
+                            (a.code_cap the most it can be) */
     size_t k_target;     /* K at the configured rho (sum of its k_l) */
     double k_rho;        /* the density the plan's k_l are for now: with a
                             schedule, that of the mask last selected */
@@ -71,9 +63,6 @@ struct eng {
                             trainers hold bf16, gather not f32) */
     int vdelta;          /* masked steps publish changes (gather delta, every
                             rank's trainers hold fp32) */
-    int pub_delta;       /* this step's compact / write-back: vdelta, masked */
-    int pub_bf16;        /* this step's compact / write-back: vbf16 and not
-                            from theta itself */
     uint64_t sel_step;   /* the step whose mask the next selection picks */
     /* mask_deltas: each rank's code this time (a form word, then its code
      * or its delta), the sizes exchanged for it, and the own code staged on
@@ -83,19 +72,11 @@ struct eng {
     uint64_t *dsizes;
     uint32_t *dhost;
     const size_t *gcounts;
-    int wire_now;        /* this step's packed values are bf16 (wire_bf16, masked) */
-    size_t *toff;        /* packed offset of each tensor, comm order, ntensors + 1 */
     uint64_t next_iag[3];  /* calls, bytes, wire bytes of the all-gather that
                               fills mask_next (counted to the step that uses it) */
     uint64_t used_iag[3];  /* the same for the mask of the step in progress */
 
-    /* defer_select: the selection waits for eng_step_finish, from what the
-     * executor kept (keep_stats) before the update changed m. */
-    int select_pending;
-    int sel_tr;          /* T_r of the step whose selection waits */
-
     size_t *counts;      /* per rank, scratch for collective counts */
-    const float *sum;    /* the last step's reduced values, packed */
     int select_due;      /* this step selects the next mask */
 
     /* Host copies for collectives the comm cannot run on the executor's
@@ -113,24 +94,12 @@ struct eng {
     } staged[ENG_CKPT_MAX_SECS];
     int nstaged;
 
-    /* Parameter groups: their weight decay, and this step's learning rates
-     * (one group, of the configured weight decay, without). */
-    size_t ngroups;
-    float gwd[ENG_MAX_GROUPS];
-    float glr[ENG_MAX_GROUPS];
-
-    /* max_grad_norm: this step's clipping coefficient for the update (0:
-     * none), and each rank's sum of squares of g_hat (host, comm size). */
-    float clip;
+    /* max_grad_norm: each rank's sum of squares of g_hat (host, comm size;
+     * the update's clipping coefficient is a.clip) */
     double *sq;
     /* max_grad_norm: each local trainer's |g_j|^2, then |G_r|^2 at [tr]
-     * (-1: not measured), ENG_MAX_TRAINERS + 1; and the host pass's
-     * chunk totals and per-worker chunk buffers (engine_gnorm.c) */
+     * (-1: not measured), ENG_MAX_TRAINERS + 1 */
     double *gsq;
-    double *gn_part;
-    size_t gn_part_cap;
-    float *gn_buf;
-    size_t gn_buf_cap;
 
     float *ghat;         /* inspection only: the last g_hat, comm order */
     unsigned char *ghave;
@@ -145,21 +114,9 @@ struct eng {
 /* SCAPE with masks to select: some tensor has k_l < len.  At rho = 1 every
  * mask would be all ones, so every step runs dense, with no selection and
  * no mask all-gather. */
-/* engine_gnorm.c: the squared norms of each trainer's gradient and of
- * their sum G_r into out[0 .. tr] (gsq's layout), by scape_formula.h's
- * chunk rule over the coordinates in layout order, on the pool (NULL: the
- * calling thread).  The buffers must be host memory. */
-scape_rc eng_grad_sqsums(eng_t *e, pool *pl, const void *const *grads, double *out);
-
 static inline int eng_scape_masks(const eng_t *e)
 {
-    return e->cfg.optimizer == ENG_OPT_SCAPE && e->k_target < e->p->n;
-}
-
-/* The optimizer keeps a second moment (the AdamW variants). */
-static inline int eng_uses_v(const eng_t *e)
-{
-    return e->cfg.optimizer == ENG_OPT_ADAMW || e->cfg.optimizer == ENG_OPT_TOPK_ADAMW;
+    return e->opt->mask == ENG_MASK_LAGGED_M && e->k_target < e->p->n;
 }
 
 /* Finish an outstanding lagged mask all-gather and decode every rank's
@@ -179,26 +136,15 @@ scape_rc eng_select_pending(eng_t *e);
 /* Tensor j of comm order. */
 static inline const plan_tensor *eng_tensor_at(const eng_t *e, size_t j)
 {
-    return &e->p->t[e->p->order[j]];
+    return exec_tensor_at(&e->a, j);
 }
 
 /* Range of comm order this rank updates: all tensors, or its shard. */
 static inline void eng_update_range(const eng_t *e, size_t *first, size_t *count)
 {
-    if (e->cfg.mode == ENG_MODE_REPLICATED) {
-        *first = 0;
-        *count = e->p->ntensors;
-    } else {
-        *first = e->p->shard[e->rank].first;
-        *count = e->p->shard[e->rank].count;
-    }
+    exec_update_range(&e->a, first, count);
 }
 
-/* A host view of `bytes` of the executor's memory at p: p itself on the
- * host executor, else a copy (after the executor's work is done) that the
- * caller frees with eng_view_free. */
-scape_rc eng_view(const eng_t *e, const void *p, size_t bytes, const void **out);
-void eng_view_free(const eng_t *e, const void *view);
 /* Copy host memory into the executor's memory and wait for it. */
 scape_rc eng_upload(eng_t *e, void *dst, const void *src, size_t bytes);
 /* Collectives on the executor's memory (engine_step.c): a broadcast from

@@ -135,7 +135,7 @@ static scape_rc x_iallgather_wait(eng_t *e)
     TRY(comm_iallgather_wait(e->comm));
     if (comm_direct(e))
         return SCAPE_OK;
-    return bounce_up(e, e->code_all, e->mbounce, e->code_total);
+    return bounce_up(e, e->a.code_all, e->mbounce, e->code_total);
 }
 
 scape_rc eng_broadcast(eng_t *e, void *buf, size_t bytes, int root)
@@ -150,7 +150,7 @@ scape_rc eng_broadcast(eng_t *e, void *buf, size_t bytes, int root)
 scape_rc eng_gather_shards(eng_t *e, const float *own, float *whole)
 {
     float *mine = whole + e->p->shard[e->rank].pos0;
-    TRY(e->x->ops->copy(e->x, mine, own, e->state_len * sizeof(float)));
+    TRY(e->x->ops->copy(e->x, mine, own, e->a.state_len * sizeof(float)));
     for (int r = 0; r < e->comm->size; r++)
         e->counts[r] = e->p->shard[r].len * sizeof(float);
     return x_allgather(e, mine, whole, e->counts);
@@ -163,18 +163,18 @@ scape_rc eng_gather_shards(eng_t *e, const float *own, float *whole)
 static scape_rc apply_delta(eng_t *e, int r, const uint32_t *body, size_t nbytes)
 {
     const plan_shard *sh = &e->p->shard[r];
-    if (e->mask_cur == NULL)
+    if (e->a.mask_cur == NULL)
         return scape_set_error(SCAPE_PROTO, "mask from rank %d: a delta, but there is no "
                                "last mask to apply it to", r);
     const void *pv = NULL;
-    TRY(eng_view(e, e->mask_cur + sh->word0, sh->words * 4, &pv));
-    uint32_t *host = e->x->host_memory ? e->mask_next + sh->word0
+    TRY(exec_view(e->x, e->a.mask_cur + sh->word0, sh->words * 4, &pv));
+    uint32_t *host = e->x->host_memory ? e->a.mask_next + sh->word0
                                        : malloc(sh->words ? sh->words * 4 : 4);
     scape_rc rc = host ? mdelta_decode(e->p, sh->first, sh->count, pv, body, nbytes, host, r)
                        : scape_set_error(SCAPE_NOMEM, "engine: out of memory");
-    eng_view_free(e, pv);
+    exec_view_free(e->x, pv);
     if (rc == SCAPE_OK && !e->x->host_memory)
-        rc = eng_upload(e, e->mask_next + sh->word0, host, sh->words * 4);
+        rc = eng_upload(e, e->a.mask_next + sh->word0, host, sh->words * 4);
     if (!e->x->host_memory)
         free(host);
     return rc;
@@ -188,13 +188,13 @@ static scape_rc decode_rank(eng_t *e, int r, const uint32_t *code, const uint32_
     const plan_shard *sh = &e->p->shard[r];
     if (!e->cfg.mask_deltas)
         return e->x->ops->decode(e->x, sh->first, sh->count, code, nbytes,
-                                 e->mask_next + sh->word0, 0, r);
+                                 e->a.mask_next + sh->word0, 0, r);
     if (nbytes < 4)
         return scape_set_error(SCAPE_PROTO, "mask from rank %d: %zu bytes, no form word", r,
                                nbytes);
     if (host[0] == ENG_MASK_FULL)
         return e->x->ops->decode(e->x, sh->first, sh->count, code + 1, nbytes - 4,
-                                 e->mask_next + sh->word0, 0, r);
+                                 e->a.mask_next + sh->word0, 0, r);
     if (host[0] == ENG_MASK_DELTA)
         return apply_delta(e, r, host + 1, nbytes - 4);
     return scape_set_error(SCAPE_PROTO, "mask from rank %d: unknown form %#x", r,
@@ -215,15 +215,15 @@ scape_rc eng_mask_finish(eng_t *e, double *waited)
     /* with deltas the form words (and deltas) are read on the host */
     const void *hv = NULL;
     if (e->cfg.mask_deltas)
-        TRY(eng_view(e, e->code_all, e->code_total, &hv));
+        TRY(exec_view(e->x, e->a.code_all, e->code_total, &hv));
     const uint32_t *host = hv;
     size_t off = 0;
     scape_rc rc = SCAPE_OK;
     for (int r = 0; rc == SCAPE_OK && r < e->comm->size; off += e->gcounts[r], r++)
         if (r != e->rank) /* its bits were selected straight into mask_next */
-            rc = decode_rank(e, r, e->code_all + off / 4, host ? host + off / 4 : NULL,
+            rc = decode_rank(e, r, e->a.code_all + off / 4, host ? host + off / 4 : NULL,
                              e->gcounts[r]);
-    eng_view_free(e, hv);
+    exec_view_free(e->x, hv);
     if (rc != SCAPE_OK) {
         /* M_{t+1} is half written and the ranks no longer agree on it:
          * no further step may use it (outside eng_step, e.g. from a
@@ -243,19 +243,19 @@ static scape_rc scape_mask(eng_t *e, uint64_t t)
         double life = now_s() - e->mask_started;
         e->last.mask_overlap = life > 0.0 ? 1.0 - waited / life : 1.0;
     }
-    const uint32_t *prev = e->mask_cur;
+    const uint32_t *prev = e->a.mask_cur;
     if (t <= e->cfg.warmup || !eng_scape_masks(e)) {
-        e->mask_cur = NULL;
+        e->a.mask_cur = NULL;
     } else {
-        e->mask_cur = e->mask_next;
-        e->mask_next = e->mask_next == e->mask_buf[0] ? e->mask_buf[1] : e->mask_buf[0];
+        e->a.mask_cur = e->a.mask_next;
+        e->a.mask_next = e->a.mask_next == e->a.mask_buf[0] ? e->a.mask_buf[1] : e->a.mask_buf[0];
         /* this step's traffic includes the all-gather that brought its mask */
         memcpy(e->used_iag, e->next_iag, sizeof e->used_iag);
         e->last.mask_bytes = e->used_iag[1];
     }
     memset(e->next_iag, 0, sizeof e->next_iag);
-    if (prev && e->mask_cur)
-        TRY(e->x->ops->churn(e->x, e->mask_cur, prev));
+    if (prev && e->a.mask_cur)
+        TRY(e->x->ops->churn(e->x, e->a.mask_cur, prev));
     return SCAPE_OK;
 }
 
@@ -268,8 +268,8 @@ static scape_rc delta_code(eng_t *e, uint32_t **own)
     const plan_shard *me = &e->p->shard[e->rank];
     const void *nv = NULL, *pv = NULL;
     size_t full = e->code_bytes[e->rank], delta = SIZE_MAX;
-    TRY(eng_view(e, e->mask_next + me->word0, me->words * 4, &nv));
-    scape_rc rc = e->mask_cur ? eng_view(e, e->mask_cur + me->word0, me->words * 4, &pv)
+    TRY(exec_view(e->x, e->a.mask_next + me->word0, me->words * 4, &nv));
+    scape_rc rc = e->a.mask_cur ? exec_view(e->x, e->a.mask_cur + me->word0, me->words * 4, &pv)
                               : SCAPE_OK;
     if (rc == SCAPE_OK && pv)
         delta = mdelta_bytes(e->p, me->first, me->count, pv, nv);
@@ -279,8 +279,8 @@ static scape_rc delta_code(eng_t *e, uint32_t **own)
     if (rc == SCAPE_OK)
         rc = use_delta ? mdelta_encode(e->p, me->first, me->count, pv, nv, e->dhost + 1)
                        : mcode_encode(e->p, me->first, me->count, nv, e->dhost + 1);
-    eng_view_free(e, nv);
-    eng_view_free(e, pv);
+    exec_view_free(e->x, nv);
+    exec_view_free(e->x, pv);
     TRY(rc);
     uint64_t mine = 4 + (use_delta ? delta : full);
     for (int r = 0; r < e->comm->size; r++)
@@ -299,7 +299,7 @@ static scape_rc delta_code(eng_t *e, uint32_t **own)
         e->code_total += e->dcounts[r];
     }
     e->gcounts = e->dcounts;
-    *own = e->code_all + e->code_off / 4;
+    *own = e->a.code_all + e->code_off / 4;
     return e->x->host_memory ? (memcpy(*own, e->dhost, mine), SCAPE_OK)
                              : eng_upload(e, *own, e->dhost, mine);
 }
@@ -315,15 +315,15 @@ static scape_rc scape_select(eng_t *e)
     TRY(e->x->ops->select(e->x));
     /* The own bits go straight into M_{t+1}'s words (the decode rewrites them
      * the same) and the code into this rank's place of the gathered code. */
-    uint32_t *own = e->code_all + e->code_off / 4;
+    uint32_t *own = e->a.code_all + e->code_off / 4;
     if (e->cfg.mask_deltas)
         TRY(delta_code(e, &own));
     else
-        TRY(e->x->ops->encode(e->x, me->first, me->count, e->mask_next + me->word0, own));
+        TRY(e->x->ops->encode(e->x, me->first, me->count, e->a.mask_next + me->word0, own));
     const comm_stats *cs = &e->comm->stats;
     uint64_t before[3] = { cs->calls[COMM_IALLGATHER], cs->bytes[COMM_IALLGATHER],
                            cs->wire_bytes[COMM_IALLGATHER] };
-    TRY(x_iallgather(e, own, e->code_all, e->gcounts));
+    TRY(x_iallgather(e, own, e->a.code_all, e->gcounts));
     e->next_iag[0] = cs->calls[COMM_IALLGATHER] - before[0];
     e->next_iag[1] = cs->bytes[COMM_IALLGATHER] - before[1];
     e->next_iag[2] = cs->wire_bytes[COMM_IALLGATHER] - before[2];
@@ -335,8 +335,8 @@ static scape_rc scape_select(eng_t *e)
 static scape_rc keep_stats(eng_t *e)
 {
     TRY(e->x->ops->keep_stats(e->x));
-    e->sel_tr = e->tr;
-    e->select_pending = 1;
+    e->a.sel_tr = e->a.tr;
+    e->a.select_pending = 1;
     return SCAPE_OK;
 }
 
@@ -344,7 +344,7 @@ scape_rc eng_select_pending(eng_t *e)
 {
     e->x->ops->mark(e->x, ENG_PH_SELECT, 0);
     scape_rc rc = scape_select(e);
-    e->select_pending = 0;
+    e->a.select_pending = 0;
     e->x->ops->mark(e->x, ENG_PH_SELECT, 1);
     if (rc == SCAPE_OK)
         rc = e->x->ops->sync(e->x);
@@ -358,19 +358,19 @@ static scape_rc topk_union_mask(eng_t *e)
     const plan *p = e->p;
     TRY(e->x->ops->own_topk(e->x));
     /* this rank's own mask in the spare mask buffer, the union in the other */
-    uint32_t *own = e->code_all + e->code_off / 4;
-    TRY(e->x->ops->encode(e->x, 0, p->ntensors, e->mask_buf[1], own));
-    TRY(x_allgather(e, own, e->code_all, e->code_bytes));
+    uint32_t *own = e->a.code_all + e->code_off / 4;
+    TRY(e->x->ops->encode(e->x, 0, p->ntensors, e->a.mask_buf[1], own));
+    TRY(x_allgather(e, own, e->a.code_all, e->code_bytes));
     e->last.mask_bytes = e->code_total;
-    uint32_t *u = e->mask_buf[0];
+    uint32_t *u = e->a.mask_buf[0];
     TRY(e->x->ops->mask_zero(e->x, u));
     size_t off = 0;
     for (int r = 0; r < e->comm->size; r++) {
-        TRY(e->x->ops->decode(e->x, 0, p->ntensors, e->code_all + off / 4, e->code_bytes[r],
+        TRY(e->x->ops->decode(e->x, 0, p->ntensors, e->a.code_all + off / 4, e->code_bytes[r],
                               u, 1, r));
         off += e->code_bytes[r];
     }
-    e->mask_cur = u;
+    e->a.mask_cur = u;
     return SCAPE_OK;
 }
 
@@ -379,7 +379,7 @@ static void shard_counts(eng_t *e, size_t elem)
 {
     for (int r = 0; r < e->comm->size; r++) {
         const plan_shard *s = &e->p->shard[r];
-        e->counts[r] = (e->toff[s->first + s->count] - e->toff[s->first]) * elem;
+        e->counts[r] = (e->a.toff[s->first + s->count] - e->a.toff[s->first]) * elem;
     }
 }
 
@@ -387,12 +387,12 @@ static void shard_counts(eng_t *e, size_t elem)
  * The values go in bf16 when the pack rounded them so (wire_now). */
 static scape_rc reduce(eng_t *e, float *buf, size_t k)
 {
-    e->sum = buf;
+    e->a.sum = buf;
     if (e->cfg.mode == ENG_MODE_REPLICATED)
-        return x_allreduce(e, buf, k, e->wire_now);
+        return x_allreduce(e, buf, k, e->a.wire_now);
     shard_counts(e, 1);
-    return x_reduce_scatter(e, buf, buf + e->toff[e->p->shard[e->rank].first], e->counts,
-                            e->wire_now);
+    return x_reduce_scatter(e, buf, buf + e->a.toff[e->p->shard[e->rank].first], e->counts,
+                            e->a.wire_now);
 }
 
 /* Inspection: keep g_hat = S / T of the coordinates this rank reduced. */
@@ -401,22 +401,22 @@ static scape_rc keep_ghat(eng_t *e, size_t k)
     size_t first, count;
     const void *sv = NULL, *mv = NULL;
     eng_update_range(e, &first, &count);
-    TRY(eng_view(e, e->sum, k * sizeof(float), &sv));
-    scape_rc rc = e->mask_cur ? eng_view(e, e->mask_cur, e->p->nwords * 4, &mv) : SCAPE_OK;
+    TRY(exec_view(e->x, e->a.sum, k * sizeof(float), &sv));
+    scape_rc rc = e->a.mask_cur ? exec_view(e->x, e->a.mask_cur, e->p->nwords * 4, &mv) : SCAPE_OK;
     const float *sum = sv;
     const uint32_t *mask = mv;
     memset(e->ghave, 0, e->p->n);
     for (size_t j = first; rc == SCAPE_OK && j < first + count; j++) {
         const plan_tensor *t = eng_tensor_at(e, j);
-        const float *s = sum + e->toff[j];
+        const float *s = sum + e->a.toff[j];
         for (size_t i = 0, q = 0; i < t->len; i++) {
             int on = !mask || ((mask[t->word + i / 32] >> (i & 31)) & 1u);
-            e->ghat[t->pos + i] = on ? s[q++] / (float)e->t_total : 0.0f;
+            e->ghat[t->pos + i] = on ? s[q++] / (float)e->a.t_total : 0.0f;
             e->ghave[t->pos + i] = (unsigned char)on;
         }
     }
-    eng_view_free(e, sv);
-    eng_view_free(e, mv);
+    exec_view_free(e->x, sv);
+    exec_view_free(e->x, mv);
     return rc;
 }
 
@@ -430,7 +430,7 @@ static void mean_grad_norm(eng_t *e, double sent_norm)
     int R = e->comm->size;
     double bound = 0.0;
     e->last.mean_grad_exact = 1;
-    if (e->mask_cur == NULL) {
+    if (e->a.mask_cur == NULL) {
         e->last.mean_grad_norm = sent_norm;
         return;
     }
@@ -442,7 +442,7 @@ static void mean_grad_norm(eng_t *e, double sent_norm)
         bound += sqrt(e->sq[2 * r + 1]);
     }
     e->last.mean_grad_exact = R == 1;
-    e->last.mean_grad_norm = bound / (double)e->t_total;
+    e->last.mean_grad_norm = bound / (double)e->a.t_total;
 }
 
 /* max_grad_norm: the clipping coefficient of this step.  Each rank's sum of
@@ -455,7 +455,7 @@ static void mean_grad_norm(eng_t *e, double sent_norm)
 static scape_rc clip_coef(eng_t *e, uint64_t t)
 {
     int R = e->comm->size;
-    e->clip = 0.0f;
+    e->a.clip = 0.0f;
     e->last.grad_norm = 0.0;
     e->last.clip = 1.0;
     e->last.mean_grad_norm = -1.0;
@@ -466,7 +466,7 @@ static scape_rc clip_coef(eng_t *e, uint64_t t)
     double *own = &e->sq[2 * e->rank];
     TRY(e->x->ops->sqsum(e->x, sh[e->rank].first, sh[e->rank].count, own));
     TRY(e->x->ops->sync(e->x));
-    own[1] = e->gsq[e->tr];
+    own[1] = e->gsq[e->a.tr];
     for (int r = 0; r < R; r++)
         e->counts[r] = 2 * sizeof(double);
     TRY(comm_allgather(e->comm, own, e->sq, e->counts));
@@ -493,7 +493,7 @@ static scape_rc clip_coef(eng_t *e, uint64_t t)
     float c = scape_f_clip_coef(by, e->cfg.max_grad_norm);
     e->last.grad_norm = norm;
     e->last.clip = c < 1.0f ? (double)c : 1.0;
-    e->clip = c < 1.0f ? c : 0.0f;
+    e->a.clip = c < 1.0f ? c : 0.0f;
     return SCAPE_OK;
 }
 
@@ -512,13 +512,13 @@ static scape_rc grad_sqsums(eng_t *e, const void *const *grads)
  * then all-gather their parts in place. */
 static scape_rc gather_updates(eng_t *e, float *dst, void *const *params)
 {
-    size_t first, count, esz = e->pub_bf16 ? 2 : sizeof(float);
+    size_t first, count, esz = e->a.pub_bf16 ? 2 : sizeof(float);
     eng_update_range(e, &first, &count);
     TRY(e->x->ops->compact(e->x, first, count, dst, params));
     if (e->cfg.mode == ENG_MODE_REPLICATED)
         return SCAPE_OK;
     shard_counts(e, esz);
-    return x_allgather(e, (char *)dst + e->toff[first] * esz, dst, e->counts);
+    return x_allgather(e, (char *)dst + e->a.toff[first] * esz, dst, e->counts);
 }
 
 /* Where the new parameters are gathered: `upd` when sparse; when dense, the
@@ -526,9 +526,9 @@ static scape_rc gather_updates(eng_t *e, float *dst, void *const *params)
  * (sharded). */
 static float *publish_buffer(eng_t *e)
 {
-    if (e->mask_cur)
-        return e->upd;
-    return e->cfg.mode == ENG_MODE_REPLICATED ? e->theta : e->dense;
+    if (e->a.mask_cur)
+        return e->a.upd;
+    return e->cfg.mode == ENG_MODE_REPLICATED ? e->a.theta : e->a.dense;
 }
 
 /* Run the call as phase ph (the executor times it). */
@@ -543,11 +543,10 @@ static float *publish_buffer(eng_t *e)
 
 static scape_rc choose_mask(eng_t *e, uint64_t t)
 {
-    int dense_opt = e->cfg.optimizer == ENG_OPT_ADAMS || e->cfg.optimizer == ENG_OPT_ADAMW;
-    if (e->cfg.optimizer == ENG_OPT_SCAPE) {
+    if (e->opt->mask == ENG_MASK_LAGGED_M) {
         PHASE(ENG_PH_MASK_WAIT, scape_mask(e, t));
-    } else if (dense_opt || t <= e->cfg.warmup) {
-        e->mask_cur = NULL;
+    } else if (e->opt->mask == ENG_MASK_NONE || t <= e->cfg.warmup) {
+        e->a.mask_cur = NULL;
     } else {
         PHASE(ENG_PH_SELECT, topk_union_mask(e));
     }
@@ -560,26 +559,26 @@ static scape_rc step_phases(eng_t *e, uint64_t t, const void *const *grads,
     size_t k = 0;
     float *pub;
     PHASE(ENG_PH_INTAKE, grad_sqsums(e, grads));
-    if (e->cfg.optimizer == ENG_OPT_TOPK_ADAMW)
+    if (e->opt->intake)
         PHASE(ENG_PH_INTAKE, e->x->ops->intake(e->x, grads));
     TRY(choose_mask(e, t));
     TRY(e->x->ops->offsets(e->x, &k));
-    if (e->mask_cur && k > e->k_cap)
+    if (e->a.mask_cur && k > e->a.k_cap)
         return scape_set_error(SCAPE_INVALID, "engine: mask of %zu values exceeds the "
-                               "capacity of %zu", k, e->k_cap);
+                               "capacity of %zu", k, e->a.k_cap);
     e->select_due = eng_scape_masks(e) && t + 1 > e->cfg.warmup;
     e->sel_step = t + 1;
-    e->wire_now = e->cfg.wire_bf16 && e->mask_cur != NULL;
+    e->a.wire_now = e->cfg.wire_bf16 && e->a.mask_cur != NULL;
     PHASE(ENG_PH_PACK, e->x->ops->pack(e->x, grads, e->select_due));
     if (e->select_due) {
         /* deferred only from a sparse step: a dense one's a is overwritten
          * by its in-place reduction */
-        if (e->cfg.defer_select && e->mask_cur)
+        if (e->cfg.defer_select && e->a.mask_cur)
             PHASE(ENG_PH_SELECT, keep_stats(e));
         else
             PHASE(ENG_PH_SELECT, scape_select(e));
     }
-    PHASE(ENG_PH_REDUCE, reduce(e, e->mask_cur ? e->send : e->dense, k));
+    PHASE(ENG_PH_REDUCE, reduce(e, e->a.mask_cur ? e->a.send : e->a.dense, k));
     if (e->ghat)
         TRY(keep_ghat(e, k));
     PHASE(ENG_PH_UPDATE, clip_coef(e, t));
@@ -587,9 +586,9 @@ static scape_rc step_phases(eng_t *e, uint64_t t, const void *const *grads,
     eng_update_range(e, &first, &count);
     PHASE(ENG_PH_UPDATE, e->x->ops->update(e->x, first, count, t));
     pub = publish_buffer(e);
-    e->pub_delta = e->vdelta && e->mask_cur != NULL;
-    e->pub_bf16 = (e->vbf16 && pub != e->theta) || e->pub_delta;
-    if (pub != e->theta)
+    e->a.pub_delta = e->vdelta && e->a.mask_cur != NULL;
+    e->a.pub_bf16 = (e->vbf16 && pub != e->a.theta) || e->a.pub_delta;
+    if (pub != e->a.theta)
         PHASE(ENG_PH_GATHER, gather_updates(e, pub, params));
     PHASE(ENG_PH_WRITEBACK, e->x->ops->write_back(e->x, pub, params));
     e->last.k = k;

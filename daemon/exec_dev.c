@@ -32,7 +32,9 @@
 #include <time.h>
 
 #include "dev.h"
-#include "engine_internal.h"
+#include "exec.h"
+#include "maskcode.h"
+#include "try.h"
 
 _Static_assert(KSEG_GROUPS == ENG_MAX_GROUPS, "one limit on parameter groups");
 
@@ -144,14 +146,14 @@ static scape_rc upload_new(dev_x *h, const void *src, size_t bytes, void *out)
 /* ---- tables ------------------------------------------------------------------- */
 
 /* The tensor table; a second call (replan) rewrites it in place. */
-static scape_rc build_tensors(eng_t *e, dev_x *h)
+static scape_rc build_tensors(exec_args *xa, dev_x *h)
 {
-    const plan *p = e->p;
+    const plan *p = xa->p;
     kseg_tensor *t = calloc(p->ntensors ? p->ntensors : 1, sizeof *t);
     if (t == NULL)
         return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
     for (size_t j = 0; j < p->ntensors; j++) {
-        const plan_tensor *pt = eng_tensor_at(e, j);
+        const plan_tensor *pt = exec_tensor_at(xa, j);
         t[j] = (kseg_tensor){ pt->pos, pt->off, pt->word, (uint32_t)pt->len, (uint32_t)pt->k,
                               pt->group, 0 };
     }
@@ -165,23 +167,23 @@ static scape_rc build_tensors(eng_t *e, dev_x *h)
 
 /* The residual's chunks: runs of whole mask words, about residual_chunk
  * coordinates each. */
-static scape_rc build_chunks(eng_t *e, dev_x *h, size_t *most)
+static scape_rc build_chunks(exec_args *xa, dev_x *h, size_t *most)
 {
-    const plan *p = e->p;
-    size_t cap = p->n / e->cfg.residual_chunk + p->ntensors + 1;
+    const plan *p = xa->p;
+    size_t cap = p->n / xa->cfg->residual_chunk + p->ntensors + 1;
     h->chunks = calloc(cap, sizeof *h->chunks);
     if (h->chunks == NULL)
         return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
     *most = 0;
     uint64_t w0 = 0, p0 = 0;
     for (size_t j = 0; j < p->ntensors; j++) {
-        const plan_tensor *t = eng_tensor_at(e, j);
+        const plan_tensor *t = exec_tensor_at(xa, j);
         uint64_t words = (t->len + 31) / 32;
         for (uint64_t q = 0; q < words; q++) {
             /* after word q of tensor j: the element where the next word starts */
             uint64_t pw = q + 1 < words ? t->pos + 32 * (q + 1) : t->pos + t->len;
             int last = j + 1 == p->ntensors && q + 1 == words;
-            if (pw - p0 >= e->cfg.residual_chunk || last) {
+            if (pw - p0 >= xa->cfg->residual_chunk || last) {
                 if (h->nchunks == cap)
                     return scape_set_error(SCAPE_INVALID, "engine: residual chunks overflow");
                 h->chunks[h->nchunks++] = (chunk){ w0, t->word + q + 1, p0, pw };
@@ -194,13 +196,13 @@ static scape_rc build_chunks(eng_t *e, dev_x *h, size_t *most)
     return SCAPE_OK;
 }
 
-static scape_rc build_sel(eng_t *e, dev_x *h, sel *s, uint32_t first, uint32_t n)
+static scape_rc build_sel(exec_args *xa, dev_x *h, sel *s, uint32_t first, uint32_t n)
 {
     s->first = first;
     s->n = n;
     size_t ni = 0;
     for (uint32_t q = 0; q < n; q++)
-        ni += (kseg_tiles((eng_tensor_at(e, first + q)->len + 31) / 32));
+        ni += (kseg_tiles((exec_tensor_at(xa, first + q)->len + 31) / 32));
     kseg_item *items = calloc(ni ? ni : 1, sizeof *items);
     uint32_t *item0 = calloc(n + 1, sizeof *item0);
     if (items == NULL || item0 == NULL) {
@@ -209,7 +211,7 @@ static scape_rc build_sel(eng_t *e, dev_x *h, sel *s, uint32_t first, uint32_t n
         return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
     }
     for (uint32_t q = 0; q < n; q++) {
-        const plan_tensor *t = eng_tensor_at(e, first + q);
+        const plan_tensor *t = exec_tensor_at(xa, first + q);
         uint64_t words = (t->len + 31) / 32;
         item0[q] = s->nitems;
         for (uint64_t w = 0; w < words; w += KSEG_TILE)
@@ -237,7 +239,7 @@ static scape_rc build_sel(eng_t *e, dev_x *h, sel *s, uint32_t first, uint32_t n
 
 /* Where each tensor of comm range [first, first + n) goes in its code; a
  * second call (replan: other k_l) rewrites the table in place. */
-static scape_rc build_range(eng_t *e, dev_x *h, crange *r, uint32_t first, uint32_t n)
+static scape_rc build_range(exec_args *xa, dev_x *h, crange *r, uint32_t first, uint32_t n)
 {
     kseg_code *c = calloc(n ? n : 1, sizeof *c);
     if (c == NULL)
@@ -247,10 +249,10 @@ static scape_rc build_range(eng_t *e, dev_x *h, crange *r, uint32_t first, uint3
     *r = (crange){ .c = dc, .tiles = tiles, .count = cnt };
     r->first = first;
     r->n = n;
-    r->w0 = n ? eng_tensor_at(e, first)->word : 0;
+    r->w0 = n ? exec_tensor_at(xa, first)->word : 0;
     uint64_t kcum = 0;
     for (uint32_t q = 0; q < n; q++) {
-        const plan_tensor *t = eng_tensor_at(e, first + q);
+        const plan_tensor *t = exec_tensor_at(xa, first + q);
         r->nwords += (t->len + 31) / 32;
         if (!mcode_by_index(t)) {
             c[q] = (kseg_code){ .tensor = first + q, .at = r->map_words, .kcum = kcum };
@@ -260,7 +262,7 @@ static scape_rc build_range(eng_t *e, dev_x *h, crange *r, uint32_t first, uint3
     }
     kcum = 0;
     for (uint32_t q = 0; q < n; q++) {
-        const plan_tensor *t = eng_tensor_at(e, first + q);
+        const plan_tensor *t = exec_tensor_at(xa, first + q);
         if (mcode_by_index(t)) {
             uint32_t b = mcode_pos_bits(t->len);
             c[q] = (kseg_code){ .tensor = first + q, .by_index = 1, .bits = b,
@@ -275,11 +277,11 @@ static scape_rc build_range(eng_t *e, dev_x *h, crange *r, uint32_t first, uint3
     }
     r->code_words = r->map_words + (r->pos_bits + 31) / 32;
     scape_rc rc = SCAPE_OK;
-    if (4 * r->code_words != mcode_bytes(e->p, first, n))
+    if (4 * r->code_words != mcode_bytes(xa->p, first, n))
         rc = scape_set_error(SCAPE_INVALID, "engine: the device's mask code of tensors "
                              "[%u, +%u) has %llu bytes, maskcode.c's %zu", first, n,
                              (unsigned long long)(4 * r->code_words),
-                             mcode_bytes(e->p, first, n));
+                             mcode_bytes(xa->p, first, n));
     if (rc == SCAPE_OK)
         rc = dc ? h->ops->copy(h->d, DEV_MAIN, dc, c, n * sizeof *c)
                 : upload_new(h, c, n * sizeof *c, &r->c);
@@ -300,25 +302,25 @@ static const dev_ops *dev_for(eng_executor x)
     return x == ENG_EXEC_CUDA ? &dev_cuda_ops : &dev_sim_ops;
 }
 
-static scape_rc alloc_vectors(eng_t *e, dev_x *h)
+static scape_rc alloc_vectors(exec_args *xa, dev_x *h)
 {
-    const plan *p = e->p;
-    size_t n = p->n, sl = e->state_len, f = sizeof(float);
-    TRY(dalloc(h, sl * f, 0, &e->m));
-    if (eng_uses_v(e))
-        TRY(dalloc(h, sl * f, 0, &e->v));
-    TRY(dalloc(h, sl * f, 0, &e->theta));
-    TRY(dalloc(h, n * f, !h->resident, &e->e));
+    const plan *p = xa->p;
+    size_t n = p->n, sl = xa->state_len, f = sizeof(float);
+    TRY(dalloc(h, sl * f, 0, &xa->m));
+    if (xa->opt->keeps_v)
+        TRY(dalloc(h, sl * f, 0, &xa->v));
+    TRY(dalloc(h, sl * f, 0, &xa->theta));
+    TRY(dalloc(h, n * f, !h->resident, &xa->e));
     if (!h->resident)
         TRY(dalloc(h, n * f, 0, &h->wide));
-    e->dense = h->resident ? e->e : h->wide;
-    if (e->cfg.optimizer == ENG_OPT_TOPK_ADAMW)
-        TRY(dalloc(h, n * f, 0, &e->g));
-    TRY(dalloc(h, e->k_cap * f, 0, &e->send));
-    TRY(dalloc(h, e->k_cap * f, 0, &e->upd));
-    TRY(dalloc(h, p->nwords * 4, 0, &e->mask_buf[0]));
-    TRY(dalloc(h, p->nwords * 4, 0, &e->mask_buf[1]));
-    TRY(dalloc(h, e->code_cap + 4, 0, &e->code_all));
+    xa->dense = h->resident ? xa->e : h->wide;
+    if (xa->opt->intake)
+        TRY(dalloc(h, n * f, 0, &xa->g));
+    TRY(dalloc(h, xa->k_cap * f, 0, &xa->send));
+    TRY(dalloc(h, xa->k_cap * f, 0, &xa->upd));
+    TRY(dalloc(h, p->nwords * 4, 0, &xa->mask_buf[0]));
+    TRY(dalloc(h, p->nwords * 4, 0, &xa->mask_buf[1]));
+    TRY(dalloc(h, xa->code_cap + 4, 0, &xa->code_all));
     TRY(dalloc(h, (kseg_tiles(p->nwords) + 1) * 4, 0, &h->tiles));
     TRY(dalloc(h, sizeof(kseg_status), 0, &h->status));
     TRY(dalloc(h, sizeof(kseg_status), 1, &h->status_h));
@@ -331,52 +333,52 @@ static scape_rc alloc_vectors(eng_t *e, dev_x *h)
 static scape_rc dev_create(exec_t *x)
 {
     static atomic_ulong s_engines;
-    eng_t *e = x->e;
-    const plan *p = e->p;
+    exec_args *xa = x->a;
+    const plan *p = xa->p;
     dev_x *h = calloc(1, sizeof *h);
     if (h == NULL)
         return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
     x->impl = h;
-    h->ops = dev_for(e->cfg.executor);
-    h->timing = e->cfg.executor == ENG_EXEC_CUDA;
-    h->resident = e->cfg.residual_on_device;
+    h->ops = dev_for(xa->cfg->executor);
+    h->timing = xa->cfg->executor == ENG_EXEC_CUDA;
+    h->resident = xa->cfg->residual_on_device;
     x->host_memory = 0;
     x->residual_host = !h->resident;
-    void *main = e->cfg.executor == ENG_EXEC_CUDA ? comm_device_stream(e->comm) : NULL;
-    TRY(h->ops->create(&h->d, e->cfg.device, main, e->comm, 600000,
-                       atomic_fetch_add(&s_engines, 1) * 7919ul + (unsigned long)e->rank));
-    TRY(alloc_vectors(e, h));
-    TRY(build_tensors(e, h));
+    void *main = xa->cfg->executor == ENG_EXEC_CUDA ? comm_device_stream(xa->comm) : NULL;
+    TRY(h->ops->create(&h->d, xa->cfg->device, main, xa->comm, 600000,
+                       atomic_fetch_add(&s_engines, 1) * 7919ul + (unsigned long)xa->rank));
+    TRY(alloc_vectors(xa, h));
+    TRY(build_tensors(xa, h));
     size_t most = 0;
     if (!h->resident) {
-        TRY(build_chunks(e, h, &most));
+        TRY(build_chunks(xa, h, &most));
         TRY(dalloc(h, most * sizeof(float), 0, &h->slot[0]));
         TRY(dalloc(h, most * sizeof(float), 0, &h->slot[1]));
     }
-    const plan_shard *me = &p->shard[e->rank];
-    if (e->cfg.optimizer == ENG_OPT_SCAPE) {
+    const plan_shard *me = &p->shard[xa->rank];
+    if (xa->opt->mask == ENG_MASK_LAGGED_M) {
         h->key_lo = me->pos0;
         h->key_hi = me->pos0 + me->len;
-        TRY(build_sel(e, h, &h->own, (uint32_t)me->first, (uint32_t)me->count));
-        h->nranges = e->comm->size;
+        TRY(build_sel(xa, h, &h->own, (uint32_t)me->first, (uint32_t)me->count));
+        h->nranges = xa->comm->size;
         if ((h->ranges = calloc((size_t)h->nranges, sizeof *h->ranges)) == NULL)
             return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
         for (int r = 0; r < h->nranges; r++)
-            TRY(build_range(e, h, &h->ranges[r], (uint32_t)p->shard[r].first,
+            TRY(build_range(xa, h, &h->ranges[r], (uint32_t)p->shard[r].first,
                             (uint32_t)p->shard[r].count));
-    } else if (e->cfg.optimizer == ENG_OPT_TOPK_ADAMW) {
+    } else if (xa->opt->mask == ENG_MASK_TOPK_GRAD) {
         h->key_lo = 0;
         h->key_hi = p->n;
-        TRY(build_sel(e, h, &h->all, 0, (uint32_t)p->ntensors));
+        TRY(build_sel(xa, h, &h->all, 0, (uint32_t)p->ntensors));
         h->nranges = 1;
         if ((h->ranges = calloc(1, sizeof *h->ranges)) == NULL)
             return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
-        TRY(build_range(e, h, &h->ranges[0], 0, (uint32_t)p->ntensors));
+        TRY(build_range(xa, h, &h->ranges[0], 0, (uint32_t)p->ntensors));
     }
     if (h->key_hi > h->key_lo)
         TRY(dalloc(h, (h->key_hi - h->key_lo) * sizeof(uint32_t), 0, &h->keys));
-    if (e->cfg.max_grad_norm > 0.0f) {
-        size_t R = (size_t)e->comm->size;
+    if (xa->cfg->max_grad_norm > 0.0f) {
+        size_t R = (size_t)xa->comm->size;
         TRY(dalloc(h, kseg_sq_chunks(p->n) * sizeof(double), 0, &h->sq));
         TRY(dalloc(h, R * sizeof(double), 0, &h->sq_out));
         TRY(dalloc(h, R * sizeof(double), 1, &h->sq_h));
@@ -397,18 +399,18 @@ static void free_sel(dev_x *h, sel *s)
 
 static void dev_destroy(exec_t *x)
 {
-    eng_t *e = x->e;
+    exec_args *xa = x->a;
     dev_x *h = impl(x);
     if (h == NULL)
         return;
     if (h->d) {
         h->ops->sync(h->d); /* nothing may still write what is freed */
-        void *dv[] = { e->m, e->v, e->theta, h->wide, e->g, e->send, e->upd, e->mask_buf[0],
-                       e->mask_buf[1], e->code_all, h->tiles, h->status, h->tt, h->slot[0],
+        void *dv[] = { xa->m, xa->v, xa->theta, h->wide, xa->g, xa->send, xa->upd, xa->mask_buf[0],
+                       xa->mask_buf[1], xa->code_all, h->tiles, h->status, h->tt, h->slot[0],
                        h->slot[1], h->keys, h->sq, h->sq_out };
         for (size_t i = 0; i < sizeof dv / sizeof dv[0]; i++)
             dfree(h, dv[i], 0);
-        dfree(h, e->e, !h->resident);
+        dfree(h, xa->e, !h->resident);
         dfree(h, h->status_h, 1);
         dfree(h, h->sq_h, 1);
         free_sel(h, &h->own);
@@ -436,20 +438,20 @@ static scape_rc run(dev_x *h, kseg_kernel k, const void *args)
 }
 
 /* A word-range kernel's arguments with the engine's tables filled in. */
-static kseg_args args_for(const eng_t *e, const dev_x *h)
+static kseg_args args_for(const exec_args *xa, const dev_x *h)
 {
     kseg_args a;
     memset(&a, 0, sizeof a);
     a.t = h->tt;
-    a.nt = (uint32_t)e->p->ntensors;
-    a.w1 = e->p->nwords;
-    a.mask = e->mask_cur;
+    a.nt = (uint32_t)xa->p->ntensors;
+    a.w1 = xa->p->nwords;
+    a.mask = xa->mask_cur;
     a.tiles = h->tiles;
-    a.k_cap = e->mask_cur ? e->k_cap : e->p->n;
-    a.theta = e->theta;
-    a.m = e->m;
-    a.v = e->v;
-    a.s_base = e->state_base;
+    a.k_cap = xa->mask_cur ? xa->k_cap : xa->p->n;
+    a.theta = xa->theta;
+    a.m = xa->m;
+    a.v = xa->v;
+    a.s_base = xa->state_base;
     a.status = h->status;
     return a;
 }
@@ -458,19 +460,19 @@ static kseg_args args_for(const eng_t *e, const dev_x *h)
  * those in host memory (their traffic crosses the link). */
 static scape_rc resolve_all(exec_t *x, const void *const *bufs, size_t elem, kseg_args *a)
 {
-    eng_t *e = x->e;
+    exec_args *xa = x->a;
     dev_x *h = impl(x);
-    if (e->tr > KSEG_MAX_TRAINERS)
+    if (xa->tr > KSEG_MAX_TRAINERS)
         return scape_set_error(SCAPE_INVALID, "engine: the %s executor serves at most %d "
                                "trainers per daemon, %d are attached",
-                               eng_executor_name(e->cfg.executor), KSEG_MAX_TRAINERS, e->tr);
+                               eng_executor_name(xa->cfg->executor), KSEG_MAX_TRAINERS, xa->tr);
     h->tr_host = 0;
-    for (int j = 0; j < e->tr; j++) {
+    for (int j = 0; j < xa->tr; j++) {
         int on_host = 0;
-        TRY(h->ops->resolve(h->d, bufs[j], e->p->n * elem, &a->tr[j], &on_host));
+        TRY(h->ops->resolve(h->d, bufs[j], xa->p->n * elem, &a->tr[j], &on_host));
         h->tr_host += on_host;
     }
-    a->ntr = (uint32_t)e->tr;
+    a->ntr = (uint32_t)xa->tr;
     return SCAPE_OK;
 }
 
@@ -482,12 +484,12 @@ static void count_trainers(exec_t *x, int ntr, uint64_t bytes)
 }
 
 /* Words [w0, w1) of comm range [first, first + count). */
-static void range_words(const eng_t *e, size_t first, size_t count, uint64_t *w0, uint64_t *w1)
+static void range_words(const exec_args *xa, size_t first, size_t count, uint64_t *w0, uint64_t *w1)
 {
     *w0 = *w1 = 0;
     if (count == 0)
         return;
-    const plan_tensor *a = eng_tensor_at(e, first), *b = eng_tensor_at(e, first + count - 1);
+    const plan_tensor *a = exec_tensor_at(xa, first), *b = exec_tensor_at(xa, first + count - 1);
     *w0 = a->word;
     *w1 = b->word + (b->len + 31) / 32;
 }
@@ -499,13 +501,13 @@ static void range_words(const eng_t *e, size_t first, size_t count, uint64_t *w0
  * copy it back after). */
 static scape_rc stream_pack(exec_t *x, kseg_args *a, int in, int out)
 {
-    eng_t *e = x->e;
+    exec_args *xa = x->a;
     dev_x *h = impl(x);
     if (h->resident || (!in && !out)) {
-        a->e = h->resident ? e->e : NULL;
+        a->e = h->resident ? xa->e : NULL;
         a->e_base = 0;
         a->w0 = 0;
-        a->w1 = e->p->nwords;
+        a->w1 = xa->p->nwords;
         return run(h, KSEG_PACK, a);
     }
     for (size_t c = 0; c < h->nchunks; c++) {
@@ -520,7 +522,7 @@ static scape_rc stream_pack(exec_t *x, kseg_args *a, int in, int out)
         if (in) {
             TRY(h->ops->wait(h->d, DEV_IN, EV_K(b)));
             TRY(h->ops->wait(h->d, DEV_IN, EV_OUT(b)));
-            TRY(h->ops->copy(h->d, DEV_IN, h->slot[b], e->e + ch->p0, bytes));
+            TRY(h->ops->copy(h->d, DEV_IN, h->slot[b], xa->e + ch->p0, bytes));
             TRY(h->ops->record(h->d, DEV_IN, EV_IN(b)));
             TRY(h->ops->wait(h->d, DEV_MAIN, EV_IN(b)));
         } else {
@@ -530,7 +532,7 @@ static scape_rc stream_pack(exec_t *x, kseg_args *a, int in, int out)
         TRY(h->ops->record(h->d, DEV_MAIN, EV_K(b)));
         if (out) {
             TRY(h->ops->wait(h->d, DEV_OUT, EV_K(b)));
-            TRY(h->ops->copy(h->d, DEV_OUT, e->e + ch->p0, h->slot[b], bytes));
+            TRY(h->ops->copy(h->d, DEV_OUT, xa->e + ch->p0, h->slot[b], bytes));
             TRY(h->ops->record(h->d, DEV_OUT, EV_OUT(b)));
         }
     }
@@ -538,42 +540,42 @@ static scape_rc stream_pack(exec_t *x, kseg_args *a, int in, int out)
 }
 
 /* The selection's keys: SCAPE's statistic of the owned coordinates. */
-static void want_keys(const eng_t *e, const dev_x *h, kseg_args *a)
+static void want_keys(const exec_args *xa, const dev_x *h, kseg_args *a)
 {
     a->keys = h->keys;
     a->key_lo = h->key_lo;
     a->key_hi = h->key_hi;
-    a->beta1 = e->cfg.hyper.beta1;
-    a->c1 = 1.0f - e->cfg.hyper.beta1;
-    a->t_r = (float)e->tr;
+    a->beta1 = xa->cfg->hyper.beta1;
+    a->c1 = 1.0f - xa->cfg->hyper.beta1;
+    a->t_r = (float)xa->tr;
 }
 
 static scape_rc dev_intake(exec_t *x, const void *const *grads)
 {
-    eng_t *e = x->e;
+    exec_args *xa = x->a;
     dev_x *h = impl(x);
-    kseg_args a = args_for(e, h);
-    TRY(resolve_all(x, grads, kern_dtype_size(e->gdt), &a));
-    a.bf16 = e->gdt == KERN_BF16;
-    a.out = e->g;
-    a.n = e->p->n;
-    count_trainers(x, e->tr, e->p->n * kern_dtype_size(e->gdt));
-    exec_count(x, 4 * e->p->n, 0);
+    kseg_args a = args_for(xa, h);
+    TRY(resolve_all(x, grads, kern_dtype_size(xa->gdt), &a));
+    a.bf16 = xa->gdt == KERN_BF16;
+    a.out = xa->g;
+    a.n = xa->p->n;
+    count_trainers(x, xa->tr, xa->p->n * kern_dtype_size(xa->gdt));
+    exec_count(x, 4 * xa->p->n, 0);
     return run(h, KSEG_GSUM, &a);
 }
 
 /* G as the pack reads it: the trainers' buffers, or topk-adamw's sum. */
 static scape_rc grad_source(exec_t *x, const void *const *grads, kseg_args *a)
 {
-    eng_t *e = x->e;
-    if (e->cfg.optimizer == ENG_OPT_TOPK_ADAMW) {
-        a->tr[0] = e->g;
+    exec_args *xa = x->a;
+    if (xa->opt->intake) {
+        a->tr[0] = xa->g;
         a->ntr = 1;
         a->bf16 = 0;
         return SCAPE_OK;
     }
-    a->bf16 = e->gdt == KERN_BF16;
-    return resolve_all(x, grads, kern_dtype_size(e->gdt), a);
+    a->bf16 = xa->gdt == KERN_BF16;
+    return resolve_all(x, grads, kern_dtype_size(xa->gdt), a);
 }
 
 /* A pass over the residual: its bytes cross the link when it streams. */
@@ -589,10 +591,10 @@ static void count_residual(exec_t *x, uint64_t bytes)
  * mask and its scan, the packed values, and the keys (m read, key written). */
 static void count_pack(exec_t *x, const kseg_args *a, uint64_t k)
 {
-    eng_t *e = x->e;
-    uint64_t n = e->p->n, w = e->p->nwords;
+    exec_args *xa = x->a;
+    uint64_t n = xa->p->n, w = xa->p->nwords;
     size_t gsz = a->bf16 ? 2 : 4;
-    if (e->cfg.optimizer == ENG_OPT_TOPK_ADAMW)
+    if (xa->opt->intake)
         exec_count(x, 4 * n, 0);
     else
         count_trainers(x, (int)a->ntr, n * gsz);
@@ -602,28 +604,28 @@ static void count_pack(exec_t *x, const kseg_args *a, uint64_t k)
 
 static scape_rc dev_pack(exec_t *x, const void *const *grads, int select_due)
 {
-    eng_t *e = x->e;
+    exec_args *xa = x->a;
     dev_x *h = impl(x);
-    kseg_args a = args_for(e, h);
+    kseg_args a = args_for(xa, h);
     TRY(grad_source(x, grads, &a));
     if (select_due)
-        want_keys(e, h, &a);
-    count_pack(x, &a, e->toff[e->p->ntensors]);
-    count_residual(x, 4 * e->p->n * (uint64_t)(!e->e_stale + (e->mask_cur != NULL)));
-    int stale = e->e_stale;
+        want_keys(xa, h, &a);
+    count_pack(x, &a, xa->toff[xa->p->ntensors]);
+    count_residual(x, 4 * xa->p->n * (uint64_t)(!xa->e_stale + (xa->mask_cur != NULL)));
+    int stale = xa->e_stale;
     a.e_zero = stale;
-    if (e->mask_cur) {
-        a.out = e->send;
+    if (xa->mask_cur) {
+        a.out = xa->send;
         a.e_write = 1;
-        a.wire_bf16 = e->wire_now;
+        a.wire_bf16 = xa->wire_now;
         TRY(h->ops->zero(h->d, DEV_MAIN, &h->status->norm2, sizeof h->status->norm2));
         TRY(stream_pack(x, &a, !stale, 1));
-        e->e_stale = 0;
+        xa->e_stale = 0;
         h->norm_due = 1;
     } else {
-        a.out = e->dense;
+        a.out = xa->dense;
         TRY(stream_pack(x, &a, !stale && !h->resident, 0));
-        e->e_stale = 1;
+        xa->e_stale = 1;
         h->norm = 0.0;
     }
     return SCAPE_OK;
@@ -645,7 +647,7 @@ static scape_rc topk(exec_t *x, const sel *s, uint32_t *mask)
      * written), the histograms cleared thrice, the mask words written */
     uint64_t nkeys = 0;
     for (uint32_t q = 0; q < s->n; q++)
-        nkeys += eng_tensor_at(x->e, s->first + q)->len;
+        nkeys += exec_tensor_at(x->a, s->first + q)->len;
     exec_count(x, 20 * nkeys + 3 * (uint64_t)s->n * KSEG_BINS0 * 4 + nkeys / 8, 0);
     for (a.level = 0; a.level < 3; a.level++) {
         TRY(h->ops->zero(h->d, DEV_MAIN, s->hist, (size_t)s->n * KSEG_BINS0 * 4));
@@ -665,25 +667,25 @@ static scape_rc dev_keep_stats(exec_t *x)
 
 static scape_rc dev_select(exec_t *x)
 {
-    return topk(x, &impl(x)->own, x->e->mask_next);
+    return topk(x, &impl(x)->own, x->a->mask_next);
 }
 
 static scape_rc dev_own_topk(exec_t *x)
 {
-    eng_t *e = x->e;
+    exec_args *xa = x->a;
     dev_x *h = impl(x);
-    kseg_args a = args_for(e, h);
+    kseg_args a = args_for(xa, h);
     TRY(grad_source(x, NULL, &a));
     a.mask = NULL; /* keys only: no mask to read */
     a.keys = h->keys;
     a.key_lo = 0;
-    a.key_hi = e->p->n;
+    a.key_hi = xa->p->n;
     a.key_abs = 1;
-    a.e_zero = e->e_stale;
+    a.e_zero = xa->e_stale;
     count_pack(x, &a, 0);
-    count_residual(x, e->e_stale ? 0 : 4 * e->p->n);
-    TRY(stream_pack(x, &a, !e->e_stale, 0));
-    return topk(x, &h->all, e->mask_buf[1]);
+    count_residual(x, xa->e_stale ? 0 : 4 * xa->p->n);
+    TRY(stream_pack(x, &a, !xa->e_stale, 0));
+    return topk(x, &h->all, xa->mask_buf[1]);
 }
 
 /* ---- mask codes ------------------------------------------------------------------ */
@@ -708,7 +710,7 @@ static kseg_code_args code_args(const exec_t *x, const crange *r, const uint32_t
                          /* the range's words are given from its first word */
                          .words = (uint32_t *)words - r->w0, .code = (uint32_t *)code,
                          .tiles = r->tiles, .count = r->count,
-                         .rank = (uint32_t)x->e->rank, .status = h->status };
+                         .rank = (uint32_t)x->a->rank, .status = h->status };
     return a;
 }
 
@@ -716,7 +718,7 @@ static scape_rc dev_encode(exec_t *x, size_t first, size_t count, const uint32_t
                            uint32_t *code)
 {
     dev_x *h = impl(x);
-    crange *r = range_of(h, first, count, x->e->rank);
+    crange *r = range_of(h, first, count, x->a->rank);
     if (r == NULL)
         return scape_set_error(SCAPE_INVALID, "engine: no mask code for tensors [%zu, +%zu)",
                                first, count);
@@ -757,16 +759,16 @@ static scape_rc dev_decode(exec_t *x, size_t first, size_t count, const uint32_t
 
 static scape_rc dev_mask_zero(exec_t *x, uint32_t *words)
 {
-    return impl(x)->ops->zero(impl(x)->d, DEV_MAIN, words, x->e->p->nwords * 4);
+    return impl(x)->ops->zero(impl(x)->d, DEV_MAIN, words, x->a->p->nwords * 4);
 }
 
 static scape_rc dev_churn(exec_t *x, const uint32_t *cur, const uint32_t *prev)
 {
     dev_x *h = impl(x);
-    kseg_args a = args_for(x->e, h);
+    kseg_args a = args_for(x->a, h);
     a.mask = cur;
     a.prev = prev;
-    exec_count(x, 8 * x->e->p->nwords, 0);
+    exec_count(x, 8 * x->a->p->nwords, 0);
     TRY(h->ops->zero(h->d, DEV_MAIN, h->status->churn, sizeof h->status->churn));
     TRY(run(h, KSEG_CHURN, &a));
     h->churn_due = 1;
@@ -777,31 +779,31 @@ static scape_rc dev_churn(exec_t *x, const uint32_t *cur, const uint32_t *prev)
  * steps; topk-adamw's union is counted on the host. */
 static scape_rc dev_offsets(exec_t *x, size_t *k_out)
 {
-    eng_t *e = x->e;
+    exec_args *xa = x->a;
     dev_x *h = impl(x);
-    const plan *p = e->p;
-    e->toff[0] = 0;
-    if (e->mask_cur == NULL || e->cfg.optimizer == ENG_OPT_SCAPE) {
+    const plan *p = xa->p;
+    xa->toff[0] = 0;
+    if (xa->mask_cur == NULL || xa->opt->mask == ENG_MASK_LAGGED_M) {
         for (size_t j = 0; j < p->ntensors; j++) {
-            const plan_tensor *t = eng_tensor_at(e, j);
-            e->toff[j + 1] = e->toff[j] + (e->mask_cur ? t->k : t->len);
+            const plan_tensor *t = exec_tensor_at(xa, j);
+            xa->toff[j + 1] = xa->toff[j] + (xa->mask_cur ? t->k : t->len);
         }
     } else {
         const void *v;
-        TRY(eng_view(e, e->mask_cur, p->nwords * 4, &v));
+        TRY(exec_view(x, xa->mask_cur, p->nwords * 4, &v));
         const uint32_t *mask = v;
         for (size_t j = 0; j < p->ntensors; j++) {
-            const plan_tensor *t = eng_tensor_at(e, j);
+            const plan_tensor *t = exec_tensor_at(xa, j);
             size_t k = 0;
             kern_mask_popcount(mask + t->word, t->len, &k);
-            e->toff[j + 1] = e->toff[j] + k;
+            xa->toff[j + 1] = xa->toff[j] + k;
         }
-        eng_view_free(e, v);
+        exec_view_free(x, v);
     }
-    *k_out = e->toff[p->ntensors];
-    if (e->mask_cur == NULL)
+    *k_out = xa->toff[p->ntensors];
+    if (xa->mask_cur == NULL)
         return SCAPE_OK;
-    kseg_args a = args_for(e, h);
+    kseg_args a = args_for(xa, h);
     a.w0 = 0;
     exec_count(x, 4 * p->nwords, 0);
     return run(h, KSEG_SCAN, &a);
@@ -810,14 +812,14 @@ static scape_rc dev_offsets(exec_t *x, size_t *k_out)
 /* ---- update, compaction, write-back ---------------------------------------- */
 
 /* Coordinates, packed values and mask words of comm range [first, +count). */
-static void range_sizes(const eng_t *e, size_t first, size_t count, uint64_t *n, uint64_t *k,
+static void range_sizes(const exec_args *xa, size_t first, size_t count, uint64_t *n, uint64_t *k,
                         uint64_t *w)
 {
     uint64_t w0, w1;
-    range_words(e, first, count, &w0, &w1);
-    const plan_tensor *a = eng_tensor_at(e, first), *b = eng_tensor_at(e, first + count - 1);
+    range_words(xa, first, count, &w0, &w1);
+    const plan_tensor *a = exec_tensor_at(xa, first), *b = exec_tensor_at(xa, first + count - 1);
     *n = b->pos + b->len - a->pos;
-    *k = e->toff[first + count] - e->toff[first];
+    *k = xa->toff[first + count] - xa->toff[first];
     *w = w1 - w0;
 }
 
@@ -825,7 +827,7 @@ static void range_sizes(const eng_t *e, size_t first, size_t count, uint64_t *n,
  * scattered) or over all of it, plus reading the values and the mask. */
 static void count_masked(exec_t *x, uint64_t n, uint64_t k, uint64_t w, uint64_t vecs)
 {
-    if (x->e->mask_cur)
+    if (x->a->mask_cur)
         exec_count(x, k * vecs * SECTOR + 4 * k + 4 * w, 0);
     else
         exec_count(x, n * vecs * 4 + 4 * n, 0);
@@ -838,33 +840,33 @@ static int range_args(exec_t *x, size_t first, size_t count, uint64_t vecs, kseg
 {
     if (count == 0)
         return 0;
-    *a = args_for(x->e, impl(x));
-    range_words(x->e, first, count, &a->w0, &a->w1);
+    *a = args_for(x->a, impl(x));
+    range_words(x->a, first, count, &a->w0, &a->w1);
     uint64_t n, k, w;
-    range_sizes(x->e, first, count, &n, &k, &w);
+    range_sizes(x->a, first, count, &n, &k, &w);
     count_masked(x, n, k, w, vecs);
     return 1;
 }
 
 static scape_rc dev_update(exec_t *x, size_t first, size_t count, uint64_t t)
 {
-    eng_t *e = x->e;
+    exec_args *xa = x->a;
     kseg_args a;
     /* theta, m (v), read and written */
-    if (!range_args(x, first, count, 2 * (eng_uses_v(e) ? 3 : 2), &a))
+    if (!range_args(x, first, count, 2 * (xa->opt->keeps_v ? 3 : 2), &a))
         return SCAPE_OK;
-    const kern_hyper *hy = &e->cfg.hyper;
-    a.in = e->sum;
-    a.adamw = eng_uses_v(e);
+    const kern_hyper *hy = &xa->cfg->hyper;
+    a.in = xa->sum;
+    a.adamw = xa->opt->update == ENG_UPD_ADAMW;
     a.b1 = hy->beta1;
     a.b2 = hy->beta2;
     a.eps = hy->eps;
-    memcpy(a.glr, e->glr, e->ngroups * sizeof *a.glr);
-    memcpy(a.gwd, e->gwd, e->ngroups * sizeof *a.gwd);
-    a.div = (float)e->t_total;
+    memcpy(a.glr, xa->glr, xa->ngroups * sizeof *a.glr);
+    memcpy(a.gwd, xa->gwd, xa->ngroups * sizeof *a.gwd);
+    a.div = (float)xa->t_total;
     a.bc1 = a.adamw ? scape_f_bias_correction(hy->beta1, t) : 1.0f;
     a.bc2 = a.adamw ? scape_f_bias_correction(hy->beta2, t) : 1.0f;
-    a.clip = e->clip;
+    a.clip = xa->clip;
     return run(impl(x), KSEG_UPDATE, &a);
 }
 
@@ -873,37 +875,37 @@ static scape_rc dev_update(exec_t *x, size_t first, size_t count, uint64_t t)
  * for this yet, so there the figures are not measured. */
 static scape_rc dev_grad_sqsums(exec_t *x, const void *const *grads, double *out)
 {
-    eng_t *e = x->e;
+    exec_args *xa = x->a;
     dev_x *h = impl(x);
     int readable = h->ops->host_addressable;
-    for (int j = 0; !readable && j < e->tr; j++) {
+    for (int j = 0; !readable && j < xa->tr; j++) {
         const void *p;
         int on_host = 0;
-        TRY(h->ops->resolve(h->d, grads[j], e->p->n * kern_dtype_size(e->gdt), &p, &on_host));
+        TRY(h->ops->resolve(h->d, grads[j], xa->p->n * kern_dtype_size(xa->gdt), &p, &on_host));
         if (!on_host)
             break;
-        readable = j == e->tr - 1;
+        readable = j == xa->tr - 1;
     }
     if (!readable) {
-        for (int j = 0; j <= e->tr; j++)
+        for (int j = 0; j <= xa->tr; j++)
             out[j] = -1.0;
         return SCAPE_OK;
     }
-    return eng_grad_sqsums(e, NULL, grads, out);
+    return eng_grad_sqsums(xa, NULL, grads, out);
 }
 
 static scape_rc dev_sqsum(exec_t *x, size_t first, size_t count, double *out)
 {
-    eng_t *e = x->e;
+    exec_args *xa = x->a;
     dev_x *h = impl(x);
-    if (h->sq_to == NULL || h->sq_n == e->comm->size)
+    if (h->sq_to == NULL || h->sq_n == xa->comm->size)
         return scape_set_error(SCAPE_INVALID, "engine: sum of squares %s",
                                h->sq_to ? "requested too often before a sync"
                                         : "without max_grad_norm");
-    kseg_args a = args_for(e, h);
-    a.in = e->sum + e->toff[first];
-    a.n = e->toff[first + count] - e->toff[first];
-    a.div = (float)e->t_total;
+    kseg_args a = args_for(xa, h);
+    a.in = xa->sum + xa->toff[first];
+    a.n = xa->toff[first + count] - xa->toff[first];
+    a.div = (float)xa->t_total;
     a.sq = h->sq;
     a.sq_total = h->sq_out + h->sq_n;
     h->sq_to[h->sq_n++] = out;
@@ -914,33 +916,33 @@ static scape_rc dev_sqsum(exec_t *x, size_t first, size_t count, double *out)
 static scape_rc dev_compact(exec_t *x, size_t first, size_t count, float *dst,
                             void *const *params)
 {
-    eng_t *e = x->e;
+    exec_args *xa = x->a;
     kseg_args a;
     if (!range_args(x, first, count, 1, &a))
         return SCAPE_OK;
     a.out = dst;
-    a.vbf16 = e->pub_bf16;
-    a.delta = e->pub_delta;
+    a.vbf16 = xa->pub_bf16;
+    a.delta = xa->pub_delta;
     if (a.delta) { /* the changes from trainer 0's values */
         TRY(resolve_all(x, (const void *const *)params, sizeof(float), &a));
-        count_trainers(x, 1, (e->toff[first + count] - e->toff[first]) * SECTOR);
+        count_trainers(x, 1, (xa->toff[first + count] - xa->toff[first]) * SECTOR);
     }
     return run(impl(x), KSEG_COMPACT, &a);
 }
 
 static scape_rc dev_write_back(exec_t *x, const float *src, void *const *params)
 {
-    eng_t *e = x->e;
+    exec_args *xa = x->a;
     dev_x *h = impl(x);
-    kseg_args a = args_for(e, h);
-    TRY(resolve_all(x, (const void *const *)params, kern_dtype_size(e->pdt), &a));
-    a.bf16 = e->pdt == KERN_BF16;
+    kseg_args a = args_for(xa, h);
+    TRY(resolve_all(x, (const void *const *)params, kern_dtype_size(xa->pdt), &a));
+    a.bf16 = xa->pdt == KERN_BF16;
     a.in = src;
-    a.vbf16 = e->pub_bf16;
-    a.delta = e->pub_delta;
-    uint64_t n = e->p->n, k = e->toff[e->p->ntensors], w = e->p->nwords;
+    a.vbf16 = xa->pub_bf16;
+    a.delta = xa->pub_delta;
+    uint64_t n = xa->p->n, k = xa->toff[xa->p->ntensors], w = xa->p->nwords;
     count_masked(x, n, k, w, 0);
-    count_trainers(x, e->tr, e->mask_cur ? k * SECTOR : n * kern_dtype_size(e->pdt));
+    count_trainers(x, xa->tr, xa->mask_cur ? k * SECTOR : n * kern_dtype_size(xa->pdt));
     return run(h, KSEG_WRITEBACK, &a);
 }
 
@@ -948,31 +950,31 @@ static scape_rc dev_write_back(exec_t *x, const float *src, void *const *params)
  * rank's code table again (a handful of times a run). */
 static scape_rc dev_replan(exec_t *x)
 {
-    eng_t *e = x->e;
+    exec_args *xa = x->a;
     dev_x *h = impl(x);
-    TRY(build_tensors(e, h));
-    for (int r = 0; e->cfg.optimizer == ENG_OPT_SCAPE && r < h->nranges; r++)
-        TRY(build_range(e, h, &h->ranges[r], (uint32_t)e->p->shard[r].first,
-                        (uint32_t)e->p->shard[r].count));
+    TRY(build_tensors(xa, h));
+    for (int r = 0; xa->opt->mask == ENG_MASK_LAGGED_M && r < h->nranges; r++)
+        TRY(build_range(xa, h, &h->ranges[r], (uint32_t)xa->p->shard[r].first,
+                        (uint32_t)xa->p->shard[r].count));
     return SCAPE_OK;
 }
 
 static scape_rc dev_load_theta(exec_t *x, const void *src)
 {
-    eng_t *e = x->e;
+    exec_args *xa = x->a;
     dev_x *h = impl(x);
-    kseg_args a = args_for(e, h);
+    kseg_args a = args_for(xa, h);
     size_t first, count;
-    eng_update_range(e, &first, &count);
-    range_words(e, first, count, &a.w0, &a.w1);
+    exec_update_range(xa, &first, &count);
+    range_words(xa, first, count, &a.w0, &a.w1);
     a.mask = NULL;
     int on_host = 0;
-    TRY(h->ops->resolve(h->d, src, e->p->n * kern_dtype_size(e->pdt), (const void **)&a.in,
+    TRY(h->ops->resolve(h->d, src, xa->p->n * kern_dtype_size(xa->pdt), (const void **)&a.in,
                         &on_host));
-    a.bf16 = e->pdt == KERN_BF16;
-    a.n = e->state_len;
-    uint64_t pb = e->state_len * kern_dtype_size(e->pdt);
-    exec_count(x, 4 * e->state_len + (on_host ? 0 : pb), on_host ? pb : 0);
+    a.bf16 = xa->pdt == KERN_BF16;
+    a.n = xa->state_len;
+    uint64_t pb = xa->state_len * kern_dtype_size(xa->pdt);
+    exec_count(x, 4 * xa->state_len + (on_host ? 0 : pb), on_host ? pb : 0);
     return count ? run(h, KSEG_LOAD_THETA, &a) : SCAPE_OK;
 }
 
@@ -989,7 +991,7 @@ static scape_rc dev_zero(exec_t *x, void *dst, size_t bytes)
 }
 
 /* What the kernels recorded in the status, as the engine reports it. */
-static scape_rc status_rc(const eng_t *e, const kseg_status *st)
+static scape_rc status_rc(const exec_args *xa, const kseg_status *st)
 {
     if (st->err & KSEG_E_CODE) {
         static const char *const what[] = { "?", "bits set past the tensor's end",
@@ -998,7 +1000,7 @@ static scape_rc status_rc(const eng_t *e, const kseg_status *st)
                                             "padding is not zero",
                                             "the own mask has not exactly k bits" };
         uint32_t w = (uint32_t)(st->first & 0xff), j = (uint32_t)((st->first >> 8) & 0xffffffu);
-        const char *name = j < e->p->ntensors ? eng_tensor_at(e, j)->name : "-";
+        const char *name = j < xa->p->ntensors ? exec_tensor_at(xa, j)->name : "-";
         return scape_set_error(SCAPE_PROTO, "mask from rank %u: tensor %s: %s",
                                (unsigned)(st->first >> 40), name ? name : "-",
                                w < sizeof what / sizeof what[0] ? what[w] : "?");
@@ -1011,7 +1013,7 @@ static scape_rc status_rc(const eng_t *e, const kseg_status *st)
 
 static scape_rc dev_sync(exec_t *x)
 {
-    eng_t *e = x->e;
+    exec_args *xa = x->a;
     dev_x *h = impl(x);
     TRY(h->ops->copy(h->d, DEV_MAIN, h->status_h, h->status, sizeof *h->status));
     int nsq = h->sq_n;
@@ -1023,14 +1025,14 @@ static scape_rc dev_sync(exec_t *x)
         *h->sq_to[i] = h->sq_h[i];
     const kseg_status *st = h->status_h;
     if (h->churn_due) {
-        e->last.mask_churn = st->churn[1] ? (double)st->churn[0] / (double)st->churn[1] : 0.0;
+        xa->stats->mask_churn = st->churn[1] ? (double)st->churn[0] / (double)st->churn[1] : 0.0;
         h->churn_due = 0;
     }
     if (h->norm_due) {
         h->norm = sqrt(st->norm2);
         h->norm_due = 0;
     }
-    return status_rc(e, st);
+    return status_rc(xa, st);
 }
 
 static void dev_mark(exec_t *x, eng_phase ph, int end)
@@ -1066,13 +1068,13 @@ static void dev_times(exec_t *x, double *phase_s)
         phase_s[m->ph] += s >= 0.0 ? s : m->h1 - m->h0;
     }
     h->nmarks = 0;
-    x->e->last.launches += h->launched;
+    x->a->stats->launches += h->launched;
     h->launched = 0;
 }
 
 static double dev_residual_norm(exec_t *x)
 {
-    return x->e->e_stale ? 0.0 : impl(x)->norm;
+    return x->a->e_stale ? 0.0 : impl(x)->norm;
 }
 
 static uint64_t dev_device_bytes(const exec_t *x) { return impl(x)->dev_bytes; }

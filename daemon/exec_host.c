@@ -14,8 +14,10 @@
 #include <string.h>
 #include <time.h>
 
-#include "engine_internal.h"
+#include "exec.h"
+#include "maskcode.h"
 #include "scape_formula.h"
+#include "try.h"
 
 /* One piece of the pack: coordinates [c, c + len) of tensor j (comm order). */
 typedef struct item {
@@ -47,22 +49,22 @@ static host_x *impl(const exec_t *x) { return x->impl; }
 static void count(exec_t *x, uint64_t bytes) { exec_count(x, bytes, 0); }
 
 /* Coordinates, packed values and mask words of comm range [first, +count). */
-static void range_sizes(const eng_t *e, size_t first, size_t n_t, uint64_t *n, uint64_t *k,
+static void range_sizes(const exec_args *xa, size_t first, size_t n_t, uint64_t *n, uint64_t *k,
                         uint64_t *w)
 {
     *n = *k = *w = 0;
     for (size_t j = first; j < first + n_t; j++) {
-        *n += eng_tensor_at(e, j)->len;
-        *w += (eng_tensor_at(e, j)->len + 31) / 32;
+        *n += exec_tensor_at(xa, j)->len;
+        *w += (exec_tensor_at(xa, j)->len + 31) / 32;
     }
-    *k = e->toff[first + n_t] - e->toff[first];
+    *k = xa->toff[first + n_t] - xa->toff[first];
 }
 
 /* vecs vectors read and written at a range's packed values (a line each,
  * scattered) or over all of it, plus reading the values and the mask. */
 static void count_masked(exec_t *x, uint64_t n, uint64_t k, uint64_t w, uint64_t vecs)
 {
-    if (x->e->mask_cur)
+    if (x->a->mask_cur)
         count(x, k * vecs * LINE + 4 * k + 4 * w);
     else
         count(x, n * vecs * 4 + 4 * n);
@@ -84,17 +86,17 @@ static void *worker_scratch(const host_x *h, int w)
 
 /* Every tensor in comm order cut into intake_chunk coordinates (a multiple
  * of 32, so each piece starts on a mask word). */
-static scape_rc plan_items(const eng_t *e, host_x *h)
+static scape_rc plan_items(const exec_args *xa, host_x *h)
 {
-    const plan *p = e->p;
-    size_t chunk = e->cfg.intake_chunk, n = 0;
+    const plan *p = xa->p;
+    size_t chunk = xa->cfg->intake_chunk, n = 0;
     for (size_t j = 0; j < p->ntensors; j++)
-        n += (eng_tensor_at(e, j)->len + chunk - 1) / chunk;
+        n += (exec_tensor_at(xa, j)->len + chunk - 1) / chunk;
     h->items = calloc(n ? n : 1, sizeof *h->items);
     if (h->items == NULL)
         return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
     for (size_t j = 0; j < p->ntensors; j++) {
-        size_t len = eng_tensor_at(e, j)->len;
+        size_t len = exec_tensor_at(xa, j)->len;
         for (size_t c = 0; c < len; c += chunk)
             h->items[h->nitems++] = (item){ .j = j, .c = c,
                                             .len = len - c < chunk ? len - c : chunk };
@@ -104,44 +106,45 @@ static scape_rc plan_items(const eng_t *e, host_x *h)
 
 static scape_rc host_create(exec_t *x)
 {
-    eng_t *e = x->e;
-    const plan *p = e->p;
-    size_t n = p->n, w = p->nwords, sl = e->state_len ? e->state_len : 1;
+    exec_args *xa = x->a;
+    const plan *p = xa->p;
+    size_t n = p->n, w = p->nwords, sl = xa->state_len ? xa->state_len : 1;
     host_x *h = calloc(1, sizeof *h);
     if (h == NULL)
         return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
     x->impl = h;
     x->host_memory = 1;
-    e->m = calloc(sl, sizeof(float));
-    e->v = eng_uses_v(e) ? calloc(sl, sizeof(float)) : NULL;
-    e->theta = calloc(sl, sizeof(float));
-    e->e = calloc(n ? n : 1, sizeof(float));
-    e->dense = e->e;
-    e->send = calloc(e->k_cap, sizeof(float));
-    e->upd = calloc(e->k_cap, sizeof(float));
-    e->mask_buf[0] = calloc(w ? w : 1, sizeof(uint32_t));
-    e->mask_buf[1] = calloc(w ? w : 1, sizeof(uint32_t));
-    e->code_all = calloc(e->code_cap / 4 + 1, sizeof(uint32_t));
-    size_t workers = (size_t)e->cfg.threads;
+    xa->m = calloc(sl, sizeof(float));
+    xa->v = xa->opt->keeps_v ? calloc(sl, sizeof(float)) : NULL;
+    xa->theta = calloc(sl, sizeof(float));
+    xa->e = calloc(n ? n : 1, sizeof(float));
+    xa->dense = xa->e;
+    xa->send = calloc(xa->k_cap, sizeof(float));
+    xa->upd = calloc(xa->k_cap, sizeof(float));
+    xa->mask_buf[0] = calloc(w ? w : 1, sizeof(uint32_t));
+    xa->mask_buf[1] = calloc(w ? w : 1, sizeof(uint32_t));
+    xa->code_all = calloc(xa->code_cap / 4 + 1, sizeof(uint32_t));
+    size_t workers = (size_t)xa->cfg->threads;
     h->topk_scratch_bytes = kern_topk_scratch_bytes(p->max_len);
     h->topk_scratch = malloc(h->topk_scratch_bytes ? workers * h->topk_scratch_bytes : 1);
-    h->gchunk = calloc(workers * e->cfg.intake_chunk, sizeof(float));
-    if (e->cfg.defer_select && e->cfg.optimizer == ENG_OPT_SCAPE)
-        h->sstat = calloc(e->k_cap, sizeof(float));
-    if (!e->m || (eng_uses_v(e) && !e->v) || !e->theta || !e->e || !e->send || !e->upd ||
-        !e->mask_buf[0] || !e->mask_buf[1] || !e->code_all || !h->topk_scratch ||
-        !h->gchunk || (e->cfg.defer_select && e->cfg.optimizer == ENG_OPT_SCAPE && !h->sstat))
+    h->gchunk = calloc(workers * xa->cfg->intake_chunk, sizeof(float));
+    int defer = xa->cfg->defer_select && xa->opt->mask == ENG_MASK_LAGGED_M;
+    if (defer)
+        h->sstat = calloc(xa->k_cap, sizeof(float));
+    if (!xa->m || (xa->opt->keeps_v && !xa->v) || !xa->theta || !xa->e || !xa->send || !xa->upd ||
+        !xa->mask_buf[0] || !xa->mask_buf[1] || !xa->code_all || !h->topk_scratch ||
+        !h->gchunk || (defer && !h->sstat))
         return scape_set_error(SCAPE_NOMEM, "engine: cannot allocate state for N=%zu", n);
-    TRY(plan_items(e, h));
-    return pool_create(&h->pool, e->cfg.threads);
+    TRY(plan_items(xa, h));
+    return pool_create(&h->pool, xa->cfg->threads);
 }
 
 static void host_destroy(exec_t *x)
 {
-    eng_t *e = x->e;
+    exec_args *xa = x->a;
     host_x *h = impl(x);
-    void *bufs[] = { e->m, e->v, e->theta, e->e, e->g, e->send, e->upd, e->mask_buf[0],
-                     e->mask_buf[1], e->code_all };
+    void *bufs[] = { xa->m, xa->v, xa->theta, xa->e, xa->g, xa->send, xa->upd, xa->mask_buf[0],
+                     xa->mask_buf[1], xa->code_all };
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         free(bufs[i]);
     if (h) {
@@ -159,31 +162,31 @@ static void host_destroy(exec_t *x)
 /* ---- intake and pack ------------------------------------------------------ */
 
 /* G_r whole for topk-adamw (it selects before packing): a trainer's own
- * buffer when it is the only one, else the sum in e->g. */
+ * buffer when it is the only one, else the sum in xa->g. */
 static scape_rc host_intake(exec_t *x, const void *const *grads)
 {
-    eng_t *e = x->e;
+    exec_args *xa = x->a;
     host_x *h = impl(x);
-    if (e->tr == 1 && e->gdt == KERN_F32) {
+    if (xa->tr == 1 && xa->gdt == KERN_F32) {
         h->g = grads[0];
         return SCAPE_OK;
     }
-    if (e->g == NULL && (e->g = calloc(e->p->n ? e->p->n : 1, sizeof(float))) == NULL)
+    if (xa->g == NULL && (xa->g = calloc(xa->p->n ? xa->p->n : 1, sizeof(float))) == NULL)
         return scape_set_error(SCAPE_NOMEM, "engine: cannot allocate the intake buffer");
-    for (int j = 0; j < e->tr; j++)
-        TRY(kern_grad_accum(e->g, grads[j], e->gdt, e->p->n, j == 0));
-    h->g = e->g;
-    count(x, e->p->n * ((uint64_t)e->tr * kern_dtype_size(e->gdt) + 8 * (uint64_t)e->tr - 4));
+    for (int j = 0; j < xa->tr; j++)
+        TRY(kern_grad_accum(xa->g, grads[j], xa->gdt, xa->p->n, j == 0));
+    h->g = xa->g;
+    count(x, xa->p->n * ((uint64_t)xa->tr * kern_dtype_size(xa->gdt) + 8 * (uint64_t)xa->tr - 4));
     return SCAPE_OK;
 }
 
 /* G_r over coordinates [off, off + len) into buf (a worker's chunk). */
-static scape_rc intake_chunk(const eng_t *e, const void *const *grads, size_t off, size_t len,
+static scape_rc intake_chunk(const exec_args *xa, const void *const *grads, size_t off, size_t len,
                              float *buf)
 {
-    size_t esz = kern_dtype_size(e->gdt);
-    for (int j = 0; j < e->tr; j++)
-        TRY(kern_grad_accum(buf, (const char *)grads[j] + off * esz, e->gdt, len, j == 0));
+    size_t esz = kern_dtype_size(xa->gdt);
+    for (int j = 0; j < xa->tr; j++)
+        TRY(kern_grad_accum(buf, (const char *)grads[j] + off * esz, xa->gdt, len, j == 0));
     return SCAPE_OK;
 }
 
@@ -198,46 +201,46 @@ typedef struct pack_ctx {
 static scape_rc pack_item(void *ctx, size_t i, int w)
 {
     pack_ctx *pc = ctx;
-    eng_t *e = pc->x->e;
+    exec_args *xa = pc->x->a;
     host_x *h = impl(pc->x);
     const item *it = &h->items[i];
-    const plan_tensor *t = eng_tensor_at(e, it->j);
+    const plan_tensor *t = exec_tensor_at(xa, it->j);
     const float *g = pc->g ? pc->g + t->off + it->c : NULL;
     if (g == NULL) {
-        float *buf = h->gchunk + (size_t)w * e->cfg.intake_chunk;
-        TRY(intake_chunk(e, pc->grads, t->off + it->c, it->len, buf));
+        float *buf = h->gchunk + (size_t)w * xa->cfg->intake_chunk;
+        TRY(intake_chunk(xa, pc->grads, t->off + it->c, it->len, buf));
         g = buf;
     }
     size_t k;
-    if (!e->mask_cur)
-        return kern_grad_accum(e->e + t->pos + it->c, g, KERN_F32, it->len, e->e_stale);
-    return (e->wire_now ? kern_pack_ef_bf16 : kern_pack_ef)(
-        g, e->e + t->pos + it->c, e->mask_cur + t->word + it->c / 32, it->len,
-        e->send + e->toff[it->j] + it->done, &k);
+    if (!xa->mask_cur)
+        return kern_grad_accum(xa->e + t->pos + it->c, g, KERN_F32, it->len, xa->e_stale);
+    return (xa->wire_now ? kern_pack_ef_bf16 : kern_pack_ef)(
+        g, xa->e + t->pos + it->c, xa->mask_cur + t->word + it->c / 32, it->len,
+        xa->send + xa->toff[it->j] + it->done, &k);
 }
 
 static scape_rc host_pack(exec_t *x, const void *const *grads, int select_due)
 {
-    eng_t *e = x->e;
+    exec_args *xa = x->a;
     host_x *h = impl(x);
     (void)select_due; /* the selection reads a back from e and send */
-    if (e->mask_cur && e->e_stale) {
-        memset(e->e, 0, e->p->n * sizeof *e->e);
-        e->e_stale = 0;
+    if (xa->mask_cur && xa->e_stale) {
+        memset(xa->e, 0, xa->p->n * sizeof *xa->e);
+        xa->e_stale = 0;
     }
-    const float *g = e->cfg.optimizer == ENG_OPT_TOPK_ADAMW ? h->g : NULL;
-    if (g == NULL && e->tr == 1 && e->gdt == KERN_F32)
+    const float *g = xa->opt->intake ? h->g : NULL;
+    if (g == NULL && xa->tr == 1 && xa->gdt == KERN_F32)
         g = grads[0];
     pack_ctx pc = { x, g, grads };
     /* G (the trainers', summed in a chunk that stays in cache), e read and
      * written, the mask, the packed values */
-    uint64_t n = e->p->n, k = e->toff[e->p->ntensors];
-    uint64_t gread = g ? 4 * n : n * (uint64_t)e->tr * kern_dtype_size(e->gdt);
-    count(x, gread + 4 * n * (uint64_t)(1 + !e->e_stale) +
-                 (e->mask_cur ? 4 * e->p->nwords + 4 * k : 0));
+    uint64_t n = xa->p->n, k = xa->toff[xa->p->ntensors];
+    uint64_t gread = g ? 4 * n : n * (uint64_t)xa->tr * kern_dtype_size(xa->gdt);
+    count(x, gread + 4 * n * (uint64_t)(1 + !xa->e_stale) +
+                 (xa->mask_cur ? 4 * xa->p->nwords + 4 * k : 0));
     TRY(pool_run(h->pool, h->nitems, pack_item, &pc));
-    if (!e->mask_cur)
-        e->e_stale = 1; /* e now holds a, and after the reduction the sums */
+    if (!xa->mask_cur)
+        xa->e_stale = 1; /* e now holds a, and after the reduction the sums */
     return SCAPE_OK;
 }
 
@@ -246,14 +249,14 @@ static scape_rc host_pack(exec_t *x, const void *const *grads, int select_due)
 static scape_rc count_item(void *ctx, size_t i, int w)
 {
     exec_t *x = ctx;
-    eng_t *e = x->e;
+    exec_args *xa = x->a;
     item *it = &impl(x)->items[i];
     (void)w;
-    if (!e->mask_cur) {
+    if (!xa->mask_cur) {
         it->done = it->len;
         return SCAPE_OK;
     }
-    return kern_mask_popcount(e->mask_cur + eng_tensor_at(e, it->j)->word + it->c / 32,
+    return kern_mask_popcount(xa->mask_cur + exec_tensor_at(xa, it->j)->word + it->c / 32,
                               it->len, &it->done);
 }
 
@@ -261,17 +264,17 @@ static scape_rc count_item(void *ctx, size_t i, int w)
  * for each pack piece, the values of its tensor before it. */
 static scape_rc host_offsets(exec_t *x, size_t *k_out)
 {
-    eng_t *e = x->e;
+    exec_args *xa = x->a;
     host_x *h = impl(x);
-    if (e->mask_cur)
-        count(x, 4 * e->p->nwords);
+    if (xa->mask_cur)
+        count(x, 4 * xa->p->nwords);
     TRY(pool_run(h->pool, h->nitems, count_item, x));
-    e->toff[0] = 0;
+    xa->toff[0] = 0;
     size_t j = 0, before = 0; /* values of tensor j in the pieces so far */
     for (size_t i = 0; i < h->nitems; i++) {
         item *it = &h->items[i];
         if (it->j != j) {
-            e->toff[j + 1] = e->toff[j] + before;
+            xa->toff[j + 1] = xa->toff[j] + before;
             j = it->j;
             before = 0;
         }
@@ -279,8 +282,8 @@ static scape_rc host_offsets(exec_t *x, size_t *k_out)
         it->done = before;
         before += k;
     }
-    e->toff[j + 1] = e->toff[j] + before;
-    *k_out = e->toff[e->p->ntensors];
+    xa->toff[j + 1] = xa->toff[j] + before;
+    *k_out = xa->toff[xa->p->ntensors];
     return SCAPE_OK;
 }
 
@@ -293,19 +296,19 @@ static scape_rc host_offsets(exec_t *x, size_t *k_out)
 static scape_rc select_tensor(void *ctx, size_t i, int w)
 {
     exec_t *x = ctx;
-    eng_t *e = x->e;
+    exec_args *xa = x->a;
     host_x *h = impl(x);
-    size_t j = e->p->shard[e->rank].first + i;
-    const plan_tensor *t = eng_tensor_at(e, j);
-    const uint32_t *sent = e->mask_cur ? e->mask_cur + t->word : NULL;
-    const float *m = e->m + (t->pos - e->state_base);
-    if (e->select_pending)
-        return kern_topk_prestat(m, e->e + t->pos, sent, h->sstat + e->toff[j], t->len,
-                                 e->cfg.hyper.beta1, (float)e->sel_tr, t->k,
-                                 e->mask_next + t->word, worker_scratch(h, w),
+    size_t j = xa->p->shard[xa->rank].first + i;
+    const plan_tensor *t = exec_tensor_at(xa, j);
+    const uint32_t *sent = xa->mask_cur ? xa->mask_cur + t->word : NULL;
+    const float *m = xa->m + (t->pos - xa->state_base);
+    if (xa->select_pending)
+        return kern_topk_prestat(m, xa->e + t->pos, sent, h->sstat + xa->toff[j], t->len,
+                                 xa->cfg->hyper.beta1, (float)xa->sel_tr, t->k,
+                                 xa->mask_next + t->word, worker_scratch(h, w),
                                  h->topk_scratch_bytes);
-    return kern_topk_packed(m, e->e + t->pos, sent, sent ? e->send + e->toff[j] : NULL, t->len,
-                            e->cfg.hyper.beta1, (float)e->tr, t->k, e->mask_next + t->word,
+    return kern_topk_packed(m, xa->e + t->pos, sent, sent ? xa->send + xa->toff[j] : NULL, t->len,
+                            xa->cfg->hyper.beta1, (float)xa->tr, t->k, xa->mask_next + t->word,
                             worker_scratch(h, w), h->topk_scratch_bytes);
 }
 
@@ -316,14 +319,14 @@ static scape_rc select_tensor(void *ctx, size_t i, int w)
 static void count_select(exec_t *x, size_t first, size_t n_t, int with_m)
 {
     uint64_t n, k, w;
-    range_sizes(x->e, first, n_t, &n, &k, &w);
+    range_sizes(x->a, first, n_t, &n, &k, &w);
     count(x, 2 * ((with_m ? 8 : 4) * n + 4 * k + 4 * w) + 4 * w);
 }
 
 static scape_rc host_select(exec_t *x)
 {
-    eng_t *e = x->e;
-    const plan_shard *me = &e->p->shard[e->rank];
+    exec_args *xa = x->a;
+    const plan_shard *me = &xa->p->shard[xa->rank];
     count_select(x, me->first, me->count, 1);
     return pool_run(impl(x)->pool, me->count, select_tensor, x);
 }
@@ -333,22 +336,22 @@ static scape_rc host_select(exec_t *x)
 static scape_rc keep_stat_tensor(void *ctx, size_t i, int w)
 {
     exec_t *x = ctx;
-    eng_t *e = x->e;
-    size_t j = e->p->shard[e->rank].first + i;
-    const plan_tensor *t = eng_tensor_at(e, j);
+    exec_args *xa = x->a;
+    size_t j = xa->p->shard[xa->rank].first + i;
+    const plan_tensor *t = exec_tensor_at(xa, j);
     (void)w;
-    return kern_stat_packed_rest(e->m + (t->pos - e->state_base), e->mask_cur + t->word,
-                                 e->send + e->toff[j], e->wire_now ? e->e + t->pos : NULL,
-                                 t->len, e->cfg.hyper.beta1, (float)e->tr,
-                                 impl(x)->sstat + e->toff[j]);
+    return kern_stat_packed_rest(xa->m + (t->pos - xa->state_base), xa->mask_cur + t->word,
+                                 xa->send + xa->toff[j], xa->wire_now ? xa->e + t->pos : NULL,
+                                 t->len, xa->cfg->hyper.beta1, (float)xa->tr,
+                                 impl(x)->sstat + xa->toff[j]);
 }
 
 static scape_rc host_keep_stats(exec_t *x)
 {
-    eng_t *e = x->e;
-    const plan_shard *me = &e->p->shard[e->rank];
+    exec_args *xa = x->a;
+    const plan_shard *me = &xa->p->shard[xa->rank];
     uint64_t n, k, w;
-    range_sizes(e, me->first, me->count, &n, &k, &w);
+    range_sizes(xa, me->first, me->count, &n, &k, &w);
     count(x, k * LINE + 8 * k + 4 * w); /* m at the mask, a read, the statistic kept */
     return pool_run(impl(x)->pool, me->count, keep_stat_tensor, x);
 }
@@ -357,65 +360,65 @@ static scape_rc host_keep_stats(exec_t *x)
 static scape_rc own_topk_tensor(void *ctx, size_t i, int w)
 {
     exec_t *x = ctx;
-    eng_t *e = x->e;
+    exec_args *xa = x->a;
     host_x *h = impl(x);
-    const plan_tensor *t = &e->p->t[i];
-    return kern_topk_ef(NULL, h->g + t->off, e->e + t->pos, t->len, 0.0f, 1.0f, t->k,
-                        e->mask_buf[1] + t->word, worker_scratch(h, w), h->topk_scratch_bytes);
+    const plan_tensor *t = &xa->p->t[i];
+    return kern_topk_ef(NULL, h->g + t->off, xa->e + t->pos, t->len, 0.0f, 1.0f, t->k,
+                        xa->mask_buf[1] + t->word, worker_scratch(h, w), h->topk_scratch_bytes);
 }
 
 static scape_rc host_own_topk(exec_t *x)
 {
-    eng_t *e = x->e;
-    if (e->e_stale) {
-        memset(e->e, 0, e->p->n * sizeof *e->e);
-        e->e_stale = 0;
+    exec_args *xa = x->a;
+    if (xa->e_stale) {
+        memset(xa->e, 0, xa->p->n * sizeof *xa->e);
+        xa->e_stale = 0;
     }
-    count_select(x, 0, e->p->ntensors, 0);
-    return pool_run(impl(x)->pool, e->p->ntensors, own_topk_tensor, x);
+    count_select(x, 0, xa->p->ntensors, 0);
+    return pool_run(impl(x)->pool, xa->p->ntensors, own_topk_tensor, x);
 }
 
 static scape_rc host_encode(exec_t *x, size_t first, size_t n_t, const uint32_t *words,
                             uint32_t *code)
 {
     uint64_t n, k, w;
-    range_sizes(x->e, first, n_t, &n, &k, &w);
-    count(x, 4 * w + mcode_bytes(x->e->p, first, n_t));
-    return mcode_encode(x->e->p, first, n_t, words, code);
+    range_sizes(x->a, first, n_t, &n, &k, &w);
+    count(x, 4 * w + mcode_bytes(x->a->p, first, n_t));
+    return mcode_encode(x->a->p, first, n_t, words, code);
 }
 
 static scape_rc host_decode(exec_t *x, size_t first, size_t n_t, const uint32_t *code,
                             size_t nbytes, uint32_t *words, int merge, int from)
 {
     uint64_t n, k, w;
-    range_sizes(x->e, first, n_t, &n, &k, &w);
+    range_sizes(x->a, first, n_t, &n, &k, &w);
     count(x, 4 * w + nbytes);
-    return mcode_decode(x->e->p, first, n_t, code, nbytes, words, merge, from);
+    return mcode_decode(x->a->p, first, n_t, code, nbytes, words, merge, from);
 }
 
 static scape_rc host_mask_zero(exec_t *x, uint32_t *words)
 {
-    memset(words, 0, x->e->p->nwords * sizeof *words);
+    memset(words, 0, x->a->p->nwords * sizeof *words);
     return SCAPE_OK;
 }
 
 static scape_rc host_churn(exec_t *x, const uint32_t *cur, const uint32_t *prev)
 {
-    eng_t *e = x->e;
+    exec_args *xa = x->a;
     uint64_t fresh = 0, total = 0;
-    for (size_t w = 0; w < e->p->nwords; w++) {
+    for (size_t w = 0; w < xa->p->nwords; w++) {
         fresh += (uint64_t)__builtin_popcount(cur[w] & ~prev[w]);
         total += (uint64_t)__builtin_popcount(cur[w]);
     }
-    e->last.mask_churn = total ? (double)fresh / (double)total : 0.0;
-    count(x, 8 * e->p->nwords);
+    xa->stats->mask_churn = total ? (double)fresh / (double)total : 0.0;
+    count(x, 8 * xa->p->nwords);
     return SCAPE_OK;
 }
 
 /* ---- update, compaction, write-back ------------------------------------- */
 
 typedef struct update_ctx {
-    eng_t *e;
+    exec_args *xa;
     size_t first;
     uint64_t t;
     float *dst;  /* compact */
@@ -426,33 +429,33 @@ typedef struct update_ctx {
 static scape_rc update_tensor(void *ctx, size_t i, int w)
 {
     update_ctx *u = ctx;
-    eng_t *e = u->e;
-    const plan_tensor *t = eng_tensor_at(e, u->first + i);
-    size_t s = t->pos - e->state_base;
-    const float *sum = e->sum + e->toff[u->first + i];
-    const uint32_t *mask = e->mask_cur ? e->mask_cur + t->word : NULL;
-    float div = (float)e->t_total;
-    kern_hyper hc = e->cfg.hyper;
+    exec_args *xa = u->xa;
+    const plan_tensor *t = exec_tensor_at(xa, u->first + i);
+    size_t s = t->pos - xa->state_base;
+    const float *sum = xa->sum + xa->toff[u->first + i];
+    const uint32_t *mask = xa->mask_cur ? xa->mask_cur + t->word : NULL;
+    float div = (float)xa->t_total;
+    kern_hyper hc = xa->cfg->hyper;
     const kern_hyper *h = &hc;
-    hc.clip = e->clip;
-    hc.wd = e->gwd[t->group];
-    float lr = e->glr[t->group];
+    hc.clip = xa->clip;
+    hc.wd = xa->gwd[t->group];
+    float lr = xa->glr[t->group];
     (void)w;
-    if (eng_uses_v(e))
-        return mask ? kern_adamw_masked(e->theta + s, e->m + s, e->v + s, sum, div, mask,
+    if (xa->opt->update == ENG_UPD_ADAMW)
+        return mask ? kern_adamw_masked(xa->theta + s, xa->m + s, xa->v + s, sum, div, mask,
                                         t->len, h, lr, u->t)
-                    : kern_adamw_dense(e->theta + s, e->m + s, e->v + s, sum, div, t->len, h,
+                    : kern_adamw_dense(xa->theta + s, xa->m + s, xa->v + s, sum, div, t->len, h,
                                        lr, u->t);
-    return mask ? kern_adams_masked(e->theta + s, e->m + s, sum, div, mask, t->len, h, lr)
-                : kern_adams_dense(e->theta + s, e->m + s, sum, div, t->len, h, lr);
+    return mask ? kern_adams_masked(xa->theta + s, xa->m + s, sum, div, mask, t->len, h, lr)
+                : kern_adams_dense(xa->theta + s, xa->m + s, sum, div, t->len, h, lr);
 }
 
 static scape_rc host_update(exec_t *x, size_t first, size_t n_t, uint64_t t)
 {
-    update_ctx u = { .e = x->e, .first = first, .t = t };
+    update_ctx u = { .xa = x->a, .first = first, .t = t };
     uint64_t n, k, w;
-    range_sizes(x->e, first, n_t, &n, &k, &w);
-    count_masked(x, n, k, w, 2 * (eng_uses_v(x->e) ? 3 : 2)); /* theta, m (v) read, written */
+    range_sizes(x->a, first, n_t, &n, &k, &w);
+    count_masked(x, n, k, w, 2 * (x->a->opt->keeps_v ? 3 : 2)); /* theta, m (v) read, written */
     return pool_run(impl(x)->pool, n_t, update_tensor, &u);
 }
 
@@ -475,18 +478,18 @@ static scape_rc sq_chunk(void *ctx, size_t c, int w)
 
 static scape_rc host_grad_sqsums(exec_t *x, const void *const *grads, double *out)
 {
-    eng_t *e = x->e;
-    count(x, e->p->n * (uint64_t)e->tr * kern_dtype_size(e->gdt));
-    return eng_grad_sqsums(e, impl(x)->pool, grads, out);
+    exec_args *xa = x->a;
+    count(x, xa->p->n * (uint64_t)xa->tr * kern_dtype_size(xa->gdt));
+    return eng_grad_sqsums(xa, impl(x)->pool, grads, out);
 }
 
 /* The chunks on the pool, their totals added in order. */
 static scape_rc host_sqsum(exec_t *x, size_t first, size_t n_t, double *out)
 {
-    eng_t *e = x->e;
+    exec_args *xa = x->a;
     host_x *h = impl(x);
-    sq_ctx q = { .in = e->sum + e->toff[first], .n = e->toff[first + n_t] - e->toff[first],
-                 .div = (float)e->t_total };
+    sq_ctx q = { .in = xa->sum + xa->toff[first], .n = xa->toff[first + n_t] - xa->toff[first],
+                 .div = (float)xa->t_total };
     size_t nc = (q.n + SCAPE_SQ_CHUNK - 1) / SCAPE_SQ_CHUNK;
     if (nc > h->sq_cap) {
         double *p = realloc(h->sq, nc * sizeof *p);
@@ -508,18 +511,18 @@ static scape_rc host_sqsum(exec_t *x, size_t first, size_t n_t, double *out)
 static scape_rc compact_tensor(void *ctx, size_t i, int w)
 {
     update_ctx *u = ctx;
-    eng_t *e = u->e;
+    exec_args *xa = u->xa;
     size_t j = u->first + i, k;
     (void)w;
-    const plan_tensor *t = eng_tensor_at(e, j);
-    float *th = e->theta + (t->pos - e->state_base);
-    kern_dtype dt = e->pub_bf16 ? KERN_BF16 : KERN_F32;
-    void *dst = (char *)u->dst + e->toff[j] * kern_dtype_size(dt);
-    if (e->pub_delta)
+    const plan_tensor *t = exec_tensor_at(xa, j);
+    float *th = xa->theta + (t->pos - xa->state_base);
+    kern_dtype dt = xa->pub_bf16 ? KERN_BF16 : KERN_F32;
+    void *dst = (char *)u->dst + xa->toff[j] * kern_dtype_size(dt);
+    if (xa->pub_delta)
         return kern_mask_compact_delta(th, (const float *)u->params[0] + t->off,
-                                       e->mask_cur + t->word, t->len, dst, &k);
-    if (e->mask_cur)
-        return kern_mask_compact_dt(th, e->mask_cur + t->word, t->len, dst, dt, &k);
+                                       xa->mask_cur + t->word, t->len, dst, &k);
+    if (xa->mask_cur)
+        return kern_mask_compact_dt(th, xa->mask_cur + t->word, t->len, dst, dt, &k);
     if (dt == KERN_BF16)
         return kern_f32_to_bf16(th, dst, t->len);
     if (dst != th)
@@ -530,11 +533,11 @@ static scape_rc compact_tensor(void *ctx, size_t i, int w)
 static scape_rc host_compact(exec_t *x, size_t first, size_t n_t, float *dst,
                              void *const *params)
 {
-    update_ctx u = { .e = x->e, .first = first, .dst = dst, .params = params };
+    update_ctx u = { .xa = x->a, .first = first, .dst = dst, .params = params };
     uint64_t n, k, w;
-    range_sizes(x->e, first, n_t, &n, &k, &w);
+    range_sizes(x->a, first, n_t, &n, &k, &w);
     count_masked(x, n, k, w, 1);
-    if (x->e->pub_delta)
+    if (x->a->pub_delta)
         count(x, k * LINE); /* trainer 0's old values */
     return pool_run(impl(x)->pool, n_t, compact_tensor, &u);
 }
@@ -543,19 +546,19 @@ static scape_rc host_compact(exec_t *x, size_t first, size_t n_t, float *dst,
 static scape_rc write_back_item(void *ctx, size_t i, int w)
 {
     update_ctx *b = ctx;
-    eng_t *e = b->e;
-    size_t j = i / (size_t)e->tr;
-    int q = (int)(i % (size_t)e->tr);
+    exec_args *xa = b->xa;
+    size_t j = i / (size_t)xa->tr;
+    int q = (int)(i % (size_t)xa->tr);
     (void)w;
-    const plan_tensor *t = eng_tensor_at(e, j);
-    char *dst = (char *)b->params[q] + t->off * kern_dtype_size(e->pdt);
-    kern_dtype sdt = e->pub_bf16 ? KERN_BF16 : KERN_F32;
-    const void *src = (const char *)b->src + e->toff[j] * kern_dtype_size(sdt);
-    if (e->pub_delta)
-        return kern_mask_expand_delta(src, e->mask_cur + t->word, t->len, (float *)dst);
-    if (e->mask_cur)
-        return kern_mask_expand_dt(src, sdt, e->mask_cur + t->word, t->len, dst, e->pdt);
-    if (e->pdt == sdt) {
+    const plan_tensor *t = exec_tensor_at(xa, j);
+    char *dst = (char *)b->params[q] + t->off * kern_dtype_size(xa->pdt);
+    kern_dtype sdt = xa->pub_bf16 ? KERN_BF16 : KERN_F32;
+    const void *src = (const char *)b->src + xa->toff[j] * kern_dtype_size(sdt);
+    if (xa->pub_delta)
+        return kern_mask_expand_delta(src, xa->mask_cur + t->word, t->len, (float *)dst);
+    if (xa->mask_cur)
+        return kern_mask_expand_dt(src, sdt, xa->mask_cur + t->word, t->len, dst, xa->pdt);
+    if (xa->pdt == sdt) {
         memcpy(dst, src, t->len * kern_dtype_size(sdt));
         return SCAPE_OK;
     }
@@ -564,12 +567,12 @@ static scape_rc write_back_item(void *ctx, size_t i, int w)
 
 static scape_rc host_write_back(exec_t *x, const float *src, void *const *params)
 {
-    eng_t *e = x->e;
-    update_ctx b = { .e = e, .src = src, .params = params };
-    uint64_t n = e->p->n, k = e->toff[e->p->ntensors];
-    count_masked(x, n, k, e->p->nwords, 0);
-    count(x, (uint64_t)e->tr * (e->mask_cur ? k * LINE : n * kern_dtype_size(e->pdt)));
-    return pool_run(impl(x)->pool, e->p->ntensors * (size_t)e->tr, write_back_item, &b);
+    exec_args *xa = x->a;
+    update_ctx b = { .xa = xa, .src = src, .params = params };
+    uint64_t n = xa->p->n, k = xa->toff[xa->p->ntensors];
+    count_masked(x, n, k, xa->p->nwords, 0);
+    count(x, (uint64_t)xa->tr * (xa->mask_cur ? k * LINE : n * kern_dtype_size(xa->pdt)));
+    return pool_run(impl(x)->pool, xa->p->ntensors * (size_t)xa->tr, write_back_item, &b);
 }
 
 static scape_rc host_replan(exec_t *x)
@@ -580,14 +583,14 @@ static scape_rc host_replan(exec_t *x)
 
 static scape_rc host_load_theta(exec_t *x, const void *src)
 {
-    eng_t *e = x->e;
-    count(x, e->state_len * (4 + kern_dtype_size(e->pdt)));
-    for (size_t i = 0; i < e->p->ntensors; i++) {
-        const plan_tensor *t = &e->p->t[i];
-        if (t->pos < e->state_base || t->pos >= e->state_base + e->state_len)
+    exec_args *xa = x->a;
+    count(x, xa->state_len * (4 + kern_dtype_size(xa->pdt)));
+    for (size_t i = 0; i < xa->p->ntensors; i++) {
+        const plan_tensor *t = &xa->p->t[i];
+        if (t->pos < xa->state_base || t->pos >= xa->state_base + xa->state_len)
             continue;
-        float *dst = e->theta + (t->pos - e->state_base);
-        if (e->pdt == KERN_F32)
+        float *dst = xa->theta + (t->pos - xa->state_base);
+        if (xa->pdt == KERN_F32)
             memcpy(dst, (const float *)src + t->off, t->len * sizeof(float));
         else
             TRY(kern_bf16_to_f32((const uint16_t *)src + t->off, dst, t->len));
@@ -641,10 +644,10 @@ static void host_times(exec_t *x, double *phase_s)
 
 static double host_residual_norm(exec_t *x)
 {
-    const eng_t *e = x->e;
+    const exec_args *xa = x->a;
     double s = 0.0;
-    for (size_t i = 0; !e->e_stale && i < e->p->n; i++)
-        s += (double)e->e[i] * (double)e->e[i];
+    for (size_t i = 0; !xa->e_stale && i < xa->p->n; i++)
+        s += (double)xa->e[i] * (double)xa->e[i];
     return sqrt(s);
 }
 

@@ -1527,6 +1527,43 @@ START_TEST(adamw_dense)
 }
 END_TEST
 
+/* The optimizer table: each row is its own optimizer's, its name parses back
+ * to it, and its checkpoints hold v exactly when it keeps one.  The mask
+ * sources and intakes are those docs/algorithm.md gives each optimizer. */
+START_TEST(optimizer_rows)
+{
+    static const struct {
+        eng_optimizer id;
+        int keeps_v, intake;
+        eng_mask_src mask;
+    } want[] = {
+        { ENG_OPT_SCAPE, 0, 0, ENG_MASK_LAGGED_M },
+        { ENG_OPT_ADAMS, 0, 0, ENG_MASK_NONE },
+        { ENG_OPT_ADAMW, 1, 0, ENG_MASK_NONE },
+        { ENG_OPT_TOPK_ADAMW, 1, 1, ENG_MASK_TOPK_GRAD },
+    };
+    ck_assert_int_eq(sizeof want / sizeof want[0], ENG_OPT_COUNT);
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+        const eng_opt *r = eng_opt_get(want[i].id);
+        ck_assert_ptr_nonnull(r);
+        ck_assert_int_eq(r->id, want[i].id);
+        ck_assert_int_eq(r->keeps_v, want[i].keeps_v);
+        ck_assert_int_eq(r->intake, want[i].intake);
+        ck_assert_int_eq(r->mask, want[i].mask);
+        ck_assert_int_eq(r->update == ENG_UPD_ADAMW, r->keeps_v);
+        eng_optimizer back = ENG_OPT_COUNT;
+        ck_assert_int_eq(eng_optimizer_parse(r->name, &back), SCAPE_OK);
+        ck_assert_int_eq(back, want[i].id);
+        ck_assert_str_eq(eng_optimizer_name(want[i].id), r->name);
+        eng_ckpt_sec secs[ENG_CKPT_MAX_SECS];
+        int k = eng_ckpt_layout(want[i].id, ENG_CKF_MASK_CUR, 10, 20, 1, secs);
+        ck_assert_int_eq(k, 4 + r->keeps_v); /* m, (v), theta, residual, mask_cur */
+        ck_assert_int_eq(secs[1].id, r->keeps_v ? ENG_SEC_V : ENG_SEC_THETA);
+    }
+    ck_assert_ptr_null(eng_opt_get(ENG_OPT_COUNT));
+}
+END_TEST
+
 START_TEST(topk_adamw_fills_in)
 {
     /* Per-rank raw-gradient masks and their union: K grows with R. */
@@ -1800,6 +1837,7 @@ int main(void)
     tcase_add_test(inv, mask_wait_and_overlap);
     suite_add_tcase(s, inv);
     TCase *bad = tcase_create("bad arguments");
+    tcase_add_test(bad, optimizer_rows);
     tcase_add_test(bad, ranks_disagree);
     tcase_add_test(bad, bad_create_arguments);
     tcase_add_test(bad, bad_step_arguments);
