@@ -50,7 +50,7 @@ if [ "${1:-}" = "--tests" ]; then
 fi
 
 if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
-  echo "setup: CUDA toolkit found ($(command -v nvcc || echo /usr/local/cuda/bin/nvcc)); CUDA twins will be built"
+  echo "setup: CUDA toolkit found ($(command -v nvcc || echo /usr/local/cuda/bin/nvcc)); the CUDA code will be built"
 else
   echo "setup: no CUDA toolkit; building the CPU-only configuration"
 fi

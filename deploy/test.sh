@@ -4,7 +4,7 @@
 # a coverage-guided libFuzzer campaign over every tests/fuzz target (clang),
 # and the Slurm tests on a local cluster.
 # Usage: deploy/test.sh            (from anywhere inside the repository)
-# Env:   SCAPE_CUDA=AUTO|ON|OFF    (default AUTO: build the CUDA twins when nvcc+NCCL exist)
+# Env:   SCAPE_CUDA=AUTO|ON|OFF    (default AUTO: build the CUDA code when nvcc+NCCL exist)
 #        JOBS=N                    (parallel build jobs, default: nproc)
 #        FUZZ_SECONDS=S            (libFuzzer time per fuzz target, default 30)
 set -euo pipefail
