@@ -276,6 +276,20 @@ static void print_identity(printer *p, const Scape__StatusReply *st)
     }
 }
 
+/* The keys the daemon's key table shows in status (StatusReply.config): an
+ * object of key: value text; a daemon before it sends none. */
+static void print_config(printer *p, const Scape__StatusReply *st)
+{
+    if (st->n_config == 0)
+        return;
+    char n[32];
+    snprintf(n, sizeof n, "%zu keys", st->n_config);
+    pr_open(p, "config", "Configuration", n);
+    for (size_t i = 0; i < st->n_config; i++)
+        pr_str(p, st->config[i]->key, st->config[i]->key, st->config[i]->value);
+    pr_close(p);
+}
+
 static void print_status(printer *p, const Scape__StatusReply *st)
 {
     char b[48];
@@ -321,6 +335,7 @@ static void print_status(printer *p, const Scape__StatusReply *st)
     }
     print_totals(p, st);
     print_checkpoint(p, st->checkpoint);
+    print_config(p, st);
     pr_str(p, "runtime_dir", "Runtime dir", st->runtime_dir);
 }
 

@@ -31,81 +31,54 @@ typedef enum key_type {
     KT_FLOAT,  /* bounds apply after rounding to float, the precision kept */
     KT_U32,    /* uint32_t */
     KT_INT,    /* int; read as an unsigned integer, so bounds must be >= 0 */
-    KT_ENUM    /* text <-> value through .parse and .name_of */
+    KT_ENUM    /* an int-sized enum, text <-> value through .names */
 } key_type;
 
+enum {
+    CF_STATUS = 1u << 0, /* shown in scapectl status (StatusReply.config) */
+    CF_BOOL = 1u << 1,   /* KT_ENUM of false/true: read in every YAML 1.1 spelling */
+};
+
+/* A key's row.  What the engine does with an engine key (its default, the
+ * checkpoint hash, the handshake) is on its engine row (engine.h, eng_keys),
+ * found by name: the engine and the programs that create one without this
+ * file read those facts there. */
 typedef struct cfg_key {
     const char *name;
     key_type type;
-    size_t offset;                                 /* of the field in scaped_config */
-    size_t size;                                   /* KT_STRING: capacity with the NUL */
-    double min, max;                               /* numbers: bounds */
-    int min_open, max_open;                        /* the bound itself is excluded */
-    scape_rc (*parse)(const char *s, void *field); /* KT_ENUM; writes only on success */
-    const char *(*name_of)(const void *field);     /* KT_ENUM */
-    const char *def;                               /* the default, as written in a file */
+    size_t offset;                 /* of the field in scaped_config */
+    size_t size;                   /* KT_STRING: capacity with the NUL */
+    double min, max;               /* numbers: bounds */
+    int min_open, max_open;        /* the bound itself is excluded */
+    const eng_enum *names;         /* KT_ENUM; NULL: the engine row's */
+    const char *def;               /* the default as written in a file; NULL: the
+                                      engine row's */
+    unsigned flags;                /* CF_* */
     const char *doc;
 } cfg_key;
 
-static scape_rc parse_log_level(const char *s, void *f) { return log_level_parse(s, f); }
-static scape_rc parse_optimizer(const char *s, void *f) { return eng_optimizer_parse(s, f); }
-static scape_rc parse_mode(const char *s, void *f) { return eng_mode_parse(s, f); }
-static scape_rc parse_backend(const char *s, void *f) { return comm_backend_parse(s, f); }
+static const eng_enum s_backend_names[] = {
+    { "host", COMM_BACKEND_HOST }, { "nccl", COMM_BACKEND_NCCL }, { NULL, 0 },
+};
+static const eng_enum s_exec_names[] = {
+    { "auto", CFG_EXEC_AUTO }, { "host", CFG_EXEC_HOST }, { "cuda", CFG_EXEC_CUDA },
+    { "sim", CFG_EXEC_SIM }, { NULL, 0 },
+};
+static const eng_enum s_auth_names[] = {
+    { "auto", CFG_AUTH_AUTO }, { "munge", CFG_AUTH_MUNGE }, { "secret", CFG_AUTH_SECRET },
+    { "none", CFG_AUTH_NONE }, { NULL, 0 },
+};
 
-static const char *const s_backend_names[COMM_BACKEND_COUNT] = { "host", "nccl" };
-static const char *const s_exec_names[CFG_EXEC_COUNT] = { "auto", "host", "cuda", "sim" };
+const char *cfg_executor_name(cfg_executor x) { return eng_enum_name(s_exec_names, (int)x); }
+const char *cfg_auth_name(cfg_auth a) { return eng_enum_name(s_auth_names, (int)a); }
+const char *comm_backend_name(comm_backend b) { return eng_enum_name(s_backend_names, (int)b); }
 
-const char *cfg_executor_name(cfg_executor x)
+scape_rc comm_backend_parse(const char *s, comm_backend *out)
 {
-    return (unsigned)x < CFG_EXEC_COUNT ? s_exec_names[x] : "?";
-}
-
-static const char *const s_auth_names[CFG_AUTH_COUNT] = { "auto", "munge", "secret", "none" };
-
-const char *cfg_auth_name(cfg_auth a)
-{
-    return (unsigned)a < CFG_AUTH_COUNT ? s_auth_names[a] : "?";
-}
-
-/* s's index in names[0..n), or a refusal that lists them: "unknown what 's'
- * (a, b, c)". */
-static scape_rc name_index(const char *s, const char *const *names, int n, const char *what,
-                           int *out)
-{
-    char list[128] = "";
-    size_t used = 0;
-    for (int i = 0; i < n; i++) {
-        if (s && strcmp(s, names[i]) == 0) {
-            *out = i;
-            return SCAPE_OK;
-        }
-        used += (size_t)snprintf(list + used, used < sizeof list ? sizeof list - used : 0,
-                                 "%s%s", i ? ", " : "", names[i]);
-    }
-    return scape_set_error(SCAPE_INVALID, "unknown %s '%s' (%s)", what, s ? s : "(null)", list);
-}
-
-static scape_rc parse_auth(const char *s, void *f)
-{
-    int i = 0;
-    TRY(name_index(s, s_auth_names, CFG_AUTH_COUNT, "auth", &i));
-    *(cfg_auth *)f = (cfg_auth)i;
+    int v = 0;
+    TRY(eng_enum_parse(s_backend_names, "comm_backend", s, out ? &v : NULL));
+    *out = (comm_backend)v;
     return SCAPE_OK;
-}
-
-static const char *name_auth(const void *f) { return cfg_auth_name(*(const cfg_auth *)f); }
-
-static scape_rc parse_executor(const char *s, void *f)
-{
-    int i = 0;
-    TRY(name_index(s, s_exec_names, CFG_EXEC_COUNT, "executor", &i));
-    *(cfg_executor *)f = (cfg_executor)i;
-    return SCAPE_OK;
-}
-
-static const char *name_executor(const void *f)
-{
-    return cfg_executor_name(*(const cfg_executor *)f);
 }
 
 scape_rc cfg_resolve_executor(const scaped_config *c, eng_executor *out, const char **why)
@@ -128,60 +101,6 @@ scape_rc cfg_resolve_executor(const scaped_config *c, eng_executor *out, const c
         return SCAPE_OK;
     }
 }
-
-const char *comm_backend_name(comm_backend b)
-{
-    return (unsigned)b < COMM_BACKEND_COUNT ? s_backend_names[b] : "?";
-}
-
-scape_rc comm_backend_parse(const char *s, comm_backend *out)
-{
-    for (int i = 0; s && out && i < COMM_BACKEND_COUNT; i++)
-        if (strcmp(s, s_backend_names[i]) == 0) {
-            *out = (comm_backend)i;
-            return SCAPE_OK;
-        }
-    return scape_set_error(SCAPE_INVALID, "unknown comm_backend '%s' (host, nccl)",
-                           s ? s : "(null)");
-}
-
-static const char *name_log_level(const void *f)
-{
-    return log_level_name(*(const log_level *)f);
-}
-static const char *name_optimizer(const void *f)
-{
-    return eng_optimizer_name(*(const eng_optimizer *)f);
-}
-static const char *name_mode(const void *f) { return eng_mode_name(*(const eng_mode *)f); }
-static const char *name_backend(const void *f)
-{
-    return comm_backend_name(*(const comm_backend *)f);
-}
-
-/* Two names for an int field's 0 and 1. */
-static scape_rc parse_pair(const char *s, void *f, const char *key, const char *n0,
-                           const char *n1)
-{
-    if (s && (strcmp(s, n0) == 0 || strcmp(s, n1) == 0)) {
-        *(int *)f = strcmp(s, n1) == 0;
-        return SCAPE_OK;
-    }
-    return scape_set_error(SCAPE_INVALID, "unknown %s '%s' (%s, %s)", key, s ? s : "(null)",
-                           n0, n1);
-}
-static scape_rc parse_wire(const char *s, void *f)
-{
-    return parse_pair(s, f, "wire_values", "f32", "bf16");
-}
-static const char *name_wire(const void *f) { return *(const int *)f ? "bf16" : "f32"; }
-static scape_rc parse_gather(const char *s, void *f) { return eng_gather_parse(s, f); }
-static scape_rc parse_clip_norm(const char *s, void *f) { return eng_clip_norm_parse(s, f); }
-static const char *name_clip_norm(const void *f)
-{
-    return eng_clip_norm_name(*(const eng_clip_norm *)f);
-}
-static const char *name_gather(const void *f) { return eng_gather_name(*(const eng_gather *)f); }
 
 /* s is word (lower case) as YAML 1.1 allows it: "yes", "Yes" or "YES". */
 static int yaml_spelling(const char *s, const char *word)
@@ -213,9 +132,6 @@ scape_rc cfg_bool_parse(const char *s, int *out)
                            s ? s : "(null)");
 }
 
-/* Booleans as YAML 1.1 writes them; an int field. */
-static scape_rc parse_bool(const char *s, void *f) { return cfg_bool_parse(s, f); }
-static const char *name_bool(const void *f) { return *(const int *)f ? "true" : "false"; }
 
 #define OFF(field) offsetof(scaped_config, field)
 
@@ -224,94 +140,94 @@ static const cfg_key s_keys[] = {
       .size = sizeof ((scaped_config *)0)->runtime_dir, .def = "",
       .doc = "directory of the control socket and shared memory (\"\" = daemon default)" },
     { .name = "log_level", .type = KT_ENUM, .offset = OFF(log_level),
-      .parse = parse_log_level, .name_of = name_log_level, .def = "info",
+      .names = log_level_names, .def = "info",
       .doc = "error, warn, info or debug" },
     { .name = "optimizer", .type = KT_ENUM, .offset = OFF(engine.optimizer),
-      .parse = parse_optimizer, .name_of = name_optimizer, .def = "scape",
+      .flags = CF_STATUS,
       .doc = "scape, adams, adamw or topk-adamw" },
-    { .name = "mode", .type = KT_ENUM, .offset = OFF(engine.mode), .parse = parse_mode,
-      .name_of = name_mode, .def = "replicated",
+    { .name = "mode", .type = KT_ENUM, .offset = OFF(engine.mode), .flags = CF_STATUS,
       .doc = "replicated (all-reduce) or sharded (reduce-scatter, all-gather)" },
     { .name = "rho", .type = KT_DOUBLE, .offset = OFF(engine.rho), .min = 0, .min_open = 1,
-      .max = 1, .def = "0.01", .doc = "density: fraction of each tensor reduced per step" },
+      .max = 1, .flags = CF_STATUS, .doc = "density: fraction of each tensor reduced per step" },
     { .name = "warmup", .type = KT_U32, .offset = OFF(engine.warmup), .min = 1,
-      .max = UINT32_MAX, .def = "1", .doc = "dense warm-up steps before masking starts" },
+      .max = UINT32_MAX, .flags = CF_STATUS, .doc = "dense warm-up steps before masking starts" },
     { .name = "beta1", .type = KT_FLOAT, .offset = OFF(engine.hyper.beta1), .min = 0,
-      .max = 1, .max_open = 1, .def = "0.9", .doc = "first-moment decay" },
+      .max = 1, .max_open = 1, .flags = CF_STATUS, .doc = "first-moment decay" },
     { .name = "beta2", .type = KT_FLOAT, .offset = OFF(engine.hyper.beta2), .min = 0,
-      .max = 1, .max_open = 1, .def = "0.95", .doc = "normaliser decay" },
+      .max = 1, .max_open = 1, .flags = CF_STATUS, .doc = "normaliser decay" },
     { .name = "eps", .type = KT_FLOAT, .offset = OFF(engine.hyper.eps), .min = 0,
-      .min_open = 1, .max = HUGE_VAL, .max_open = 1, .def = "1e-08",
+      .min_open = 1, .max = HUGE_VAL, .max_open = 1, .flags = CF_STATUS,
       .doc = "denominator guard" },
     { .name = "weight_decay", .type = KT_FLOAT, .offset = OFF(engine.hyper.wd), .min = 0,
-      .max = HUGE_VAL, .max_open = 1, .def = "0", .doc = "decoupled weight decay lambda" },
+      .max = HUGE_VAL, .max_open = 1, .flags = CF_STATUS, .doc = "decoupled weight decay lambda" },
     { .name = "max_grad_norm", .type = KT_FLOAT, .offset = OFF(engine.max_grad_norm),
-      .min = 0, .max = HUGE_VAL, .max_open = 1, .def = "0",
+      .min = 0, .max = HUGE_VAL, .max_open = 1, .flags = CF_STATUS,
       .doc = "clip the mean gradient to this global L2 norm before the update (torch's "
              "clip_grad_norm_; 0: no clipping)" },
     { .name = "clip_norm", .type = KT_ENUM, .offset = OFF(engine.clip_norm),
-      .parse = parse_clip_norm, .name_of = name_clip_norm, .def = "sent",
+      .flags = CF_STATUS,
       .doc = "which norm max_grad_norm bounds: sent (g_hat, the mean of what the daemons "
              "reduced: for scape the error-feedback residual at the mask included) or "
              "gradient (this step's mean gradient, torch's: exact with one daemon, else "
              "bounded above by the daemons' norms); alike on every daemon" },
     { .name = "wire_values", .type = KT_ENUM, .offset = OFF(engine.wire_bf16),
-      .parse = parse_wire, .name_of = name_wire, .def = "bf16",
+      .flags = CF_STATUS,
       .doc = "masked steps send the reduced values as f32 or bf16 (the rounding stays in the "
              "residual: nothing is lost); alike on every daemon" },
     { .name = "gather_values", .type = KT_ENUM, .offset = OFF(engine.gather),
-      .parse = parse_gather, .name_of = name_gather, .def = "params",
+      .flags = CF_STATUS,
       .doc = "sharded: gather the updated parameters in the trainers' dtype (params: bf16 "
              "when every trainer holds bf16, the same bits in half the bytes), in f32, or, "
              "when every trainer holds fp32, as their changes in bf16 (delta: the update is "
              "rounded so; half the gather's bytes); alike on every daemon" },
     { .name = "rho_start", .type = KT_DOUBLE, .offset = OFF(engine.rho_start), .min = 0,
-      .max = 1, .def = "0",
+      .max = 1, .flags = CF_STATUS,
       .doc = "scape density schedule: the first masked step's density, in (rho, 1], halved "
              "at equal intervals down to rho over rho_steps steps (0: no schedule)" },
     { .name = "rho_steps", .type = KT_U32, .offset = OFF(engine.rho_steps), .min = 1,
-      .max = UINT32_MAX, .def = "1000",
+      .max = UINT32_MAX, .flags = CF_STATUS,
       .doc = "masked steps over which the density schedule reaches rho" },
     { .name = "dense_below", .type = KT_U32, .offset = OFF(engine.dense_below), .min = 0,
-      .max = UINT32_MAX, .def = "0",
+      .max = UINT32_MAX, .flags = CF_STATUS,
       .doc = "scape, topk-adamw: a tensor of at most this many coordinates (norms, biases) "
              "is sent whole every step, as PowerSGD leaves vectors uncompressed (0: none); "
              "alike on every daemon" },
     { .name = "mask_deltas", .type = KT_ENUM, .offset = OFF(engine.mask_deltas),
-      .parse = parse_bool, .name_of = name_bool, .def = "false",
+      .flags = CF_STATUS | CF_BOOL,
       .doc = "scape: send each next mask as its change from the last one when that is "
              "smaller (its size goes first, in one small all-gather); alike on every daemon" },
     { .name = "engine_threads", .type = KT_INT, .offset = OFF(engine.threads), .min = 1,
-      .max = 256, .def = "1",
+      .max = 256, .flags = CF_STATUS,
       .doc = "threads for the step's data-parallel phases (results do not depend on it)" },
-    { .name = "executor", .type = KT_ENUM, .offset = OFF(executor), .parse = parse_executor,
-      .name_of = name_executor, .def = "auto",
+    { .name = "executor", .type = KT_ENUM, .offset = OFF(executor), .names = s_exec_names,
+      .def = "auto", .flags = CF_STATUS,
       .doc = "where the step runs: auto (cuda when built with CUDA and a GPU is visible, else "
              "host), host, cuda, or sim (the cuda executor's code on the CPU, for tests)" },
     { .name = "residual_on_device", .type = KT_ENUM, .offset = OFF(engine.residual_on_device),
-      .parse = parse_bool, .name_of = name_bool, .def = "false",
+      .flags = CF_BOOL,
       .doc = "cuda: keep the residual in GPU memory instead of pinned host memory streamed "
              "through the GPU" },
     { .name = "residual_chunk", .type = KT_U32, .offset = OFF(engine.residual_chunk),
-      .min = 32, .max = 2147483648.0, .def = "4194304",
+      .min = 32, .max = 2147483648.0,
       .doc = "cuda: coordinates of the pinned residual streamed through the GPU at a time" },
     { .name = "defer_select", .type = KT_ENUM, .offset = OFF(engine.defer_select),
-      .parse = parse_bool, .name_of = name_bool, .def = "true",
+      .flags = CF_STATUS | CF_BOOL,
       .doc = "select the next mask after the trainers have their parameters, behind their "
              "compute (results do not depend on it; alike on every daemon)" },
     { .name = "max_trainers", .type = KT_INT, .offset = OFF(max_trainers), .min = 1,
-      .max = 64, .def = "64", .doc = "trainer processes this daemon accepts" },
+      .max = 64, .def = "64", .flags = CF_STATUS, .doc = "trainer processes this daemon accepts" },
     { .name = "max_message_bytes", .type = KT_U32, .offset = OFF(max_message_bytes),
       .min = 1024, .max = 64 << 20, .def = "1048576",
       .doc = "largest control message accepted, bytes" },
     { .name = "liveness_ms", .type = KT_INT, .offset = OFF(liveness_ms), .min = 10,
       .max = 60000, .def = "200", .doc = "period of the trainer pid liveness check, ms" },
     { .name = "trainers", .type = KT_INT, .offset = OFF(trainers), .min = 0, .max = 64,
-      .def = "0", .doc = "trainers that must register before step 1 (0: those attached)" },
+      .def = "0", .flags = CF_STATUS,
+      .doc = "trainers that must register before step 1 (0: those attached)" },
     { .name = "world", .type = KT_INT, .offset = OFF(world), .min = 1, .max = 4096,
-      .def = "1", .doc = "daemons in the job (one per node)" },
+      .def = "1", .flags = CF_STATUS, .doc = "daemons in the job (one per node)" },
     { .name = "rank", .type = KT_INT, .offset = OFF(rank), .min = 0, .max = 4095,
-      .def = "0", .doc = "this daemon's rank in [0, world)" },
+      .def = "0", .flags = CF_STATUS, .doc = "this daemon's rank in [0, world)" },
     { .name = "coordinator", .type = KT_STRING, .offset = OFF(coordinator),
       .size = sizeof ((scaped_config *)0)->coordinator, .def = "",
       .doc = "rank 0's rendezvous endpoint, e.g. tcp://node1:29517 (world > 1)" },
@@ -324,11 +240,11 @@ static const cfg_key s_keys[] = {
     { .name = "comm_timeout_ms", .type = KT_INT, .offset = OFF(comm_timeout_ms), .min = 100,
       .max = 3600000, .def = "300000",
       .doc = "longest wait for another daemon, ms (rendezvous and every collective)" },
-    { .name = "comm_backend", .type = KT_ENUM, .offset = OFF(backend), .parse = parse_backend,
-      .name_of = name_backend, .def = "host",
+    { .name = "comm_backend", .type = KT_ENUM, .offset = OFF(backend), .names = s_backend_names,
+      .def = "host", .flags = CF_STATUS,
       .doc = "between daemons: host (ZeroMQ TCP) or nccl (the node's GPU)" },
-    { .name = "auth", .type = KT_ENUM, .offset = OFF(auth), .parse = parse_auth,
-      .name_of = name_auth, .def = "auto",
+    { .name = "auth", .type = KT_ENUM, .offset = OFF(auth), .names = s_auth_names,
+      .def = "auto",
       .doc = "how the job's daemons prove who they are (world > 1): munge, secret (a key "
              "file), none, or auto (munge when a munged answers)" },
     { .name = "auth_key_file", .type = KT_STRING, .offset = OFF(auth_key_file),
@@ -344,9 +260,11 @@ static const cfg_key s_keys[] = {
       .doc = "directory of checkpoints, shared by the job's daemons (\"\" = none)" },
     { .name = "checkpoint_every", .type = KT_U32, .offset = OFF(checkpoint_every), .min = 0,
       .max = UINT32_MAX, .def = "0",
+      .flags = CF_STATUS,
       .doc = "checkpoint every this many steps (0: on scapectl checkpoint or SIGUSR1 only)" },
     { .name = "checkpoint_keep", .type = KT_INT, .offset = OFF(checkpoint_keep), .min = 1,
       .max = 1000, .def = "2",
+      .flags = CF_STATUS,
       .doc = "complete checkpoints kept; older ones are removed (and of those a state_dict "
              "named, as many again)" },
     { .name = "resume", .type = KT_STRING, .offset = OFF(resume),
@@ -535,6 +453,20 @@ static scape_rc set_string(const cfg_key *k, char *f, const char *s)
     return SCAPE_OK;
 }
 
+/* An enum key's names: its own, or its engine row's. */
+static const eng_enum *key_names(const cfg_key *k)
+{
+    const eng_key *ek = k->names ? NULL : eng_key_find(k->name);
+    return k->names ? k->names : ek ? ek->names : NULL;
+}
+
+static scape_rc set_enum(const cfg_key *k, int *f, const char *s)
+{
+    if (k->flags & CF_BOOL)
+        return cfg_bool_parse(s, f);
+    return eng_enum_parse(key_names(k), k->name, s, f);
+}
+
 /* Set k in c from text s; on failure c is unchanged and the message names
  * only the value (callers prefix where it came from). */
 static scape_rc set_key(scaped_config *c, const cfg_key *k, const char *s)
@@ -542,7 +474,7 @@ static scape_rc set_key(scaped_config *c, const cfg_key *k, const char *s)
     void *f = (char *)c + k->offset;
     switch (k->type) {
     case KT_STRING: return set_string(k, f, s);
-    case KT_ENUM: return k->parse(s, f);
+    case KT_ENUM: return set_enum(k, f, s);
     default: return set_number(k, f, s);
     }
 }
@@ -600,7 +532,9 @@ static void format_value(const cfg_key *k, const void *f, char *buf, size_t len)
 {
     switch (k->type) {
     case KT_STRING: yaml_quote(f, buf, len); break;
-    case KT_ENUM: snprintf(buf, len, "%s", k->name_of(f)); break;
+    case KT_ENUM:
+        snprintf(buf, len, "%s", eng_enum_name(key_names(k), *(const int *)f));
+        break;
     case KT_DOUBLE: shortest(*(const double *)f, KT_DOUBLE, buf, len); break;
     case KT_FLOAT: shortest(*(const float *)f, KT_FLOAT, buf, len); break;
     case KT_U32: snprintf(buf, len, "%" PRIu32, *(const uint32_t *)f); break;
@@ -791,11 +725,12 @@ void cfg_defaults(scaped_config *c)
     /* Zero first so string tails and padding are defined too, and the
      * struct can be compared or hashed whole. */
     memset(c, 0, sizeof *c);
-    eng_config_default(&c->engine); /* engine fields the table does not expose */
+    eng_config_default(&c->engine); /* the engine keys' defaults are on their rows there */
     /* The table's defaults are valid text for their keys; test_config checks
      * every one of them. */
     for (size_t i = 0; i < KEY_COUNT; i++)
-        (void)set_key(c, &s_keys[i], s_keys[i].def);
+        if (s_keys[i].def)
+            (void)set_key(c, &s_keys[i], s_keys[i].def);
 }
 
 scape_rc cfg_load_file(scaped_config *c, const char *path)
@@ -970,6 +905,19 @@ scape_rc cfg_print(const scaped_config *c, FILE *out)
     if (fflush(out) != 0 || ferror(out))
         return scape_set_error(SCAPE_SYSTEM, "cfg_print: %s", strerror(errno));
     return SCAPE_OK;
+}
+
+size_t cfg_status_values(const scaped_config *c, cfg_value *out, size_t max)
+{
+    size_t n = 0;
+    for (size_t i = 0; c && out && i < KEY_COUNT && n < max; i++) {
+        const cfg_key *k = &s_keys[i];
+        if (!(k->flags & CF_STATUS))
+            continue;
+        format_value(k, (const char *)c + k->offset, out[n].value, sizeof out->value);
+        out[n++].key = k->name;
+    }
+    return n;
 }
 
 const char *cfg_key_doc(size_t i, const char **name)

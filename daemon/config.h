@@ -110,6 +110,16 @@ scape_rc cfg_set(scaped_config *c, const char *key, const char *value, const cha
 /* Write c as YAML, one "key: value  # doc" line per key, that cfg_load_file
  * reads back to the same configuration. */
 scape_rc cfg_print(const scaped_config *c, FILE *out);
+/* A key and its value as cfg_print writes it. */
+typedef struct cfg_value {
+    const char *key;
+    char value[256];
+} cfg_value;
+#define CFG_STATUS_MAX 48 /* room for every key shown in status */
+
+/* The keys shown in status (the table's CF_STATUS flag), in table order,
+ * into out[0..max); returns how many. */
+size_t cfg_status_values(const scaped_config *c, cfg_value *out, size_t max);
 /* Key i's one-line doc and, in *name, its name; NULL past the last key. */
 const char *cfg_key_doc(size_t i, const char **name);
 

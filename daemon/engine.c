@@ -7,6 +7,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <pthread.h>
+#include <stddef.h>
 #include <time.h>
 
 #include "engine_internal.h"
@@ -33,32 +35,148 @@ const eng_opt *eng_opt_get(eng_optimizer opt)
 {
     return (unsigned)opt < ENG_OPT_COUNT ? &s_opts[opt] : NULL;
 }
-static const char *const s_mode_names[ENG_MODE_COUNT] = {
-    [ENG_MODE_REPLICATED] = "replicated", [ENG_MODE_SHARDED] = "sharded",
+const eng_enum eng_mode_names[] = {
+    { "replicated", ENG_MODE_REPLICATED }, { "sharded", ENG_MODE_SHARDED }, { NULL, 0 },
 };
-static const char *const s_gather_names[ENG_GATHER_COUNT] = {
-    [ENG_GATHER_PARAMS] = "params", [ENG_GATHER_F32] = "f32", [ENG_GATHER_DELTA] = "delta",
+const eng_enum eng_gather_names[] = {
+    { "params", ENG_GATHER_PARAMS }, { "f32", ENG_GATHER_F32 }, { "delta", ENG_GATHER_DELTA },
+    { NULL, 0 },
 };
-static const char *const s_clip_names[ENG_CLIP_COUNT] = {
-    [ENG_CLIP_SENT] = "sent", [ENG_CLIP_GRAD] = "gradient",
+const eng_enum eng_clip_norm_names[] = {
+    { "sent", ENG_CLIP_SENT }, { "gradient", ENG_CLIP_GRAD }, { NULL, 0 },
 };
-static const char *const s_exec_names[ENG_EXEC_COUNT] = {
-    [ENG_EXEC_HOST] = "host", [ENG_EXEC_CUDA] = "cuda", [ENG_EXEC_SIM] = "sim",
+const eng_enum eng_executor_names[] = {
+    { "host", ENG_EXEC_HOST }, { "cuda", ENG_EXEC_CUDA }, { "sim", ENG_EXEC_SIM }, { NULL, 0 },
 };
+/* Booleans print so; config.c reads every YAML 1.1 spelling of them. */
+const eng_enum eng_bool_names[] = { { "false", 0 }, { "true", 1 }, { NULL, 0 } };
+const eng_enum eng_wire_names[] = { { "f32", 0 }, { "bf16", 1 }, { NULL, 0 } };
+
+/* Filled once from the optimizer rows, so that their names stay there. */
+static eng_enum s_opt_names[ENG_OPT_COUNT + 1];
+static pthread_once_t s_opt_names_once = PTHREAD_ONCE_INIT;
+
+static void fill_opt_names(void)
+{
+    for (int i = 0; i < ENG_OPT_COUNT; i++)
+        s_opt_names[i] = (eng_enum){ s_opts[i].name, (int)s_opts[i].id };
+}
+
+const eng_enum *eng_optimizer_names(void)
+{
+    (void)pthread_once(&s_opt_names_once, fill_opt_names);
+    return s_opt_names;
+}
+
+scape_rc eng_enum_parse(const eng_enum *names, const char *what, const char *s, int *out)
+{
+    for (const eng_enum *e = names; s && out && e->name; e++)
+        if (strcmp(s, e->name) == 0) {
+            *out = e->value;
+            return SCAPE_OK;
+        }
+    char list[160] = "";
+    size_t used = 0;
+    for (const eng_enum *e = names; e->name && used < sizeof list; e++)
+        used += (size_t)snprintf(list + used, sizeof list - used, "%s%s",
+                                 e == names ? "" : ", ", e->name);
+    return scape_set_error(SCAPE_INVALID, "unknown %s '%s' (%s)", what, s ? s : "(null)", list);
+}
+
+const char *eng_enum_name(const eng_enum *names, int value)
+{
+    for (const eng_enum *e = names; e->name; e++)
+        if (e->value == value)
+            return e->name;
+    return "?";
+}
+
+#define EOFF(field) offsetof(eng_config, field)
+#define HASHED ENG_KEY_HASH
+#define IF_SET (ENG_KEY_HASH | ENG_KEY_HASH_IF_SET)
+
+/* Hashed keys first, in the order eng_config_hash takes them: that order
+ * and the tags are what checkpoints of earlier versions were hashed with,
+ * so a new hashed key goes after the last hashed one, IF_SET. */
+static const eng_key s_keys[] = {
+    { "optimizer", EOFF(optimizer), ENG_KT_INT, ENG_OPT_SCAPE, HASHED, .names = s_opt_names },
+    { "mode", EOFF(mode), ENG_KT_INT, ENG_MODE_REPLICATED, HASHED, .names = eng_mode_names },
+    { "rho", EOFF(rho), ENG_KT_DOUBLE, 0.01, HASHED, NULL, 0, NULL, NULL },
+    { "warmup", EOFF(warmup), ENG_KT_U32, 1, HASHED, NULL, 0, NULL, NULL },
+    { "beta1", EOFF(hyper.beta1), ENG_KT_FLOAT, 0.9, HASHED, NULL, 0, NULL, NULL },
+    { "beta2", EOFF(hyper.beta2), ENG_KT_FLOAT, 0.95, HASHED, NULL, 0, NULL, NULL },
+    { "eps", EOFF(hyper.eps), ENG_KT_FLOAT, 1e-8, HASHED, NULL, 0, NULL, NULL },
+    { "weight_decay", EOFF(hyper.wd), ENG_KT_FLOAT, 0, HASHED, NULL, 0, NULL, NULL },
+    { "max_grad_norm", EOFF(max_grad_norm), ENG_KT_FLOAT, 0, IF_SET, NULL, 0, NULL, NULL },
+    /* bf16 values cost no measurable quality (docs/benchmarks.md) */
+    { "wire_values", EOFF(wire_bf16), ENG_KT_INT, 1, IF_SET, "wire_values=bf16",
+      .names = eng_wire_names },
+    { "rho_start", EOFF(rho_start), ENG_KT_DOUBLE, 0, IF_SET, NULL, 0, NULL, NULL },
+    { "rho_steps", EOFF(rho_steps), ENG_KT_U32, 1000, HASHED, .hash_gate = "rho_start" },
+    { "mask_deltas", EOFF(mask_deltas), ENG_KT_INT, 0, IF_SET, "mask_deltas",
+      .names = eng_bool_names },
+    { "clip_norm", EOFF(clip_norm), ENG_KT_INT, ENG_CLIP_SENT, IF_SET, "clip_norm=gradient",
+      .hash_gate = "max_grad_norm", .names = eng_clip_norm_names },
+    { "dense_below", EOFF(dense_below), ENG_KT_U32, 0, IF_SET, "dense_below", 1, NULL, NULL },
+    /* the mask all-gather's place among the collectives */
+    { "defer_select", EOFF(defer_select), ENG_KT_INT, 1, ENG_KEY_AGREE_LAGGED,
+      .names = eng_bool_names },
+    /* the gather's value size (and, delta, the update's rounding) */
+    { "gather_values", EOFF(gather), ENG_KT_INT, ENG_GATHER_PARAMS, ENG_KEY_AGREE,
+      .names = eng_gather_names },
+    { "engine_threads", EOFF(threads), ENG_KT_INT, 1, 0, NULL, 0, NULL, NULL },
+    { "residual_on_device", EOFF(residual_on_device), ENG_KT_INT, 0, 0,
+      .names = eng_bool_names },
+    { "residual_chunk", EOFF(residual_chunk), ENG_KT_U32, 4u << 20, 0, NULL, 0, NULL, NULL },
+};
+
+#define NKEYS (sizeof s_keys / sizeof s_keys[0])
+
+const eng_key *eng_keys(size_t *n)
+{
+    (void)eng_optimizer_names(); /* the optimizer row's names */
+    *n = NKEYS;
+    return s_keys;
+}
+
+const eng_key *eng_key_find(const char *name)
+{
+    (void)eng_optimizer_names();
+    for (size_t i = 0; name && i < NKEYS; i++)
+        if (strcmp(name, s_keys[i].name) == 0)
+            return &s_keys[i];
+    return NULL;
+}
+
+double eng_key_value(const eng_key *k, const eng_config *c)
+{
+    const void *f = (const char *)c + k->offset;
+    switch (k->type) {
+    case ENG_KT_DOUBLE: return *(const double *)f;
+    case ENG_KT_FLOAT: return (double)*(const float *)f;
+    case ENG_KT_U32: return (double)*(const uint32_t *)f;
+    default: return (double)*(const int *)f;
+    }
+}
+
+static void set_key_value(const eng_key *k, eng_config *c, double v)
+{
+    void *f = (char *)c + k->offset;
+    switch (k->type) {
+    case ENG_KT_DOUBLE: *(double *)f = v; break;
+    case ENG_KT_FLOAT: *(float *)f = (float)v; break;
+    case ENG_KT_U32: *(uint32_t *)f = (uint32_t)v; break;
+    default: *(int *)f = (int)v; break;
+    }
+}
 
 void eng_config_default(eng_config *cfg)
 {
-    memset(cfg, 0, sizeof *cfg); /* defer_select off; fields added later start at 0 */
-    cfg->optimizer = ENG_OPT_SCAPE;
-    cfg->mode = ENG_MODE_REPLICATED;
-    cfg->rho = 0.01;
-    cfg->warmup = 1;
-    cfg->hyper = (kern_hyper){ .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .wd = 0.0f };
-    cfg->intake_chunk = 16384;
-    cfg->threads = 1;
+    memset(cfg, 0, sizeof *cfg); /* fields added later start at 0 */
+    for (size_t i = 0; i < NKEYS; i++)
+        set_key_value(&s_keys[i], cfg, s_keys[i].def);
+    cfg->intake_chunk = 16384; /* the fields no key sets */
     cfg->executor = ENG_EXEC_HOST;
-    cfg->residual_chunk = 4u << 20;
-    cfg->wire_bf16 = 1; /* bf16 values cost no measurable quality (docs/benchmarks.md) */
 }
 
 const char *eng_optimizer_name(eng_optimizer opt)
@@ -66,78 +184,47 @@ const char *eng_optimizer_name(eng_optimizer opt)
     return (unsigned)opt < ENG_OPT_COUNT ? s_opts[opt].name : "?";
 }
 
-const char *eng_mode_name(eng_mode mode)
-{
-    return (unsigned)mode < ENG_MODE_COUNT ? s_mode_names[mode] : "?";
-}
+const char *eng_mode_name(eng_mode mode) { return eng_enum_name(eng_mode_names, (int)mode); }
 
 const char *eng_executor_name(eng_executor x)
 {
-    return (unsigned)x < ENG_EXEC_COUNT ? s_exec_names[x] : "?";
+    return eng_enum_name(eng_executor_names, (int)x);
 }
 
-const char *eng_gather_name(eng_gather g)
+const char *eng_gather_name(eng_gather g) { return eng_enum_name(eng_gather_names, (int)g); }
+
+const char *eng_clip_norm_name(eng_clip_norm c)
 {
-    return (unsigned)g < ENG_GATHER_COUNT ? s_gather_names[g] : "?";
+    return eng_enum_name(eng_clip_norm_names, (int)c);
 }
 
-/* names[i] -> i, or an error listing the names: "unknown KEY 'x' (a, b)". */
-static scape_rc parse_name(const char *s, const char *const *names, int n, const char *key,
-                           int *out)
-{
-    for (int i = 0; s && out && i < n; i++)
-        if (strcmp(s, names[i]) == 0) {
-            *out = i;
-            return SCAPE_OK;
-        }
-    char list[160] = "";
-    size_t used = 0;
-    for (int i = 0; i < n && used < sizeof list; i++)
-        used += (size_t)snprintf(list + used, sizeof list - used, "%s%s", i ? ", " : "",
-                                 names[i]);
-    return scape_set_error(SCAPE_INVALID, "unknown %s '%s' (%s)", key, s ? s : "(null)", list);
-}
-
-#define PARSE_ENUM(type, names, count, key)                                    \
+#define PARSE_ENUM(type, names, key)                                           \
     do {                                                                       \
         int i_ = 0;                                                            \
-        scape_rc rc_ = parse_name(s, names, count, key, &i_);                  \
+        scape_rc rc_ = eng_enum_parse(names, key, s, &i_);                     \
         if (rc_ == SCAPE_OK)                                                   \
             *out = (type)i_;                                                   \
         return rc_;                                                            \
     } while (0)
 
-scape_rc eng_gather_parse(const char *s, eng_gather *out)
-{
-    PARSE_ENUM(eng_gather, s_gather_names, ENG_GATHER_COUNT, "gather_values");
-}
-
-const char *eng_clip_norm_name(eng_clip_norm c)
-{
-    return (unsigned)c < ENG_CLIP_COUNT ? s_clip_names[c] : "?";
-}
-
 scape_rc eng_clip_norm_parse(const char *s, eng_clip_norm *out)
 {
-    PARSE_ENUM(eng_clip_norm, s_clip_names, ENG_CLIP_COUNT, "clip_norm");
+    PARSE_ENUM(eng_clip_norm, eng_clip_norm_names, "clip_norm");
 }
 
 scape_rc eng_executor_parse(const char *s, eng_executor *out)
 {
-    PARSE_ENUM(eng_executor, s_exec_names, ENG_EXEC_COUNT, "executor");
+    PARSE_ENUM(eng_executor, eng_executor_names, "executor");
 }
 
 scape_rc eng_optimizer_parse(const char *s, eng_optimizer *out)
 {
-    const char *names[ENG_OPT_COUNT];
-    for (int i = 0; i < ENG_OPT_COUNT; i++)
-        names[i] = s_opts[i].name;
-    PARSE_ENUM(eng_optimizer, names, ENG_OPT_COUNT, "optimizer");
+    PARSE_ENUM(eng_optimizer, eng_optimizer_names(), "optimizer");
 }
 
 scape_rc eng_mode_parse(const char *s, eng_mode *out)
 {
-    PARSE_ENUM(eng_mode, s_mode_names, ENG_MODE_COUNT, "mode");
+    PARSE_ENUM(eng_mode, eng_mode_names, "mode");
 }
 
 /* ---- creation ----------------------------------------------------------- */
@@ -188,30 +275,32 @@ static scape_rc check_config(const eng_config *c)
     return SCAPE_OK;
 }
 
+/* A number is set above 0, an integer or enum when not 0. */
+static int key_set(const eng_key *k, const eng_config *c)
+{
+    double v = eng_key_value(k, c);
+    return k->type == ENG_KT_DOUBLE || k->type == ENG_KT_FLOAT ? v > 0.0 : v != 0.0;
+}
+
+static uint64_t hash_key(uint64_t h, const eng_key *k, const eng_config *c)
+{
+    const eng_key *gate = k->hash_gate ? eng_key_find(k->hash_gate) : NULL;
+    if (((k->flags & ENG_KEY_HASH_IF_SET) && !key_set(k, c)) || (gate && !key_set(gate, c)))
+        return h;
+    double v = eng_key_value(k, c);
+    if (!k->hash_tag)
+        return plan_fnv1a(h, &v, sizeof v);
+    h = plan_fnv1a(h, k->hash_tag, strlen(k->hash_tag));
+    uint64_t u = (uint64_t)v;
+    return k->hash_tag_value ? plan_fnv1a(h, &u, sizeof u) : h;
+}
+
 uint64_t eng_config_hash(const eng_config *c)
 {
-    /* max_grad_norm, wire values and the schedule only when set, so that a
-     * configuration without them hashes as it did before the keys existed */
-    double f[] = { (double)c->optimizer, (double)c->mode, c->rho, (double)c->warmup,
-                   (double)c->hyper.beta1, (double)c->hyper.beta2,
-                   (double)c->hyper.eps, (double)c->hyper.wd, (double)c->max_grad_norm };
-    size_t nf = sizeof f / sizeof f[0] - (c->max_grad_norm > 0.0f ? 0 : 1);
-    uint64_t h = plan_fnv1a(0xcbf29ce484222325ull, f, nf * sizeof f[0]);
-    if (c->wire_bf16)
-        h = plan_fnv1a(h, "wire_values=bf16", 16);
-    if (c->rho_start > 0.0) {
-        double sch[] = { c->rho_start, (double)c->rho_steps };
-        h = plan_fnv1a(h, sch, sizeof sch);
-    }
-    if (c->mask_deltas)
-        h = plan_fnv1a(h, "mask_deltas", 11);
-    if (c->max_grad_norm > 0.0f && c->clip_norm != ENG_CLIP_SENT)
-        h = plan_fnv1a(h, "clip_norm=gradient", 18);
-    if (c->dense_below) {
-        uint64_t d = c->dense_below;
-        h = plan_fnv1a(h, "dense_below", 11);
-        h = plan_fnv1a(h, &d, sizeof d);
-    }
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (size_t i = 0; i < NKEYS; i++)
+        if (s_keys[i].flags & ENG_KEY_HASH)
+            h = hash_key(h, &s_keys[i], c);
     return h;
 }
 
@@ -347,23 +436,61 @@ static scape_rc set_groups(eng_t *e, const eng_layout *l)
     return SCAPE_OK;
 }
 
-/* Exchange T_r and the hashes of config and layout; all ranks must agree. */
+#define HS_FIXED 4          /* T_r, the layout hash, the config hash, the params' dtype */
+#define HS_MAX (HS_FIXED + 8) /* and each ENG_KEY_AGREE* key's value */
+
+/* What this rank sends in the handshake; returns how many words. */
+static size_t handshake_words(const eng_t *e, uint64_t *w)
+{
+    size_t n = 0, nk = 0;
+    const eng_key *keys = eng_keys(&nk);
+    w[n++] = (uint64_t)e->a.tr;
+    w[n++] = e->p->hash;
+    w[n++] = eng_config_hash(&e->cfg);
+    w[n++] = (uint64_t)e->a.pdt;
+    for (size_t i = 0; i < nk && n < HS_MAX; i++)
+        if (keys[i].flags & (ENG_KEY_AGREE | ENG_KEY_AGREE_LAGGED))
+            w[n++] = (uint64_t)eng_key_value(&keys[i], &e->cfg);
+    return n;
+}
+
+static const char *agree_name(const eng_key *k, uint64_t v)
+{
+    return k->names ? eng_enum_name(k->names, v > INT32_MAX ? -1 : (int)v) : "?";
+}
+
+/* The ENG_KEY_AGREE* keys of rank r (its words a) against this rank's. */
+static scape_rc agree_keys(const eng_t *e, int r, const uint64_t *a, const uint64_t *mine)
+{
+    size_t nk = 0, n = HS_FIXED;
+    const eng_key *keys = eng_keys(&nk);
+    for (size_t i = 0; i < nk && n < HS_MAX; i++) {
+        const eng_key *k = &keys[i];
+        if (!(k->flags & (ENG_KEY_AGREE | ENG_KEY_AGREE_LAGGED)))
+            continue;
+        int applies = (k->flags & ENG_KEY_AGREE) || e->opt->mask == ENG_MASK_LAGGED_M;
+        if (a[n] != mine[n] && applies)
+            return scape_set_error(SCAPE_INVALID, "engine: rank %d has %s %s and rank %d %s: "
+                                   "set it alike on every daemon", r, k->name,
+                                   agree_name(k, a[n]), e->rank, agree_name(k, mine[n]));
+        n++;
+    }
+    return SCAPE_OK;
+}
+
+/* Exchange T_r, the hashes of config and layout, and the keys flagged
+ * ENG_KEY_AGREE* (eng_keys); all ranks must agree. */
 static scape_rc handshake(eng_t *e)
 {
     e->a.t_total = 0;
     int R = e->comm->size;
-    /* defer_select and the gather are not in the config hash (checkpoints
-     * do not depend on them) but must agree: the one moves the mask
-     * all-gather among the collectives, the other sets the gather's value
-     * size (and, delta, rounds updates) */
-    uint64_t mine[6] = { (uint64_t)e->a.tr, e->p->hash, eng_config_hash(&e->cfg),
-                         (uint64_t)(e->cfg.defer_select != 0), (uint64_t)e->a.pdt,
-                         (uint64_t)e->cfg.gather };
-    uint64_t *all = calloc((size_t)R * 6, sizeof *all);
+    uint64_t mine[HS_MAX] = { 0 };
+    size_t nw = handshake_words(e, mine);
+    uint64_t *all = calloc((size_t)R * nw, sizeof *all);
     if (all == NULL)
         return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
     for (int r = 0; r < R; r++)
-        e->counts[r] = sizeof mine;
+        e->counts[r] = nw * sizeof *mine;
     scape_rc rc = comm_allgather(e->comm, mine, all, e->counts);
     /* the owners gather the updated parameters in the trainers' dtype when
      * every rank's trainers hold bf16, and their changes in bf16 (delta)
@@ -371,10 +498,10 @@ static scape_rc handshake(eng_t *e)
     e->vbf16 = e->cfg.gather != ENG_GATHER_F32 && e->a.pdt == KERN_BF16;
     e->vdelta = e->cfg.gather == ENG_GATHER_DELTA && e->a.pdt == KERN_F32;
     for (int r = 0; rc == SCAPE_OK && r < R; r++) {
-        const uint64_t *a = all + 6 * (size_t)r;
-        if (a[4] != (uint64_t)KERN_BF16)
+        const uint64_t *a = all + nw * (size_t)r;
+        if (a[3] != (uint64_t)KERN_BF16)
             e->vbf16 = 0;
-        if (a[4] != (uint64_t)KERN_F32)
+        if (a[3] != (uint64_t)KERN_F32)
             e->vdelta = 0;
         if (a[0] < 1 || a[0] > ENG_MAX_TRAINERS)
             rc = scape_set_error(SCAPE_INVALID, "engine: rank %d reports %llu trainers (1 to "
@@ -388,19 +515,7 @@ static scape_rc handshake(eng_t *e)
             rc = scape_set_error(SCAPE_INVALID,
                                  "engine: rank %d has a different optimizer config than rank %d",
                                  r, e->rank);
-        else if (a[3] != mine[3] && e->opt->mask == ENG_MASK_LAGGED_M)
-            rc = scape_set_error(SCAPE_INVALID,
-                                 "engine: rank %d has defer_select %s and rank %d %s: set it "
-                                 "alike on every daemon", r, a[3] ? "on" : "off",
-                                 e->rank, mine[3] ? "on" : "off");
-        else if (a[5] != mine[5])
-            rc = scape_set_error(SCAPE_INVALID,
-                                 "engine: rank %d has gather_values %s and rank %d %s: set it "
-                                 "alike on every daemon", r,
-                                 eng_gather_name(a[5] < ENG_GATHER_COUNT ? (eng_gather)a[5]
-                                                                         : ENG_GATHER_COUNT),
-                                 e->rank, eng_gather_name(e->cfg.gather));
-        else
+        else if ((rc = agree_keys(e, r, a, mine)) == SCAPE_OK)
             e->a.t_total += (int)a[0];
     }
     free(all);

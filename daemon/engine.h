@@ -207,14 +207,70 @@ typedef struct eng eng_t;
     "optimizer, rho, warmup, beta1, beta2, eps, weight_decay, max_grad_norm, clip_norm, "   \
     "wire_values, rho_start, rho_steps, mask_deltas and dense_below"
 
-/* Defaults of docs/algorithm.md: scape, replicated, rho 0.01, W 1, 0.9/0.95/1e-8/0. */
+/* An enum key's names, as Redis' configEnum: {name, value} pairs ending in
+ * {NULL, 0}.  One lookup, eng_enum_parse, serves every enum key. */
+typedef struct eng_enum {
+    const char *name;
+    int value;
+} eng_enum;
+
+/* s's value in names; else INVALID, "unknown WHAT 's' (a, b, c)". */
+scape_rc eng_enum_parse(const eng_enum *names, const char *what, const char *s, int *out);
+/* value's name in names; "?" when it has none. */
+const char *eng_enum_name(const eng_enum *names, int value);
+extern const eng_enum eng_mode_names[], eng_gather_names[], eng_clip_norm_names[],
+    eng_executor_names[], eng_bool_names[], eng_wire_names[];
+/* The optimizer rows' names (eng_opt.name) as pairs. */
+const eng_enum *eng_optimizer_names(void);
+
+/* The engine's share of the configuration keys: one row per eng_config
+ * field that a key of config.c sets, with its default and what the engine
+ * does with it.  They live here, not in config.c, because the engine (and
+ * the tests, tools and fuzzers that create one without config.c) hashes
+ * checkpoints, shakes hands and takes defaults from them; config.c adds
+ * each key's text form, bounds and doc. */
+typedef enum eng_key_type {
+    ENG_KT_DOUBLE,
+    ENG_KT_FLOAT,
+    ENG_KT_U32,
+    ENG_KT_INT, /* int, or an enum (names) */
+} eng_key_type;
+
+enum {
+    ENG_KEY_HASH = 1u << 0,        /* hashed into checkpoints (eng_config_hash) */
+    ENG_KEY_HASH_IF_SET = 1u << 1, /* ... only when set (> 0), so that a configuration
+                                      without it hashes as before the key existed */
+    ENG_KEY_AGREE = 1u << 2,       /* not hashed, yet every rank must set it alike */
+    ENG_KEY_AGREE_LAGGED = 1u << 3, /* ... when the optimizer's masks are lagged */
+};
+
+typedef struct eng_key {
+    const char *name;      /* the configuration key */
+    size_t offset;         /* of the field in eng_config */
+    eng_key_type type;
+    double def;            /* the default */
+    unsigned flags;        /* ENG_KEY_* */
+    const char *hash_tag;  /* hashed as this text, not as its value (a double) */
+    int hash_tag_value;    /* ... then its value as a uint64 */
+    const char *hash_gate; /* hashed only when this key is set as well */
+    const eng_enum *names; /* ENG_KT_INT: its names, else NULL */
+} eng_key;
+
+/* The engine's keys; *n gets their count.  Hashed keys come first, in the
+ * order they are hashed. */
+const eng_key *eng_keys(size_t *n);
+/* The row of the engine key called name, or NULL. */
+const eng_key *eng_key_find(const char *name);
+/* Key k's field in c, as a double. */
+double eng_key_value(const eng_key *k, const eng_config *c);
+
+/* Every key at its default (eng_keys), the rest at docs/algorithm.md's. */
 void eng_config_default(eng_config *cfg);
 /* Names as used in configuration files ("scape", "topk-adamw", "sharded"...). */
 const char *eng_optimizer_name(eng_optimizer opt);
 const char *eng_mode_name(eng_mode mode);
 const char *eng_executor_name(eng_executor x);
 const char *eng_gather_name(eng_gather g);
-scape_rc eng_gather_parse(const char *s, eng_gather *out);
 const char *eng_clip_norm_name(eng_clip_norm c);
 scape_rc eng_clip_norm_parse(const char *s, eng_clip_norm *out);
 scape_rc eng_executor_parse(const char *s, eng_executor *out);
@@ -410,7 +466,9 @@ typedef struct eng_coord_state {
     const unsigned char *mask_next;
 } eng_coord_state;
 
-/* Hash of the settings every rank must share (optimizer, mode, rho, W, hyper). */
+/* Hash of the settings every rank must share and checkpoints record: the
+ * keys flagged ENG_KEY_HASH, FNV-1a over each one's value (a double) or tag,
+ * in table order. */
 uint64_t eng_config_hash(const eng_config *c);
 /* The layout this engine was created with (names borrowed), ntensors entries. */
 scape_rc eng_get_layout(const eng_t *e, eng_tensor *out, size_t ntensors);

@@ -7,11 +7,15 @@
 #include <unistd.h>
 
 #include "log.h"
+#include "try.h"
 
 #define LINE_BYTES 2048  /* a whole line, newline included */
 #define SUFFIX_BYTES 128 /* kept free after the message for " (file.c:123)\n" */
 
-static const char *const s_level_names[] = { "error", "warn", "info", "debug" };
+const eng_enum log_level_names[] = {
+    { "error", LOG_LVL_ERROR }, { "warn", LOG_LVL_WARN }, { "info", LOG_LVL_INFO },
+    { "debug", LOG_LVL_DEBUG }, { NULL, 0 },
+};
 static const char *const s_level_tags[] = { "ERROR", "WARN", "INFO", "DEBUG" };
 static const char *const s_sub_names[SUB_COUNT] = {
     [SUB_MAIN] = "main",     [SUB_CONFIG] = "config", [SUB_CTRL] = "ctrl",
@@ -52,19 +56,13 @@ int log_enabled(log_level level)
 
 scape_rc log_level_parse(const char *s, log_level *out)
 {
-    for (int i = 0; s && out && i <= LOG_LVL_DEBUG; i++)
-        if (strcmp(s, s_level_names[i]) == 0) {
-            *out = (log_level)i;
-            return SCAPE_OK;
-        }
-    return scape_set_error(SCAPE_INVALID, "unknown log level '%s' (error, warn, info, debug)",
-                           s ? s : "(null)");
+    int v = 0;
+    TRY(eng_enum_parse(log_level_names, "log level", s, out ? &v : NULL));
+    *out = (log_level)v;
+    return SCAPE_OK;
 }
 
-const char *log_level_name(log_level l)
-{
-    return (unsigned)l <= LOG_LVL_DEBUG ? s_level_names[l] : "?";
-}
+const char *log_level_name(log_level l) { return eng_enum_name(log_level_names, (int)l); }
 
 /* Append to buf[0..n) within cap bytes; like snprintf, returns the length
  * the text would have had, which is >= cap when it was cut. */

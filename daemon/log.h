@@ -12,6 +12,7 @@
 
 #include <stdio.h>
 
+#include "engine.h" /* eng_enum: the level names */
 #include "scape_rc.h"
 
 typedef enum log_level {
@@ -39,6 +40,8 @@ void log_init(int rank, log_level level, FILE *out);
 void log_set_level(log_level level);
 /* Non-zero when lines at level are written. */
 int log_enabled(log_level level);
+/* The levels' names: error, warn, info, debug. */
+extern const eng_enum log_level_names[];
 /* "error", "warn", "info" or "debug" into *out; INVALID otherwise. */
 scape_rc log_level_parse(const char *s, log_level *out);
 /* The name log_level_parse takes for l ("?" when out of range). */

@@ -63,6 +63,13 @@ static void fill_waiting(const server *s, Scape__StatusReply *st, uint32_t *slot
             slots[st->n_waiting_slots++] = (uint32_t)i;
 }
 
+/* The keys shown in status, and their values (fill_config). */
+typedef struct status_config {
+    cfg_value values[CFG_STATUS_MAX];
+    Scape__ConfigValue kv[CFG_STATUS_MAX];
+    Scape__ConfigValue *ptrs[CFG_STATUS_MAX];
+} status_config;
+
 typedef struct status_buf {
     Scape__StatusReply st;
     Scape__TrainerInfo info[SRV_MAX_SLOTS];
@@ -75,6 +82,7 @@ typedef struct status_buf {
     char memory[SRV_MAX_SLOTS][16];
     Scape__CollectiveCount coll[COMM_OP_COUNT];
     Scape__CollectiveCount *coll_p[COMM_OP_COUNT];
+    status_config config; /* StatusReply.config */
 } status_buf;
 
 /* The counters: what the completed steps add up to. */
@@ -99,6 +107,20 @@ static void fill_totals(const server *s, status_buf *b)
         c->bytes = t->coll_bytes[op];
         b->coll_p[st->n_collectives_total++] = c;
     }
+}
+
+/* StatusReply.config from the key table's shown-in-status flag. */
+static void fill_config(const server *s, Scape__StatusReply *st, status_config *sc)
+{
+    size_t n = cfg_status_values(&s->cfg, sc->values, CFG_STATUS_MAX);
+    for (size_t i = 0; i < n; i++) {
+        scape__config_value__init(&sc->kv[i]);
+        sc->kv[i].key = (char *)sc->values[i].key;
+        sc->kv[i].value = sc->values[i].value;
+        sc->ptrs[i] = &sc->kv[i];
+    }
+    st->n_config = n;
+    st->config = sc->ptrs;
 }
 
 static void fill_status(server *s, status_buf *b)
@@ -138,6 +160,7 @@ static void fill_status(server *s, status_buf *b)
     st->rho_steps = s->cfg.engine.rho_steps;
     st->has_dense_below = 1;
     st->dense_below = s->cfg.engine.dense_below;
+    fill_config(s, st, &b->config);
     st->has_device_bytes_per_param = 1;
     st->device_bytes_per_param = s->numel ? (double)st->device_bytes / (double)s->numel : 0.0;
     uint64_t sent, recvd;

@@ -4,6 +4,7 @@
  * positions were counted by hand in the inputs. */
 #define _POSIX_C_SOURCE 200809L
 #include <check.h>
+#include <stdint.h>
 #include <ctype.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -310,7 +311,7 @@ static const struct {
     { "eps: 1e-50\n", ":1:6: key 'eps': 1e-50 is out of range (0, inf)" },
     { "mode: shard\n", ":1:7: key 'mode': unknown mode 'shard' (replicated, sharded)" },
     { "log_level: loud\n",
-      ":1:12: key 'log_level': unknown log level 'loud' (error, warn, info, debug)" },
+      ":1:12: key 'log_level': unknown log_level 'loud' (error, warn, info, debug)" },
 };
 
 START_TEST(bad_files)
@@ -757,6 +758,267 @@ START_TEST(env_warnings)
 }
 END_TEST
 
+/* ---- the flags: hash, handshake, status, one default --------------------- */
+
+/* eng_config_hash as it was written by hand before the key table drove it
+ * (commit 5e4a43f), frozen: every configuration must hash as it did, or
+ * older checkpoints would be refused. */
+static uint64_t fnv(uint64_t h, const void *data, size_t len)
+{
+    const unsigned char *b = data;
+    for (size_t i = 0; i < len; i++)
+        h = (h ^ b[i]) * 0x100000001b3ull;
+    return h;
+}
+
+static uint64_t frozen_hash(const eng_config *c)
+{
+    double f[] = { (double)c->optimizer, (double)c->mode, c->rho, (double)c->warmup,
+                   (double)c->hyper.beta1, (double)c->hyper.beta2,
+                   (double)c->hyper.eps, (double)c->hyper.wd, (double)c->max_grad_norm };
+    size_t nf = sizeof f / sizeof f[0] - (c->max_grad_norm > 0.0f ? 0 : 1);
+    uint64_t h = fnv(0xcbf29ce484222325ull, f, nf * sizeof f[0]);
+    if (c->wire_bf16)
+        h = fnv(h, "wire_values=bf16", 16);
+    if (c->rho_start > 0.0) {
+        double sch[] = { c->rho_start, (double)c->rho_steps };
+        h = fnv(h, sch, sizeof sch);
+    }
+    if (c->mask_deltas)
+        h = fnv(h, "mask_deltas", 11);
+    if (c->max_grad_norm > 0.0f && c->clip_norm != ENG_CLIP_SENT)
+        h = fnv(h, "clip_norm=gradient", 18);
+    if (c->dense_below) {
+        uint64_t d = c->dense_below;
+        h = fnv(h, "dense_below", 11);
+        h = fnv(h, &d, sizeof d);
+    }
+    return h;
+}
+
+static uint64_t s_rng = 0x9e3779b97f4a7c15ull;
+
+static uint64_t rnd(void)
+{
+    s_rng ^= s_rng << 13;
+    s_rng ^= s_rng >> 7;
+    s_rng ^= s_rng << 17;
+    return s_rng;
+}
+
+/* One of a few edge values, or a random one. */
+static double pick(const double *edges, size_t n, double lo, double hi)
+{
+    size_t i = (size_t)(rnd() % (2 * n));
+    return i < n ? edges[i] : lo + (hi - lo) * (double)(rnd() >> 11) / 9007199254740992.0;
+}
+
+static void random_config(eng_config *c)
+{
+    static const double unit[] = { 0.0, 1e-30, 0.5, 0.999, 1.0 };
+    static const double big[] = { 0.0, 1.0, 1000.0, 4294967295.0, 65536.0 };
+    eng_config_default(c);
+    c->optimizer = (eng_optimizer)(rnd() % ENG_OPT_COUNT);
+    c->mode = (eng_mode)(rnd() % ENG_MODE_COUNT);
+    c->rho = pick(unit, 5, 0.0, 1.0);
+    c->warmup = (uint32_t)pick(big, 5, 1, 1e6);
+    c->hyper.beta1 = (float)pick(unit, 5, 0.0, 1.0);
+    c->hyper.beta2 = (float)pick(unit, 5, 0.0, 1.0);
+    c->hyper.eps = (float)pick(unit, 5, 1e-12, 1e-3);
+    c->hyper.wd = (float)pick(unit, 5, 0.0, 0.5);
+    c->max_grad_norm = (float)pick(big, 5, 0.0, 10.0);
+    c->clip_norm = (eng_clip_norm)(rnd() % ENG_CLIP_COUNT);
+    c->wire_bf16 = (int)(rnd() % 2);
+    c->gather = (eng_gather)(rnd() % ENG_GATHER_COUNT);
+    c->rho_start = rnd() % 2 ? 0.0 : pick(unit, 5, 0.0, 1.0);
+    c->rho_steps = (uint32_t)pick(big, 5, 1, 1e5);
+    c->mask_deltas = (int)(rnd() % 3); /* 2: the tests' "always a delta" */
+    c->dense_below = (uint32_t)pick(big, 5, 0, 1e6);
+    c->defer_select = (int)(rnd() % 2);
+    c->threads = 1 + (int)(rnd() % 8);
+}
+
+START_TEST(hash_as_before)
+{
+    eng_config c;
+    eng_config_default(&c);
+    ck_assert_uint_eq(eng_config_hash(&c), frozen_hash(&c));
+    scaped_config d;
+    cfg_defaults(&d);
+    ck_assert_uint_eq(eng_config_hash(&d.engine), frozen_hash(&d.engine));
+    /* every key set in s_full (another value than its default) */
+    for (size_t i = 0; i < NKEYS; i++)
+        ck_assert_int_eq(cfg_set(&d, s_full[i].key, s_full[i].value, "test"), SCAPE_OK);
+    ck_assert_uint_eq(eng_config_hash(&d.engine), frozen_hash(&d.engine));
+    for (int i = 0; i < 200000; i++) {
+        random_config(&c);
+        ck_assert_msg(eng_config_hash(&c) == frozen_hash(&c), "configuration %d differs", i);
+    }
+    /* and what is not hashed changes nothing */
+    eng_config a, b;
+    eng_config_default(&a);
+    b = a;
+    b.defer_select = !a.defer_select;
+    b.gather = ENG_GATHER_DELTA;
+    b.threads = 7;
+    b.residual_chunk = 64;
+    b.residual_on_device = 1;
+    b.rho_steps = 5; /* without a schedule */
+    b.clip_norm = ENG_CLIP_GRAD; /* without clipping */
+    ck_assert_uint_eq(eng_config_hash(&a), eng_config_hash(&b));
+}
+END_TEST
+
+START_TEST(engine_rows_are_keys)
+{
+    /* Each engine row is a key of the table, and setting the key sets the
+     * field the row names: the two tables cannot drift apart. */
+    size_t n = 0;
+    const eng_key *k = eng_keys(&n);
+    ck_assert_uint_ge(n, 15);
+    for (size_t i = 0; i < n; i++) {
+        const char *name = NULL;
+        size_t j = 0;
+        while (cfg_key_doc(j, &name) && strcmp(name, k[i].name) != 0)
+            j++;
+        ck_assert_msg(cfg_key_doc(j, &name) != NULL, "engine key %s has no row", k[i].name);
+        size_t f = 0;
+        while (f < NKEYS && strcmp(s_full[f].key, k[i].name) != 0)
+            f++;
+        ck_assert_uint_lt(f, NKEYS);
+        scaped_config c;
+        cfg_defaults(&c);
+        double before = eng_key_value(&k[i], &c.engine);
+        double def = k[i].type == ENG_KT_FLOAT ? (double)(float)k[i].def : k[i].def;
+        ck_assert_msg(before == def, "%s: default %g, row %g", k[i].name, before, def);
+        ck_assert_int_eq(cfg_set(&c, s_full[f].key, s_full[f].value, "test"), SCAPE_OK);
+        ck_assert_msg(eng_key_value(&k[i], &c.engine) != before, "%s: not its field",
+                      k[i].name);
+    }
+    /* one default: the daemon's engine keys are the engine's defaults, the
+     * table's defer_select (on) included */
+    scaped_config c;
+    eng_config e;
+    cfg_defaults(&c);
+    eng_config_default(&e);
+    ck_assert_int_eq(memcmp(&c.engine, &e, sizeof e), 0);
+    ck_assert_int_eq(e.defer_select, 1);
+}
+END_TEST
+
+START_TEST(enum_lookup)
+{
+    int v = -1;
+    ck_assert_int_eq(eng_enum_parse(eng_gather_names, "gather_values", "delta", &v), SCAPE_OK);
+    ck_assert_int_eq(v, ENG_GATHER_DELTA);
+    ck_assert_int_eq(eng_enum_parse(eng_gather_names, "gather_values", "bf16", &v),
+                     SCAPE_INVALID);
+    ck_assert_str_eq(scape_last_error(), "unknown gather_values 'bf16' (params, f32, delta)");
+    ck_assert_int_eq(eng_enum_parse(eng_optimizer_names(), "optimizer", "adamw", &v), SCAPE_OK);
+    ck_assert_int_eq(v, ENG_OPT_ADAMW);
+    ck_assert_str_eq(eng_enum_name(eng_optimizer_names(), ENG_OPT_TOPK_ADAMW), "topk-adamw");
+    ck_assert_str_eq(eng_enum_name(eng_mode_names, 7), "?");
+    ck_assert_str_eq(comm_backend_name(COMM_BACKEND_NCCL), "nccl");
+    ck_assert_str_eq(cfg_auth_name(CFG_AUTH_SECRET), "secret");
+    ck_assert_str_eq(cfg_executor_name(CFG_EXEC_SIM), "sim");
+    comm_backend b = COMM_BACKEND_HOST;
+    ck_assert_int_eq(comm_backend_parse("ib", &b), SCAPE_INVALID);
+    ck_assert_str_eq(scape_last_error(), "unknown comm_backend 'ib' (host, nccl)");
+}
+END_TEST
+
+START_TEST(status_values)
+{
+    scaped_config c;
+    cfg_defaults(&c);
+    ck_assert_int_eq(cfg_set(&c, "optimizer", "adamw", "t"), SCAPE_OK);
+    ck_assert_int_eq(cfg_set(&c, "beta2", "0.999", "t"), SCAPE_OK);
+    ck_assert_int_eq(cfg_set(&c, "mask_deltas", "yes", "t"), SCAPE_OK);
+    cfg_value v[CFG_STATUS_MAX];
+    size_t n = cfg_status_values(&c, v, CFG_STATUS_MAX);
+    ck_assert_uint_lt(n, CFG_STATUS_MAX);
+    const char *want[][2] = { { "optimizer", "adamw" }, { "mode", "replicated" },
+                              { "rho", "0.01" }, { "beta2", "0.999" },
+                              { "mask_deltas", "true" }, { "defer_select", "true" },
+                              { "wire_values", "bf16" }, { "comm_backend", "host" },
+                              { "world", "1" }, { "checkpoint_keep", "2" } };
+    for (size_t w = 0; w < sizeof want / sizeof want[0]; w++) {
+        size_t i = 0;
+        while (i < n && strcmp(v[i].key, want[w][0]) != 0)
+            i++;
+        ck_assert_msg(i < n, "%s not shown", want[w][0]);
+        ck_assert_str_eq(v[i].value, want[w][1]);
+    }
+    /* not shown: paths and secrets' files */
+    for (size_t i = 0; i < n; i++)
+        ck_assert_msg(strcmp(v[i].key, "auth_key_file") && strcmp(v[i].key, "runtime_dir"),
+                      "%s shown", v[i].key);
+    ck_assert_uint_eq(cfg_status_values(&c, v, 3), 3);
+}
+END_TEST
+
+/* Checkpoints written by scaped of commit 5e4a43f, the one before the key
+ * table drove the hash (tests/unit/fixtures/ckpt-5e4a43f: trainer_c --n 64
+ * --steps 3, --checkpoint-every 3, one trainer, these flags): this build
+ * opens and restores each one, which checks the recorded config hash. */
+static const struct {
+    const char *dir;
+    const char *flags[16]; /* key, value, ..., NULL */
+} s_old_ckpts[] = {
+    { "scape-default", { NULL } },
+    { "adamw-clip", { "optimizer", "adamw", "max_grad_norm", "1", "clip_norm", "gradient",
+                      "wire_values", "f32", "weight_decay", "0.01", NULL } },
+    { "scape-schedule", { "rho", "0.1", "rho_start", "0.5", "rho_steps", "2", "mask_deltas",
+                          "true", "dense_below", "8", "beta1", "0.8", NULL } },
+    { "topk-sharded", { "optimizer", "topk-adamw", "mode", "sharded", "rho", "0.2",
+                        "max_grad_norm", "0.5", "eps", "1e-6", NULL } },
+    { "adams", { "optimizer", "adams", "warmup", "2", "beta2", "0.99", NULL } },
+};
+
+#include "../integration/synth.h"
+#include "ckpt.h"
+
+START_TEST(old_checkpoints_restore)
+{
+    char dir[1024];
+    const char *src = __FILE__, *slash = strrchr(src, '/');
+    snprintf(dir, sizeof dir, "%.*s/fixtures/ckpt-5e4a43f/%s", slash ? (int)(slash - src) : 1,
+             slash ? src : ".", s_old_ckpts[_i].dir);
+    scaped_config c;
+    cfg_defaults(&c);
+    for (const char *const *f = s_old_ckpts[_i].flags; f[0]; f += 2)
+        ck_assert_int_eq(cfg_set(&c, f[0], f[1], "test"), SCAPE_OK);
+    enum { N = 64 };
+    size_t off[SYNTH_MAX_TENSORS], len[SYNTH_MAX_TENSORS];
+    char names[SYNTH_MAX_TENSORS][16];
+    size_t nt = synth_layout(N, off, len, names);
+    eng_tensor ts[SYNTH_MAX_TENSORS];
+    for (size_t l = 0; l < nt; l++)
+        ts[l] = (eng_tensor){ names[l], off[l], len[l], 0 };
+    eng_layout lay = { ts, nt, KERN_F32, KERN_F32, NULL, 0 };
+    comm_t *comms[1] = { NULL };
+    ck_assert_int_eq(comm_local_create(1, comms), SCAPE_OK);
+    ckpt_ref ref;
+    ck_assert_msg(ckpt_open(dir, 0, 1, &ref) == SCAPE_OK, "%s: %s", dir, scape_last_error());
+    ck_assert_uint_eq(ref.step, 3);
+    eng_t *e = NULL;
+    ck_assert_msg(eng_create(&e, &c.engine, &lay, comms[0], 1) == SCAPE_OK, "%s",
+                  scape_last_error());
+    static float p[N];
+    void *params[1] = { p };
+    ck_assert_msg(ckpt_restore(&ref, e, comms[0], params) == SCAPE_OK, "%s: %s",
+                  s_old_ckpts[_i].dir, scape_last_error());
+    /* and another setting of a hashed key is refused, saying so */
+    eng_destroy(&e);
+    eng_config other = c.engine;
+    other.hyper.beta1 = 0.85f;
+    ck_assert_int_eq(eng_create(&e, &other, &lay, comms[0], 1), SCAPE_OK);
+    ck_assert_int_ne(ckpt_restore(&ref, e, comms[0], params), SCAPE_OK);
+    eng_destroy(&e);
+    comm_destroy(&comms[0]);
+}
+END_TEST
+
 int main(void)
 {
 Suite *s = suite_create("config");
@@ -784,6 +1046,12 @@ Suite *s = suite_create("config");
     tcase_add_test(tc, closest_key);
     tcase_add_test(tc, env_unknown);
     tcase_add_test(tc, env_warnings);
+    tcase_add_test(tc, hash_as_before);
+    tcase_add_test(tc, engine_rows_are_keys);
+    tcase_add_test(tc, enum_lookup);
+    tcase_add_test(tc, status_values);
+    tcase_add_loop_test(tc, old_checkpoints_restore, 0,
+                        sizeof s_old_ckpts / sizeof s_old_ckpts[0]);
     suite_add_tcase(s, tc);
     return check_run(s);
 }
