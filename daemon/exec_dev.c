@@ -37,6 +37,8 @@
 #include "try.h"
 
 _Static_assert(KSEG_GROUPS == ENG_MAX_GROUPS, "one limit on parameter groups");
+_Static_assert((int)ENG_UPD_ADAMS == SCAPE_UPD_ADAMS && (int)ENG_UPD_ADAMW == SCAPE_UPD_ADAMW,
+               "eng_update numbers the kernels' update variants (scape_formula.h)");
 
 /* The least a scattered access moves on the device: one 32-byte sector. */
 #define SECTOR 32
@@ -857,15 +859,15 @@ static scape_rc dev_update(exec_t *x, size_t first, size_t count, uint64_t t)
         return SCAPE_OK;
     const kern_hyper *hy = &xa->cfg->hyper;
     a.in = xa->sum;
-    a.adamw = xa->opt->update == ENG_UPD_ADAMW;
+    a.update = (int)xa->opt->update;
     a.b1 = hy->beta1;
     a.b2 = hy->beta2;
     a.eps = hy->eps;
     memcpy(a.glr, xa->glr, xa->ngroups * sizeof *a.glr);
     memcpy(a.gwd, xa->gwd, xa->ngroups * sizeof *a.gwd);
     a.div = (float)xa->t_total;
-    a.bc1 = a.adamw ? scape_f_bias_correction(hy->beta1, t) : 1.0f;
-    a.bc2 = a.adamw ? scape_f_bias_correction(hy->beta2, t) : 1.0f;
+    a.bc1 = scape_f_bias_correction(hy->beta1, t); /* read where the variant takes them */
+    a.bc2 = scape_f_bias_correction(hy->beta2, t);
     a.clip = xa->clip;
     return run(impl(x), KSEG_UPDATE, &a);
 }

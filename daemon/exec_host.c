@@ -441,13 +441,8 @@ static scape_rc update_tensor(void *ctx, size_t i, int w)
     hc.wd = xa->gwd[t->group];
     float lr = xa->glr[t->group];
     (void)w;
-    if (xa->opt->update == ENG_UPD_ADAMW)
-        return mask ? kern_adamw_masked(xa->theta + s, xa->m + s, xa->v + s, sum, div, mask,
-                                        t->len, h, lr, u->t)
-                    : kern_adamw_dense(xa->theta + s, xa->m + s, xa->v + s, sum, div, t->len, h,
-                                       lr, u->t);
-    return mask ? kern_adams_masked(xa->theta + s, xa->m + s, sum, div, mask, t->len, h, lr)
-                : kern_adams_dense(xa->theta + s, xa->m + s, sum, div, t->len, h, lr);
+    return kern_update((int)xa->opt->update, xa->theta + s, xa->m + s, xa->v ? xa->v + s : NULL,
+                       sum, div, mask, t->len, h, lr, u->t);
 }
 
 static scape_rc host_update(exec_t *x, size_t first, size_t n_t, uint64_t t)

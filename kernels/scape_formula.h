@@ -14,7 +14,7 @@
  *    added in trainer order (scape_f_grad_add);
  *  - a = G + e (scape_f_ef);
  *  - g_hat = S / T (scape_f_mean), clipped (scape_f_clip), then the update
- *    of scape_f_adams or scape_f_adamw.
+ *    of the optimizer's variant (scape_f_update: scape_f_adams or scape_f_adamw).
  */
 #ifndef SCAPE_FORMULA_H
 #define SCAPE_FORMULA_H
@@ -244,6 +244,34 @@ SCAPE_HD void scape_f_adamw(float *theta, float *m, float *v, float g, float b1,
     *m = mi;
     *v = vi;
     *theta = th - lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) + wd * th);
+}
+
+/* The update variants: an optimizer's update is its formula above, its
+ * number here and its case in scape_f_update; every kernel (kern_update,
+ * the segmented UPDATE on CPU and GPU) runs it from there.  Numbered as
+ * daemon/engine.h's eng_update. */
+enum scape_update {
+    SCAPE_UPD_ADAMS = 0, /* scape_f_adams: m only */
+    SCAPE_UPD_ADAMW,     /* scape_f_adamw: m, v and bias correction */
+    SCAPE_UPD_COUNT
+};
+
+/* Whether variant `variant` reads and writes v. */
+SCAPE_HD int scape_f_update_reads_v(int variant) { return variant == SCAPE_UPD_ADAMW; }
+
+/* One coordinate's update by its variant; v, bc1 and bc2 are read only
+ * where the variant takes them (they may be NULL / anything elsewhere). */
+SCAPE_HD void scape_f_update(int variant, float *theta, float *m, float *v, float g, float b1,
+                             float b2, float eps, float wd, float lr, float bc1, float bc2)
+{
+    switch (variant) {
+    case SCAPE_UPD_ADAMW:
+        scape_f_adamw(theta, m, v, g, b1, b2, eps, wd, lr, bc1, bc2);
+        break;
+    default: /* SCAPE_UPD_ADAMS */
+        scape_f_adams(theta, m, g, b1, b2, eps, wd, lr);
+        break;
+    }
 }
 
 #endif /* SCAPE_FORMULA_H */

@@ -126,6 +126,15 @@ scape_rc kern_mask_compact_delta(float *theta, const float *old, const uint32_t 
 scape_rc kern_mask_expand_delta(const uint16_t *packed, const uint32_t *mask, size_t n,
                                 float *dense);
 
+/* The update of variant `variant` (scape_f_update; SCAPE_UPD_COUNT refused)
+ * at the set bits of mask, the j-th set bit with g = sum[j] / div, or with
+ * mask NULL at every coordinate i with g = sum[i] / div (times h->clip, when
+ * it clips); clear bits leave the state untouched.  v is read only where
+ * scape_f_update_reads_v (NULL elsewhere); bias correction at step t >= 1.
+ * The named entries below are this update at a fixed variant. */
+scape_rc kern_update(int variant, float *theta, float *m, float *v, const float *sum, float div,
+                     const uint32_t *mask, size_t n, const kern_hyper *h, float lr, uint64_t t);
+
 /* Masked AdamS with the single-buffer reconstruction.  For the j-th set bit i,
  * with g = sum[j] / div (times h->clip, when it clips):
  *   b = beta1*m + (1-beta1)*g;   v = beta2*(m*m) + (1-beta2)*(g*g);   m = b;

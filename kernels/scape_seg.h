@@ -80,7 +80,7 @@ typedef enum kseg_kernel {
     KSEG_SCAN = 0,    /* tiles[i] = set bits of words [w0, w0 + i * TILE); [ntiles] = all */
     KSEG_PACK,        /* a = G + e; packed at the mask (or dense); keys */
     KSEG_GSUM,        /* out[i] = G_r[i], i < n (layout order) */
-    KSEG_UPDATE,      /* AdamS / AdamW on the mask (or dense) */
+    KSEG_UPDATE,      /* the update variant (scape_f_update) on the mask (or dense) */
     KSEG_COMPACT,     /* theta at the mask -> packed (or dense) */
     KSEG_WRITEBACK,   /* packed (or dense) -> every trainer's buffer */
     KSEG_LOAD_THETA,  /* a trainer-form buffer -> theta (dense) */
@@ -139,7 +139,8 @@ typedef struct kseg_args {
     uint64_t key_lo, key_hi;
     int key_abs;            /* the key of |a| (topk-adamw) instead of SCAPE's statistic */
     float beta1, c1, t_r;   /* the statistic */
-    int adamw;              /* UPDATE: AdamW (v) instead of AdamS */
+    int update;             /* UPDATE: the variant (scape_f_update); v only where
+                               scape_f_update_reads_v */
     float b1, b2, eps, bc1, bc2, div;
     float glr[KSEG_GROUPS], gwd[KSEG_GROUPS]; /* UPDATE: per parameter group
                                                  (kseg_tensor.group) */
@@ -307,12 +308,8 @@ SCAPE_HD void kseg_update_elem(const kseg_args *a, const kseg_tensor *t, uint64_
     }
     uint64_t s = pos - a->s_base;
     float g = scape_f_clip(scape_f_mean(a->in[j], a->div), a->clip);
-    if (a->adamw)
-        scape_f_adamw(&a->theta[s], &a->m[s], &a->v[s], g, a->b1, a->b2, a->eps,
-                      a->gwd[t->group], a->glr[t->group], a->bc1, a->bc2);
-    else
-        scape_f_adams(&a->theta[s], &a->m[s], g, a->b1, a->b2, a->eps, a->gwd[t->group],
-                      a->glr[t->group]);
+    scape_f_update(a->update, &a->theta[s], &a->m[s], a->v ? &a->v[s] : NULL, g, a->b1, a->b2,
+                   a->eps, a->gwd[t->group], a->glr[t->group], a->bc1, a->bc2);
 }
 
 SCAPE_HD void kseg_compact_elem(const kseg_args *a, const kseg_tensor *t, uint64_t i,

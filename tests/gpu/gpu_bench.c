@@ -139,7 +139,7 @@ static scape_rc update(bench *b, size_t n, int masked, int adamw)
     a.theta = b->th;
     a.m = b->m;
     a.v = b->v;
-    a.adamw = adamw;
+    a.update = adamw ? SCAPE_UPD_ADAMW : SCAPE_UPD_ADAMS;
     return kseg_run_cuda(KSEG_UPDATE, &a, b->s);
 }
 

@@ -414,7 +414,7 @@ static void check_update(ctx *c, const layout *l, double p, int dense, int adamw
         a[s].theta = SIDE(th, s);
         a[s].m = SIDE(m, s);
         a[s].v = adamw ? SIDE(v, s) : NULL;
-        a[s].adamw = adamw;
+        a[s].update = adamw ? SCAPE_UPD_ADAMW : SCAPE_UPD_ADAMS;
         a[s].b1 = 0.9f;
         a[s].b2 = 0.95f;
         a[s].eps = 1e-8f;

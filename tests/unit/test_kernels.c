@@ -1096,6 +1096,27 @@ START_TEST(test_adam_masked_dense_agree)
 }
 END_TEST
 
+/* kern_update, the executors' entry, by variant: each against its
+ * reference above, masked (every mask kind) and dense; v NULL for AdamS. */
+START_TEST(test_update_variants)
+{
+    size_t n = s_sizes[_i];
+    rng r = rng_make(__func__, _i);
+    for (int kind = -1; kind < MK_COUNT; kind++)
+        for (size_t s = 0; s < 4; s++) {
+            uint64_t t = s ? s_steps[s - 1] : 0; /* 0: AdamS, as verify_adam */
+            adam_case c;
+            adam_init(&c, &r, n, kind);
+            assert_ok(kern_update(t ? SCAPE_UPD_ADAMW : SCAPE_UPD_ADAMS, c.theta, c.m,
+                                  t ? c.v : NULL, c.sum, c.div, c.mask, n, &c.h, c.lr,
+                                  t ? t : 1),
+                      "kern_update", n);
+            verify_adam(&c, t);
+            adam_free(&c);
+        }
+}
+END_TEST
+
 /* ---- refused calls ------------------------------------------------------ */
 
 #define BN 33 /* fixture segment: one full word and one partial word */
@@ -1237,6 +1258,17 @@ START_TEST(test_null_adam)
     REFUSE(&f, "kern_adamw_masked",
            kern_adamw_masked(f.theta, f.m, f.v, f.sum, 1, f.mask, n, NULL, 1e-3f, 1));
     assert_ok(kern_adams_masked(f.theta, f.m, f.sum, 1, f.mask, n, h, 1e-3f), "adams_masked", n);
+    REFUSE(&f, "kern_update", kern_update(-1, f.theta, f.m, f.v, f.sum, 1, f.mask, n, h, 1e-3f, 1));
+    REFUSE(&f, "kern_update",
+           kern_update(SCAPE_UPD_COUNT, f.theta, f.m, f.v, f.sum, 1, f.mask, n, h, 1e-3f, 1));
+    REFUSE(&f, "kern_update",
+           kern_update(SCAPE_UPD_ADAMW, f.theta, f.m, NULL, f.sum, 1, NULL, n, h, 1e-3f, 1));
+    REFUSE(&f, "kern_update",
+           kern_update(SCAPE_UPD_ADAMS, f.theta, NULL, NULL, f.sum, 1, f.mask, n, h, 1e-3f, 1));
+    REFUSE(&f, "kern_update",
+           kern_update(SCAPE_UPD_ADAMS, f.theta, f.m, NULL, f.sum, 1, f.mask, n, h, 1e-3f, 0));
+    assert_ok(kern_update(SCAPE_UPD_ADAMS, f.theta, f.m, NULL, f.sum, 1, f.mask, n, h, 1e-3f, 1),
+              "kern_update", n);
     assert_ok(kern_adams_dense(f.theta, f.m, f.sum, 1, n, h, 1e-3f), "adams_dense", n);
     assert_ok(kern_adamw_dense(f.theta, f.m, f.v, f.sum, 1, n, h, 1e-3f, 1), "adamw_dense", n);
     assert_ok(kern_adamw_masked(f.theta, f.m, f.v, f.sum, 1, f.mask, n, h, 1e-3f, 1),
@@ -1597,6 +1629,7 @@ static Suite *kernels_suite(void)
     suite_add_tcase(s, sized("adamw_dense", test_adamw_dense, 600));
     suite_add_tcase(s, sized("adamw_masked", test_adamw_masked, 900));
     suite_add_tcase(s, sized("adam_agree", test_adam_masked_dense_agree, 300));
+    suite_add_tcase(s, sized("update_variants", test_update_variants, 900));
 
     tc = tcase_create("fixed");
     tcase_add_test(tc, test_topk_crafted);

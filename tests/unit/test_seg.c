@@ -8,7 +8,7 @@
  *    host executor (kern_topk_packed on a stored statistic) per tensor;
  *  - the word-range kernels (PACK, UPDATE, COMPACT, WRITEBACK) against
  *    kern_grad_accum, the statistic of scape_formula.h, kern_pack_ef,
- *    kern_adams_* / kern_adamw_*, kern_mask_compact_dt and
+ *    kern_update, kern_mask_compact_dt and
  *    kern_mask_expand_dt, applied tensor by tensor in comm order.
  * The tables are built as daemon/exec_dev.c builds them (build_tensors,
  * build_range, build_sel); host memory stands in for device memory, since
@@ -1185,13 +1185,13 @@ END_TEST
 /* ---- UPDATE ---- */
 
 typedef struct upd_opt {
-    int adamw;
+    int update; /* the variant (scape_f_update) */
     kern_hyper h;
     float lr, div;
     uint64_t t, k_cap;
 } upd_opt;
 
-/* kern_adams_* / kern_adamw_* per segment, on the mask below k_cap. */
+/* kern_update per segment, on the mask below k_cap. */
 static void ref_update(const wcase *c, const upd_opt *o, const float *in, float *theta,
                        float *m, float *v)
 {
@@ -1202,17 +1202,8 @@ static void ref_update(const wcase *c, const upd_opt *o, const float *in, float 
             continue;
         uint64_t r0 = s.pos - c->p0;
         scape_rc rc;
-        if (mask && o->adamw)
-            rc = kern_adamw_masked(theta + r0, m + r0, v + r0, in + s.j0, o->div,
-                                   mask + s.ws, s.n, &o->h, o->lr, o->t);
-        else if (mask)
-            rc = kern_adams_masked(theta + r0, m + r0, in + s.j0, o->div, mask + s.ws, s.n,
-                                   &o->h, o->lr);
-        else if (o->adamw)
-            rc = kern_adamw_dense(theta + r0, m + r0, v + r0, in + s.j0, o->div, s.n, &o->h,
-                                  o->lr, o->t);
-        else
-            rc = kern_adams_dense(theta + r0, m + r0, in + s.j0, o->div, s.n, &o->h, o->lr);
+        rc = kern_update(o->update, theta + r0, m + r0, v ? v + r0 : NULL, in + s.j0, o->div,
+                         mask ? mask + s.ws : NULL, s.n, &o->h, o->lr, o->t);
         ck_assert_int_eq(rc, SCAPE_OK);
     }
     free(mask);
@@ -1222,7 +1213,7 @@ static void update_one(rng *r, const wcase *c)
 {
     upd_opt o = { .h = { 0.9f, 0.95f, 1e-8f, 0.0f } };
     /* one draw per statement: an initializer list's order is unspecified */
-    o.adamw = (int)rng_below(r, 2);
+    o.update = (int)rng_below(r, SCAPE_UPD_COUNT);
     o.h.wd = rng_below(r, 2) ? 0.0f : 0.1f;
     o.lr = 1e-3f * (float)(1 + rng_below(r, 10));
     o.div = (float)(1 + rng_below(r, 8));
@@ -1231,7 +1222,7 @@ static void update_one(rng *r, const wcase *c)
     uint64_t len = c->p1 - c->p0, bytes = (len + GUARD_W) * 4;
     float *in = random_floats(r, packed_len(c), 0);
     float *theta = random_floats(r, len, 0), *m = random_floats(r, len, 0);
-    float *v = o.adamw ? random_floats(r, len, 1) : NULL;
+    float *v = scape_f_update_reads_v(o.update) ? random_floats(r, len, 1) : NULL;
     float *theta_w = xdup(theta, bytes), *m_w = xdup(m, bytes);
     float *v_w = v ? xdup(v, bytes) : NULL;
     ref_update(c, &o, in, theta_w, m_w, v_w);
@@ -1242,19 +1233,19 @@ static void update_one(rng *r, const wcase *c)
     a.m = m;
     a.v = v;
     a.k_cap = o.k_cap;
-    a.adamw = o.adamw;
+    a.update = o.update;
     a.b1 = o.h.beta1;
     a.b2 = o.h.beta2;
     a.eps = o.h.eps;
     a.gwd[0] = o.h.wd;
     a.glr[0] = o.lr;
     a.div = o.div;
-    a.bc1 = o.adamw ? scape_f_bias_correction(o.h.beta1, o.t) : 1.0f; /* as dev_update */
-    a.bc2 = o.adamw ? scape_f_bias_correction(o.h.beta2, o.t) : 1.0f;
+    a.bc1 = scape_f_bias_correction(o.h.beta1, o.t); /* as dev_update */
+    a.bc2 = scape_f_bias_correction(o.h.beta2, o.t);
     run(KSEG_UPDATE, &a);
     char ctx[400];
-    snprintf(ctx, sizeof ctx, "%s; update %s wd %g t %" PRIu64 " k_cap %" PRIu64, c->ctx,
-             o.adamw ? "adamw" : "adams", (double)o.h.wd, o.t, o.k_cap);
+    snprintf(ctx, sizeof ctx, "%s; update variant %d wd %g t %" PRIu64 " k_cap %" PRIu64,
+             c->ctx, o.update, (double)o.h.wd, o.t, o.k_cap);
     ck_assert_msg(st.err == packed_err(c, o.k_cap), "%s: err %u", ctx, st.err);
     expect_same(theta, theta_w, len + GUARD_W, 4, "theta", ctx);
     expect_same(m, m_w, len + GUARD_W, 4, "m", ctx);
@@ -1576,7 +1567,7 @@ START_TEST(packed_overflow_flagged)
         a.theta = theta;
         a.m = m;
         a.v = v;
-        a.adamw = q & 1;
+        a.update = q & 1;
         a.b1 = 0.9f, a.b2 = 0.95f, a.eps = 1e-8f, a.glr[0] = 1e-3f, a.div = 1.0f;
         a.bc1 = a.bc2 = 1.0f;
         run(ks[q], &a);
