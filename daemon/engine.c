@@ -22,13 +22,13 @@
 /* The optimizers (engine.h, eng_opt), in eng_optimizer's order. */
 static const eng_opt s_opts[ENG_OPT_COUNT] = {
     { ENG_OPT_SCAPE, "scape", 0, ENG_MASK_LAGGED_M, 0, SEC(M) | SEC(THETA) | MASK_SECS,
-      ENG_UPD_ADAMS },
+      SCAPE_UPD_ADAMS },
     { ENG_OPT_ADAMS, "adams", 0, ENG_MASK_NONE, 0, SEC(M) | SEC(THETA) | SEC(RESIDUAL),
-      ENG_UPD_ADAMS },
+      SCAPE_UPD_ADAMS },
     { ENG_OPT_ADAMW, "adamw", 1, ENG_MASK_NONE, 0,
-      SEC(M) | SEC(V) | SEC(THETA) | SEC(RESIDUAL), ENG_UPD_ADAMW },
+      SEC(M) | SEC(V) | SEC(THETA) | SEC(RESIDUAL), SCAPE_UPD_ADAMW },
     { ENG_OPT_TOPK_ADAMW, "topk-adamw", 1, ENG_MASK_TOPK_GRAD, 1,
-      SEC(M) | SEC(V) | SEC(THETA) | SEC(RESIDUAL), ENG_UPD_ADAMW },
+      SEC(M) | SEC(V) | SEC(THETA) | SEC(RESIDUAL), SCAPE_UPD_ADAMW },
 };
 
 const eng_opt *eng_opt_get(eng_optimizer opt)

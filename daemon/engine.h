@@ -401,12 +401,6 @@ typedef enum eng_mask_src {
                            step after the warm-up; the step uses their union */
 } eng_mask_src;
 
-/* The update formula (scape_formula.h) the kernels run. */
-typedef enum eng_update {
-    ENG_UPD_ADAMS = 0, /* AdamS: m only, v rebuilt from it */
-    ENG_UPD_ADAMW,     /* AdamW with bias correction: m and v */
-} eng_update;
-
 /* One optimizer: everything the engine, the executors and the checkpoints
  * branch on.  One row each in engine.c's table; nothing else compares
  * eng_config.optimizer. */
@@ -419,7 +413,8 @@ typedef struct eng_opt {
                              (exec_ops.intake): its mask is chosen from G_r */
     uint32_t secs;        /* sections its checkpoints may hold (1u << ENG_SEC_*):
                              the residual and the masks only as the flags say */
-    eng_update update;    /* the update variant, per tensor and segmented */
+    int update;           /* the update variant the kernels run, per tensor and
+                             segmented: a SCAPE_UPD_* of scape_formula.h */
 } eng_opt;
 
 /* The row of `opt`; NULL when there is none. */

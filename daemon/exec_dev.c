@@ -37,8 +37,6 @@
 #include "try.h"
 
 _Static_assert(KSEG_GROUPS == ENG_MAX_GROUPS, "one limit on parameter groups");
-_Static_assert((int)ENG_UPD_ADAMS == SCAPE_UPD_ADAMS && (int)ENG_UPD_ADAMW == SCAPE_UPD_ADAMW,
-               "eng_update numbers the kernels' update variants (scape_formula.h)");
 
 /* The least a scattered access moves on the device: one 32-byte sector. */
 #define SECTOR 32

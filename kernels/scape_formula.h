@@ -248,8 +248,8 @@ SCAPE_HD void scape_f_adamw(float *theta, float *m, float *v, float g, float b1,
 
 /* The update variants: an optimizer's update is its formula above, its
  * number here and its case in scape_f_update; every kernel (kern_update,
- * the segmented UPDATE on CPU and GPU) runs it from there.  Numbered as
- * daemon/engine.h's eng_update. */
+ * the segmented UPDATE on CPU and GPU) runs it from there.  The engine's
+ * optimizer rows (daemon/engine.c) name these numbers. */
 enum scape_update {
     SCAPE_UPD_ADAMS = 0, /* scape_f_adams: m only */
     SCAPE_UPD_ADAMW,     /* scape_f_adamw: m, v and bias correction */

@@ -1552,7 +1552,7 @@ START_TEST(optimizer_rows)
         ck_assert_int_eq(r->keeps_v, want[i].keeps_v);
         ck_assert_int_eq(r->intake, want[i].intake);
         ck_assert_int_eq(r->mask, want[i].mask);
-        ck_assert_int_eq(r->update == ENG_UPD_ADAMW, r->keeps_v);
+        ck_assert_int_eq(r->update == SCAPE_UPD_ADAMW, r->keeps_v);
         eng_optimizer back = ENG_OPT_COUNT;
         ck_assert_int_eq(eng_optimizer_parse(r->name, &back), SCAPE_OK);
         ck_assert_int_eq(back, want[i].id);
