@@ -213,10 +213,10 @@ void ckp_after_step(server *s, uint64_t step)
     /* while steps follow each other, their rounds meet a request: look for
      * request files (a metadata lookup on a shared file system) only once
      * the job has been idle for a while */
-    s->ckpt_look_at = srv_now() + IDLE_LOOK_S;
+    s->ckpt_look_at = job_now() + IDLE_LOOK_S;
     scape_rc rc = agree(s, wanted_here(s, step), &due);
     if (rc != SCAPE_OK) {
-        srv_mark_broken(s);
+        job_mark_broken(&s->job);
         LOG_ERROR(SUB_COMM, "after step %llu: lost the other daemons: %s",
                   (unsigned long long)step, scape_last_error());
         return;
@@ -249,7 +249,7 @@ static scape_rc round_of(server *s, int mine, int *due)
     uint32_t g = s->ckpt_rounds;
     scape_rc rc = agree(s, mine, due);
     if (rc != SCAPE_OK) {
-        srv_mark_broken(s);
+        job_mark_broken(&s->job);
         LOG_ERROR(SUB_COMM, "between steps %llu and %llu: lost the other daemons: %s",
                   (unsigned long long)t, (unsigned long long)t + 1, scape_last_error());
         return rc;
@@ -287,8 +287,8 @@ static void mark(server *s, int kind);
 static void join_state_dict(server *s)
 {
     if (s->cfg.world == 1 || s->cfg.checkpoint_dir[0] == '\0' || s->eng == NULL ||
-        s->broken || s->next_step <= 1 || saved(s, s->next_step - 1) ||
-        srv_now() < s->ckpt_look_at)
+        s->job.broken || s->next_step <= 1 || saved(s, s->next_step - 1) ||
+        job_now() < s->ckpt_look_at)
         return;
     if (!ckpt_wanted(s->cfg.checkpoint_dir, s->next_step - 1, s->ckpt_rounds))
         return;
@@ -331,7 +331,7 @@ static scape_rc save_now(server *s, uint64_t t)
  * the last step (step 0 and no dir: a fresh job). */
 static scape_rc state_dict(server *s, Scape__CheckpointInfo *c)
 {
-    if (s->broken)
+    if (s->job.broken)
         return scape_set_error(SCAPE_INVALID, "state_dict: the optimizer failed part-way "
                                "through a step; its state is not saved");
     if (s->eng == NULL && s->resuming) {
@@ -368,7 +368,7 @@ scape_rc ckp_request(server *s, int now, Scape__CheckpointInfo *out)
         return scape_set_error(SCAPE_INVALID, "checkpoint: no checkpoint_dir is configured "
                                "(set checkpoint_dir in the config, SCAPE_CHECKPOINT_DIR or "
                                "--checkpoint-dir)");
-    if (s->broken)
+    if (s->job.broken)
         return scape_set_error(SCAPE_INVALID, "checkpoint: the optimizer failed part-way "
                                "through a step; its state is not saved");
     s->ckpt_requested = 1;
@@ -408,7 +408,7 @@ scape_rc ckp_locate(const server *s, const char *given, char *dir, size_t len)
 static scape_rc take(server *s)
 {
     scape_rc rc;
-    double t0 = srv_now();
+    double t0 = job_now();
     uint64_t at = 0;
     char dir[CKPT_PATH_MAX];
     rc = ckpt_save(s->cfg.checkpoint_dir, s->eng, s->comm, s->cfg.checkpoint_keep, &at, dir,
@@ -417,7 +417,7 @@ static scape_rc take(server *s)
         snprintf(s->ckpt_error, sizeof s->ckpt_error, "%s", scape_last_error());
         LOG_ERROR(SUB_ENGINE, "%s", s->ckpt_error);
         if (rc == SCAPE_TIMEOUT || rc == SCAPE_ZMQ || rc == SCAPE_REMOTE)
-            srv_mark_broken(s); /* the daemons are no longer in step */
+            job_mark_broken(&s->job); /* the daemons are no longer in step */
         return scape_set_error(rc, "%s", s->ckpt_error);
     }
     s->ckpt_error[0] = '\0';
@@ -425,7 +425,7 @@ static scape_rc take(server *s)
     s->ckpt_count++;
     set_dir(s, dir);
     LOG_INFO(SUB_ENGINE, "checkpoint after step %llu written to %s in %.3f s",
-             (unsigned long long)at, dir, srv_now() - t0);
+             (unsigned long long)at, dir, job_now() - t0);
     return SCAPE_OK;
 }
 
@@ -468,7 +468,7 @@ static int may_be_asked(const server *s)
 {
     return s->cfg.world > 1 && s->cfg.checkpoint_dir[0] != '\0' && s->all_ckpt_dirs &&
            s->eng != NULL &&
-           !s->broken && s->next_step > 1 && !s->job_over;
+           !s->job.broken && s->next_step > 1 && !s->job_over;
 }
 
 static void mark(server *s, int kind)
@@ -496,7 +496,7 @@ static void leave_round(server *s)
                              "leave round", leave, s->cfg.world);
     mark(s, CKPT_NO_MARK); /* every daemon has seen every marker */
     if (rc != SCAPE_OK) {
-        srv_mark_broken(s);
+        job_mark_broken(&s->job);
         LOG_WARN(SUB_ENGINE, "the leave round failed: %s", scape_last_error());
         return;
     }
@@ -533,7 +533,7 @@ int ckp_leave_begin(server *s)
     if (ckpt_marks(s->cfg.checkpoint_dir, s->cfg.job, s->cfg.world, &leaving, missing,
                    sizeof missing) == 0) {
         leave_round(s);
-        ckp_leave_end(s, s->broken ? s->broken_why : NULL);
+        ckp_leave_end(s, s->job.broken ? s->job.broken_why : NULL);
         return 0;
     }
     LOG_INFO(SUB_MAIN, "waiting for daemons %s to leave (a state_dict may still come; at most "
@@ -542,13 +542,13 @@ int ckp_leave_begin(server *s)
     return 1;
 }
 
-int ckp_left(const server *s) { return s->job_over || s->broken; }
+int ckp_left(const server *s) { return s->job_over || s->job.broken; }
 
 void ckp_leave_end(server *s, const char *why)
 {
     if (why)
         LOG_WARN(SUB_MAIN, "stopping without the other daemons: %s", why);
-    else if (s->job_over && !s->broken)
+    else if (s->job_over && !s->job.broken)
         LOG_INFO(SUB_MAIN, "the other daemons are leaving too: stopping");
     mark(s, CKPT_NO_MARK);
 }

@@ -146,6 +146,10 @@ uint64_t comm_device_bytes(const comm_t *c);
 /* 1 when no device work of the comm is in flight (always, without a device
  * backend or without a comm). */
 int comm_quiet(const comm_t *c);
+/* Peers this rank's data plane reaches now, -1 when the backend cannot tell
+ * (one without connections of its own); the ranks it does not reach into
+ * down[0..*ndown), at most cap of them. */
+int comm_peers_up(const comm_t *c, int *down, int cap, int *ndown);
 /* A peer that is known to be gone while no collective runs (comm_ops.gone),
  * or -1: none, or the backend cannot tell. */
 int comm_gone(const comm_t *c, long long *down_ms);

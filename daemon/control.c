@@ -1,7 +1,7 @@
 /* control.c - trainer requests on the control socket: hello, register, step,
- * detach; and the step itself once every registered trainer has posted it.
- * Every refusal is an error reply with a message; nothing a trainer sends
- * can stop the daemon serving the others. */
+ * sync, resume, detach; the replies, the trainers' buffer maps, and when a
+ * step runs (job.c runs it).  Every refusal is an error reply with a
+ * message; nothing a trainer sends can stop the daemon serving the others. */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
 #include <stdlib.h>
@@ -30,26 +30,101 @@ static trainer *find(server *s, const unsigned char *rid, size_t rid_len)
     return NULL;
 }
 
-int ctl_registered(const server *s)
+/* ---- replies and the trainers' buffer maps ------------------------------------ */
+
+scape_rc ctl_reply(server *s, const unsigned char *rid, size_t rid_len, const Scape__Reply *r)
 {
-    int n = 0;
-    for (int i = 0; i < SRV_MAX_SLOTS; i++)
-        n += s->slots[i].used && s->slots[i].registered;
-    return n;
+    size_t len = scape__reply__get_packed_size(r);
+    uint8_t *buf = malloc(len ? len : 1);
+    if (buf == NULL)
+        return scape_set_error(SCAPE_NOMEM, "reply: out of memory");
+    scape__reply__pack(r, buf);
+    scape_rc rc = SCAPE_OK;
+    /* A peer that is gone makes these fail; that is not the daemon's error. */
+    if (zmq_send(s->ctrl, rid, rid_len, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0 ||
+        zmq_send(s->ctrl, buf, len, ZMQ_DONTWAIT) < 0) {
+        rc = scape_set_error(SCAPE_ZMQ, "reply: %s", zmq_strerror(zmq_errno()));
+        LOG_DEBUG(SUB_CTRL, "%s", scape_last_error());
+    }
+    free(buf);
+    return rc;
 }
 
-int ctl_synced(const server *s)
+void ctl_reply_error(server *s, const unsigned char *rid, size_t rid_len, scape_rc rc)
 {
-    int n = 0;
-    for (int i = 0; i < SRV_MAX_SLOTS; i++)
-        n += s->slots[i].used && s->slots[i].synced;
-    return n;
+    Scape__Error e;
+    Scape__Reply r;
+    wire_error_reply(&r, &e, rc);
+    ctl_reply(s, rid, rid_len, &r);
+}
+
+/* Nothing on the comm's streams or the executor's device can still touch a
+ * trainer's mapped buffer. */
+static int maps_idle(const server *s)
+{
+    return comm_quiet(s->comm) && !eng_device_stuck(s->eng);
+}
+
+void ctl_close_map(server *s, shm_map *m, int unlink_it)
+{
+    /* closing a CUDA mapping (and unregistering pinned memory) synchronises,
+     * and one that kernels may still use must stay open: it waits among the
+     * graves, its detach unanswered, so the trainer does not free it either */
+    if ((m->dev == NULL && !m->pinned) || maps_idle(s)) {
+        shm_map_close(m, unlink_it);
+        return;
+    }
+    if (s->ngraves == s->cap_graves) {
+        int cap = s->cap_graves ? 2 * s->cap_graves : 8;
+        grave *g = realloc(s->graves, (size_t)cap * sizeof *g);
+        if (g == NULL) { /* no room to wait: close now, and maybe wait there */
+            LOG_WARN(SUB_CTRL, "out of memory: closing a CUDA IPC buffer while the comm is busy");
+            shm_map_close(m, unlink_it);
+            return;
+        }
+        s->graves = g;
+        s->cap_graves = cap;
+    }
+    s->graves[s->ngraves++] = (grave){ .map = *m };
+    memset(m, 0, sizeof *m);
+    LOG_DEBUG(SUB_CTRL, "a CUDA IPC buffer waits for the comm to be quiet and the device "
+                        "idle before it is closed");
+}
+
+static void reply_ok_rid(server *s, const unsigned char *rid, size_t rid_len)
+{
+    Scape__Reply r = SCAPE__REPLY__INIT;
+    r.status = SCAPE__STATUS__OK;
+    ctl_reply(s, rid, rid_len, &r);
+}
+
+void ctl_reply_detached(server *s, int graves_before, const unsigned char *rid, size_t rid_len)
+{
+    if (s->ngraves == graves_before || rid_len > SRV_RID_MAX) {
+        reply_ok_rid(s, rid, rid_len);
+        return;
+    }
+    grave *g = &s->graves[s->ngraves - 1];
+    memcpy(g->rid, rid, rid_len);
+    g->rid_len = rid_len;
+}
+
+void ctl_reap_maps(server *s, int force)
+{
+    if (s->ngraves == 0 || !(force || maps_idle(s)))
+        return;
+    for (int i = 0; i < s->ngraves; i++)
+        shm_map_close(&s->graves[i].map, 0);
+    for (int i = 0; i < s->ngraves; i++)
+        if (s->graves[i].rid_len && s->ctrl)
+            reply_ok_rid(s, s->graves[i].rid, s->graves[i].rid_len);
+    s->ngraves = 0;
 }
 
 static void reply_ok(server *s, const trainer *t, Scape__Reply *r)
 {
     r->status = SCAPE__STATUS__OK;
-    srv_reply(s, t->rid, t->rid_len, r);
+    ctl_reply(s, t->rid, t->rid_len, r);
 }
 
 /* ---- hello ------------------------------------------------------------- */
@@ -313,89 +388,8 @@ static scape_rc map_buffers(server *s, const Scape__Register *g, size_t numel,
     if (rc == SCAPE_OK)
         rc = map_one(s, t, g->grads, numel * kern_dtype_size(gdt), "grads", &t->grads);
     if (rc != SCAPE_OK)
-        srv_close_map(s, &t->params, 0);
+        ctl_close_map(s, &t->params, 0);
     return rc;
-}
-
-/* CUDA IPC buffers under the host executor: the engine works on host
- * copies.  Pull the trainers' buffers into them (grads before a step,
- * trainer 0's params before the start) or push the new parameters back;
- * shm buffers, and CUDA IPC buffers the cuda executor works on in place,
- * need nothing. */
-static scape_rc pull(trainer **ts, int n, int grads, size_t bytes, uint64_t *copied)
-{
-    for (int i = 0; i < n; i++)
-        TRY(shm_map_pull(grads ? &ts[i]->grads : &ts[i]->params, bytes, copied));
-    return SCAPE_OK;
-}
-
-/* Trainers that hand over by event (grad_event) have recorded it on the
- * stream that made their gradients: poll every such event under one
- * deadline (comm_timeout_ms for them all), naming a trainer whose event does
- * not get there.  Every 50 ms the pids of those still awaited are looked at:
- * a trainer that died after posting leaves an event that may never complete,
- * so it is returned in *dead (the step is then abandoned as for any death)
- * instead of holding the daemon until the deadline. */
-static scape_rc await_grads(const server *s, trainer **ts, int n, trainer **dead)
-{
-    int done[SRV_MAX_SLOTS], left = 0;
-    char what[SRV_MAX_SLOTS][32];
-    *dead = NULL;
-    for (int i = 0; i < n; i++) {
-        done[i] = ts[i]->grads.event == NULL; /* shared memory, or no events */
-        if (!done[i]) {
-            snprintf(what[i], sizeof what[i], "step: trainer %d", ts[i]->index);
-            left++;
-        }
-    }
-    if (left == 0)
-        return SCAPE_OK;
-    double start = srv_now(), look = start + 0.05;
-    const struct timespec nap = { 0, 20000 }; /* 20 us between polls */
-    for (;;) {
-        for (int i = 0; i < n; i++) {
-            if (done[i])
-                continue;
-            /* an event whose exporter has exited is undefined to use: a
-             * query that fails for a dead trainer is its death, not the
-             * step's error (deaths otherwise show at the pid checks) */
-            scape_rc rc = shm_map_event_done(&ts[i]->grads, &done[i], what[i]);
-            if (rc != SCAPE_OK && wire_pid_gone(ts[i]->pid)) {
-                *dead = ts[i];
-                return SCAPE_OK;
-            }
-            TRY(rc);
-            left -= done[i];
-        }
-        if (left == 0)
-            return SCAPE_OK;
-        double now = srv_now();
-        if (now >= look) {
-            look = now + 0.05;
-            for (int i = 0; i < n; i++)
-                if (!done[i] && wire_pid_gone(ts[i]->pid)) {
-                    *dead = ts[i];
-                    return SCAPE_OK;
-                }
-        }
-        if (now - start > 1e-3 * s->cfg.comm_timeout_ms) {
-            for (int i = 0; i < n; i++)
-                if (!done[i])
-                    return scape_set_error(SCAPE_TIMEOUT, "step: trainer %d (pid %d): its "
-                                           "gradient-ready event has not completed after "
-                                           "%d ms (its stream is stuck: comm_timeout_ms)",
-                                           ts[i]->index, (int)ts[i]->pid,
-                                           s->cfg.comm_timeout_ms);
-        }
-        nanosleep(&nap, NULL);
-    }
-}
-
-static scape_rc push_params(trainer **ts, int n, size_t bytes, uint64_t *copied)
-{
-    for (int i = 0; i < n; i++)
-        TRY(shm_map_push(&ts[i]->params, bytes, copied));
-    return SCAPE_OK;
 }
 
 /* Another trainer's parameters into t's buffer, through host memory. */
@@ -497,20 +491,20 @@ static scape_rc on_register(server *s, trainer *t, const Scape__Register *g)
             rc = shm_map_export_event(&t->params, pev, what);
     }
     if (rc != SCAPE_OK) {
-        if (!had_layout && s->layout && ctl_registered(s) == 0 && s->eng == NULL) {
+        if (!had_layout && s->layout && srv_trainers(s, 0) == 0 && s->eng == NULL) {
             for (size_t i = 0; i < s->ntensors; i++)
                 free((char *)s->layout[i].name);
             free(s->layout);
             s->layout = NULL;
         }
-        srv_close_map(s, &t->grads, 0);
-        srv_close_map(s, &t->params, 0);
+        ctl_close_map(s, &t->grads, 0);
+        ctl_close_map(s, &t->params, 0);
         return rc;
     }
     t->registered = 1;
     Scape__Registered rg = SCAPE__REGISTERED__INIT;
     rg.numel = numel;
-    rg.trainers = (uint32_t)ctl_registered(s);
+    rg.trainers = (uint32_t)srv_trainers(s, 0);
     rg.has_params_event = g->has_grad_event;
     rg.params_event.data = pev;
     rg.params_event.len = g->has_grad_event ? sizeof pev : 0;
@@ -529,10 +523,10 @@ static scape_rc on_step(server *s, trainer *t, const Scape__Step *st)
     if (!t->synced)
         return scape_set_error(SCAPE_INVALID, "step: trainer %d has not synced its parameters "
                                "(scape_sync) yet", t->index);
-    if (s->broken)
+    if (s->job.broken)
         return scape_set_error(SCAPE_REMOTE,
                                "step: the optimizer failed part-way through a step (%s); "
-                               "restart the job from a checkpoint", s->broken_why);
+                               "restart the job from a checkpoint", s->job.broken_why);
     if (t->posted)
         return scape_set_error(SCAPE_INVALID, "step %llu: already posted by trainer %d",
                                (unsigned long long)st->step, t->index);
@@ -556,7 +550,7 @@ static scape_rc on_step(server *s, trainer *t, const Scape__Step *st)
     t->has_loss = st->has_loss;
     t->loss = st->loss;
     t->last_step = st->step;
-    t->posted_at = srv_now();
+    t->posted_at = job_now();
     /* How long the message waited for the daemon: the sender's clock is this
      * host's CLOCK_MONOTONIC.  A stamp from the future or from over an hour
      * ago is not that clock's (another host's, a forged one): unknown. */
@@ -589,16 +583,19 @@ static scape_rc start_job(server *s, trainer **ts, int n)
 {
     eng_layout lay = { s->layout, s->ntensors, s->pdt, s->gdt, s->groups, s->ngroups };
     void *params[SRV_MAX_SLOTS];
-    for (int i = 0; i < n; i++)
+    job_part parts[SRV_MAX_SLOTS];
+    for (int i = 0; i < n; i++) {
         params[i] = shm_map_engine(&ts[i]->params);
-    size_t pb = s->numel * kern_dtype_size(s->pdt);
-    scape_rc rc = pull(ts, 1, 0, pb, NULL); /* trainer 0's initial parameters */
+        parts[i] = (job_part){ .params = &ts[i]->params, .grads = &ts[i]->grads };
+    }
+    size_t pb = job_bytes(s->numel, s->pdt);
+    scape_rc rc = job_pull(parts, 1, 0, pb, NULL); /* trainer 0's initial parameters */
     if (rc == SCAPE_OK)
         rc = eng_create(&s->eng, &s->cfg.engine, &lay, s->comm, n);
     if (rc == SCAPE_OK)
         rc = ckp_start(s, params);
     if (rc == SCAPE_OK)
-        rc = push_params(ts, n, pb, NULL);
+        rc = job_push(parts, n, pb, NULL);
     if (rc != SCAPE_OK) {
         eng_destroy(&s->eng);
         return rc;
@@ -631,77 +628,15 @@ static scape_rc follow_trainers(server *s, int n)
     return SCAPE_OK;
 }
 
-static void fill_step_done(server *s, const eng_step_stats *st, double wait, double total,
-                           double queued, size_t control_bytes, uint64_t copied)
-{
-    Scape__Phases *ph = &s->last_phases;
-    scape__phases__init(ph);
-    ph->has_queued = queued >= 0.0;
-    ph->queued = ph->has_queued ? queued : 0.0;
-    double v[] = { wait, st->phase_s[ENG_PH_INTAKE], st->phase_s[ENG_PH_MASK_WAIT],
-                   st->phase_s[ENG_PH_SELECT], st->phase_s[ENG_PH_PACK],
-                   st->phase_s[ENG_PH_REDUCE], st->phase_s[ENG_PH_UPDATE],
-                   st->phase_s[ENG_PH_GATHER], st->phase_s[ENG_PH_WRITEBACK], total };
-    double *f[] = { &ph->wait, &ph->intake, &ph->mask_wait, &ph->select, &ph->pack,
-                    &ph->reduce, &ph->update, &ph->gather, &ph->writeback, &ph->total };
-    protobuf_c_boolean *has[] = { &ph->has_wait, &ph->has_intake, &ph->has_mask_wait,
-                                  &ph->has_select, &ph->has_pack, &ph->has_reduce,
-                                  &ph->has_update, &ph->has_gather, &ph->has_writeback,
-                                  &ph->has_total };
-    for (size_t i = 0; i < sizeof v / sizeof v[0]; i++) {
-        *f[i] = v[i];
-        *has[i] = 1;
-    }
-    Scape__StepDone *d = &s->last;
-    scape__step_done__init(d);
-    d->step = st->step;
-    d->phases = ph;
-    d->k = st->k;
-    d->density = st->density;
-    d->collectives = s->last_coll_p;
-    d->n_collectives = 0;
-    for (int op = 0; op < COMM_OP_COUNT; op++) {
-        d->bytes += st->comm.bytes[op];
-        d->wire_bytes += st->comm.wire_bytes[op];
-        if (st->comm.calls[op] == 0)
-            continue;
-        Scape__CollectiveCount *cc = &s->last_coll[d->n_collectives];
-        scape__collective_count__init(cc);
-        cc->op = (char *)comm_op_name((comm_op)op);
-        cc->calls = st->comm.calls[op];
-        cc->bytes = st->comm.bytes[op];
-        s->last_coll_p[d->n_collectives++] = cc;
-    }
-    d->has_mask_churn = 1;
-    d->mask_churn = st->mask_churn;
-    d->has_mask_overlap = st->phase_s[ENG_PH_MASK_WAIT] > 0.0 || st->mask_overlap > 0.0;
-    d->mask_overlap = st->mask_overlap;
-    /* Host shared memory is read and written where the trainers have it: 0.
-     * CUDA IPC buffers are staged through host copies: what moved. */
-    d->has_handover_copy_bytes = 1;
-    d->handover_copy_bytes = copied;
-    d->has_control_bytes = 1;
-    d->control_bytes = control_bytes;
-    d->has_mask_bytes = 1;
-    d->mask_bytes = st->mask_bytes;
-    d->has_launches = 1;
-    d->launches = st->launches;
-    d->has_grad_norm = d->has_clip = s->cfg.engine.max_grad_norm > 0.0f;
-    d->grad_norm = st->grad_norm;
-    d->clip = st->clip;
-    d->has_mean_grad_norm = d->has_mean_grad_exact = st->mean_grad_norm >= 0.0;
-    d->mean_grad_norm = st->mean_grad_norm;
-    d->mean_grad_exact = st->mean_grad_exact;
-    s->have_last = 1;
-}
-
 static void finish_step(server *s, trainer **ts, int n, scape_rc rc)
 {
     Scape__Reply r = SCAPE__REPLY__INIT;
+    step_done_msg m;
     if (rc == SCAPE_OK) {
+        status_step_done(&s->job, &m);
         r.status = SCAPE__STATUS__OK;
         r.body_case = SCAPE__REPLY__BODY_STEP_DONE;
-        r.step_done = &s->last;
+        r.step_done = &m.d;
     }
     /* Latest poster first: it is the straggler, on the job's critical path,
      * while the others only get back to work earlier (and, where trainers
@@ -716,9 +651,9 @@ static void finish_step(server *s, trainer **ts, int n, scape_rc rc)
     for (int i = 0; i < n; i++) {
         order[i]->posted = 0;
         if (rc == SCAPE_OK)
-            srv_reply(s, order[i]->rid, order[i]->rid_len, &r);
+            ctl_reply(s, order[i]->rid, order[i]->rid_len, &r);
         else
-            srv_reply_error(s, order[i]->rid, order[i]->rid_len, rc);
+            ctl_reply_error(s, order[i]->rid, order[i]->rid_len, rc);
     }
 }
 
@@ -747,21 +682,13 @@ static void note_strangers(server *s)
  * next step meanwhile waits in the socket: the next step's queued phase. */
 static scape_rc select_after_reply(server *s, uint64_t t)
 {
-    s->last_phases.has_after_reply = s->cfg.engine.defer_select;
-    s->last_phases.after_reply = 0.0;
-    double t0 = srv_now();
-    scape_rc rc = eng_step_finish(s->eng);
+    scape_rc rc = job_step_finish(&s->job, s->eng, s->cfg.engine.defer_select);
     if (rc != SCAPE_OK) {
-        srv_mark_broken(s);
+        job_mark_broken(&s->job);
         LOG_ERROR(SUB_ENGINE, "step %llu: selecting the next mask failed: %s",
                   (unsigned long long)t, scape_last_error());
-        return rc;
     }
-    s->last_phases.after_reply = srv_now() - t0;
-    eng_step_stats st; /* the selection's kernels count to the step */
-    if (eng_last_stats(s->eng, &st) == SCAPE_OK)
-        s->last.launches = st.launches;
-    return SCAPE_OK;
+    return rc;
 }
 
 /* Steps in a row on which a trainer's own gradient norm must equal
@@ -791,20 +718,10 @@ static void note_upstream_clip(server *s, trainer **ts, int n, uint64_t t)
     }
 }
 
-static void run_step(server *s, trainer **ts, int n)
+/* Several trainers posting other learning rates: trainer 0's count. */
+static void note_lr(const server *s, trainer **ts, int n, uint64_t t)
 {
-    uint64_t t = s->next_step;
-    double first = ts[0]->posted_at, loss = 0.0, queued = -1.0;
-    int nloss = 0;
-    size_t control_bytes = 0;
-    for (int i = 0; i < n; i++) {
-        control_bytes += ts[i]->step_msg_bytes;
-        queued = ts[i]->queued > queued ? ts[i]->queued : queued;
-        first = ts[i]->posted_at < first ? ts[i]->posted_at : first;
-        if (ts[i]->has_loss) {
-            loss += ts[i]->loss;
-            nloss++;
-        }
+    for (int i = 0; i < n; i++)
         for (size_t q = 0; q < eng_groups(s->eng); q++)
             if (ts[i]->lr[q] != ts[0]->lr[q]) {
                 LOG_WARN(SUB_CTRL, "step %llu: trainer %d posted lr=%g, trainer %d lr=%g%s; "
@@ -814,48 +731,39 @@ static void run_step(server *s, trainer **ts, int n)
                          (double)ts[0]->lr[q]);
                 break;
             }
-    }
-    double t0 = srv_now();
-    const void *grads[SRV_MAX_SLOTS];
-    void *params[SRV_MAX_SLOTS];
-    for (int i = 0; i < n; i++) {
-        grads[i] = shm_map_engine(&ts[i]->grads);
-        params[i] = shm_map_engine(&ts[i]->params);
-    }
-    uint64_t copied = 0;
-    size_t gb = s->numel * kern_dtype_size(s->gdt), pb = s->numel * kern_dtype_size(s->pdt);
+}
+
+static void run_step(server *s, trainer **ts, int n)
+{
+    uint64_t t = s->next_step;
+    note_lr(s, ts, n, t);
+    double t0 = job_now();
+    job_part parts[SRV_MAX_SLOTS];
+    for (int i = 0; i < n; i++)
+        parts[i] = (job_part){ &ts[i]->params, &ts[i]->grads, ts[i]->pid, ts[i]->index,
+                               ts[i]->has_loss, ts[i]->loss, ts[i]->posted_at,
+                               ts[i]->queued, ts[i]->step_msg_bytes };
     scape_rc rc = ckp_before_step(s, t); /* a state_dict asked for since the last step */
     if (rc == SCAPE_OK)
         rc = follow_trainers(s, n);
-    trainer *dead = NULL;
+    int dead = -1, broke = 0;
     if (rc == SCAPE_OK)
-        rc = await_grads(s, ts, n, &dead);
-    if (rc == SCAPE_OK && dead) { /* answers the others: abandoned, post again */
-        ctl_drop(s, dead, 1);
+        rc = job_await_grads(parts, n, s->cfg.comm_timeout_ms, &dead);
+    if (rc == SCAPE_OK && dead >= 0) { /* answers the others: abandoned, post again */
+        ctl_drop(s, ts[dead], 1);
         return;
     }
     if (rc == SCAPE_OK)
-        rc = pull(ts, n, 1, gb, &copied);
-    if (rc == SCAPE_OK) {
-        rc = eng_step_groups(s->eng, t, ts[0]->lr, grads, params);
-        if (rc == SCAPE_OK)
-            rc = push_params(ts, n, pb, &copied);
-        for (int i = 0; i < n && rc == SCAPE_OK; i++)
-            rc = shm_map_record_event(&ts[i]->params, "step");
-        if (rc != SCAPE_OK) {
-            srv_mark_broken(s);
-            LOG_ERROR(SUB_ENGINE, "step %llu failed: %s", (unsigned long long)t,
-                      scape_last_error());
-        }
+        rc = job_step_run(&s->job, s->eng, t, ts[0]->lr, parts, n,
+                          job_bytes(s->numel, s->gdt), job_bytes(s->numel, s->pdt), t0,
+                          &broke);
+    if (broke) {
+        job_mark_broken(&s->job);
+        LOG_ERROR(SUB_ENGINE, "step %llu failed: %s", (unsigned long long)t,
+                  scape_last_error());
     }
     if (rc == SCAPE_OK) {
-        eng_step_stats st;
-        eng_last_stats(s->eng, &st);
         note_upstream_clip(s, ts, n, t);
-        fill_step_done(s, &st, t0 - first, srv_now() - t0, queued, control_bytes, copied);
-        s->queued_total += queued > 0.0 ? queued : 0.0;
-        s->have_loss = nloss > 0;
-        s->last_loss = nloss ? loss / nloss : 0.0;
         s->next_step = t + 1;
     }
     finish_step(s, ts, n, rc);
@@ -866,9 +774,10 @@ static void run_step(server *s, trainer **ts, int n)
         rc = select_after_reply(s, t);
     note_strangers(s);
     if (rc == SCAPE_OK) {
+        job_count(&s->job);
         status_publish(s);
         LOG_DEBUG(SUB_ENGINE, "step %llu done: K=%llu in %.3f ms", (unsigned long long)t,
-                  (unsigned long long)s->last.k, 1e3 * s->last_phases.total);
+                  (unsigned long long)s->job.last.eng.k, 1e3 * s->job.last.total);
         ckp_after_step(s, t);
     }
 }
@@ -918,7 +827,7 @@ void ctl_maybe_sync(server *s)
             if (rc == SCAPE_OK)
                 reply_synced(s, ts[i]);
             else
-                srv_reply_error(s, ts[i]->rid, ts[i]->rid_len, rc);
+                ctl_reply_error(s, ts[i]->rid, ts[i]->rid_len, rc);
         }
         return;
     }
@@ -933,7 +842,7 @@ void ctl_maybe_sync(server *s)
             reply_synced(s, ts[i]);
         } else {
             ts[i]->wants_sync = 0;
-            srv_reply_error(s, ts[i]->rid, ts[i]->rid_len, rc);
+            ctl_reply_error(s, ts[i]->rid, ts[i]->rid_len, rc);
         }
     }
 }
@@ -960,7 +869,7 @@ static scape_rc restart_from(server *s, trainer **ts, int n, const char *dir)
     s->resuming = 0;
     s->next_step = 1;
     if (start_job(s, ts, n) != SCAPE_OK) {
-        srv_mark_broken(s);
+        job_mark_broken(&s->job);
         LOG_ERROR(SUB_ENGINE, "load_state_dict: the job could not start again: %s",
                   scape_last_error());
     }
@@ -991,7 +900,7 @@ static void maybe_resume(server *s)
             reply_synced(s, ts[i]);
         } else {
             scape_set_error(rc, "%s", why); /* each reply sends the reason */
-            srv_reply_error(s, ts[i]->rid, ts[i]->rid_len, rc);
+            ctl_reply_error(s, ts[i]->rid, ts[i]->rid_len, rc);
         }
     }
 }
@@ -1083,8 +992,8 @@ void ctl_drop(server *s, trainer *t, int died)
         s->spare = t->params;
         memset(&t->params, 0, sizeof t->params);
     }
-    srv_close_map(s, &t->params, died);
-    srv_close_map(s, &t->grads, died);
+    ctl_close_map(s, &t->params, died);
+    ctl_close_map(s, &t->grads, died);
     int idx = t->index;
     memset(t, 0, sizeof *t);
     if (!was_registered)
@@ -1103,7 +1012,7 @@ void ctl_drop(server *s, trainer *t, int died)
                             (unsigned long long)s->next_step, idx,
                             (unsigned long long)s->next_step - 1,
                             (unsigned long long)s->next_step);
-            srv_reply_error(s, o->rid, o->rid_len, SCAPE_REMOTE);
+            ctl_reply_error(s, o->rid, o->rid_len, SCAPE_REMOTE);
         }
         ctl_maybe_sync(s);
         return;
@@ -1125,7 +1034,7 @@ static scape_rc on_detach(server *s, trainer *t)
     memcpy(rid, t->rid, rid_len);
     int graves = s->ngraves;
     ctl_drop(s, t, 0);
-    srv_reply_detached(s, graves, rid, rid_len);
+    ctl_reply_detached(s, graves, rid, rid_len);
     return SCAPE_OK;
 }
 
@@ -1162,6 +1071,6 @@ void ctl_handle(server *s, const unsigned char *rid, size_t rid_len, const Scape
     if (rc != SCAPE_OK) {
         LOG_WARN(SUB_CTRL, "refused a request from %s: %s", t ? t->identity : "a new peer",
                  scape_last_error());
-        srv_reply_error(s, rid, rid_len, rc);
+        ctl_reply_error(s, rid, rid_len, rc);
     }
 }

@@ -45,45 +45,12 @@ static int stop_requested(void)
     return s_stop > 0 && (s_stop_leaving < 0 || s_stop > s_stop_leaving);
 }
 
-void srv_mark_broken(server *s)
+/* The TRY trail (try.h): each level a failure passes through, one debug
+ * line with its file:line, before the line that reports the failure. */
+static void log_trail(scape_rc rc, const char *file, int line)
 {
-    s->broken = 1;
-    snprintf(s->broken_why, sizeof s->broken_why, "%s", scape_last_error());
-}
-
-double srv_now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-/* ---- replies ------------------------------------------------------------- */
-
-scape_rc srv_reply(server *s, const unsigned char *rid, size_t rid_len, const Scape__Reply *r)
-{
-    size_t len = scape__reply__get_packed_size(r);
-    uint8_t *buf = malloc(len ? len : 1);
-    if (buf == NULL)
-        return scape_set_error(SCAPE_NOMEM, "reply: out of memory");
-    scape__reply__pack(r, buf);
-    scape_rc rc = SCAPE_OK;
-    /* A peer that is gone makes these fail; that is not the daemon's error. */
-    if (zmq_send(s->ctrl, rid, rid_len, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0 ||
-        zmq_send(s->ctrl, buf, len, ZMQ_DONTWAIT) < 0) {
-        rc = scape_set_error(SCAPE_ZMQ, "reply: %s", zmq_strerror(zmq_errno()));
-        LOG_DEBUG(SUB_CTRL, "%s", scape_last_error());
-    }
-    free(buf);
-    return rc;
-}
-
-void srv_reply_error(server *s, const unsigned char *rid, size_t rid_len, scape_rc rc)
-{
-    Scape__Error e;
-    Scape__Reply r;
-    wire_error_reply(&r, &e, rc);
-    srv_reply(s, rid, rid_len, &r);
+    if (log_enabled(LOG_LVL_DEBUG))
+        log_msg(LOG_LVL_DEBUG, SUB_MAIN, file, line, "%s passed up", scape_rc_name(rc));
 }
 
 /* ---- set-up ---------------------------------------------------------------- */
@@ -253,17 +220,11 @@ static scape_rc meet_peers(void *arg, const char *bound, const char *const **end
     return SCAPE_OK;
 }
 
-/* One daemon: the local backend with one rank.  Several: meet the others at
- * the rendezvous, then talk to them over the host backend (or NCCL). */
-static scape_rc open_comm(server *s)
+/* Several daemons over the host backend: meet the others at the rendezvous,
+ * then connect the data plane (CURVE when the rendezvous is authenticated). */
+static scape_rc open_host(server *s)
 {
     const scaped_config *c = &s->cfg;
-    if (c->rank >= c->world)
-        return scape_set_error(SCAPE_INVALID, "rank %d is outside world %d", c->rank, c->world);
-    if (c->backend == COMM_BACKEND_NCCL)
-        return open_nccl(s);
-    if (c->world == 1)
-        return comm_local_create(1, &s->comm);
     if (!c->coordinator[0] || !c->listen[0])
         return scape_set_error(SCAPE_INVALID, "world %d needs coordinator and listen endpoints",
                                c->world);
@@ -302,6 +263,40 @@ static scape_rc open_comm(server *s)
     return rc;
 }
 
+/* One daemon: the local backend with one rank. */
+static scape_rc open_local(server *s) { return comm_local_create(1, &s->comm); }
+
+static int fits_nccl(const scaped_config *c) { return c->backend == COMM_BACKEND_NCCL; }
+static int fits_local(const scaped_config *c) { return c->world == 1; }
+static int fits_host(const scaped_config *c) { (void)c; return 1; }
+
+/* The comm backends, as NCCL's transports: the first row that fits the
+ * configuration opens the comm. */
+typedef struct comm_backend_row {
+    const char *name;
+    int (*fits)(const scaped_config *c);
+    scape_rc (*open)(server *s);
+} comm_backend_row;
+
+static const comm_backend_row s_backends[] = {
+    { "nccl", fits_nccl, open_nccl },
+    { "local", fits_local, open_local },
+    { "host", fits_host, open_host },
+};
+
+static scape_rc open_comm(server *s)
+{
+    const scaped_config *c = &s->cfg;
+    if (c->rank >= c->world)
+        return scape_set_error(SCAPE_INVALID, "rank %d is outside world %d", c->rank, c->world);
+    for (size_t i = 0; i < sizeof s_backends / sizeof *s_backends; i++)
+        if (s_backends[i].fits(c)) {
+            LOG_DEBUG(SUB_COMM, "comm backend %s", s_backends[i].name);
+            return s_backends[i].open(s);
+        }
+    return scape_set_error(SCAPE_INVALID, "no comm backend fits world %d", c->world);
+}
+
 /* The executor the engine will run on: the key's choice, auto resolved. */
 static scape_rc choose_executor(server *s)
 {
@@ -320,13 +315,15 @@ static scape_rc choose_executor(server *s)
 
 scape_rc srv_create(server **out, const scaped_config *cfg)
 {
+    scape_set_trail(log_trail);
     server *s = calloc(1, sizeof *s);
     if (s == NULL)
         return scape_set_error(SCAPE_NOMEM, "server: out of memory");
     s->cfg = *cfg;
     s->lock_fd = -1;
     s->next_step = 1;
-    s->started_at = srv_now();
+    s->started_at = job_now();
+    s->job.clipping = cfg->engine.max_grad_norm > 0.0f;
     scape_rc rc = cfg->runtime_dir[0]
                       ? (snprintf(s->dir, sizeof s->dir, "%s", cfg->runtime_dir), SCAPE_OK)
                       : wire_runtime_dir(s->dir, sizeof s->dir);
@@ -366,30 +363,6 @@ scape_rc srv_create(server **out, const scaped_config *cfg)
 
 /* ---- the loop ------------------------------------------------------------- */
 
-int srv_peer_refused(server *s, zmq_msg_t *msg, const char *what)
-{
-    const char *addr = zmq_msg_gets(msg, "Peer-Address");
-    const char *c = addr ? strrchr(addr, ':') : NULL; /* ...:uid:gid:pid */
-    int fields = 0;
-    while (c && c > addr && fields < 2)
-        if (*--c == ':')
-            fields++;
-    unsigned uid = 0, gid = 0;
-    int pid = 0;
-    if (fields < 2 || sscanf(c, ":%u:%u:%d", &uid, &gid, &pid) != 3)
-        return 0;
-    if (uid == (unsigned)geteuid() || uid == 0)
-        return 0;
-    char who[300], me[300];
-    auth_uid_name(uid, who, sizeof who);
-    auth_uid_name((unsigned)geteuid(), me, sizeof me);
-    scape_set_error(SCAPE_INVALID, "process %d of %s is not this daemon's user (%s): only the "
-                    "job's own processes may use its sockets", pid, who, me);
-    LOG_WARN(SUB_CTRL, "refused a %s message: %s (is the runtime directory %s open to "
-             "others?)", what, scape_last_error(), s->dir);
-    return 1;
-}
-
 /* Receive one control message: [routing id][payload].  Anything else gets a
  * PROTO error; nothing is trusted before it is decoded and checked. */
 static void control_recv(server *s)
@@ -410,9 +383,9 @@ static void control_recv(server *s)
         n = zmq_msg_recv(&msg, s->ctrl, ZMQ_DONTWAIT);
     }
     Scape__Request *q = NULL;
-    if (n >= 0 && srv_peer_refused(s, &msg, "control")) {
+    if (n >= 0 && status_peer_refused(s, &msg, "control")) {
         zmq_msg_close(&msg);
-        srv_reply_error(s, rid, rid_len, SCAPE_INVALID);
+        ctl_reply_error(s, rid, rid_len, SCAPE_INVALID);
         return;
     }
     if (n < 0)
@@ -433,7 +406,7 @@ static void control_recv(server *s)
         ctl_handle(s, rid, rid_len, q);
     } else {
         LOG_WARN(SUB_CTRL, "refused: %s", scape_last_error());
-        srv_reply_error(s, rid, rid_len, SCAPE_PROTO);
+        ctl_reply_error(s, rid, rid_len, SCAPE_PROTO);
     }
     if (q)
         scape__request__free_unpacked(q, NULL);
@@ -446,69 +419,6 @@ static void check_liveness(server *s)
             ctl_drop(s, &s->slots[i], 1);
 }
 
-/* Nothing on the comm's streams or the executor's device can still touch a
- * trainer's mapped buffer. */
-static int maps_idle(const server *s)
-{
-    return comm_quiet(s->comm) && !eng_device_stuck(s->eng);
-}
-
-void srv_close_map(server *s, shm_map *m, int unlink_it)
-{
-    /* closing a CUDA mapping (and unregistering pinned memory) synchronises,
-     * and one that kernels may still use must stay open: it waits among the
-     * graves, its detach unanswered, so the trainer does not free it either */
-    if ((m->dev == NULL && !m->pinned) || maps_idle(s)) {
-        shm_map_close(m, unlink_it);
-        return;
-    }
-    if (s->ngraves == s->cap_graves) {
-        int cap = s->cap_graves ? 2 * s->cap_graves : 8;
-        grave *g = realloc(s->graves, (size_t)cap * sizeof *g);
-        if (g == NULL) { /* no room to wait: close now, and maybe wait there */
-            LOG_WARN(SUB_CTRL, "out of memory: closing a CUDA IPC buffer while the comm is busy");
-            shm_map_close(m, unlink_it);
-            return;
-        }
-        s->graves = g;
-        s->cap_graves = cap;
-    }
-    s->graves[s->ngraves++] = (grave){ .map = *m };
-    memset(m, 0, sizeof *m);
-    LOG_DEBUG(SUB_CTRL, "a CUDA IPC buffer waits for the comm to be quiet and the device "
-                        "idle before it is closed");
-}
-
-static void reply_ok(server *s, const unsigned char *rid, size_t rid_len)
-{
-    Scape__Reply r = SCAPE__REPLY__INIT;
-    r.status = SCAPE__STATUS__OK;
-    srv_reply(s, rid, rid_len, &r);
-}
-
-void srv_reply_detached(server *s, int graves_before, const unsigned char *rid, size_t rid_len)
-{
-    if (s->ngraves == graves_before || rid_len > SRV_RID_MAX) {
-        reply_ok(s, rid, rid_len);
-        return;
-    }
-    grave *g = &s->graves[s->ngraves - 1];
-    memcpy(g->rid, rid, rid_len);
-    g->rid_len = rid_len;
-}
-
-void srv_reap_maps(server *s, int force)
-{
-    if (s->ngraves == 0 || !(force || maps_idle(s)))
-        return;
-    for (int i = 0; i < s->ngraves; i++)
-        shm_map_close(&s->graves[i].map, 0);
-    for (int i = 0; i < s->ngraves; i++)
-        if (s->graves[i].rid_len && s->ctrl)
-            reply_ok(s, s->graves[i].rid, s->graves[i].rid_len);
-    s->ngraves = 0;
-}
-
 /* Tell every attached trainer, then forget them and unmap their buffers (the
  * unlink is for names a trainer had not yet unlinked itself). */
 static void farewell(server *s)
@@ -518,9 +428,9 @@ static void farewell(server *s)
         if (!t->used)
             continue;
         scape_set_error(SCAPE_REMOTE, "scaped is shutting down");
-        srv_reply_error(s, t->rid, t->rid_len, SCAPE_REMOTE);
-        srv_close_map(s, &t->params, 1);
-        srv_close_map(s, &t->grads, 1);
+        ctl_reply_error(s, t->rid, t->rid_len, SCAPE_REMOTE);
+        ctl_close_map(s, &t->params, 1);
+        ctl_close_map(s, &t->grads, 1);
         t->used = 0;
     }
 }
@@ -544,11 +454,11 @@ scape_rc srv_serve_once(server *s, int timeout_ms, int *handled)
     }
     if (s->metrics_http)
         mhttp_serve(s->metrics_http, items + 2, rc > 0 ? nhttp : 0);
-    srv_reap_maps(s, 0);
-    if (srv_now() >= s->next_check) {
+    ctl_reap_maps(s, 0);
+    if (job_now() >= s->next_check) {
         check_liveness(s);
         ckp_idle(s); /* a state_dict on another daemon of the job */
-        s->next_check = srv_now() + 1e-3 * s->cfg.liveness_ms;
+        s->next_check = job_now() + 1e-3 * s->cfg.liveness_ms;
     }
     if (handled)
         *handled = n;
@@ -565,11 +475,11 @@ static void leave_together(server *s)
         s_stop_leaving = -1;
         return;
     }
-    double until = srv_now() + 1e-3 * s->cfg.comm_timeout_ms;
+    double until = job_now() + 1e-3 * s->cfg.comm_timeout_ms;
     scape_rc rc = SCAPE_OK;
     int lost = -1;
     long long down_ms = 0;
-    while (rc == SCAPE_OK && !ckp_left(s) && s_stop <= s_stop_leaving && srv_now() < until &&
+    while (rc == SCAPE_OK && !ckp_left(s) && s_stop <= s_stop_leaving && job_now() < until &&
            (lost = comm_gone(s->comm, &down_ms)) < 0)
         rc = srv_serve_once(s, s->cfg.liveness_ms, NULL);
     const char *why = NULL;
@@ -584,8 +494,8 @@ static void leave_together(server *s)
         why = gone;
     } else if (!ckp_left(s)) {
         why = "comm_timeout_ms passed";
-    } else if (s->broken) {
-        why = s->broken_why;
+    } else if (s->job.broken) {
+        why = s->job.broken_why;
     }
     s_stop_leaving = -1;
     ckp_leave_end(s, why);
@@ -615,7 +525,7 @@ void srv_destroy(server **sp)
     shm_map_close(&s->spare, 1);
     eng_destroy(&s->eng);
     comm_destroy(&s->comm); /* finalized or aborted: nothing in flight any more */
-    srv_reap_maps(s, 1);
+    ctl_reap_maps(s, 1);
     free(s->graves);
     mhttp_destroy(&s->metrics_http);
     void *socks[] = { s->ctrl, s->status, s->events };

@@ -1,5 +1,7 @@
-/* server_internal.h - state shared by server.c (lifecycle, loop, steps),
- * control.c (trainer requests) and status.c (the status plane). */
+/* server_internal.h - state shared by server.c (lifecycle, loop), control.c
+ * (trainer requests, replies, buffer maps), status.c (the status plane) and
+ * checkpoint.c.  They call one another downwards only: server -> control ->
+ * status -> checkpoint -> job (job.h, the step) -> engine. */
 #ifndef SCAPE_SERVER_INTERNAL_H
 #define SCAPE_SERVER_INTERNAL_H
 
@@ -11,6 +13,7 @@
 #include "ckpt.h"
 #include "config.h"
 #include "engine.h"
+#include "job.h"
 #include "scape.pb-c.h"
 #include "server.h"
 #include "shm.h"
@@ -27,14 +30,13 @@ typedef struct grave {
     size_t rid_len;
 } grave;
 
-/* What the completed steps add up to since the daemon started: the
- * counters of status replies and metrics. */
-typedef struct status_totals {
-    uint64_t steps;
-    uint64_t bytes, wire_bytes;     /* StepDone.bytes and wire_bytes summed */
-    uint64_t coll_calls[COMM_OP_COUNT], coll_bytes[COMM_OP_COUNT]; /* per comm_op */
-    uint64_t clipped;               /* steps whose clip factor was below 1 */
-} status_totals;
+/* A StepDone message and the storage it points into. */
+typedef struct step_done_msg {
+    Scape__StepDone d;
+    Scape__Phases ph;
+    Scape__CollectiveCount coll[COMM_OP_COUNT];
+    Scape__CollectiveCount *coll_p[COMM_OP_COUNT];
+} step_done_msg;
 
 typedef struct trainer {
     int used;
@@ -87,28 +89,17 @@ struct server {
     eng_t *eng;
     int eng_trainers;               /* T_r the engine runs with */
     uint64_t next_step;
-    int broken;                     /* the engine failed mid-step */
     uint64_t foreign_seen;          /* comm_foreign count already logged */
     uint64_t refused_seen;          /* comm_refused count already logged */
     char curve_public[41];          /* the data plane's CURVE public key ("": none) */
     shm_map spare;                  /* params of the last trainer that left, for the next */
     struct grave *graves;           /* CUDA IPC maps of gone trainers, closed once the */
-    int ngraves, cap_graves;        /*   comm is quiet (srv_close_map) */
-    char broken_why[512];           /* what failed, for the trainers' later steps */
+    int ngraves, cap_graves;        /*   comm is quiet (ctl_close_map) */
     int stopping;
-    double next_check;            /* srv_now() of the next trainer liveness check */
+    double next_check;            /* job_now() of the next trainer liveness check */
     size_t msg_bytes;               /* size of the request being handled */
 
-    /* The last step's figures, for status and metrics. */
-    int have_last;
-    Scape__StepDone last;
-    Scape__Phases last_phases;
-    Scape__CollectiveCount last_coll[COMM_OP_COUNT];   /* last.collectives points here */
-    Scape__CollectiveCount *last_coll_p[COMM_OP_COUNT];
-    double last_loss;
-    double queued_total;           /* Phases.queued summed over the steps run */
-    int have_loss;
-    status_totals totals;          /* the steps' figures summed (status_publish) */
+    job job;                  /* the steps' figures, for replies, status, metrics */
     struct mhttp *metrics_http;    /* metrics_listen's HTTP server (NULL: off) */
 
     /* Checkpoints (checkpoint.c). */
@@ -125,7 +116,7 @@ struct server {
     char resume_req[CKPT_PATH_MAX]; /* the one trainers ask to restart from */
     char ckpt_name[CKPT_PATH_MAX];  /* ckpt_dir relative to checkpoint_dir ("": not under) */
     uint32_t ckpt_rounds;           /* between-steps checkpoint rounds since the last step */
-    double ckpt_look_at;            /* srv_now() from which an idle daemon looks for
+    double ckpt_look_at;            /* job_now() from which an idle daemon looks for
                                        another's state_dict request */
     int leave_mark;                 /* this daemon's marker in checkpoint_dir: CKPT_NO_MARK,
                                        CKPT_IDLE (no trainer) or CKPT_LEAVING (stopping) */
@@ -136,19 +127,10 @@ struct server {
                                        state_dict any more (the leave round) */
 };
 
-double srv_now(void);
-/* 1 when the process is gone, or a zombie nobody has reaped yet. */
 /* Send an encoded Reply to the trainer with routing id rid. */
-scape_rc srv_reply(server *s, const unsigned char *rid, size_t rid_len, const Scape__Reply *r);
+scape_rc ctl_reply(server *s, const unsigned char *rid, size_t rid_len, const Scape__Reply *r);
 /* Send an error reply with code rc and the current last-error message. */
-void srv_reply_error(server *s, const unsigned char *rid, size_t rid_len, scape_rc rc);
-/* 1 when the process that sent msg on an ipc socket (its SO_PEERCRED, which
- * ZeroMQ puts in the Peer-Address property as "...:uid:gid:pid") runs as
- * another user than this daemon's (root excepted): the error is set and
- * logged (what names the socket).  0 when it is this user, or when
- * this libzmq gives no credentials (the 0700 runtime directory still
- * guards the sockets then). */
-int srv_peer_refused(server *s, zmq_msg_t *msg, const char *what);
+void ctl_reply_error(server *s, const unsigned char *rid, size_t rid_len, scape_rc rc);
 /* Handle one decoded request from the control socket. */
 void ctl_handle(server *s, const unsigned char *rid, size_t rid_len, const Scape__Request *q);
 /* Drop a trainer (it died or detached); abandons a partly posted step. */
@@ -157,28 +139,39 @@ void ctl_drop(server *s, trainer *t, int died);
 void ctl_maybe_sync(server *s);
 /* Run the pending step if every synced trainer has posted it. */
 void ctl_maybe_step(server *s);
-/* Number of registered trainers, and of those that may step. */
-int ctl_registered(const server *s);
-int ctl_synced(const server *s);
+/* Number of registered trainers, or (synced) of those that may step. */
+static inline int srv_trainers(const server *s, int synced)
+{
+    int n = 0;
+    for (int i = 0; i < SRV_MAX_SLOTS; i++)
+        n += s->slots[i].used && (synced ? s->slots[i].synced : s->slots[i].registered);
+    return n;
+}
 /* Close a trainer's buffer map.  A CUDA IPC map is closed only once the
  * comm has no device work in flight (closing synchronises the device, which
  * a collective stalled by a dead peer would never let finish): until then it
- * waits in s->graves, and srv_reap_maps closes it. */
-void srv_close_map(server *s, shm_map *m, int unlink_it);
+ * waits in s->graves, and ctl_reap_maps closes it. */
+void ctl_close_map(server *s, shm_map *m, int unlink_it);
 /* Close the waiting maps when the comm is quiet, or now when force, and send
  * the detach replies owed for them. */
-void srv_reap_maps(server *s, int force);
+void ctl_reap_maps(server *s, int force);
 /* Answer a detach with OK once this trainer's maps are closed: now if none
- * of them waits (srv_close_map), else when srv_reap_maps closes them.  The
+ * of them waits (ctl_close_map), else when ctl_reap_maps closes them.  The
  * trainer frees its CUDA buffers on that answer. */
-void srv_reply_detached(server *s, int graves_before, const unsigned char *rid, size_t rid_len);
-/* Mark the job broken (the ranks are no longer in step) with the current
- * last error as the reason. */
-void srv_mark_broken(server *s);
+void ctl_reply_detached(server *s, int graves_before, const unsigned char *rid, size_t rid_len);
+/* The job's last step as a StepDone message (filled when it is sent: the
+ * trainers' reply, status, metrics and the events). */
+void status_step_done(const job *j, step_done_msg *m);
+/* 1 when the process that sent msg on an ipc socket (its SO_PEERCRED, which
+ * ZeroMQ puts in the Peer-Address property as "...:uid:gid:pid") runs as
+ * another user than this daemon's (root excepted): the error is set and
+ * logged (what names the socket).  0 when it is this user, or when
+ * this libzmq gives no credentials (the 0700 runtime directory still
+ * guards the sockets then). */
+int status_peer_refused(server *s, zmq_msg_t *msg, const char *what);
 /* Answer one request on the status socket. */
 void status_serve(server *s);
-/* After each completed step: add it to s->totals and publish its Metrics
- * on the events socket. */
+/* After each completed step: publish its Metrics on the events socket. */
 void status_publish(server *s);
 /* The Prometheus text exposition of a status reply, as scapectl metrics
  * prints it, written to out (metrics_http's render callback; arg: the

@@ -4,10 +4,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <zmq.h>
 
 #include "auth.h"
-#include "comm_host.h"
 #include "log.h"
 #include "scape_prom.h"
 #include "scape_wire.h"
@@ -34,7 +34,7 @@ static uint64_t rss_bytes(void)
  * `trainers` key) have not registered yet; 0 once it has started. */
 static int trainers_missing(const server *s)
 {
-    int n = s->cfg.trainers - ctl_registered(s);
+    int n = s->cfg.trainers - srv_trainers(s, 0);
     return s->eng == NULL && n > 0 ? n : 0;
 }
 
@@ -42,9 +42,9 @@ static const char *state_name(const server *s)
 {
     if (s->stopping)
         return "stopping";
-    if (s->broken)
+    if (s->job.broken)
         return "broken";
-    return ctl_registered(s) && !trainers_missing(s) ? "ready" : "waiting";
+    return srv_trainers(s, 0) && !trainers_missing(s) ? "ready" : "waiting";
 }
 
 /* The trainers the job still waits for, and the free slots they may take. */
@@ -82,6 +82,7 @@ typedef struct status_buf {
     char memory[SRV_MAX_SLOTS][16];
     Scape__CollectiveCount coll[COMM_OP_COUNT];
     Scape__CollectiveCount *coll_p[COMM_OP_COUNT];
+    step_done_msg last;
     status_config config; /* StatusReply.config */
 } status_buf;
 
@@ -89,7 +90,7 @@ typedef struct status_buf {
 static void fill_totals(const server *s, status_buf *b)
 {
     Scape__StatusReply *st = &b->st;
-    const status_totals *t = &s->totals;
+    const job_totals *t = &s->job.totals;
     st->has_steps_total = st->has_collective_bytes_total = st->has_wire_bytes_total = 1;
     st->steps_total = t->steps;
     st->collective_bytes_total = t->bytes;
@@ -136,7 +137,7 @@ static void fill_status(server *s, status_buf *b)
     st->rho = s->cfg.engine.rho;
     st->step = s->next_step - 1;
     st->numel = s->numel;
-    st->uptime_ms = (uint64_t)(1e3 * (srv_now() - s->started_at));
+    st->uptime_ms = (uint64_t)(1e3 * (job_now() - s->started_at));
     st->rss_bytes = rss_bytes();
     st->state_bytes = eng_state_bytes(s->eng);
     /* What the daemon holds on a GPU: the cuda executor's state and buffers,
@@ -189,28 +190,28 @@ static void fill_status(server *s, status_buf *b)
     if (s->data_ep[0])
         st->data_endpoint = s->data_ep;
     st->has_queued_seconds_total = 1;
-    st->queued_seconds_total = s->queued_total;
-    int up = comm_host_connected(s->comm);
+    st->queued_seconds_total = s->job.totals.queued;
+    int down[sizeof b->down / sizeof *b->down], ndown = 0;
+    int up = comm_peers_up(s->comm, down, (int)(sizeof down / sizeof *down), &ndown);
     if (up >= 0) {
         st->has_peers_connected = 1;
         st->peers_connected = (uint32_t)up;
         st->peers_down = b->down;
-        for (int q = 0; q < s->comm->size && st->n_peers_down < sizeof b->down / sizeof *b->down;
-             q++)
-            if (q != s->comm->rank && !comm_host_peer_up(s->comm, q))
-                b->down[st->n_peers_down++] = (uint32_t)q;
+        for (int i = 0; i < ndown; i++)
+            b->down[st->n_peers_down++] = (uint32_t)down[i];
     }
     st->runtime_dir = s->dir;
     fill_waiting(s, st, b->waiting);
     /* The residual norm is a pass over N floats: taken when asked, not on
      * the per-step path. */
-    if (s->have_last) {
-        s->last.has_residual_norm = 1;
-        s->last.residual_norm = eng_residual_norm(s->eng);
+    if (s->job.have_last) {
+        status_step_done(&s->job, &b->last);
+        b->last.d.has_residual_norm = 1;
+        b->last.d.residual_norm = eng_residual_norm(s->eng);
+        st->last = &b->last.d;
     }
-    st->last = s->have_last ? &s->last : NULL;
-    st->has_loss = s->have_loss;
-    st->loss = s->last_loss;
+    st->has_loss = s->job.have_loss;
+    st->loss = s->job.last_loss;
     for (int i = 0; i < SRV_MAX_SLOTS; i++) {
         const trainer *t = &s->slots[i];
         if (!t->used)
@@ -302,6 +303,96 @@ static void answer(server *s, const Scape__Request *q)
     free(b);
 }
 
+void status_step_done(const job *j, step_done_msg *m)
+{
+    const job_step *l = &j->last;
+    const eng_step_stats *st = &l->eng;
+    Scape__Phases *ph = &m->ph;
+    scape__phases__init(ph);
+    ph->has_queued = l->queued >= 0.0;
+    ph->queued = ph->has_queued ? l->queued : 0.0;
+    ph->has_after_reply = l->has_after_reply;
+    ph->after_reply = l->after_reply;
+    double v[] = { l->wait, st->phase_s[ENG_PH_INTAKE], st->phase_s[ENG_PH_MASK_WAIT],
+                   st->phase_s[ENG_PH_SELECT], st->phase_s[ENG_PH_PACK],
+                   st->phase_s[ENG_PH_REDUCE], st->phase_s[ENG_PH_UPDATE],
+                   st->phase_s[ENG_PH_GATHER], st->phase_s[ENG_PH_WRITEBACK], l->total };
+    double *f[] = { &ph->wait, &ph->intake, &ph->mask_wait, &ph->select, &ph->pack,
+                    &ph->reduce, &ph->update, &ph->gather, &ph->writeback, &ph->total };
+    protobuf_c_boolean *has[] = { &ph->has_wait, &ph->has_intake, &ph->has_mask_wait,
+                                  &ph->has_select, &ph->has_pack, &ph->has_reduce,
+                                  &ph->has_update, &ph->has_gather, &ph->has_writeback,
+                                  &ph->has_total };
+    for (size_t i = 0; i < sizeof v / sizeof v[0]; i++) {
+        *f[i] = v[i];
+        *has[i] = 1;
+    }
+    Scape__StepDone *d = &m->d;
+    scape__step_done__init(d);
+    d->step = st->step;
+    d->phases = ph;
+    d->k = st->k;
+    d->density = st->density;
+    d->collectives = m->coll_p;
+    d->n_collectives = 0;
+    for (int op = 0; op < COMM_OP_COUNT; op++) {
+        d->bytes += st->comm.bytes[op];
+        d->wire_bytes += st->comm.wire_bytes[op];
+        if (st->comm.calls[op] == 0)
+            continue;
+        Scape__CollectiveCount *cc = &m->coll[d->n_collectives];
+        scape__collective_count__init(cc);
+        cc->op = (char *)comm_op_name((comm_op)op);
+        cc->calls = st->comm.calls[op];
+        cc->bytes = st->comm.bytes[op];
+        m->coll_p[d->n_collectives++] = cc;
+    }
+    d->has_mask_churn = 1;
+    d->mask_churn = st->mask_churn;
+    d->has_mask_overlap = st->phase_s[ENG_PH_MASK_WAIT] > 0.0 || st->mask_overlap > 0.0;
+    d->mask_overlap = st->mask_overlap;
+    /* Host shared memory is read and written where the trainers have it: 0.
+     * CUDA IPC buffers are staged through host copies: what moved. */
+    d->has_handover_copy_bytes = 1;
+    d->handover_copy_bytes = l->copied;
+    d->has_control_bytes = 1;
+    d->control_bytes = l->control_bytes;
+    d->has_mask_bytes = 1;
+    d->mask_bytes = st->mask_bytes;
+    d->has_launches = 1;
+    d->launches = st->launches;
+    d->has_grad_norm = d->has_clip = j->clipping;
+    d->grad_norm = st->grad_norm;
+    d->clip = st->clip;
+    d->has_mean_grad_norm = d->has_mean_grad_exact = st->mean_grad_norm >= 0.0;
+    d->mean_grad_norm = st->mean_grad_norm;
+    d->mean_grad_exact = st->mean_grad_exact;
+}
+
+int status_peer_refused(server *s, zmq_msg_t *msg, const char *what)
+{
+    const char *addr = zmq_msg_gets(msg, "Peer-Address");
+    const char *c = addr ? strrchr(addr, ':') : NULL; /* ...:uid:gid:pid */
+    int fields = 0;
+    while (c && c > addr && fields < 2)
+        if (*--c == ':')
+            fields++;
+    unsigned uid = 0, gid = 0;
+    int pid = 0;
+    if (fields < 2 || sscanf(c, ":%u:%u:%d", &uid, &gid, &pid) != 3)
+        return 0;
+    if (uid == (unsigned)geteuid() || uid == 0)
+        return 0;
+    char who[300], me[300];
+    auth_uid_name(uid, who, sizeof who);
+    auth_uid_name((unsigned)geteuid(), me, sizeof me);
+    scape_set_error(SCAPE_INVALID, "process %d of %s is not this daemon's user (%s): only the "
+                    "job's own processes may use its sockets", pid, who, me);
+    LOG_WARN(SUB_CTRL, "refused a %s message: %s (is the runtime directory %s open to "
+             "others?)", what, scape_last_error(), s->dir);
+    return 1;
+}
+
 void status_serve(server *s)
 {
     zmq_msg_t msg;
@@ -313,7 +404,7 @@ void status_serve(server *s)
     }
     int more = zmq_msg_more(&msg);
     Scape__Request *q = NULL;
-    int stranger = srv_peer_refused(s, &msg, "status");
+    int stranger = status_peer_refused(s, &msg, "status");
     if (!stranger && (more || (size_t)n > s->cfg.max_message_bytes))
         scape_set_error(SCAPE_PROTO, "status request of %d bytes%s refused", n,
                         more ? " in several frames" : "");
@@ -337,24 +428,6 @@ void status_serve(server *s)
     scape__request__free_unpacked(q, NULL);
 }
 
-/* The completed step s->last, added to the counters. */
-static void add_to_totals(server *s)
-{
-    status_totals *t = &s->totals;
-    const Scape__StepDone *d = &s->last;
-    t->steps++;
-    t->bytes += d->bytes;
-    t->wire_bytes += d->wire_bytes;
-    if (d->has_clip && d->clip < 1.0)
-        t->clipped++;
-    for (size_t i = 0; i < d->n_collectives; i++)
-        for (int op = 0; op < COMM_OP_COUNT; op++)
-            if (strcmp(d->collectives[i]->op, comm_op_name((comm_op)op)) == 0) {
-                t->coll_calls[op] += d->collectives[i]->calls;
-                t->coll_bytes[op] += d->collectives[i]->bytes;
-            }
-}
-
 int status_metrics(void *arg, FILE *out)
 {
     server *s = arg;
@@ -369,13 +442,14 @@ int status_metrics(void *arg, FILE *out)
 
 void status_publish(server *s)
 {
-    add_to_totals(s);
+    step_done_msg last;
+    status_step_done(&s->job, &last);
     Scape__Metrics m = SCAPE__METRICS__INIT;
     m.rank = (uint32_t)s->cfg.rank;
-    m.step = &s->last;
-    m.has_loss = s->have_loss;
-    m.loss = s->last_loss;
-    m.trainers = (uint32_t)ctl_registered(s);
+    m.step = &last.d;
+    m.has_loss = s->job.have_loss;
+    m.loss = s->job.last_loss;
+    m.trainers = (uint32_t)srv_trainers(s, 0);
     size_t len = scape__metrics__get_packed_size(&m);
     uint8_t *buf = malloc(len ? len : 1);
     if (buf == NULL)

@@ -5,8 +5,10 @@
 #include <string.h>
 
 #include "scape_kernels.h"
+#include "try.h"
 
 static _Thread_local char s_last_error[1024];
+static scape_trail_fn s_trail; /* the TRY trail's sink (NULL: none) */
 
 static const char *const s_rc_names[SCAPE_RC_COUNT] = {
     [SCAPE_OK] = "OK",           [SCAPE_INVALID] = "INVALID",
@@ -27,6 +29,14 @@ const char *scape_rc_name(scape_rc rc)
 const char *scape_last_error(void) { return s_last_error; }
 
 void scape_clear_error(void) { s_last_error[0] = '\0'; }
+
+void scape_set_trail(scape_trail_fn fn) { s_trail = fn; }
+
+void scape_trail(scape_rc rc, const char *file, int line)
+{
+    if (s_trail)
+        s_trail(rc, file, line);
+}
 
 /* Length of the well-formed UTF-8 character at s[0..n) (RFC 3629: no
  * overlong forms, no surrogates, nothing above U+10FFFF), 0 if there is none. */
