@@ -5,7 +5,6 @@
 #include <time.h>
 
 #include "comm.h"
-#include "comm_host.h" /* comm_peers_up: the host backend is the one that tells */
 
 const char *comm_op_name(comm_op op)
 {
@@ -234,11 +233,7 @@ int comm_data_bytes(const comm_t *c, uint64_t *sent, uint64_t *recvd)
 int comm_peers_up(const comm_t *c, int *down, int cap, int *ndown)
 {
     *ndown = 0;
-    int up = comm_host_connected(c); /* -1: not a backend that tells */
-    for (int q = 0; up >= 0 && q < c->size && *ndown < cap; q++)
-        if (q != c->rank && !comm_host_peer_up(c, q))
-            down[(*ndown)++] = q;
-    return up;
+    return c && c->ops && c->ops->peers_up ? c->ops->peers_up(c, down, cap, ndown) : -1;
 }
 
 int comm_gone(const comm_t *c, long long *down_ms)

@@ -88,6 +88,10 @@ typedef struct comm_ops {
      * backend's grace period (its daemon is gone), how long into *down_ms;
      * -1 when none is (NULL: the backend cannot tell without a collective). */
     int (*gone)(const comm_t *c, long long *down_ms);
+    /* How many peers the connections reach now, the unreached ones (at most
+     * cap) into down and their count into *ndown (NULL: the backend cannot
+     * tell, comm_peers_up says -1). */
+    int (*peers_up)(const comm_t *c, int *down, int cap, int *ndown);
     /* The CUDA stream (a cudaStream_t) on which the backend also takes
      * device memory: a collective on device buffers is then enqueued there,
      * in place, and returns at once; it is done when the stream has reached

@@ -963,6 +963,15 @@ static int hc_gone(const comm_t *c, long long *down_ms)
     return peers_down(c, h->timeout_ms < LOST_GRACE_MS ? h->timeout_ms : LOST_GRACE_MS, down_ms);
 }
 
+static int hc_peers_up(const comm_t *c, int *down, int cap, int *ndown)
+{
+    int up = comm_host_connected(c);
+    for (int q = 0; q < c->size && *ndown < cap; q++)
+        if (q != c->rank && !comm_host_peer_up(c, q))
+            down[(*ndown)++] = q;
+    return up;
+}
+
 static void hc_data_bytes(const comm_t *c, uint64_t *sent, uint64_t *recvd)
 {
     const host *h = c->impl;
@@ -993,6 +1002,7 @@ static const comm_ops s_host_ops = {
     .refused = hc_refused,
     .data_bytes = hc_data_bytes,
     .gone = hc_gone,
+    .peers_up = hc_peers_up,
 };
 
 static scape_rc host_alloc(const comm_host_opts *o, host **out)
