@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "scape_kernels.h"
+#include "try.h"
 #include "check_run.h"
 #include "test_rng.h"
 
@@ -270,6 +271,59 @@ START_TEST(test_rc_names)
     ck_assert_str_eq(scape_rc_name(SCAPE_RC_COUNT), "UNKNOWN");
     ck_assert_str_eq(scape_rc_name((scape_rc)(SCAPE_RC_COUNT + 7)), "UNKNOWN");
     ck_assert_str_eq(scape_rc_name((scape_rc)-1), "UNKNOWN");
+}
+END_TEST
+
+/* TRY's trail: every level a failure passes through reports its file:line
+ * and the code, innermost first; a success reports nothing; no sink, no
+ * report. */
+static int s_trail_n;
+static int s_trail_line[4];
+static scape_rc s_trail_rc[4];
+static void record_trail(scape_rc rc, const char *file, int line)
+{
+    ck_assert_ptr_nonnull(strstr(file, "test_kernels.c"));
+    if (s_trail_n < 4) {
+        s_trail_rc[s_trail_n] = rc;
+        s_trail_line[s_trail_n] = line;
+    }
+    s_trail_n++;
+}
+static scape_rc trail_leaf(int fail)
+{
+    return fail ? scape_set_error(SCAPE_INVALID, "the leaf failed") : SCAPE_OK;
+}
+static int s_line_mid, s_line_top;
+static scape_rc trail_mid(int fail)
+{
+    s_line_mid = __LINE__ + 1;
+    TRY(trail_leaf(fail));
+    return SCAPE_OK;
+}
+static scape_rc trail_top(int fail)
+{
+    s_line_top = __LINE__ + 1;
+    TRY(trail_mid(fail));
+    return SCAPE_OK;
+}
+
+START_TEST(test_try_trail)
+{
+    scape_set_trail(record_trail);
+    s_trail_n = 0;
+    ck_assert_int_eq(trail_top(0), SCAPE_OK);
+    ck_assert_int_eq(s_trail_n, 0);
+    ck_assert_int_eq(trail_top(1), SCAPE_INVALID);
+    ck_assert_int_eq(s_trail_n, 2);
+    ck_assert_int_eq(s_trail_line[0], s_line_mid);
+    ck_assert_int_eq(s_trail_line[1], s_line_top);
+    ck_assert_int_eq(s_trail_rc[0], SCAPE_INVALID);
+    ck_assert_int_eq(s_trail_rc[1], SCAPE_INVALID);
+    ck_assert_str_eq(scape_last_error(), "the leaf failed"); /* the message is kept */
+    scape_set_trail(NULL);
+    s_trail_n = 0;
+    ck_assert_int_eq(trail_top(1), SCAPE_INVALID);
+    ck_assert_int_eq(s_trail_n, 0);
 }
 END_TEST
 
@@ -1612,6 +1666,7 @@ static Suite *kernels_suite(void)
     TCase *tc = tcase_create("errors");
     tcase_add_test(tc, test_rc_names);
     tcase_add_test(tc, test_last_error);
+    tcase_add_test(tc, test_try_trail);
     suite_add_tcase(s, tc);
     suite_add_tcase(s, sized("pack", test_pack, 300));
     suite_add_tcase(s, sized("topk", test_topk, 900));
