@@ -33,6 +33,19 @@
 # and no MASTER_ADDR or MASTER_PORT: with them, frameworks start
 # torch.distributed and all-reduce the gradients besides scaped.
 set -euo pipefail
+case "${1:-}" in
+-h|--help)  # the comment above
+    sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
+    exit 0 ;;
+--version)  # the scaped it runs says the version
+    s=$(if [ -n "${SCAPE_BIN:-}" ]; then echo "$SCAPE_BIN/scaped"; else command -v scaped || true; fi)
+    if [ -n "$s" ] && v=$("$s" --version 2>/dev/null | head -n 1); then
+        echo "scape-node.sh (${v:-scaped, version unknown})"
+    else
+        echo "scape-node.sh (no scaped found: set SCAPE_BIN or PATH)"
+    fi
+    exit 0 ;;
+esac
 : "${SLURM_JOB_ID:?run me inside a Slurm job step}"
 node=${SLURMD_NODENAME:-$(hostname -s)}
 export SCAPE_RUNTIME_DIR="${SCAPE_RUN_BASE:-/tmp}/scape-job${SLURM_JOB_ID}-${node}"

@@ -89,6 +89,23 @@ def test_scapectl_version_and_help():
         assert "--version" in res.stdout
 
 
+def test_scape_node_version_and_help():
+    """slurm/scape-node.sh, installed with the templates: -h/--help outside a
+    Slurm job, --version from the scaped it would run."""
+    node = os.path.join(SOURCE, "slurm", "scape-node.sh")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    for flag in ("-h", "--help"):
+        res = subprocess.run(["bash", node, flag], capture_output=True, text=True, env=env,
+                             timeout=30)
+        assert res.returncode == 0 and "the per-node half of the sbatch" in res.stdout, \
+            res.stdout + res.stderr
+    env["SCAPE_BIN"] = os.path.dirname(binary("daemon", "scaped"))
+    res = subprocess.run(["bash", node, "--version"], capture_output=True, text=True, env=env,
+                         timeout=30)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "scape-node.sh (scaped %s)\n" % project_version(), res.stdout
+
+
 def test_yaml_booleans_in_file_flag_and_environment(tmp_path):
     cfg = tmp_path / "scaped.yaml"
     cfg.write_text("mask_deltas: True\ndefer_select: OFF\nresidual_on_device: yes\n")
