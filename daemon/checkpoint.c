@@ -66,13 +66,13 @@ scape_rc ckp_prepare_resume(server *s)
         return scape_set_error(rc, "resume refused: %s", why);
     }
     s->resuming = 1;
-    s->next_step = s->resume.step + 1;
+    s->job.next_step = s->resume.step + 1;
     if (s->resume.reshard)
         LOG_WARN(SUB_ENGINE, "the checkpoint was taken by %u daemon(s), this job has %d: its "
                  "state is resharded (bit-identical continuation needs the same world size)",
                  s->resume.world, s->cfg.world);
     LOG_INFO(SUB_ENGINE, "resuming from %s: checked; the job continues at step %llu",
-             s->resume.dir, (unsigned long long)s->next_step);
+             s->resume.dir, (unsigned long long)s->job.next_step);
     return SCAPE_OK;
 }
 
@@ -138,8 +138,8 @@ scape_rc ckp_start(server *s, void *const *params)
         ckpt_mark(s->cfg.checkpoint_dir, s->cfg.job, s->cfg.rank, CKPT_NO_MARK);
     TRY(agree_start(s));
     if (!s->resuming)
-        return eng_init_params(s->eng, params);
-    TRY(ckpt_restore(&s->resume, s->eng, s->comm, params));
+        return job_init_params(&s->job, params);
+    TRY(job_restore(&s->job, &s->resume, s->comm, params));
     s->resumed_from = s->resume.step;
     s->ckpt_step = s->resume.step;
     set_dir(s, s->resume.dir);
@@ -245,7 +245,7 @@ static int lost_peers(scape_rc rc)
  * broken; one from the checkpoint is returned as it is. */
 static scape_rc round_of(server *s, int mine, int *due)
 {
-    uint64_t t = s->next_step - 1;
+    uint64_t t = s->job.next_step - 1;
     uint32_t g = s->ckpt_rounds;
     scape_rc rc = agree(s, mine, due);
     if (rc != SCAPE_OK) {
@@ -286,14 +286,14 @@ static void mark(server *s, int kind);
 /* Idle: a state_dict on another daemon asks for a round (its request file). */
 static void join_state_dict(server *s)
 {
-    if (s->cfg.world == 1 || s->cfg.checkpoint_dir[0] == '\0' || s->eng == NULL ||
-        s->job.broken || s->next_step <= 1 || saved(s, s->next_step - 1) ||
+    if (s->cfg.world == 1 || s->cfg.checkpoint_dir[0] == '\0' || !job_started(&s->job) ||
+        s->job.broken || s->job.next_step <= 1 || saved(s, s->job.next_step - 1) ||
         job_now() < s->ckpt_look_at)
         return;
-    if (!ckpt_wanted(s->cfg.checkpoint_dir, s->next_step - 1, s->ckpt_rounds))
+    if (!ckpt_wanted(s->cfg.checkpoint_dir, s->job.next_step - 1, s->ckpt_rounds))
         return;
     LOG_INFO(SUB_ENGINE, "state_dict on another daemon: saving the state after step %llu "
-             "with it", (unsigned long long)s->next_step - 1);
+             "with it", (unsigned long long)s->job.next_step - 1);
     int due = 0;
     round_of(s, 1, &due); /* its outcome is logged; the trainer asked elsewhere hears it */
 }
@@ -334,12 +334,12 @@ static scape_rc state_dict(server *s, Scape__CheckpointInfo *c)
     if (s->job.broken)
         return scape_set_error(SCAPE_INVALID, "state_dict: the optimizer failed part-way "
                                "through a step; its state is not saved");
-    if (s->eng == NULL && s->resuming) {
+    if (!job_started(&s->job) && s->resuming) {
         c->step = s->resume.step; /* not started yet: the checkpoint it starts from */
         set_dir(s, s->resume.dir);
         s->ckpt_step = s->resume.step;
     } else {
-        uint64_t t = s->eng ? s->next_step - 1 : 0;
+        uint64_t t = job_started(&s->job) ? s->job.next_step - 1 : 0;
         if (t == 0) {
             c->step = 0; /* a fresh job: nothing to save */
             c->dir = NULL;
@@ -374,7 +374,7 @@ scape_rc ckp_request(server *s, int now, Scape__CheckpointInfo *out)
     s->ckpt_requested = 1;
     out->pending = 1;
     LOG_INFO(SUB_STATUS, "checkpoint requested: taken after step %llu completes",
-             (unsigned long long)s->next_step);
+             (unsigned long long)s->job.next_step);
     return SCAPE_OK;
 }
 
@@ -411,8 +411,8 @@ static scape_rc take(server *s)
     double t0 = job_now();
     uint64_t at = 0;
     char dir[CKPT_PATH_MAX];
-    rc = ckpt_save(s->cfg.checkpoint_dir, s->eng, s->comm, s->cfg.checkpoint_keep, &at, dir,
-                   sizeof dir);
+    rc = job_save(&s->job, s->cfg.checkpoint_dir, s->comm, s->cfg.checkpoint_keep, &at, dir,
+                  sizeof dir);
     if (rc != SCAPE_OK) {
         snprintf(s->ckpt_error, sizeof s->ckpt_error, "%s", scape_last_error());
         LOG_ERROR(SUB_ENGINE, "%s", s->ckpt_error);
@@ -443,8 +443,8 @@ void ckp_info(const server *s, Scape__CheckpointInfo *c)
     c->has_resumed_from = 1;
     c->resumed_from = s->resumed_from;
     c->checkpoint_dir = (char *)s->cfg.checkpoint_dir;
-    c->has_layout_hash = s->eng != NULL;
-    c->layout_hash = s->eng ? eng_layout_hash(s->eng) : 0;
+    c->has_layout_hash = job_started(&s->job);
+    c->layout_hash = job_layout_hash(&s->job);
     c->name = (char *)s->ckpt_name;
     c->has_job = 1;
     c->job = s->cfg.job;
@@ -467,8 +467,8 @@ static int attached(const server *s)
 static int may_be_asked(const server *s)
 {
     return s->cfg.world > 1 && s->cfg.checkpoint_dir[0] != '\0' && s->all_ckpt_dirs &&
-           s->eng != NULL &&
-           !s->job.broken && s->next_step > 1 && !s->job_over;
+           job_started(&s->job) &&
+           !s->job.broken && s->job.next_step > 1 && !s->job_over;
 }
 
 static void mark(server *s, int kind)

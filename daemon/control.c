@@ -62,7 +62,7 @@ void ctl_reply_error(server *s, const unsigned char *rid, size_t rid_len, scape_
  * trainer's mapped buffer. */
 static int maps_idle(const server *s)
 {
-    return comm_quiet(s->comm) && !eng_device_stuck(s->eng);
+    return comm_quiet(s->comm) && !job_device_stuck(&s->job);
 }
 
 void ctl_close_map(server *s, shm_map *m, int unlink_it)
@@ -185,7 +185,7 @@ static scape_rc on_hello(server *s, const unsigned char *rid, size_t rid_len,
     w.rank = (uint32_t)s->cfg.rank;
     w.world = (uint32_t)s->cfg.world;
     w.version = SCAPED_VERSION;
-    w.next_step = s->next_step;
+    w.next_step = s->job.next_step;
     Scape__Reply r = SCAPE__REPLY__INIT;
     r.body_case = SCAPE__REPLY__BODY_WELCOME;
     r.welcome = &w;
@@ -426,7 +426,7 @@ static scape_rc seed_params(server *s, trainer *t)
                                "parameters to give a new trainer");
     float *theta = malloc(s->numel * sizeof *theta);
     unsigned char *have = malloc(s->numel);
-    scape_rc rc = theta && have ? eng_get_state(s->eng, ENG_VEC_THETA, theta, have)
+    scape_rc rc = theta && have ? job_params(&s->job, theta, have)
                                 : scape_set_error(SCAPE_NOMEM, "register: out of memory");
     /* bf16 in place: element i's two bytes land below element i's float */
     if (rc == SCAPE_OK && s->pdt == KERN_BF16)
@@ -491,7 +491,7 @@ static scape_rc on_register(server *s, trainer *t, const Scape__Register *g)
             rc = shm_map_export_event(&t->params, pev, what);
     }
     if (rc != SCAPE_OK) {
-        if (!had_layout && s->layout && srv_trainers(s, 0) == 0 && s->eng == NULL) {
+        if (!had_layout && s->layout && srv_trainers(s, 0) == 0 && !job_started(&s->job)) {
             for (size_t i = 0; i < s->ntensors; i++)
                 free((char *)s->layout[i].name);
             free(s->layout);
@@ -530,10 +530,10 @@ static scape_rc on_step(server *s, trainer *t, const Scape__Step *st)
     if (t->posted)
         return scape_set_error(SCAPE_INVALID, "step %llu: already posted by trainer %d",
                                (unsigned long long)st->step, t->index);
-    if (st->step != s->next_step)
+    if (st->step != s->job.next_step)
         return scape_set_error(SCAPE_INVALID, "step %llu is out of order: expected step %llu",
                                (unsigned long long)st->step,
-                               (unsigned long long)s->next_step);
+                               (unsigned long long)s->job.next_step);
     if (!isfinite(st->lr) || st->lr < 0.0f)
         return scape_set_error(SCAPE_INVALID, "step: lr=%g must be finite and >= 0",
                                (double)st->lr);
@@ -591,21 +591,20 @@ static scape_rc start_job(server *s, trainer **ts, int n)
     size_t pb = job_bytes(s->numel, s->pdt);
     scape_rc rc = job_pull(parts, 1, 0, pb, NULL); /* trainer 0's initial parameters */
     if (rc == SCAPE_OK)
-        rc = eng_create(&s->eng, &s->cfg.engine, &lay, s->comm, n);
+        rc = job_open(&s->job, &s->cfg.engine, &lay, s->comm, n);
     if (rc == SCAPE_OK)
         rc = ckp_start(s, params);
     if (rc == SCAPE_OK)
         rc = job_push(parts, n, pb, NULL);
     if (rc != SCAPE_OK) {
-        eng_destroy(&s->eng);
+        job_close(&s->job);
         return rc;
     }
     ckp_started(s);
-    s->eng_trainers = n;
     if (s->resumed_from)
         LOG_INFO(SUB_ENGINE, "job resumed: %s, %s, rho=%g, N=%zu, %d trainer(s), next step %llu",
                  eng_optimizer_name(s->cfg.engine.optimizer), eng_mode_name(s->cfg.engine.mode),
-                 s->cfg.engine.rho, s->numel, n, (unsigned long long)s->next_step);
+                 s->cfg.engine.rho, s->numel, n, (unsigned long long)s->job.next_step);
     else
         LOG_INFO(SUB_ENGINE, "job started: %s, %s, rho=%g, N=%zu, %d trainer(s), parameters "
                  "of trainer %d", eng_optimizer_name(s->cfg.engine.optimizer),
@@ -617,14 +616,14 @@ static scape_rc start_job(server *s, trainer **ts, int n)
 /* Trainers come and go between steps: keep T_r in step with them. */
 static scape_rc follow_trainers(server *s, int n)
 {
-    if (n == s->eng_trainers)
+    int was = s->job.trainers;
+    if (n == was)
         return SCAPE_OK;
-    scape_rc rc = eng_set_local_trainers(s->eng, n);
+    scape_rc rc = job_set_trainers(&s->job, n);
     if (rc != SCAPE_OK)
         return rc;
     LOG_INFO(SUB_ENGINE, "step %llu: now %d trainer(s) (was %d)",
-             (unsigned long long)s->next_step, n, s->eng_trainers);
-    s->eng_trainers = n;
+             (unsigned long long)s->job.next_step, n, was);
     return SCAPE_OK;
 }
 
@@ -682,7 +681,7 @@ static void note_strangers(server *s)
  * next step meanwhile waits in the socket: the next step's queued phase. */
 static scape_rc select_after_reply(server *s, uint64_t t)
 {
-    scape_rc rc = job_step_finish(&s->job, s->eng, s->cfg.engine.defer_select);
+    scape_rc rc = job_step_finish(&s->job, s->cfg.engine.defer_select);
     if (rc != SCAPE_OK) {
         job_mark_broken(&s->job);
         LOG_ERROR(SUB_ENGINE, "step %llu: selecting the next mask failed: %s",
@@ -703,7 +702,7 @@ static void note_upstream_clip(server *s, trainer **ts, int n, uint64_t t)
 {
     double c = (double)s->cfg.engine.max_grad_norm;
     for (int i = 0; c > 0.0 && i < n; i++) {
-        double g = eng_trainer_grad_norm(s->eng, i);
+        double g = job_grad_norm(&s->job, i);
         ts[i]->clip_run = g >= 0.0 && fabs(g - c) <= 1e-3 * c ? ts[i]->clip_run + 1 : 0;
         if (ts[i]->clip_run < CLIP_UPSTREAM_STEPS || ts[i]->clip_warned)
             continue;
@@ -722,12 +721,12 @@ static void note_upstream_clip(server *s, trainer **ts, int n, uint64_t t)
 static void note_lr(const server *s, trainer **ts, int n, uint64_t t)
 {
     for (int i = 0; i < n; i++)
-        for (size_t q = 0; q < eng_groups(s->eng); q++)
+        for (size_t q = 0; q < job_groups(&s->job); q++)
             if (ts[i]->lr[q] != ts[0]->lr[q]) {
                 LOG_WARN(SUB_CTRL, "step %llu: trainer %d posted lr=%g, trainer %d lr=%g%s; "
                          "using %g", (unsigned long long)t, ts[i]->index,
                          (double)ts[i]->lr[q], ts[0]->index, (double)ts[0]->lr[q],
-                         eng_groups(s->eng) > 1 ? " (a parameter group's)" : "",
+                         job_groups(&s->job) > 1 ? " (a parameter group's)" : "",
                          (double)ts[0]->lr[q]);
                 break;
             }
@@ -735,7 +734,7 @@ static void note_lr(const server *s, trainer **ts, int n, uint64_t t)
 
 static void run_step(server *s, trainer **ts, int n)
 {
-    uint64_t t = s->next_step;
+    uint64_t t = s->job.next_step;
     note_lr(s, ts, n, t);
     double t0 = job_now();
     job_part parts[SRV_MAX_SLOTS];
@@ -754,18 +753,15 @@ static void run_step(server *s, trainer **ts, int n)
         return;
     }
     if (rc == SCAPE_OK)
-        rc = job_step_run(&s->job, s->eng, t, ts[0]->lr, parts, n,
-                          job_bytes(s->numel, s->gdt), job_bytes(s->numel, s->pdt), t0,
-                          &broke);
+        rc = job_step_run(&s->job, ts[0]->lr, parts, n, job_bytes(s->numel, s->gdt),
+                          job_bytes(s->numel, s->pdt), t0, &broke);
     if (broke) {
         job_mark_broken(&s->job);
         LOG_ERROR(SUB_ENGINE, "step %llu failed: %s", (unsigned long long)t,
                   scape_last_error());
     }
-    if (rc == SCAPE_OK) {
+    if (rc == SCAPE_OK)
         note_upstream_clip(s, ts, n, t);
-        s->next_step = t + 1;
-    }
     finish_step(s, ts, n, rc);
     /* After a failure here the step's mask all-gather is not started on this
      * rank; its peers then fail the next collective (the engine is broken
@@ -790,7 +786,7 @@ void ctl_maybe_step(server *s)
         return;
     /* Across daemons a change of T_r would have to happen on every rank at
      * the same step: wait for the missing trainer to re-attach instead. */
-    if (s->cfg.world > 1 && s->eng && n != s->eng_trainers)
+    if (s->cfg.world > 1 && job_started(&s->job) && n != s->job.trainers)
         return;
     for (int i = 0; i < n; i++)
         if (!ts[i]->posted)
@@ -803,7 +799,7 @@ void ctl_maybe_step(server *s)
 static void reply_synced(server *s, trainer *t)
 {
     Scape__Synced y = SCAPE__SYNCED__INIT;
-    y.next_step = s->next_step;
+    y.next_step = s->job.next_step;
     Scape__Reply r = SCAPE__REPLY__INIT;
     r.body_case = SCAPE__REPLY__BODY_SYNCED;
     r.synced = &y;
@@ -819,7 +815,7 @@ void ctl_maybe_sync(server *s)
 {
     trainer *ts[SRV_MAX_SLOTS];
     int n = collect(s, ts, 0);
-    if (s->eng) {
+    if (job_started(&s->job)) {
         for (int i = 0; i < n; i++) {
             if (!ts[i]->wants_sync)
                 continue;
@@ -858,7 +854,7 @@ static scape_rc restart_from(server *s, trainer **ts, int n, const char *dir)
     s->cfg.resume[0] = '\0';
     if (rc != SCAPE_OK)
         return rc;
-    eng_destroy(&s->eng);
+    job_close(&s->job);
     rc = start_job(s, ts, n);
     if (rc == SCAPE_OK) {
         snprintf(s->resumed_dir, sizeof s->resumed_dir, "%s", dir);
@@ -867,7 +863,7 @@ static scape_rc restart_from(server *s, trainer **ts, int n, const char *dir)
     char why[1024];
     snprintf(why, sizeof why, "%s", scape_last_error());
     s->resuming = 0;
-    s->next_step = 1;
+    s->job.next_step = 1;
     if (start_job(s, ts, n) != SCAPE_OK) {
         job_mark_broken(&s->job);
         LOG_ERROR(SUB_ENGINE, "load_state_dict: the job could not start again: %s",
@@ -907,7 +903,7 @@ static void maybe_resume(server *s)
 
 static scape_rc on_resume(server *s, trainer *t, const Scape__Resume *r)
 {
-    if (!t->synced || s->eng == NULL)
+    if (!t->synced || !job_started(&s->job))
         return scape_set_error(SCAPE_INVALID, "load_state_dict: trainer %d has not synced "
                                "yet", t->index);
     if (r->dir == NULL || r->dir[0] == '\0' || strlen(r->dir) >= sizeof s->cfg.resume)
@@ -915,9 +911,9 @@ static scape_rc on_resume(server *s, trainer *t, const Scape__Resume *r)
                                "one of %zu bytes or more", sizeof s->cfg.resume);
     /* restored at this step (scaped --resume, or another trainer's request)
      * and not stepped since: the same step again is a no-op */
-    int restored = s->resumed_from > 0 && s->next_step == s->resumed_from + 1;
+    int restored = s->resumed_from > 0 && s->job.next_step == s->resumed_from + 1;
     if (restored && r->has_step && r->step == s->resumed_from &&
-        (!r->has_layout_hash || r->layout_hash == eng_layout_hash(s->eng))) {
+        (!r->has_layout_hash || r->layout_hash == job_layout_hash(&s->job))) {
         reply_synced(s, t);
         return SCAPE_OK;
     }
@@ -936,19 +932,19 @@ static scape_rc on_resume(server *s, trainer *t, const Scape__Resume *r)
                                "position and schedule from resumed_step",
                                (unsigned long long)s->resumed_from, s->ckpt_dir,
                                (unsigned long long)r->step);
-    if (s->next_step != 1)
+    if (s->job.next_step != 1)
         return scape_set_error(SCAPE_INVALID, "load_state_dict: the job is past step %llu; "
                                "a checkpoint loads only before the first step",
-                               (unsigned long long)s->next_step - 1);
+                               (unsigned long long)s->job.next_step - 1);
     for (int i = 0; i < SRV_MAX_SLOTS; i++)
         if (s->slots[i].used && s->slots[i].posted)
             return scape_set_error(SCAPE_INVALID, "load_state_dict: trainer %d has already "
                                    "posted step 1", s->slots[i].index);
-    if (r->has_layout_hash && r->layout_hash != eng_layout_hash(s->eng))
+    if (r->has_layout_hash && r->layout_hash != job_layout_hash(&s->job))
         return scape_set_error(SCAPE_INVALID, "load_state_dict: the state is of another "
                                "layout (hash %016llx; this job's %016llx): other tensors, or "
                                "other parameter groups", (unsigned long long)r->layout_hash,
-                               (unsigned long long)eng_layout_hash(s->eng));
+                               (unsigned long long)job_layout_hash(&s->job));
     if (s->resume_req[0] && strcmp(s->resume_req, dir) != 0)
         return scape_set_error(SCAPE_INVALID, "load_state_dict: trainer %d loads %s, another "
                                "trainer %s", t->index, dir, s->resume_req);
@@ -987,7 +983,7 @@ void ctl_drop(server *s, trainer *t, int died)
     int others = 0;
     for (int i = 0; i < SRV_MAX_SLOTS; i++)
         others += &s->slots[i] != t && s->slots[i].used && s->slots[i].synced;
-    if (t->synced && s->eng && others == 0 && t->params.addr && !t->params.dev) {
+    if (t->synced && job_started(&s->job) && others == 0 && t->params.addr && !t->params.dev) {
         shm_map_close(&s->spare, 1);
         s->spare = t->params;
         memset(&t->params, 0, sizeof t->params);
@@ -1009,9 +1005,9 @@ void ctl_drop(server *s, trainer *t, int died)
             scape_set_error(SCAPE_REMOTE,
                             "step %llu abandoned: trainer %d died mid-step; the optimizer "
                             "kept the state after step %llu, post step %llu again",
-                            (unsigned long long)s->next_step, idx,
-                            (unsigned long long)s->next_step - 1,
-                            (unsigned long long)s->next_step);
+                            (unsigned long long)s->job.next_step, idx,
+                            (unsigned long long)s->job.next_step - 1,
+                            (unsigned long long)s->job.next_step);
             ctl_reply_error(s, o->rid, o->rid_len, SCAPE_REMOTE);
         }
         ctl_maybe_sync(s);

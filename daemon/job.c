@@ -1,5 +1,5 @@
-/* job.c - the job's step: the trainers' buffers through the engine, and the
- * figures of the completed steps (job.h). */
+/* job.c - the job: its engine's lifetime, the step (the trainers' buffers
+ * through the engine), and the figures of the completed steps (job.h). */
 #define _POSIX_C_SOURCE 200809L
 #include <stdio.h>
 #include <time.h>
@@ -15,6 +15,11 @@ double job_now(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+void job_init(job *j, int clipping)
+{
+    *j = (job){ .next_step = 1, .clipping = clipping };
 }
 
 void job_mark_broken(job *j)
@@ -126,8 +131,44 @@ static void record(job *j, const eng_step_stats *st, const job_part *p, int n,
     j->last_loss = nloss ? loss / nloss : 0.0;
 }
 
-scape_rc job_step_run(job *j, eng_t *e, uint64_t t, const float *lr, job_part *p,
-                      int n, size_t grad_bytes, size_t param_bytes, double start, int *broke)
+/* ---- the engine's lifetime ---------------------------------------------------- */
+
+scape_rc job_open(job *j, const eng_config *cfg, const eng_layout *lay, comm_t *comm, int n)
+{
+    TRY(eng_create(&j->eng, cfg, lay, comm, n));
+    j->trainers = n;
+    return SCAPE_OK;
+}
+
+void job_close(job *j) { eng_destroy(&j->eng); }
+
+scape_rc job_init_params(job *j, void *const *params)
+{
+    return eng_init_params(j->eng, params);
+}
+
+scape_rc job_restore(job *j, const ckpt_ref *ref, comm_t *comm, void *const *params)
+{
+    return ckpt_restore(ref, j->eng, comm, params);
+}
+
+scape_rc job_save(job *j, const char *root, comm_t *comm, int keep, uint64_t *step,
+                  char *dir, size_t len)
+{
+    return ckpt_save(root, j->eng, comm, keep, step, dir, len);
+}
+
+scape_rc job_set_trainers(job *j, int n)
+{
+    TRY(eng_set_local_trainers(j->eng, n));
+    j->trainers = n;
+    return SCAPE_OK;
+}
+
+/* ---- the step ---------------------------------------------------------------- */
+
+scape_rc job_step_run(job *j, const float *lr, job_part *p, int n, size_t grad_bytes,
+                      size_t param_bytes, double start, int *broke)
 {
     const void *grads[JOB_MAX_PARTS];
     void *params[JOB_MAX_PARTS];
@@ -141,7 +182,7 @@ scape_rc job_step_run(job *j, eng_t *e, uint64_t t, const float *lr, job_part *p
     }
     uint64_t copied = 0;
     TRY(job_pull(p, n, 1, grad_bytes, &copied));
-    scape_rc rc = eng_step_groups(e, t, lr, grads, params);
+    scape_rc rc = eng_step_groups(j->eng, j->next_step, lr, grads, params);
     if (rc == SCAPE_OK)
         rc = job_push(p, n, param_bytes, &copied);
     for (int i = 0; i < n && rc == SCAPE_OK; i++)
@@ -151,20 +192,21 @@ scape_rc job_step_run(job *j, eng_t *e, uint64_t t, const float *lr, job_part *p
         return rc;
     }
     eng_step_stats st;
-    eng_last_stats(e, &st);
+    eng_last_stats(j->eng, &st);
     record(j, &st, p, n, start, copied);
+    j->next_step++;
     return SCAPE_OK;
 }
 
-scape_rc job_step_finish(job *j, eng_t *e, int defer_select)
+scape_rc job_step_finish(job *j, int defer_select)
 {
     j->last.has_after_reply = defer_select;
     j->last.after_reply = 0.0;
     double t0 = job_now();
-    TRY(eng_step_finish(e));
+    TRY(eng_step_finish(j->eng));
     j->last.after_reply = job_now() - t0;
     eng_step_stats st; /* the selection's kernels count to the step */
-    if (eng_last_stats(e, &st) == SCAPE_OK)
+    if (eng_last_stats(j->eng, &st) == SCAPE_OK)
         j->last.eng.launches = st.launches;
     return SCAPE_OK;
 }
@@ -182,4 +224,30 @@ void job_count(job *j)
     }
     if (j->clipping && l->eng.clip < 1.0)
         t->clipped++;
+}
+
+/* ---- what status, checkpoints and the control plane ask ----------------------- */
+
+void job_footprint_of(const job *j, job_footprint *f)
+{
+    f->state_bytes = eng_state_bytes(j->eng);
+    f->device_bytes = eng_device_bytes(j->eng);
+    f->pinned_bytes = eng_pinned_bytes(j->eng);
+    f->gather_values = eng_gathers_delta(j->eng) ? "delta"
+                       : eng_gathers_bf16(j->eng) ? "bf16" : "f32";
+}
+
+double job_residual_norm(const job *j) { return eng_residual_norm(j->eng); }
+
+uint64_t job_layout_hash(const job *j) { return eng_layout_hash(j->eng); }
+
+size_t job_groups(const job *j) { return eng_groups(j->eng); }
+
+double job_grad_norm(const job *j, int i) { return eng_trainer_grad_norm(j->eng, i); }
+
+int job_device_stuck(const job *j) { return eng_device_stuck(j->eng); }
+
+scape_rc job_params(const job *j, float *theta, unsigned char *have)
+{
+    return eng_get_state(j->eng, ENG_VEC_THETA, theta, have);
 }

@@ -321,9 +321,8 @@ scape_rc srv_create(server **out, const scaped_config *cfg)
         return scape_set_error(SCAPE_NOMEM, "server: out of memory");
     s->cfg = *cfg;
     s->lock_fd = -1;
-    s->next_step = 1;
     s->started_at = job_now();
-    s->job.clipping = cfg->engine.max_grad_norm > 0.0f;
+    job_init(&s->job, cfg->engine.max_grad_norm > 0.0f);
     scape_rc rc = cfg->runtime_dir[0]
                       ? (snprintf(s->dir, sizeof s->dir, "%s", cfg->runtime_dir), SCAPE_OK)
                       : wire_runtime_dir(s->dir, sizeof s->dir);
@@ -508,7 +507,7 @@ scape_rc srv_run(server *s)
     while (!srv_stopping(s))
         TRY(srv_serve_once(s, s->cfg.liveness_ms, NULL));
     s->stopping = 1;
-    LOG_INFO(SUB_MAIN, "stopping after step %llu", (unsigned long long)s->next_step - 1);
+    LOG_INFO(SUB_MAIN, "stopping after step %llu", (unsigned long long)s->job.next_step - 1);
     farewell(s);
     leave_together(s);
     return SCAPE_OK;
@@ -523,7 +522,7 @@ void srv_destroy(server **sp)
     server *s = *sp;
     farewell(s);
     shm_map_close(&s->spare, 1);
-    eng_destroy(&s->eng);
+    job_close(&s->job);
     comm_destroy(&s->comm); /* finalized or aborted: nothing in flight any more */
     ctl_reap_maps(s, 1);
     free(s->graves);

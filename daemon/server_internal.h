@@ -1,7 +1,9 @@
 /* server_internal.h - state shared by server.c (lifecycle, loop), control.c
  * (trainer requests, replies, buffer maps), status.c (the status plane) and
  * checkpoint.c.  They call one another downwards only: server -> control ->
- * status -> checkpoint -> job (job.h, the step) -> engine. */
+ * status -> checkpoint -> job -> engine.  The server holds the sockets, the
+ * trainers and the layout; the engine and the step counter are the job's
+ * (struct job, job.h), and these files reach the engine only through job.c. */
 #ifndef SCAPE_SERVER_INTERNAL_H
 #define SCAPE_SERVER_INTERNAL_H
 
@@ -86,9 +88,6 @@ struct server {
     char data_ep[256];             /* host backend: the bound data-plane address */
     int auth_mode;                 /* auth_mode the job's daemons use (world > 1) */
     int curve;                     /* the data plane runs CURVE */
-    eng_t *eng;
-    int eng_trainers;               /* T_r the engine runs with */
-    uint64_t next_step;
     uint64_t foreign_seen;          /* comm_foreign count already logged */
     uint64_t refused_seen;          /* comm_refused count already logged */
     char curve_public[41];          /* the data plane's CURVE public key ("": none) */
@@ -99,7 +98,8 @@ struct server {
     double next_check;            /* job_now() of the next trainer liveness check */
     size_t msg_bytes;               /* size of the request being handled */
 
-    job job;                  /* the steps' figures, for replies, status, metrics */
+    job job;                  /* the engine, the next step and the steps' figures
+                                 (job.h: only job.c touches the engine) */
     struct mhttp *metrics_http;    /* metrics_listen's HTTP server (NULL: off) */
 
     /* Checkpoints (checkpoint.c). */

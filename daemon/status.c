@@ -35,7 +35,7 @@ static uint64_t rss_bytes(void)
 static int trainers_missing(const server *s)
 {
     int n = s->cfg.trainers - srv_trainers(s, 0);
-    return s->eng == NULL && n > 0 ? n : 0;
+    return !job_started(&s->job) && n > 0 ? n : 0;
 }
 
 static const char *state_name(const server *s)
@@ -135,24 +135,25 @@ static void fill_status(server *s, status_buf *b)
     st->optimizer = (char *)eng_optimizer_name(s->cfg.engine.optimizer);
     st->mode = (char *)eng_mode_name(s->cfg.engine.mode);
     st->rho = s->cfg.engine.rho;
-    st->step = s->next_step - 1;
+    st->step = s->job.next_step - 1;
     st->numel = s->numel;
     st->uptime_ms = (uint64_t)(1e3 * (job_now() - s->started_at));
     st->rss_bytes = rss_bytes();
-    st->state_bytes = eng_state_bytes(s->eng);
+    job_footprint fp;
+    job_footprint_of(&s->job, &fp);
+    st->state_bytes = fp.state_bytes;
     /* What the daemon holds on a GPU: the cuda executor's state and buffers,
      * and the nccl backend's staging (the trainers' CUDA IPC buffers are
      * theirs); in pinned host memory, the executor's residual and copies. */
     st->executor = (char *)eng_executor_name(s->cfg.engine.executor);
     st->has_device_bytes = 1;
-    st->device_bytes = comm_device_bytes(s->comm) + eng_device_bytes(s->eng);
+    st->device_bytes = comm_device_bytes(s->comm) + fp.device_bytes;
     st->has_pinned_bytes = 1;
-    st->pinned_bytes = eng_pinned_bytes(s->eng);
+    st->pinned_bytes = fp.pinned_bytes;
     st->has_max_grad_norm = 1;
     st->max_grad_norm = s->cfg.engine.max_grad_norm;
     st->wire_values = (char *)(s->cfg.engine.wire_bf16 ? "bf16" : "f32");
-    st->gather_values = (char *)(eng_gathers_delta(s->eng) ? "delta"
-                                 : eng_gathers_bf16(s->eng) ? "bf16" : "f32");
+    st->gather_values = (char *)fp.gather_values;
     st->has_mask_deltas = 1;
     st->mask_deltas = s->cfg.engine.mask_deltas != 0;
     st->has_rho_start = 1;
@@ -207,7 +208,7 @@ static void fill_status(server *s, status_buf *b)
     if (s->job.have_last) {
         status_step_done(&s->job, &b->last);
         b->last.d.has_residual_norm = 1;
-        b->last.d.residual_norm = eng_residual_norm(s->eng);
+        b->last.d.residual_norm = job_residual_norm(&s->job);
         st->last = &b->last.d;
     }
     st->has_loss = s->job.have_loss;
