@@ -1084,8 +1084,8 @@ static scape_rc reshard_local(const ckpt_ref *ref, eng_t *e, int rank, int R, co
         as_taken.mode = (eng_mode)h.meta.mode;
         if (rc == SCAPE_OK && h.meta.config_hash != eng_config_hash(&as_taken))
             rc = scape_set_error(SCAPE_INVALID, "restore: the checkpoint was taken with other "
-                                 "optimizer settings (" ENG_CONFIG_HASHED " must "
-                                 "match; the mode may change)");
+                                 "optimizer settings (%s must match; the mode may change)",
+                                 eng_config_hashed());
         eng_ckpt_sec secs[ENG_CKPT_MAX_SECS];
         void *bufs[ENG_CKPT_MAX_SECS] = { 0 };
         for (uint32_t s = 0; rc == SCAPE_OK && s < h.nsecs; s++) {

@@ -1,7 +1,10 @@
 /* config.c - the key table and the ways of filling it.
  *
- * s_keys declares every key once.  Defaults, parsing, bounds, the SCAPE_*
- * environment, printing and --help walk it; nothing outside it knows a key.
+ * Every key is declared once: the daemon's own in s_own, the engine's on
+ * their engine rows (engine.c, eng_keys), which s_own places among its own.
+ * s_keys is the two made into one table, in the order --help and cfg_print
+ * list them; defaults, parsing, bounds, the SCAPE_* environment, printing,
+ * status and --help walk it, and nothing outside them knows a key.
  * The YAML reader only tokenises: it walks libyaml's events over one
  * top-level mapping of scalars and hands each pair to set_key, the setter
  * behind cfg_set, so a value means the same wherever it is written.
@@ -12,6 +15,7 @@
 #include <float.h>
 #include <inttypes.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -39,10 +43,10 @@ enum {
     CF_BOOL = 1u << 1,   /* KT_ENUM of false/true: read in every YAML 1.1 spelling */
 };
 
-/* A key's row.  What the engine does with an engine key (its default, the
- * checkpoint hash, the handshake) is on its engine row (engine.h, eng_keys),
- * found by name: the engine and the programs that create one without this
- * file read those facts there. */
+/* A key's row.  An engine key's row is made from its engine row (engine_row):
+ * its default stays there (eng_config_default), with what the engine does
+ * with it (the checkpoint hash, the handshake), for the engine and the
+ * programs that create one without this file. */
 typedef struct cfg_key {
     const char *name;
     key_type type;
@@ -50,11 +54,13 @@ typedef struct cfg_key {
     size_t size;                   /* KT_STRING: capacity with the NUL */
     double min, max;               /* numbers: bounds */
     int min_open, max_open;        /* the bound itself is excluded */
-    const eng_enum *names;         /* KT_ENUM; NULL: the engine row's */
+    const eng_enum *names;         /* KT_ENUM */
     const char *def;               /* the default as written in a file; NULL: the
-                                      engine row's */
+                                      engine's */
     unsigned flags;                /* CF_* */
     const char *doc;
+    const char *engine_from;       /* s_own only: not a key, but the place of the
+                                      engine's keys from this one on (ENGINE_KEYS) */
 } cfg_key;
 
 static const eng_enum s_backend_names[] = {
@@ -135,85 +141,24 @@ scape_rc cfg_bool_parse(const char *s, int *out)
 
 #define OFF(field) offsetof(scaped_config, field)
 
-static const cfg_key s_keys[] = {
+/* Marks the place of the engine's keys from first (its eng_keys row) up to
+ * the next mark's first, or to the last: the engine lists them in the order
+ * shown here. */
+#define ENGINE_KEYS(first) { .engine_from = (first) }
+
+static const cfg_key s_own[] = {
     { .name = "runtime_dir", .type = KT_STRING, .offset = OFF(runtime_dir),
       .size = sizeof ((scaped_config *)0)->runtime_dir, .def = "",
       .doc = "directory of the control socket and shared memory (\"\" = daemon default)" },
     { .name = "log_level", .type = KT_ENUM, .offset = OFF(log_level),
       .names = log_level_names, .def = "info",
       .doc = "error, warn, info or debug" },
-    { .name = "optimizer", .type = KT_ENUM, .offset = OFF(engine.optimizer),
-      .flags = CF_STATUS,
-      .doc = "scape, adams, adamw or topk-adamw" },
-    { .name = "mode", .type = KT_ENUM, .offset = OFF(engine.mode), .flags = CF_STATUS,
-      .doc = "replicated (all-reduce) or sharded (reduce-scatter, all-gather)" },
-    { .name = "rho", .type = KT_DOUBLE, .offset = OFF(engine.rho), .min = 0, .min_open = 1,
-      .max = 1, .flags = CF_STATUS, .doc = "density: fraction of each tensor reduced per step" },
-    { .name = "warmup", .type = KT_U32, .offset = OFF(engine.warmup), .min = 1,
-      .max = UINT32_MAX, .flags = CF_STATUS, .doc = "dense warm-up steps before masking starts" },
-    { .name = "beta1", .type = KT_FLOAT, .offset = OFF(engine.hyper.beta1), .min = 0,
-      .max = 1, .max_open = 1, .flags = CF_STATUS, .doc = "first-moment decay" },
-    { .name = "beta2", .type = KT_FLOAT, .offset = OFF(engine.hyper.beta2), .min = 0,
-      .max = 1, .max_open = 1, .flags = CF_STATUS, .doc = "normaliser decay" },
-    { .name = "eps", .type = KT_FLOAT, .offset = OFF(engine.hyper.eps), .min = 0,
-      .min_open = 1, .max = HUGE_VAL, .max_open = 1, .flags = CF_STATUS,
-      .doc = "denominator guard" },
-    { .name = "weight_decay", .type = KT_FLOAT, .offset = OFF(engine.hyper.wd), .min = 0,
-      .max = HUGE_VAL, .max_open = 1, .flags = CF_STATUS, .doc = "decoupled weight decay lambda" },
-    { .name = "max_grad_norm", .type = KT_FLOAT, .offset = OFF(engine.max_grad_norm),
-      .min = 0, .max = HUGE_VAL, .max_open = 1, .flags = CF_STATUS,
-      .doc = "clip the mean gradient to this global L2 norm before the update (torch's "
-             "clip_grad_norm_; 0: no clipping)" },
-    { .name = "clip_norm", .type = KT_ENUM, .offset = OFF(engine.clip_norm),
-      .flags = CF_STATUS,
-      .doc = "which norm max_grad_norm bounds: sent (g_hat, the mean of what the daemons "
-             "reduced: for scape the error-feedback residual at the mask included) or "
-             "gradient (this step's mean gradient, torch's: exact with one daemon, else "
-             "bounded above by the daemons' norms); alike on every daemon" },
-    { .name = "wire_values", .type = KT_ENUM, .offset = OFF(engine.wire_bf16),
-      .flags = CF_STATUS,
-      .doc = "masked steps send the reduced values as f32 or bf16 (the rounding stays in the "
-             "residual: nothing is lost); alike on every daemon" },
-    { .name = "gather_values", .type = KT_ENUM, .offset = OFF(engine.gather),
-      .flags = CF_STATUS,
-      .doc = "sharded: gather the updated parameters in the trainers' dtype (params: bf16 "
-             "when every trainer holds bf16, the same bits in half the bytes), in f32, or, "
-             "when every trainer holds fp32, as their changes in bf16 (delta: the update is "
-             "rounded so; half the gather's bytes); alike on every daemon" },
-    { .name = "rho_start", .type = KT_DOUBLE, .offset = OFF(engine.rho_start), .min = 0,
-      .max = 1, .flags = CF_STATUS,
-      .doc = "scape density schedule: the first masked step's density, in (rho, 1], halved "
-             "at equal intervals down to rho over rho_steps steps (0: no schedule)" },
-    { .name = "rho_steps", .type = KT_U32, .offset = OFF(engine.rho_steps), .min = 1,
-      .max = UINT32_MAX, .flags = CF_STATUS,
-      .doc = "masked steps over which the density schedule reaches rho" },
-    { .name = "dense_below", .type = KT_U32, .offset = OFF(engine.dense_below), .min = 0,
-      .max = UINT32_MAX, .flags = CF_STATUS,
-      .doc = "scape, topk-adamw: a tensor of at most this many coordinates (norms, biases) "
-             "is sent whole every step, as PowerSGD leaves vectors uncompressed (0: none); "
-             "alike on every daemon" },
-    { .name = "mask_deltas", .type = KT_ENUM, .offset = OFF(engine.mask_deltas),
-      .flags = CF_STATUS | CF_BOOL,
-      .doc = "scape: send each next mask as its change from the last one when that is "
-             "smaller (its size goes first, in one small all-gather); alike on every daemon" },
-    { .name = "engine_threads", .type = KT_INT, .offset = OFF(engine.threads), .min = 1,
-      .max = 256, .flags = CF_STATUS,
-      .doc = "threads for the step's data-parallel phases (results do not depend on it)" },
+    ENGINE_KEYS("optimizer"),
     { .name = "executor", .type = KT_ENUM, .offset = OFF(executor), .names = s_exec_names,
       .def = "auto", .flags = CF_STATUS,
       .doc = "where the step runs: auto (cuda when built with CUDA and a GPU is visible, else "
              "host), host, cuda, or sim (the cuda executor's code on the CPU, for tests)" },
-    { .name = "residual_on_device", .type = KT_ENUM, .offset = OFF(engine.residual_on_device),
-      .flags = CF_BOOL,
-      .doc = "cuda: keep the residual in GPU memory instead of pinned host memory streamed "
-             "through the GPU" },
-    { .name = "residual_chunk", .type = KT_U32, .offset = OFF(engine.residual_chunk),
-      .min = 32, .max = 2147483648.0,
-      .doc = "cuda: coordinates of the pinned residual streamed through the GPU at a time" },
-    { .name = "defer_select", .type = KT_ENUM, .offset = OFF(engine.defer_select),
-      .flags = CF_STATUS | CF_BOOL,
-      .doc = "select the next mask after the trainers have their parameters, behind their "
-             "compute (results do not depend on it; alike on every daemon)" },
+    ENGINE_KEYS("residual_on_device"),
     { .name = "max_trainers", .type = KT_INT, .offset = OFF(max_trainers), .min = 1,
       .max = 64, .def = "64", .flags = CF_STATUS, .doc = "trainer processes this daemon accepts" },
     { .name = "max_message_bytes", .type = KT_U32, .offset = OFF(max_message_bytes),
@@ -276,11 +221,78 @@ static const cfg_key s_keys[] = {
              ":PORT (every interface) or [IPv6]:PORT (\"\" or off: not served)" },
 };
 
-#define KEY_COUNT (sizeof s_keys / sizeof s_keys[0])
+#define NELEM(a) (sizeof (a) / sizeof (a)[0])
+#define MAX_KEYS 64 /* the daemon's and the engine's; test_config counts them */
+
+/* s_own and the engine's rows in one table, made once (fill_keys). */
+static cfg_key s_keys[MAX_KEYS];
+static size_t s_nkeys;
+static pthread_once_t s_keys_once = PTHREAD_ONCE_INIT;
+
+/* Key ek's row: its field inside scaped_config.engine, its text form from
+ * its type and names. */
+static cfg_key engine_row(const eng_key *ek)
+{
+    static const key_type types[] = {
+        [ENG_KT_DOUBLE] = KT_DOUBLE, [ENG_KT_FLOAT] = KT_FLOAT, [ENG_KT_U32] = KT_U32,
+        [ENG_KT_INT] = KT_INT,
+    };
+    return (cfg_key){
+        .name = ek->name, .type = ek->names ? KT_ENUM : types[ek->type],
+        .offset = OFF(engine) + ek->offset, .min = ek->min, .max = ek->max,
+        .min_open = ek->min_open, .max_open = ek->max_open, .names = ek->names,
+        .flags = (ek->flags & ENG_KEY_STATUS ? CF_STATUS : 0) |
+                 (ek->names == eng_bool_names ? CF_BOOL : 0),
+        .doc = ek->doc,
+    };
+}
+
+/* The index among the n engine keys ek of the one s_own[i] marks; n when
+ * i is past the last row. */
+static size_t engine_index(size_t i, const eng_key *ek, size_t n)
+{
+    size_t j = 0;
+    if (i >= NELEM(s_own))
+        return n;
+    while (j < n && strcmp(ek[j].name, s_own[i].engine_from) != 0)
+        j++;
+    return j;
+}
+
+static void add_key(cfg_key k)
+{
+    if (s_nkeys < MAX_KEYS)
+        s_keys[s_nkeys++] = k;
+}
+
+static void fill_keys(void)
+{
+    size_t n = 0;
+    const eng_key *ek = eng_keys(&n);
+    for (size_t i = 0; i < NELEM(s_own); i++) {
+        if (!s_own[i].engine_from) {
+            add_key(s_own[i]);
+            continue;
+        }
+        size_t next = i + 1;
+        while (next < NELEM(s_own) && !s_own[next].engine_from)
+            next++;
+        size_t end = engine_index(next, ek, n);
+        for (size_t j = engine_index(i, ek, n); j < end; j++)
+            add_key(engine_row(&ek[j]));
+    }
+}
+
+/* How many keys s_keys holds, made on first use. */
+static size_t nkeys(void)
+{
+    (void)pthread_once(&s_keys_once, fill_keys);
+    return s_nkeys;
+}
 
 static const cfg_key *find_key(const char *name)
 {
-    for (size_t i = 0; i < KEY_COUNT; i++)
+    for (size_t i = 0; i < nkeys(); i++)
         if (strcmp(name, s_keys[i].name) == 0)
             return &s_keys[i];
     return NULL;
@@ -339,7 +351,7 @@ const char *cfg_closest_key(const char *name)
 {
     const char *best = NULL;
     size_t best_d = SIZE_MAX;
-    for (size_t i = 0; name && i < KEY_COUNT; i++)
+    for (size_t i = 0; name && i < nkeys(); i++)
         nearer(name, s_keys[i].name, &best, &best_d);
     return best;
 }
@@ -453,18 +465,11 @@ static scape_rc set_string(const cfg_key *k, char *f, const char *s)
     return SCAPE_OK;
 }
 
-/* An enum key's names: its own, or its engine row's. */
-static const eng_enum *key_names(const cfg_key *k)
-{
-    const eng_key *ek = k->names ? NULL : eng_key_find(k->name);
-    return k->names ? k->names : ek ? ek->names : NULL;
-}
-
 static scape_rc set_enum(const cfg_key *k, int *f, const char *s)
 {
     if (k->flags & CF_BOOL)
         return cfg_bool_parse(s, f);
-    return eng_enum_parse(key_names(k), k->name, s, f);
+    return eng_enum_parse(k->names, k->name, s, f);
 }
 
 /* Set k in c from text s; on failure c is unchanged and the message names
@@ -533,7 +538,7 @@ static void format_value(const cfg_key *k, const void *f, char *buf, size_t len)
     switch (k->type) {
     case KT_STRING: yaml_quote(f, buf, len); break;
     case KT_ENUM:
-        snprintf(buf, len, "%s", eng_enum_name(key_names(k), *(const int *)f));
+        snprintf(buf, len, "%s", eng_enum_name(k->names, *(const int *)f));
         break;
     case KT_DOUBLE: shortest(*(const double *)f, KT_DOUBLE, buf, len); break;
     case KT_FLOAT: shortest(*(const float *)f, KT_FLOAT, buf, len); break;
@@ -548,7 +553,7 @@ typedef struct loader {
     yaml_parser_t parser;
     const char *path;
     scaped_config *cfg;            /* a copy, committed only when all is well */
-    size_t first_line[KEY_COUNT];  /* where each key was set, 0 = not yet */
+    size_t first_line[MAX_KEYS];   /* where each key was set, 0 = not yet */
 } loader;
 
 /* blame() with "path:line:col" from a 0-based libyaml mark. */
@@ -728,7 +733,7 @@ void cfg_defaults(scaped_config *c)
     eng_config_default(&c->engine); /* the engine keys' defaults are on their rows there */
     /* The table's defaults are valid text for their keys; test_config checks
      * every one of them. */
-    for (size_t i = 0; i < KEY_COUNT; i++)
+    for (size_t i = 0; i < nkeys(); i++)
         if (s_keys[i].def)
             (void)set_key(c, &s_keys[i], s_keys[i].def);
 }
@@ -774,7 +779,7 @@ scape_rc cfg_apply_env(scaped_config *c)
     if (!c)
         return scape_set_error(SCAPE_INVALID, "cfg_apply_env: NULL argument");
     scaped_config next = *c;
-    for (size_t i = 0; i < KEY_COUNT; i++) {
+    for (size_t i = 0; i < nkeys(); i++) {
         char var[MAX_KEY_CHARS + 8];
         env_name(&s_keys[i], var, sizeof var);
         /* An empty variable counts as unset, as "SCAPE_RHO= scaped" intends. */
@@ -804,8 +809,6 @@ static const char *const s_other_env[] = {
 static const char *const s_other_env_prefix[] = { "SCAPE_FUZZ_", "SCAPE_SLURM_", "SCAPE_HF_",
                                                   "SCAPE_TORCH2_" };
 
-#define NELEM(a) (sizeof (a) / sizeof (a)[0])
-
 static int other_env(const char *name)
 {
     for (size_t i = 0; i < NELEM(s_other_env); i++)
@@ -824,11 +827,11 @@ static int nearest_env(const char *name, char *buf, size_t len)
     char cand[MAX_KEY_CHARS + 8];
     const char *best = NULL; /* points into cand: only tested for NULL */
     size_t best_d = SIZE_MAX;
-    for (size_t i = 0; i < KEY_COUNT + NELEM(s_other_env); i++) {
-        if (i < KEY_COUNT)
+    for (size_t i = 0; i < nkeys() + NELEM(s_other_env); i++) {
+        if (i < nkeys())
             env_name(&s_keys[i], cand, sizeof cand);
         else
-            snprintf(cand, sizeof cand, "%s", s_other_env[i - KEY_COUNT]);
+            snprintf(cand, sizeof cand, "%s", s_other_env[i - nkeys()]);
         size_t was = best_d;
         nearer(name + 6, cand + 6, &best, &best_d);
         if (best_d < was)
@@ -842,7 +845,7 @@ int cfg_env_unknown(const char *name, char *msg, size_t len)
     char var[MAX_KEY_CHARS + 8], up[256], near[MAX_KEY_CHARS + 8];
     if (!name || strncmp(name, "SCAPE_", 6) != 0 || other_env(name))
         return 0;
-    for (size_t i = 0; i < KEY_COUNT; i++) {
+    for (size_t i = 0; i < nkeys(); i++) {
         env_name(&s_keys[i], var, sizeof var);
         if (strcmp(name, var) == 0)
             return 0;
@@ -894,7 +897,7 @@ scape_rc cfg_print(const scaped_config *c, FILE *out)
 {
     if (!c || !out)
         return scape_set_error(SCAPE_INVALID, "cfg_print: NULL argument");
-    for (size_t i = 0; i < KEY_COUNT; i++) {
+    for (size_t i = 0; i < nkeys(); i++) {
         const cfg_key *k = &s_keys[i];
         char val[VALUE_BYTES];
         format_value(k, (const char *)c + k->offset, val, sizeof val);
@@ -910,7 +913,7 @@ scape_rc cfg_print(const scaped_config *c, FILE *out)
 size_t cfg_status_values(const scaped_config *c, cfg_value *out, size_t max)
 {
     size_t n = 0;
-    for (size_t i = 0; c && out && i < KEY_COUNT && n < max; i++) {
+    for (size_t i = 0; c && out && i < nkeys() && n < max; i++) {
         const cfg_key *k = &s_keys[i];
         if (!(k->flags & CF_STATUS))
             continue;
@@ -922,7 +925,7 @@ size_t cfg_status_values(const scaped_config *c, cfg_value *out, size_t max)
 
 const char *cfg_key_doc(size_t i, const char **name)
 {
-    if (i >= KEY_COUNT)
+    if (i >= nkeys())
         return NULL;
     if (name)
         *name = s_keys[i].name;

@@ -52,96 +52,151 @@ const eng_enum eng_executor_names[] = {
 const eng_enum eng_bool_names[] = { { "false", 0 }, { "true", 1 }, { NULL, 0 } };
 const eng_enum eng_wire_names[] = { { "f32", 0 }, { "bf16", 1 }, { NULL, 0 } };
 
-/* Filled once from the optimizer rows, so that their names stay there. */
-static eng_enum s_opt_names[ENG_OPT_COUNT + 1];
-static pthread_once_t s_opt_names_once = PTHREAD_ONCE_INIT;
-
-static void fill_opt_names(void)
-{
-    for (int i = 0; i < ENG_OPT_COUNT; i++)
-        s_opt_names[i] = (eng_enum){ s_opts[i].name, (int)s_opts[i].id };
-}
-
-const eng_enum *eng_optimizer_names(void)
-{
-    (void)pthread_once(&s_opt_names_once, fill_opt_names);
-    return s_opt_names;
-}
-
-scape_rc eng_enum_parse(const eng_enum *names, const char *what, const char *s, int *out)
-{
-    for (const eng_enum *e = names; s && out && e->name; e++)
-        if (strcmp(s, e->name) == 0) {
-            *out = e->value;
-            return SCAPE_OK;
-        }
-    char list[160] = "";
-    size_t used = 0;
-    for (const eng_enum *e = names; e->name && used < sizeof list; e++)
-        used += (size_t)snprintf(list + used, sizeof list - used, "%s%s",
-                                 e == names ? "" : ", ", e->name);
-    return scape_set_error(SCAPE_INVALID, "unknown %s '%s' (%s)", what, s ? s : "(null)", list);
-}
-
-const char *eng_enum_name(const eng_enum *names, int value)
-{
-    for (const eng_enum *e = names; e->name; e++)
-        if (e->value == value)
-            return e->name;
-    return "?";
-}
-
 #define EOFF(field) offsetof(eng_config, field)
 #define HASHED ENG_KEY_HASH
 #define IF_SET (ENG_KEY_HASH | ENG_KEY_HASH_IF_SET)
+#define SHOWN ENG_KEY_STATUS
 
-/* Hashed keys first, in the order eng_config_hash takes them: that order
- * and the tags are what checkpoints of earlier versions were hashed with,
- * so a new hashed key goes after the last hashed one, IF_SET. */
+/* The optimizer rows' names, filled once (fill_tables) so that they stay there. */
+static eng_enum s_opt_names[ENG_OPT_COUNT + 1];
+
+/* In the order config.c lists them.  seq orders the hashed keys in the hash
+ * and the agreed ones in the handshake: that order and the tags are what
+ * checkpoints of earlier versions were hashed with, so a new hashed or
+ * agreed key takes the next free seq (a hashed one IF_SET). */
 static const eng_key s_keys[] = {
-    { "optimizer", EOFF(optimizer), ENG_KT_INT, ENG_OPT_SCAPE, HASHED, .names = s_opt_names },
-    { "mode", EOFF(mode), ENG_KT_INT, ENG_MODE_REPLICATED, HASHED, .names = eng_mode_names },
-    { "rho", EOFF(rho), ENG_KT_DOUBLE, 0.01, HASHED, NULL, 0, NULL, NULL },
-    { "warmup", EOFF(warmup), ENG_KT_U32, 1, HASHED, NULL, 0, NULL, NULL },
-    { "beta1", EOFF(hyper.beta1), ENG_KT_FLOAT, 0.9, HASHED, NULL, 0, NULL, NULL },
-    { "beta2", EOFF(hyper.beta2), ENG_KT_FLOAT, 0.95, HASHED, NULL, 0, NULL, NULL },
-    { "eps", EOFF(hyper.eps), ENG_KT_FLOAT, 1e-8, HASHED, NULL, 0, NULL, NULL },
-    { "weight_decay", EOFF(hyper.wd), ENG_KT_FLOAT, 0, HASHED, NULL, 0, NULL, NULL },
-    { "max_grad_norm", EOFF(max_grad_norm), ENG_KT_FLOAT, 0, IF_SET, NULL, 0, NULL, NULL },
+    { "optimizer", EOFF(optimizer), ENG_KT_INT, ENG_OPT_SCAPE, HASHED | SHOWN, 1,
+      .names = s_opt_names, .doc = "scape, adams, adamw or topk-adamw" },
+    { "mode", EOFF(mode), ENG_KT_INT, ENG_MODE_REPLICATED, HASHED | SHOWN, 2,
+      .names = eng_mode_names,
+      .doc = "replicated (all-reduce) or sharded (reduce-scatter, all-gather)" },
+    { "rho", EOFF(rho), ENG_KT_DOUBLE, 0.01, HASHED | SHOWN, 3, .min = 0, .min_open = 1,
+      .max = 1, .doc = "density: fraction of each tensor reduced per step" },
+    { "warmup", EOFF(warmup), ENG_KT_U32, 1, HASHED | SHOWN, 4, .min = 1, .max = UINT32_MAX,
+      .doc = "dense warm-up steps before masking starts" },
+    { "beta1", EOFF(hyper.beta1), ENG_KT_FLOAT, 0.9, HASHED | SHOWN, 5, .min = 0, .max = 1,
+      .max_open = 1, .doc = "first-moment decay" },
+    { "beta2", EOFF(hyper.beta2), ENG_KT_FLOAT, 0.95, HASHED | SHOWN, 6, .min = 0, .max = 1,
+      .max_open = 1, .doc = "normaliser decay" },
+    { "eps", EOFF(hyper.eps), ENG_KT_FLOAT, 1e-8, HASHED | SHOWN, 7, .min = 0, .min_open = 1,
+      .max = HUGE_VAL, .max_open = 1, .doc = "denominator guard" },
+    { "weight_decay", EOFF(hyper.wd), ENG_KT_FLOAT, 0, HASHED | SHOWN, 8, .min = 0,
+      .max = HUGE_VAL, .max_open = 1, .doc = "decoupled weight decay lambda" },
+    { "max_grad_norm", EOFF(max_grad_norm), ENG_KT_FLOAT, 0, IF_SET | SHOWN, 9, .min = 0,
+      .max = HUGE_VAL, .max_open = 1,
+      .doc = "clip the mean gradient to this global L2 norm before the update (torch's "
+             "clip_grad_norm_; 0: no clipping)" },
+    { "clip_norm", EOFF(clip_norm), ENG_KT_INT, ENG_CLIP_SENT, IF_SET | SHOWN, 14,
+      .hash_tag = "clip_norm=gradient", .hash_gate = "max_grad_norm",
+      .names = eng_clip_norm_names,
+      .doc = "which norm max_grad_norm bounds: sent (g_hat, the mean of what the daemons "
+             "reduced: for scape the error-feedback residual at the mask included) or "
+             "gradient (this step's mean gradient, torch's: exact with one daemon, else "
+             "bounded above by the daemons' norms); alike on every daemon" },
     /* bf16 values cost no measurable quality (docs/benchmarks.md) */
-    { "wire_values", EOFF(wire_bf16), ENG_KT_INT, 1, IF_SET, "wire_values=bf16",
-      .names = eng_wire_names },
-    { "rho_start", EOFF(rho_start), ENG_KT_DOUBLE, 0, IF_SET, NULL, 0, NULL, NULL },
-    { "rho_steps", EOFF(rho_steps), ENG_KT_U32, 1000, HASHED, .hash_gate = "rho_start" },
-    { "mask_deltas", EOFF(mask_deltas), ENG_KT_INT, 0, IF_SET, "mask_deltas",
-      .names = eng_bool_names },
-    { "clip_norm", EOFF(clip_norm), ENG_KT_INT, ENG_CLIP_SENT, IF_SET, "clip_norm=gradient",
-      .hash_gate = "max_grad_norm", .names = eng_clip_norm_names },
-    { "dense_below", EOFF(dense_below), ENG_KT_U32, 0, IF_SET, "dense_below", 1, NULL, NULL },
-    /* the mask all-gather's place among the collectives */
-    { "defer_select", EOFF(defer_select), ENG_KT_INT, 1, ENG_KEY_AGREE_LAGGED,
-      .names = eng_bool_names },
+    { "wire_values", EOFF(wire_bf16), ENG_KT_INT, 1, IF_SET | SHOWN, 10,
+      .hash_tag = "wire_values=bf16", .names = eng_wire_names,
+      .doc = "masked steps send the reduced values as f32 or bf16 (the rounding stays in the "
+             "residual: nothing is lost); alike on every daemon" },
     /* the gather's value size (and, delta, the update's rounding) */
-    { "gather_values", EOFF(gather), ENG_KT_INT, ENG_GATHER_PARAMS, ENG_KEY_AGREE,
-      .names = eng_gather_names },
-    { "engine_threads", EOFF(threads), ENG_KT_INT, 1, 0, NULL, 0, NULL, NULL },
-    { "residual_on_device", EOFF(residual_on_device), ENG_KT_INT, 0, 0,
-      .names = eng_bool_names },
-    { "residual_chunk", EOFF(residual_chunk), ENG_KT_U32, 4u << 20, 0, NULL, 0, NULL, NULL },
+    { "gather_values", EOFF(gather), ENG_KT_INT, ENG_GATHER_PARAMS, ENG_KEY_AGREE | SHOWN, 17,
+      .names = eng_gather_names,
+      .doc = "sharded: gather the updated parameters in the trainers' dtype (params: bf16 "
+             "when every trainer holds bf16, the same bits in half the bytes), in f32, or, "
+             "when every trainer holds fp32, as their changes in bf16 (delta: the update is "
+             "rounded so; half the gather's bytes); alike on every daemon" },
+    { "rho_start", EOFF(rho_start), ENG_KT_DOUBLE, 0, IF_SET | SHOWN, 11, .min = 0, .max = 1,
+      .doc = "scape density schedule: the first masked step's density, in (rho, 1], halved "
+             "at equal intervals down to rho over rho_steps steps (0: no schedule)" },
+    { "rho_steps", EOFF(rho_steps), ENG_KT_U32, 1000, HASHED | SHOWN, 12,
+      .hash_gate = "rho_start", .min = 1, .max = UINT32_MAX,
+      .doc = "masked steps over which the density schedule reaches rho" },
+    { "dense_below", EOFF(dense_below), ENG_KT_U32, 0, IF_SET | SHOWN, 15,
+      .hash_tag = "dense_below", .hash_tag_value = 1, .min = 0, .max = UINT32_MAX,
+      .doc = "scape, topk-adamw: a tensor of at most this many coordinates (norms, biases) "
+             "is sent whole every step, as PowerSGD leaves vectors uncompressed (0: none); "
+             "alike on every daemon" },
+    { "mask_deltas", EOFF(mask_deltas), ENG_KT_INT, 0, IF_SET | SHOWN, 13,
+      .hash_tag = "mask_deltas", .names = eng_bool_names,
+      .doc = "scape: send each next mask as its change from the last one when that is "
+             "smaller (its size goes first, in one small all-gather); alike on every daemon" },
+    { "engine_threads", EOFF(threads), ENG_KT_INT, 1, SHOWN, 0, .min = 1, .max = 256,
+      .doc = "threads for the step's data-parallel phases (results do not depend on it)" },
+    { "residual_on_device", EOFF(residual_on_device), ENG_KT_INT, 0, 0, 0,
+      .names = eng_bool_names,
+      .doc = "cuda: keep the residual in GPU memory instead of pinned host memory streamed "
+             "through the GPU" },
+    { "residual_chunk", EOFF(residual_chunk), ENG_KT_U32, 4u << 20, 0, 0, .min = 32,
+      .max = 2147483648.0,
+      .doc = "cuda: coordinates of the pinned residual streamed through the GPU at a time" },
+    /* the mask all-gather's place among the collectives */
+    { "defer_select", EOFF(defer_select), ENG_KT_INT, 1, ENG_KEY_AGREE_LAGGED | SHOWN, 16,
+      .names = eng_bool_names,
+      .doc = "select the next mask after the trainers have their parameters, behind their "
+             "compute (results do not depend on it; alike on every daemon)" },
 };
 
 #define NKEYS (sizeof s_keys / sizeof s_keys[0])
 
+/* Filled once from the rows (fill_tables): the keys in seq order (s_seq[i]
+ * has seq i + 1; s_nseq of them) and the hashed keys' names. */
+static const eng_key *s_seq[NKEYS];
+static size_t s_nseq;
+static char s_hashed[512];
+static pthread_once_t s_tables_once = PTHREAD_ONCE_INIT;
+
+/* "a, b and c": the hashed keys but the mode, in table order. */
+static void fill_hashed(void)
+{
+    size_t n = 0, done = 0, used = 0;
+    for (size_t i = 0; i < NKEYS; i++)
+        n += (s_keys[i].flags & ENG_KEY_HASH) && s_keys[i].offset != EOFF(mode);
+    for (size_t i = 0; i < NKEYS && used < sizeof s_hashed; i++) {
+        if (!(s_keys[i].flags & ENG_KEY_HASH) || s_keys[i].offset == EOFF(mode))
+            continue;
+        const char *sep = done == 0 ? "" : done + 1 == n ? " and " : ", ";
+        used += (size_t)snprintf(s_hashed + used, sizeof s_hashed - used, "%s%s", sep,
+                                 s_keys[i].name);
+        done++;
+    }
+}
+
+static void fill_tables(void)
+{
+    for (int i = 0; i < ENG_OPT_COUNT; i++)
+        s_opt_names[i] = (eng_enum){ s_opts[i].name, (int)s_opts[i].id };
+    for (size_t i = 0; i < NKEYS; i++)
+        if (s_keys[i].seq >= 1 && s_keys[i].seq <= NKEYS) {
+            s_seq[s_keys[i].seq - 1] = &s_keys[i];
+            s_nseq = s_keys[i].seq > s_nseq ? s_keys[i].seq : s_nseq;
+        }
+    fill_hashed();
+}
+
+static void tables(void) { (void)pthread_once(&s_tables_once, fill_tables); }
+
+const eng_enum *eng_optimizer_names(void)
+{
+    tables();
+    return s_opt_names;
+}
+
+const char *eng_config_hashed(void)
+{
+    tables();
+    return s_hashed;
+}
+
 const eng_key *eng_keys(size_t *n)
 {
-    (void)eng_optimizer_names(); /* the optimizer row's names */
+    tables(); /* the optimizer row's names */
     *n = NKEYS;
     return s_keys;
 }
 
 const eng_key *eng_key_find(const char *name)
 {
-    (void)eng_optimizer_names();
+    tables();
     for (size_t i = 0; name && i < NKEYS; i++)
         if (strcmp(name, s_keys[i].name) == 0)
             return &s_keys[i];
@@ -298,9 +353,10 @@ static uint64_t hash_key(uint64_t h, const eng_key *k, const eng_config *c)
 uint64_t eng_config_hash(const eng_config *c)
 {
     uint64_t h = 0xcbf29ce484222325ull;
-    for (size_t i = 0; i < NKEYS; i++)
-        if (s_keys[i].flags & ENG_KEY_HASH)
-            h = hash_key(h, &s_keys[i], c);
+    tables();
+    for (size_t i = 0; i < s_nseq; i++)
+        if (s_seq[i] && (s_seq[i]->flags & ENG_KEY_HASH))
+            h = hash_key(h, s_seq[i], c);
     return h;
 }
 
@@ -442,15 +498,14 @@ static scape_rc set_groups(eng_t *e, const eng_layout *l)
 /* What this rank sends in the handshake; returns how many words. */
 static size_t handshake_words(const eng_t *e, uint64_t *w)
 {
-    size_t n = 0, nk = 0;
-    const eng_key *keys = eng_keys(&nk);
+    size_t n = 0;
     w[n++] = (uint64_t)e->a.tr;
     w[n++] = e->p->hash;
-    w[n++] = eng_config_hash(&e->cfg);
+    w[n++] = eng_config_hash(&e->cfg); /* fills s_seq */
     w[n++] = (uint64_t)e->a.pdt;
-    for (size_t i = 0; i < nk && n < HS_MAX; i++)
-        if (keys[i].flags & (ENG_KEY_AGREE | ENG_KEY_AGREE_LAGGED))
-            w[n++] = (uint64_t)eng_key_value(&keys[i], &e->cfg);
+    for (size_t i = 0; i < s_nseq && n < HS_MAX; i++)
+        if (s_seq[i] && (s_seq[i]->flags & (ENG_KEY_AGREE | ENG_KEY_AGREE_LAGGED)))
+            w[n++] = (uint64_t)eng_key_value(s_seq[i], &e->cfg);
     return n;
 }
 
@@ -462,11 +517,10 @@ static const char *agree_name(const eng_key *k, uint64_t v)
 /* The ENG_KEY_AGREE* keys of rank r (its words a) against this rank's. */
 static scape_rc agree_keys(const eng_t *e, int r, const uint64_t *a, const uint64_t *mine)
 {
-    size_t nk = 0, n = HS_FIXED;
-    const eng_key *keys = eng_keys(&nk);
-    for (size_t i = 0; i < nk && n < HS_MAX; i++) {
-        const eng_key *k = &keys[i];
-        if (!(k->flags & (ENG_KEY_AGREE | ENG_KEY_AGREE_LAGGED)))
+    size_t n = HS_FIXED;
+    for (size_t i = 0; i < s_nseq && n < HS_MAX; i++) {
+        const eng_key *k = s_seq[i];
+        if (!k || !(k->flags & (ENG_KEY_AGREE | ENG_KEY_AGREE_LAGGED)))
             continue;
         int applies = (k->flags & ENG_KEY_AGREE) || e->opt->mask == ENG_MASK_LAGGED_M;
         if (a[n] != mine[n] && applies)
@@ -479,7 +533,7 @@ static scape_rc agree_keys(const eng_t *e, int r, const uint64_t *a, const uint6
 }
 
 /* Exchange T_r, the hashes of config and layout, and the keys flagged
- * ENG_KEY_AGREE* (eng_keys); all ranks must agree. */
+ * ENG_KEY_AGREE* (eng_keys, in seq order); all ranks must agree. */
 static scape_rc handshake(eng_t *e)
 {
     e->a.t_total = 0;

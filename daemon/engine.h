@@ -16,6 +16,7 @@
 #include <stdint.h>
 
 #include "comm.h"
+#include "enums.h" /* eng_enum: the names of an enum key's values */
 #include "scape_kernels.h"
 
 typedef enum eng_optimizer {
@@ -201,37 +202,26 @@ typedef struct eng_step_stats {
 
 typedef struct eng eng_t;
 
-/* The settings eng_config_hash covers, for messages that refuse a
- * checkpoint taken with others. */
-#define ENG_CONFIG_HASHED                                                                  \
-    "optimizer, rho, warmup, beta1, beta2, eps, weight_decay, max_grad_norm, clip_norm, "   \
-    "wire_values, rho_start, rho_steps, mask_deltas and dense_below"
+/* The keys eng_config_hash covers but the mode, which messages name apart
+ * (resharding may change it), in table order: "optimizer, rho, ... and
+ * mask_deltas".  Made once from the rows flagged ENG_KEY_HASH. */
+const char *eng_config_hashed(void);
 
-/* An enum key's names, as Redis' configEnum: {name, value} pairs ending in
- * {NULL, 0}.  One lookup, eng_enum_parse, serves every enum key. */
-typedef struct eng_enum {
-    const char *name;
-    int value;
-} eng_enum;
-
-/* s's value in names; else INVALID, "unknown WHAT 's' (a, b, c)". */
-scape_rc eng_enum_parse(const eng_enum *names, const char *what, const char *s, int *out);
-/* value's name in names; "?" when it has none. */
-const char *eng_enum_name(const eng_enum *names, int value);
 extern const eng_enum eng_mode_names[], eng_gather_names[], eng_clip_norm_names[],
     eng_executor_names[], eng_bool_names[], eng_wire_names[];
 /* The optimizer rows' names (eng_opt.name) as pairs. */
 const eng_enum *eng_optimizer_names(void);
 
-/* The engine's share of the configuration keys: one row per eng_config
- * field that a key of config.c sets, with its default and what the engine
- * does with it.  They live here, not in config.c, because the engine (and
- * the tests, tools and fuzzers that create one without config.c) hashes
- * checkpoints, shakes hands and takes defaults from them; config.c adds
- * each key's text form, bounds and doc. */
+/* The engine's configuration keys: one row per eng_config field that a key
+ * sets, with everything about it: its default, what the engine does with it,
+ * and the bounds and doc by which config.c reads, prints and lists it (its
+ * YAML key, --flag and SCAPE_<KEY> variable are its name).  They live here,
+ * not in config.c, because the engine (and the tests, tools and fuzzers that
+ * create one without config.c) hashes checkpoints, shakes hands and takes
+ * defaults from them. */
 typedef enum eng_key_type {
     ENG_KT_DOUBLE,
-    ENG_KT_FLOAT,
+    ENG_KT_FLOAT, /* config.c applies the bounds after rounding to float */
     ENG_KT_U32,
     ENG_KT_INT, /* int, or an enum (names) */
 } eng_key_type;
@@ -242,6 +232,7 @@ enum {
                                       without it hashes as before the key existed */
     ENG_KEY_AGREE = 1u << 2,       /* not hashed, yet every rank must set it alike */
     ENG_KEY_AGREE_LAGGED = 1u << 3, /* ... when the optimizer's masks are lagged */
+    ENG_KEY_STATUS = 1u << 4,      /* shown in scapectl status (StatusReply.config) */
 };
 
 typedef struct eng_key {
@@ -250,14 +241,21 @@ typedef struct eng_key {
     eng_key_type type;
     double def;            /* the default */
     unsigned flags;        /* ENG_KEY_* */
+    unsigned seq;          /* hashed and agreed keys: 1, 2, ..., the order of the
+                              hash, then of the handshake, as earlier versions had
+                              it (a new such key takes the next number); else 0 */
     const char *hash_tag;  /* hashed as this text, not as its value (a double) */
     int hash_tag_value;    /* ... then its value as a uint64 */
     const char *hash_gate; /* hashed only when this key is set as well */
-    const eng_enum *names; /* ENG_KT_INT: its names, else NULL */
+    const eng_enum *names; /* ENG_KT_INT: its names (an enum key), else NULL */
+    double min, max;       /* numbers: the values config.c accepts; an integer's
+                              min must be >= 0 */
+    int min_open, max_open; /* ... the bound itself excluded */
+    const char *doc;       /* one line, for --help and --print-config */
 } eng_key;
 
-/* The engine's keys; *n gets their count.  Hashed keys come first, in the
- * order they are hashed. */
+/* The engine's keys, in the order config.c lists them; *n gets their
+ * count.  The hash and the handshake take them in seq order. */
 const eng_key *eng_keys(size_t *n);
 /* The row of the engine key called name, or NULL. */
 const eng_key *eng_key_find(const char *name);
@@ -463,7 +461,7 @@ typedef struct eng_coord_state {
 
 /* Hash of the settings every rank must share and checkpoints record: the
  * keys flagged ENG_KEY_HASH, FNV-1a over each one's value (a double) or tag,
- * in table order. */
+ * in seq order. */
 uint64_t eng_config_hash(const eng_config *c);
 /* The layout this engine was created with (names borrowed), ntensors entries. */
 scape_rc eng_get_layout(const eng_t *e, eng_tensor *out, size_t ntensors);

@@ -190,11 +190,11 @@ scape_rc eng_ckpt_load_begin(eng_t *e, const eng_ckpt_meta *meta, eng_ckpt_sec *
         meta->mode != mine.mode)
         return scape_set_error(SCAPE_INVALID,
                                "restore: the checkpoint was taken with other optimizer settings "
-                               "(%s, %s); this job runs %s, %s (the mode and " ENG_CONFIG_HASHED
-                               " must match)",
+                               "(%s, %s); this job runs %s, %s (the mode and %s must match)",
                                eng_optimizer_name((eng_optimizer)meta->optimizer),
                                eng_mode_name((eng_mode)meta->mode),
-                               eng_optimizer_name(e->cfg.optimizer), eng_mode_name(e->cfg.mode));
+                               eng_optimizer_name(e->cfg.optimizer), eng_mode_name(e->cfg.mode),
+                               eng_config_hashed());
     if (meta->state_base != mine.state_base || meta->state_len != mine.state_len)
         return scape_set_error(SCAPE_INVALID, "restore: the checkpoint's shard [%llu, +%llu) "
                                "differs from this rank's [%llu, +%llu)",

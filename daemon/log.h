@@ -12,7 +12,7 @@
 
 #include <stdio.h>
 
-#include "engine.h" /* eng_enum: the level names */
+#include "enums.h" /* eng_enum: the level names */
 #include "scape_rc.h"
 
 typedef enum log_level {

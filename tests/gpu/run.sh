@@ -261,7 +261,8 @@ build_direct() {
     [ -n "$NCCL_LIB" ] && [ -n "$NCCL_INC" ] || return 0
     local eng=() ok=1 prog
     for src in daemon/engine.c daemon/engine_step.c daemon/engine_inspect.c \
-               daemon/engine_ckpt.c daemon/plan.c daemon/pool.c daemon/maskcode.c \
+               daemon/engine_ckpt.c daemon/engine_gnorm.c daemon/enums.c \
+               daemon/plan.c daemon/pool.c daemon/maskcode.c \
                daemon/exec.c daemon/exec_host.c daemon/exec_dev.c daemon/dev_sim.c \
                daemon/dev_cuda.c daemon/comm.c daemon/comm_local.c daemon/comm_nccl.c; do
         eng+=("$(cc_one "$src" -Idaemon -I"$NCCL_INC")") || ok=0

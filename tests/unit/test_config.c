@@ -14,6 +14,7 @@
 #include "config.h"
 #include "exec.h"
 #include "check_run.h"
+#include "rank_threads.h"
 
 #define NKEYS 43
 
@@ -871,8 +872,8 @@ END_TEST
 
 START_TEST(engine_rows_are_keys)
 {
-    /* Each engine row is a key of the table, and setting the key sets the
-     * field the row names: the two tables cannot drift apart. */
+    /* Each engine row is a key (config.c's marks place every one), and
+     * setting the key sets the field the row names. */
     size_t n = 0;
     const eng_key *k = eng_keys(&n);
     ck_assert_uint_ge(n, 15);
@@ -903,6 +904,98 @@ START_TEST(engine_rows_are_keys)
     eng_config_default(&e);
     ck_assert_int_eq(memcmp(&c.engine, &e, sizeof e), 0);
     ck_assert_int_eq(e.defer_select, 1);
+}
+END_TEST
+
+START_TEST(engine_key_order)
+{
+    /* seq orders the hash and the handshake as the commit before the rows
+     * did (5e4a43f's eng_config_hash and handshake arrays, by hand): the
+     * hashed keys, then the agreed ones.  Every hashed or agreed key has a
+     * seq, each seq one key, none left out. */
+    static const char *const want[] = {
+        "optimizer", "mode", "rho", "warmup", "beta1", "beta2", "eps", "weight_decay",
+        "max_grad_norm", "wire_values", "rho_start", "rho_steps", "mask_deltas", "clip_norm",
+        "dense_below", "defer_select", "gather_values",
+    };
+    enum { NWANT = sizeof want / sizeof want[0] };
+    const unsigned agree = ENG_KEY_AGREE | ENG_KEY_AGREE_LAGGED;
+    size_t n = 0, with_seq = 0;
+    const eng_key *k = eng_keys(&n);
+    for (size_t i = 0; i < n; i++) {
+        int exchanged = (k[i].flags & (ENG_KEY_HASH | agree)) != 0;
+        ck_assert_msg(exchanged == (k[i].seq != 0), "%s: seq %u", k[i].name, k[i].seq);
+        ck_assert_msg(k[i].doc && k[i].doc[0], "%s: no doc", k[i].name);
+        if (!k[i].seq)
+            continue;
+        with_seq++;
+        ck_assert_uint_le(k[i].seq, NWANT);
+        ck_assert_str_eq(k[i].name, want[k[i].seq - 1]);
+        ck_assert_int_eq((k[i].flags & agree) != 0, k[i].seq > 15);
+    }
+    ck_assert_uint_eq(with_seq, NWANT);
+    /* the restore refusals name the hashed keys but the mode, as the
+     * hand-typed list they replaced did, now in the keys' listed order (it
+     * ended "mask_deltas and dense_below") */
+    ck_assert_str_eq(eng_config_hashed(),
+                     "optimizer, rho, warmup, beta1, beta2, eps, weight_decay, "
+                     "max_grad_norm, clip_norm, wire_values, rho_start, rho_steps, "
+                     "dense_below and mask_deltas");
+}
+END_TEST
+
+/* The handshake compares the agreed keys: rank 1 sets defer_select off
+ * (case 0: refused where the masks are lagged, scape; case 1: accepted for
+ * adamw) or gather_values f32 (case 2: refused, whatever the optimizer).
+ * Each rank names the key and both values. */
+typedef struct agree_case {
+    eng_optimizer opt;
+    int key; /* 0: defer_select, 1: gather_values */
+    const char *says[2]; /* rank 0's and rank 1's message; NULL: accepted */
+} agree_case;
+
+static const agree_case s_agree[] = {
+    { ENG_OPT_SCAPE, 0,
+      { "engine: rank 1 has defer_select false and rank 0 true: set it alike on every daemon",
+        "engine: rank 0 has defer_select true and rank 1 false: set it alike on every "
+        "daemon" } },
+    { ENG_OPT_ADAMW, 0, { NULL, NULL } },
+    { ENG_OPT_ADAMW, 1,
+      { "engine: rank 1 has gather_values f32 and rank 0 params: set it alike on every "
+        "daemon",
+        "engine: rank 0 has gather_values params and rank 1 f32: set it alike on every "
+        "daemon" } },
+};
+
+static scape_rc rank_agree(rank_arg *a)
+{
+    const agree_case *ac = a->ctx;
+    eng_tensor ts[] = { { "a", 0, 48, 0 }, { "b", 48, 16, 0 } };
+    eng_layout lay = { ts, 2, KERN_F32, KERN_F32, NULL, 0 };
+    eng_config cfg;
+    eng_config_default(&cfg);
+    cfg.optimizer = ac->opt;
+    if (a->rank == 1 && ac->key == 0)
+        cfg.defer_select = 0;
+    if (a->rank == 1 && ac->key == 1)
+        cfg.gather = ENG_GATHER_F32;
+    eng_t *e = NULL;
+    scape_rc rc = eng_create(&e, &cfg, &lay, a->comm, 1);
+    eng_destroy(&e);
+    return rc;
+}
+
+START_TEST(handshake_agrees)
+{
+    rank_arg args[2];
+    ck_assert_int_eq(run_ranks(2, rank_agree, (void *)&s_agree[_i], args), 0);
+    for (int r = 0; r < 2; r++) {
+        const char *want = s_agree[_i].says[r];
+        ck_assert_msg(args[r].rc == (want ? SCAPE_INVALID : SCAPE_OK), "rank %d: %s", r,
+                      args[r].err);
+        if (want)
+            ck_assert_str_eq(args[r].err, want);
+    }
 }
 END_TEST
 
@@ -1048,6 +1141,8 @@ Suite *s = suite_create("config");
     tcase_add_test(tc, env_warnings);
     tcase_add_test(tc, hash_as_before);
     tcase_add_test(tc, engine_rows_are_keys);
+    tcase_add_test(tc, engine_key_order);
+    tcase_add_loop_test(tc, handshake_agrees, 0, sizeof s_agree / sizeof s_agree[0]);
     tcase_add_test(tc, enum_lookup);
     tcase_add_test(tc, status_values);
     tcase_add_loop_test(tc, old_checkpoints_restore, 0,
