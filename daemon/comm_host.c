@@ -63,6 +63,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <time.h>
 #include <zmq.h>
 
@@ -77,6 +78,14 @@
 #define LOST_GRACE_MS 1000  /* a closed connection this long: the peer is gone */
 #define PUMP_DEADLINE SCAPE_RC_COUNT /* pump_one: the deadline passed (no error set) */
 #define CURVE_FRAME_OVERHEAD 64 /* "\x07MESSAGE", an 8-byte nonce, a 16-byte MAC, flags */
+/* Open files per peer: the TCP connections to and from it, and the
+ * mailboxes (eventfds) of its PUSH socket, of that socket's monitor and of
+ * the PAIR reading the monitor; and what the rest of the daemon may hold
+ * (trainers, checkpoint files, status and metrics clients, the ZAP handler). */
+#define HOST_FILES_PER_PEER 5
+#define HOST_FILES_SPARE 256
+#define HOST_SOCKETS_PER_PEER 3 /* ZeroMQ sockets: PUSH, its monitor, the PAIR */
+#define HOST_BACKLOG_SPARE 64   /* pending connections beyond one per peer */
 
 typedef struct host_msg {
     wire_hdr h;
@@ -101,6 +110,7 @@ typedef struct host {
     long long *down_since;  /* per peer: when its connection closed (ms), 0: up */
     unsigned char *up;      /* per peer: its connection is established */
     int timeout_ms;
+    int handshake_ms;       /* ZMQ_HANDSHAKE_IVL of every socket (handshake_bound) */
     size_t chunk;           /* bytes */
     uint64_t job;
     uint64_t seq;           /* the current (or next) synchronous op */
@@ -987,6 +997,18 @@ static int always_bf16(const comm_t *c, const void *buf)
     return 1;
 }
 
+/* How long a connection may take to finish its handshake.  ZeroMQ's own
+ * bound (30 s) is shorter than the full mesh's R(R-1) CURVE handshakes take
+ * on one loaded node at a few hundred ranks, and a connection dropped in the
+ * middle of one looks like a lost peer; but a stranger that connects and
+ * stalls holds a file until it passes.  So 30 s, plus half a second a rank
+ * past 60, never more than timeout_ms. */
+static int handshake_bound(int size, int timeout_ms)
+{
+    long long ms = 30000 + (size > 60 ? 500LL * (size - 60) : 0);
+    return ms < timeout_ms ? (int)ms : timeout_ms;
+}
+
 static const comm_ops s_host_ops = {
     .name = "host",
     .allreduce_sum = allreduce_sum,
@@ -1012,6 +1034,7 @@ static scape_rc host_alloc(const comm_host_opts *o, host **out)
         return scape_set_error(SCAPE_NOMEM, "comm_host_create: out of memory");
     size_t n = (size_t)o->size;
     h->timeout_ms = o->timeout_ms ? o->timeout_ms : HOST_DEFAULT_TIMEOUT_MS;
+    h->handshake_ms = handshake_bound(o->size, h->timeout_ms);
     h->chunk = o->chunk_bytes ? o->chunk_bytes / sizeof(float) * sizeof(float)
                               : HOST_DEFAULT_CHUNK;
     h->job = o->job;
@@ -1048,6 +1071,7 @@ static scape_rc open_socket(host *h, void **s, int type, int hwm_opt, int linger
     if ((*s = zmq_socket(h->zctx, type)) == NULL)
         return zerr("zmq_socket");
     if (zmq_setsockopt(*s, hwm_opt, &zero, sizeof zero) != 0 ||
+        zmq_setsockopt(*s, ZMQ_HANDSHAKE_IVL, &h->handshake_ms, sizeof h->handshake_ms) != 0 ||
         zmq_setsockopt(*s, ZMQ_LINGER, &linger, sizeof linger) != 0 ||
         zmq_setsockopt(*s, ZMQ_SNDTIMEO, &h->timeout_ms, sizeof h->timeout_ms) != 0 ||
         (type == ZMQ_PULL && zmq_setsockopt(*s, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg) != 0))
@@ -1097,7 +1121,7 @@ static scape_rc curve_server(const comm_host_opts *o, host *h)
                        strlen(o->curve_secret)) != 0 ||
         zmq_setsockopt(h->pull, ZMQ_ZAP_DOMAIN, "scape", 5) != 0)
         return zerr("CURVE server options (is libzmq built with CURVE?)");
-    return zap_start(h->zctx, h->pull, h->timeout_ms, &h->zap);
+    return zap_start(h->zctx, h->pull, h->timeout_ms, o->size, &h->zap);
 }
 
 static scape_rc curve_client(const comm_host_opts *o, void *push, const char *server_key, int q)
@@ -1146,15 +1170,60 @@ static scape_rc bind_endpoint(const char *ep, int rank, char *buf, size_t len)
     return SCAPE_OK;
 }
 
+/* A full mesh holds HOST_FILES_PER_PEER open files per peer: past about 150
+ * ranks that is more than the common soft limit of 1024, and ZeroMQ's I/O
+ * thread, which opens the connections, cannot report EMFILE to anyone (the
+ * peer would just never connect).  So check first: raise the soft limit
+ * (as far as needed, within the hard one: any process may), else refuse to
+ * start, saying what is needed. */
+static scape_rc ensure_files(int size)
+{
+    rlim_t need = (rlim_t)HOST_FILES_PER_PEER * (rlim_t)(size - 1) + HOST_FILES_SPARE;
+    struct rlimit l;
+    if (getrlimit(RLIMIT_NOFILE, &l) != 0)
+        return scape_set_error(SCAPE_SYSTEM, "comm host: getrlimit(RLIMIT_NOFILE): %s",
+                               strerror(errno));
+    if (l.rlim_cur != RLIM_INFINITY && l.rlim_cur >= need)
+        return SCAPE_OK;
+    if (l.rlim_max != RLIM_INFINITY && l.rlim_max < need)
+        return scape_set_error(SCAPE_SYSTEM,
+                               "comm host: a group of %d daemons needs about %llu open files "
+                               "per daemon (%d per peer), but the limit is %llu (hard %llu): "
+                               "raise it to at least %llu where scaped starts (ulimit -n %llu; "
+                               "systemd LimitNOFILE=, /etc/security/limits.conf nofile)",
+                               size, (unsigned long long)need, HOST_FILES_PER_PEER,
+                               (unsigned long long)l.rlim_cur, (unsigned long long)l.rlim_max,
+                               (unsigned long long)need, (unsigned long long)need);
+    rlim_t was = l.rlim_cur;
+    l.rlim_cur = need;
+    if (setrlimit(RLIMIT_NOFILE, &l) != 0)
+        return scape_set_error(SCAPE_SYSTEM, "comm host: a group of %d daemons needs about %llu "
+                               "open files per daemon; raising the limit from %llu failed (%s): "
+                               "ulimit -n %llu where scaped starts", size,
+                               (unsigned long long)need, (unsigned long long)was,
+                               strerror(errno), (unsigned long long)need);
+    return SCAPE_OK;
+}
+
 static scape_rc host_connect(const comm_host_opts *o, host *h)
 {
     const char *const *eps = o->endpoints, *const *keys = o->curve_keys;
     char self[300];
     TRY(bind_endpoint(o->meet ? o->listen : o->endpoints[o->rank], o->rank, self, sizeof self));
+    TRY(ensure_files(o->size));
     h->curve = o->curve_public != NULL;
     if ((h->zctx = zmq_ctx_new()) == NULL)
         return zerr("zmq_ctx_new");
+    /* ZeroMQ's default of 1023 sockets a context is reached at about 340 ranks */
+    if (zmq_ctx_set(h->zctx, ZMQ_MAX_SOCKETS, HOST_SOCKETS_PER_PEER * o->size + 16) != 0)
+        return zerr("zmq_ctx_set(ZMQ_MAX_SOCKETS)");
     TRY(open_socket(h, &h->pull, ZMQ_PULL, ZMQ_RCVHWM, 0));
+    /* Every peer connects at once: with ZeroMQ's backlog of 100 the kernel
+     * drops the connections past it, and each dropped one waits for TCP's SYN
+     * retries (1, 2, 4 ... s): minutes before the first step at 256 ranks. */
+    int backlog = o->size + HOST_BACKLOG_SPARE;
+    if (zmq_setsockopt(h->pull, ZMQ_BACKLOG, &backlog, sizeof backlog) != 0)
+        return zerr("zmq_setsockopt(ZMQ_BACKLOG)");
     if (h->curve)
         TRY(curve_server(o, h));
     if (zmq_bind(h->pull, self) != 0)

@@ -27,6 +27,7 @@
 
 #define RDV_PROTOCOL 2 /* 2: seals and CURVE keys */
 #define RDV_KEY_CHARS 40
+#define RDV_BACKLOG_SPARE 64 /* pending connections beyond one per rank */
 
 static double now_ms(void)
 {
@@ -273,11 +274,15 @@ static scape_rc serve(void *ctx, const rdv_opts *o, rdv_result *out)
     void *sock = zmq_socket(ctx, ZMQ_ROUTER);
     int linger = o->timeout_ms; /* the table must leave before the socket closes */
     int64_t maxmsg = RDV_JOIN_MAX + 1; /* longer: refused as such, never held */
+    /* every rank connects at once: past the backlog (ZeroMQ's default: 100)
+     * the kernel drops connections, which then wait for TCP's SYN retries */
+    int backlog = o->world + RDV_BACKLOG_SPARE;
     joiner *who = calloc((size_t)o->world, sizeof *who);
     scape_rc rc = SCAPE_OK;
     if (sock == NULL || who == NULL ||
         zmq_setsockopt(sock, ZMQ_LINGER, &linger, sizeof linger) != 0 ||
         zmq_setsockopt(sock, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg) != 0 ||
+        zmq_setsockopt(sock, ZMQ_BACKLOG, &backlog, sizeof backlog) != 0 ||
         zmq_bind(sock, where) != 0)
         rc = scape_set_error(SCAPE_ZMQ, "rendezvous: bind %s: %s", where,
                              zmq_strerror(zmq_errno()));

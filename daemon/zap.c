@@ -19,7 +19,7 @@
 
 #define ZAP_ENDPOINT "inproc://zeromq.zap.01"
 #define ZAP_FRAMES 10     /* envelope (2) + the 7 request frames + 1 spare */
-#define ZAP_PENDING 64    /* requests held until the keys arrive */
+#define ZAP_STRANGERS 64  /* requests held until the keys arrive, beyond one per rank */
 #define ZAP_SLICE_MS 50
 #define KEY_BYTES 32
 
@@ -40,8 +40,8 @@ struct zap {
     uint64_t refused;
     char why[240];          /* the last refusal */
     char denied[200];       /* the handler's last denial, for the event that follows */
-    request pending[ZAP_PENDING];
-    int npending;
+    request *pending;       /* cap: every other rank may knock before the keys come */
+    int npending, cap;
 };
 
 static long long now_ms(void)
@@ -151,7 +151,7 @@ static void take_requests(zap *z)
         pthread_mutex_lock(&z->mu);
         if (z->ready)
             judge(z, &r);
-        else if (z->npending < ZAP_PENDING)
+        else if (z->npending < z->cap)
             z->pending[z->npending++] = r;
         else
             reply(z->router, &r, 0, "too many handshakes before the job's keys were known");
@@ -260,16 +260,24 @@ static void zap_free(zap *z)
         zmq_close(z->mon);
     pthread_mutex_destroy(&z->mu);
     free(z->keys);
+    free(z->pending);
     free(z);
 }
 
-scape_rc zap_start(void *ctx, void *server, int hold_ms, zap **out)
+scape_rc zap_start(void *ctx, void *server, int hold_ms, int ranks, zap **out)
 {
-    if (ctx == NULL || server == NULL || out == NULL || hold_ms < 0)
+    if (ctx == NULL || server == NULL || out == NULL || hold_ms < 0 || ranks < 1)
         return scape_set_error(SCAPE_INVALID, "zap_start: bad argument");
     zap *z = calloc(1, sizeof *z);
-    if (z == NULL)
+    /* All other ranks get the table at once and may all knock before this
+     * one has read it (a loaded node, a large job): hold them all, so that
+     * none is refused, and some strangers too. */
+    int cap = ranks - 1 + ZAP_STRANGERS;
+    if (z == NULL || (z->pending = calloc((size_t)cap, sizeof *z->pending)) == NULL) {
+        free(z);
         return scape_set_error(SCAPE_NOMEM, "zap_start: out of memory");
+    }
+    z->cap = cap;
     pthread_mutex_init(&z->mu, NULL);
     z->hold_ms = hold_ms;
     char name[64];

@@ -25,8 +25,9 @@
 typedef struct zap zap;
 
 /* Serve ZAP for ctx and watch server (a socket of ctx, not yet bound, that
- * the caller will bind as a CURVE server).  Call before binding it. */
-scape_rc zap_start(void *ctx, void *server, int hold_ms, zap **out);
+ * the caller will bind as a CURVE server) of one of `ranks` ranks.  Call
+ * before binding it. */
+scape_rc zap_start(void *ctx, void *server, int hold_ms, int ranks, zap **out);
 /* Admit the n public keys (Z85 text) from now on, and answer the waiting. */
 scape_rc zap_allow(zap *z, const char *const *keys, int n);
 /* Handshakes refused so far; why (len bytes) gets the last reason. */

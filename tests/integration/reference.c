@@ -22,7 +22,7 @@
 #include "engine.h"
 #include "synth.h"
 
-#define MAX_RANKS 16
+#define MAX_RANKS 256
 #define MAX_MEMBERS 16
 
 typedef struct args {
@@ -56,8 +56,8 @@ static scape_rc parse_groups(const char *v, args *a)
 
 static scape_rc parse_trainers(const char *v, args *a)
 {
-    a->ranks = 0;
-    for (const char *p = v; *p && a->ranks < MAX_RANKS; a->ranks++) {
+    const char *p = v;
+    for (a->ranks = 0; *p && a->ranks < MAX_RANKS; a->ranks++) {
         char *end;
         long t = strtol(p, &end, 10);
         if (end == p || t < 1 || t > 64)
@@ -65,6 +65,9 @@ static scape_rc parse_trainers(const char *v, args *a)
         a->tr[a->ranks] = (int)t;
         p = *end == ',' ? end + 1 : end;
     }
+    if (*p)
+        return scape_set_error(SCAPE_INVALID, "--trainers '%s': more than %d ranks", v,
+                               MAX_RANKS);
     return a->ranks ? SCAPE_OK : scape_set_error(SCAPE_INVALID, "bad --trainers '%s'", v);
 }
 
