@@ -2,8 +2,14 @@
 Face Trainer through scape.integrations.hf on bytes of Debian's fortunes,
 launched by scape-run.  Writes OUT/rRANK.json with what the test checks (the
 parameters' hash, the logs, the batches it saw, its own gradients before each
-step, what it saved, whether anything went distributed)."""
+step, what it saved, whether anything went distributed).  --train-again N
+calls train() a second time on the same trainer, to max_steps N: the second
+train()'s results are under "again" (with --again-fails that train() raises
+once its optimizer is made: what was attached then), and OUT/exitRANK.json
+says what was still attached after scape.integrations.hf's release() at
+exit."""
 import argparse
+import atexit
 import hashlib
 import json
 import os
@@ -13,7 +19,19 @@ import torch
 import transformers
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
 
-from scape.integrations.hf import ScapeTrainer, ScapeTrainingArguments, launch
+AT_EXIT = {}  # main() names the file and the trainer for after_release()
+
+
+@atexit.register  # before scape.integrations.hf registers its release(): runs after it
+def after_release():
+    if AT_EXIT:
+        opt = AT_EXIT["trainer"].scape_optimizer
+        with open(AT_EXIT["path"], "w") as f:
+            json.dump({"attached": opt.attached, "kept": len(hf._KEPT)}, f)
+
+
+import scape.integrations.hf as hf  # noqa: E402
+from scape.integrations.hf import ScapeTrainer, ScapeTrainingArguments, launch  # noqa: E402
 
 CORPUS = "/usr/share/games/fortunes/fortunes"
 WINDOWS = 160  # 10 batches of 8 per trainer and epoch with 2 trainers
@@ -59,6 +77,13 @@ class Record(TrainerCallback):
             control.should_save = True
             control.should_training_stop = True
         return control
+
+
+class Fail(TrainerCallback):
+    """--again-fails: train() raises after its optimizer is made."""
+
+    def on_train_begin(self, args, state, control, **kw):
+        raise RuntimeError("hf_train.py: the failing train()")
 
 
 class Trainer(ScapeTrainer):
@@ -122,6 +147,8 @@ def main():
     ap.add_argument("--resume", default=None)
     ap.add_argument("--max-grad-norm", type=float, default=1.0)
     ap.add_argument("--keep-grads", type=int, default=3)
+    ap.add_argument("--train-again", type=int, default=0)
+    ap.add_argument("--again-fails", action="store_true")
     a = ap.parse_args()
     env_before = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     args = ScapeTrainingArguments(
@@ -142,8 +169,49 @@ def main():
     trainer = Trainer(model=model, args=args, train_dataset=Windows(data, WINDOWS, 33),
                       callbacks=[rec])
     trainer.train(resume_from_checkpoint=a.resume)
+    res = results(a, args, trainer, rec, env_before, rank, model)
+    if a.train_again:  # the same trainer again, in the same process
+        opt = trainer.scape_optimizer
+        res.update(attached=opt.attached, kept=kept(trainer) is opt)
+        res["again"] = train_again(a, trainer, lambda: results(a, args, trainer, rec,
+                                                               env_before, rank, model))
+        AT_EXIT.update(trainer=trainer, path=os.path.join(a.out, "exit%d.json" % rank))
+    with open(os.path.join(a.out, "r%d.json" % rank), "w") as f:
+        json.dump(res, f)
+
+
+def kept(trainer):
+    """The optimizer scape.integrations.hf keeps attached for trainer."""
+    return hf._KEPT.get(id(trainer), (None, None))[1]
+
+
+def train_again(a, trainer, results):
+    old = trainer.scape_optimizer
+    session, before = old.session, len(trainer.batches)
+    trainer.args.max_steps = a.train_again
+    if a.again_fails:
+        trainer.add_callback(Fail)
+        try:
+            trainer.train()
+        except RuntimeError as e:
+            new = trainer.scape_optimizer
+            return {"raised": str(e), "took_over": new is not old and new.session is session,
+                    "attached": new.attached, "old_attached": old.attached,
+                    "kept": kept(trainer) is not None}
+        raise AssertionError("hf_train.py: train() with the Fail callback returned")
+    trainer.train()
+    again = results()
     opt = trainer.scape_optimizer
-    res = {
+    again.update(batches=trainer.batches[before:], same_session=opt.session is session,
+                 attached=opt.attached, kept=kept(trainer) is opt,
+                 lr=[l["learning_rate"] for l in again["logs"]])
+    return again
+
+
+def results(a, args, trainer, rec, env_before, rank, model):
+    """What the test checks of the train() that just returned."""
+    opt = trainer.scape_optimizer
+    return {
         "rank": rank, "world": args.scape_world_size, "env_before": env_before,
         "versions": [transformers.__version__, torch.__version__],
         "hash": params_hash(model),
@@ -156,12 +224,10 @@ def main():
         "last_info_step": opt.last_info.step,
         "logs": [l for l in trainer.state.log_history  # this launch's training logs
                  if "loss" in l and l["step"] > rec.first_step],
-        "local_norms": rec.local_norms, "batches": trainer.batches, "saves": trainer.saves,
-        "opt_saves": trainer.opt_saves,
+        "local_norms": dict(rec.local_norms), "batches": list(trainer.batches),
+        "saves": list(trainer.saves), "opt_saves": list(trainer.opt_saves),
         "checkpoints": checkpoints(a.output_dir) if rank == 0 else {},
     }
-    with open(os.path.join(a.out, "r%d.json" % rank), "w") as f:
-        json.dump(res, f)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ launched by scape-run with real daemons, as 1 daemon x 2 trainers and as
 end bitwise equal, nothing goes distributed, the daemon clips (the trainers'
 own gradients reach it unclipped), one trainer saves, checkpoints every K
 steps and at the last one, and a new launch resumed from the Trainer's
-checkpoint ends bitwise where the uninterrupted run does.  Also the
+checkpoint ends bitwise where the uninterrupted run does; train() called
+twice on one trainer keeps the trainer in the job (one attach), and a
+second train() that raises detaches at once.  Also the
 porting example of docs/porting.md: ddp_port.py under scape-run against
 ddp_train.py under torch.distributed, and the doc's diff against the files.
 
@@ -81,8 +83,9 @@ def launch(py, layout, tag, tmp, extra=()):
                                    "--set", "auth=secret", "--set",
                                    "auth_key_file=" + job_key()], cmd, str(tmp))
                  for r in range(2)]
-    for p in procs:
+    for i, p in enumerate(procs):
         text, _ = p.communicate(timeout=400)
+        (out / ("launch%d.log" % i)).write_text(text)
         assert p.returncode == 0, "launch %s failed:\n%s" % (tag, text[-6000:])
     return [json.loads((out / ("r%d.json" % r)).read_text()) for r in range(nodes * per)], out
 
@@ -182,6 +185,62 @@ def test_hf_trainer(tmp_path, layout):
         assert r["batches"] == f["batches"][STOP:], "rank %d: other data after resume" % r["rank"]
         assert [l["loss"] for l in r["logs"]] == [l["loss"] for l in f["logs"][STOP:]]
     assert resumed[0]["hash"] == full[0]["hash"], "resumed run differs from uninterrupted"
+
+
+def test_hf_train_twice(tmp_path):
+    """train() twice on one ScapeTrainer in each of 2 trainer processes under
+    one daemon: after the first the optimizer stays attached and the second
+    train()'s takes its session over, so the daemon sees each trainer attach
+    once and the steps go on; the release() at exit detaches them."""
+    py = hf_python()
+    first, again = 3, 6
+    res, out = launch(py, (1, 2), "twice", tmp_path,
+                      ["--steps", str(first), "--train-again", str(again)])
+    check_run(res, out, tmp_path / "ckpt", first)
+    for r in res:
+        assert r["attached"] and r["kept"], "after the first train(): %r" % r["rank"]
+        a = r["again"]
+        assert a["same_session"] and a["attached"] and a["kept"], (r["rank"], a["attached"])
+        # the daemon's steps go on from the first train(); the Trainer's own
+        # count and its scheduler start anew (warm-up again)
+        assert [l["scape_step"] for l in a["logs"]] == list(range(first + 1, first + again + 1))
+        assert [l["step"] for l in a["logs"]] == list(range(1, again + 1))
+        assert a["last_info_step"] == first + again
+        assert a["lr"][0] == r["logs"][0]["learning_rate"], (a["lr"], r["logs"])
+        assert a["hash"] != r["hash"]
+        assert a["saves"][-1:] == (["checkpoint-%d" % again] if r["rank"] == 0 else [])
+        # the atexit release() detached the optimizer the second train() kept
+        assert json.loads((out / ("exit%d.json" % r["rank"])).read_text()) == \
+            {"attached": False, "kept": 0}
+    assert res[0]["again"]["hash"] == res[1]["again"]["hash"], "trainers differ after train 2"
+    for i in range(again):
+        assert res[0]["again"]["batches"][i] != res[1]["again"]["batches"][i]
+    for a, b in zip(res[0]["again"]["logs"], res[1]["again"]["logs"]):
+        for k in ("grad_norm", "clip", "scape_bytes", "scape_step"):
+            assert a[k] == b[k], (k, a, b)
+    # the daemon: each trainer attached once and detached (said goodbye) once
+    log = (out / "launch0.log").read_text()
+    attached = re.findall(r"trainer (\d+) attached", log)
+    left = re.findall(r"trainer (\d+) \([^)]*\) (detached|died)", log)
+    assert sorted(attached) == ["0", "1"], log[-6000:]
+    assert sorted(left) == [("0", "detached"), ("1", "detached")], log[-6000:]
+
+
+def test_hf_train_again_fails(tmp_path):
+    """A second train() that raises (a callback, once its optimizer has taken
+    the first's session over) detaches at once: nothing is kept attached."""
+    py = hf_python()
+    res, out = launch(py, (1, 1), "fails", tmp_path,
+                      ["--steps", "2", "--train-again", "4", "--again-fails"])
+    r = res[0]
+    assert r["last_info_step"] == 2 and r["attached"] and r["kept"], r["rank"]
+    assert r["again"] == {"raised": "hf_train.py: the failing train()", "took_over": True,
+                          "attached": False, "old_attached": False, "kept": False}, r["again"]
+    assert json.loads((out / "exit0.json").read_text()) == {"attached": False, "kept": 0}
+    log = (out / "launch0.log").read_text()
+    assert re.findall(r"trainer (\d+) attached", log) == ["0"], log[-6000:]
+    assert re.findall(r"trainer (\d+) \([^)]*\) (detached|died)", log) == \
+        [("0", "detached")], log[-6000:]
 
 
 def test_ddp_port(tmp_path):

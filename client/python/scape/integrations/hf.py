@@ -26,14 +26,25 @@ does in the Trainer's stead (docs/python.md, "Hugging Face Trainer"):
 - each training log carries the daemon's figures of the latest step
   (grad_norm before clipping, clip, density, the mean gradient's norm when
   the daemon reports it) and its bytes summed since the last log; each
-  step's loss goes to the daemon, whose status shows the trainers' mean.
+  step's loss goes to the daemon, whose status shows the trainers' mean;
+- train() may be called again in the same process: after a train() that
+  returns, the optimizer stays attached, and the one the next train() of
+  the same trainer makes takes its session over
+  (scape.torch.attach_defaults(adopt=)) when its parameters, groups and
+  settings are the same (otherwise the old one detaches first), so the
+  trainer never leaves the job between the two; the Trainer's optimizer and
+  scheduler are made anew.  After a train() that raises, the optimizer
+  detaches at once, the model keeping its values.  release() (also at exit)
+  detaches what is left attached.
 
 Tested with transformers 4.47.1 and accelerate 1.2.1 on torch 1.13, and
 with transformers 5.24.0 and accelerate 1.16.0 on torch 2.15 (deploy/hf-venv.sh
 installs them).
 """
+import atexit
 import dataclasses
 import os
+import weakref
 from typing import Optional
 
 import torch
@@ -41,7 +52,7 @@ from torch.utils.data import DistributedSampler
 from transformers import Trainer, TrainingArguments
 
 from scape.integrations import launch_ranks
-from scape.torch import ScapeOptimizer
+from scape.torch import ScapeOptimizer, attach_defaults
 
 # what a launcher sets for torch.distributed, and the MPI/PMI variables
 # accelerate also reads to decide it is one of several processes
@@ -53,6 +64,17 @@ _DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_AD
               "MPI_LOCALNRANKS")
 
 _LAUNCH = {}
+_KEPT = {}  # id(ScapeTrainer) -> (weak reference to it, its ScapeOptimizer still attached)
+
+
+@atexit.register
+def release():
+    """Detach the optimizers that train() left attached for the next
+    train() of their trainer (at exit, or before making a ScapeOptimizer by
+    hand)."""
+    while _KEPT:
+        _, opt = _KEPT.popitem()[1]
+        opt.detach()
 
 
 def launch():
@@ -160,8 +182,26 @@ class ScapeTrainer(Trainer):
                             "pass None (or a ScapeOptimizer)" % type(self.optimizer).__name__)
         self.scape_optimizer = self.optimizer
 
+    def _no_optimizer_placement(self):
+        """accelerate's prepare() would place a ScapeOptimizer's state on the
+        device by a state_dict() and load_state_dict() round trip: a
+        checkpoint of the daemons, which a job past its first step (a second
+        train()) refuses to load.  Its state is the daemons': nothing to
+        place.  Done on the accelerator of the train() about to prepare."""
+        prepare = self.accelerator.prepare_optimizer
+        if getattr(prepare, "scape_no_placement", False):
+            return
+
+        def prepare_optimizer(optimizer, device_placement=None, **kw):
+            if isinstance(optimizer, ScapeOptimizer):
+                device_placement = False
+            return prepare(optimizer, device_placement=device_placement, **kw)
+        prepare_optimizer.scape_no_placement = True
+        self.accelerator.prepare_optimizer = prepare_optimizer
+
     # -- the optimizer --------------------------------------------------------------
     def create_optimizer(self):
+        self._no_optimizer_placement()
         if self.optimizer is None:
             decay = set(self.get_decay_parameter_names(self.model))
             named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
@@ -170,12 +210,30 @@ class ScapeTrainer(Trainer):
                       {"params": [(n, p) for n, p in named if n not in decay],
                        "weight_decay": 0.0}]
             a = self.args
-            self.optimizer = _TrainerOptimizer(
-                [g for g in groups if g["params"]], endpoint=a.scape_endpoint,
-                lr=a.learning_rate, timeout_ms=a.scape_timeout_ms,
-                start_wait_ms=a.scape_start_wait_ms, max_grad_norm=a.scape_max_grad_norm)
+            kept = self._take_kept()
+            try:
+                with attach_defaults(adopt=kept):
+                    self.optimizer = _TrainerOptimizer(
+                        [g for g in groups if g["params"]], endpoint=a.scape_endpoint,
+                        lr=a.learning_rate, timeout_ms=a.scape_timeout_ms,
+                        start_wait_ms=a.scape_start_wait_ms,
+                        max_grad_norm=a.scape_max_grad_norm)
+            finally:
+                if kept is not None:
+                    kept.detach()  # not taken over (a no-op when it was)
             self.scape_optimizer = self.optimizer
         return self.optimizer
+
+    def _take_kept(self):
+        """The optimizer an earlier train() of this trainer left attached
+        (None if none), out of the registry; every other one there is
+        detached (one attached session per process)."""
+        ref, kept = _KEPT.pop(id(self), (None, None))
+        if kept is not None and ref() is not self:  # a dead trainer's, whose id was reused
+            kept.detach()
+            kept = None
+        release()
+        return kept
 
     def training_step(self, *args, **kwargs):
         loss = super().training_step(*args, **kwargs)
@@ -186,14 +244,30 @@ class ScapeTrainer(Trainer):
         return loss
 
     def train(self, *args, **kwargs):
-        """Trainer.train; at its end (or failure) the optimizer detaches from
-        scaped (the model keeps its values; a later train() attaches anew)."""
+        """Trainer.train.  When it returns, the optimizer stays attached (in
+        the registry release() empties at exit), so that the next train()'s
+        optimizer takes its session over and the trainer never leaves the
+        job; when it raises, the optimizer detaches from scaped at once (the
+        model keeps its values).  Either way the Trainer's optimizer and
+        scheduler are dropped: the next train() makes them anew."""
         try:
-            return super().train(*args, **kwargs)
-        finally:
-            if self.scape_optimizer is not None:
-                self.scape_optimizer.detach()
-                self.optimizer = self.lr_scheduler = None
+            out = super().train(*args, **kwargs)
+        except BaseException:
+            self._end_train(keep=False)
+            raise
+        self._end_train(keep=True)
+        return out
+
+    def _end_train(self, keep):
+        opt = self.scape_optimizer
+        if opt is None:
+            return
+        _KEPT.pop(id(self), None)
+        if keep and opt.attached:
+            _KEPT[id(self)] = (weakref.ref(self), opt)
+        else:
+            opt.detach()
+        self.optimizer = self.lr_scheduler = None
 
     # -- data -------------------------------------------------------------------------
     def _get_train_sampler(self, *args, **kwargs):
