@@ -49,6 +49,35 @@ void pr_waiting(printer *p, const char *label, const Scape__StatusReply *st)
     pr_close(p);
 }
 
+/* Asked during a collective's wait: `Collective : waiting in reduce_scatter
+ * for ranks [2] since 3.2 s` ("unknown" where the backend cannot tell). */
+static void print_wait(printer *p, const Scape__StatusReply *st)
+{
+    if (st->wait_op == NULL) {
+        pr_null(p, "wait", NULL);
+        return;
+    }
+    char ranks[256] = "unknown", text[400];
+    int n = 0;
+    if (st->wait_ranks_known)
+        ranks[0] = '\0';
+    for (size_t i = 0; st->wait_ranks_known && i < st->n_wait_ranks && n >= 0 &&
+                       (size_t)n < sizeof ranks - 16; i++)
+        n += snprintf(ranks + n, sizeof ranks - (size_t)n, "%s%u", i ? ", " : "",
+                      st->wait_ranks[i]);
+    snprintf(text, sizeof text, "waiting in %s for ranks [%s] since %.1f s", st->wait_op,
+             ranks, st->has_wait_seconds ? st->wait_seconds : 0.0);
+    pr_open(p, "wait", "Collective", text);
+    pr_str(p, "op", NULL, st->wait_op);
+    pr_real(p, "seconds", NULL, st->has_wait_seconds ? st->wait_seconds : 0.0, NULL);
+    pr_bool(p, "ranks_known", NULL, st->wait_ranks_known);
+    pr_list(p, "ranks", NULL, st->n_wait_ranks);
+    for (size_t i = 0; i < st->n_wait_ranks; i++)
+        pr_uint(p, NULL, NULL, st->wait_ranks[i], NULL);
+    pr_close(p);
+    pr_close(p);
+}
+
 static void print_phases(printer *p, const Scape__Phases *ph)
 {
     const struct {
@@ -298,6 +327,7 @@ static void print_status(printer *p, const Scape__StatusReply *st)
     pr_uint(p, "numel", "Parameters", st->numel, fmt_count(b, sizeof b, st->numel));
     print_trainers(p, st);
     pr_waiting(p, "Waiting for", st);
+    print_wait(p, st);
     pr_uint(p, "uptime_ms", "Uptime", st->uptime_ms, fmt_uptime(b, sizeof b, st->uptime_ms));
     pr_uint(p, "rss_bytes", "RSS", st->rss_bytes, fmt_bytes(b, sizeof b, st->rss_bytes));
     pr_uint(p, "state_bytes", "State memory", st->state_bytes,

@@ -1,10 +1,32 @@
 /* comm.c - argument checks and byte/call counting around the backend table,
  * and the stop request the backends' waits consult. */
 #define _POSIX_C_SOURCE 200809L
+#include <errno.h>
 #include <stdlib.h>
 #include <time.h>
+#include <zmq.h>
 
 #include "comm.h"
+
+static long long mono_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* The collective that runs, for comm_waiting (status during a wait). */
+static void busy(comm_t *c, const char *op)
+{
+    c->busy_op = op;
+    c->busy_since_ms = mono_ms();
+}
+
+static scape_rc done(comm_t *c, scape_rc rc)
+{
+    c->busy_op = NULL;
+    return rc;
+}
 
 const char *comm_op_name(comm_op op)
 {
@@ -46,7 +68,8 @@ scape_rc comm_allreduce_sum_wire(comm_t *c, float *buf, size_t n, int bf16)
     if (buf == NULL && n > 0)
         return scape_set_error(SCAPE_INVALID, "comm_allreduce_sum: buf is NULL");
     bf16 = bf16 && c->ops->wire_bf16 && c->ops->wire_bf16(c, buf);
-    rc = c->ops->allreduce_sum(c, buf, n, bf16);
+    busy(c, comm_op_name(COMM_ALLREDUCE));
+    rc = done(c, c->ops->allreduce_sum(c, buf, n, bf16));
     if (rc == SCAPE_OK) {
         /* a reduce-scatter of the inputs and an all-gather of the fp32 sums,
          * (R-1)/R of each per rank */
@@ -73,7 +96,8 @@ scape_rc comm_reduce_scatter_sum_wire(comm_t *c, const float *send, float *recv,
     uint64_t total = sum_counts(counts, c->size), esz = bf16 ? 2 : 4;
     if ((send == NULL && total > 0) || (recv == NULL && counts[c->rank] > 0))
         return scape_set_error(SCAPE_INVALID, "comm_reduce_scatter_sum: NULL buffer");
-    rc = c->ops->reduce_scatter_sum(c, send, recv, counts, bf16);
+    busy(c, comm_op_name(COMM_REDUCE_SCATTER));
+    rc = done(c, c->ops->reduce_scatter_sum(c, send, recv, counts, bf16));
     /* In a ring reduce-scatter that leaves segment r on rank r, a rank
      * receives a partial sum of every segment but its predecessor's, where
      * that segment's chain starts. */
@@ -108,7 +132,8 @@ scape_rc comm_allgather(comm_t *c, const void *send, void *recv, const size_t *c
     scape_rc rc = check_gather("comm_allgather", c, send, recv, counts);
     if (rc != SCAPE_OK)
         return rc;
-    rc = c->ops->allgather(c, send, recv, counts);
+    busy(c, comm_op_name(COMM_ALLGATHER));
+    rc = done(c, c->ops->allgather(c, send, recv, counts));
     if (rc == SCAPE_OK) {
         uint64_t total = sum_counts(counts, c->size);
         count(c, COMM_ALLGATHER, total, total - counts[c->rank]);
@@ -124,7 +149,8 @@ scape_rc comm_iallgather(comm_t *c, const void *send, void *recv, const size_t *
     if (c->pending)
         return scape_set_error(SCAPE_INVALID,
                                "comm_iallgather: one is already outstanding");
-    rc = c->ops->iallgather(c, send, recv, counts);
+    busy(c, comm_op_name(COMM_IALLGATHER));
+    rc = done(c, c->ops->iallgather(c, send, recv, counts));
     if (rc == SCAPE_OK) {
         uint64_t total = sum_counts(counts, c->size);
         count(c, COMM_IALLGATHER, total, total - counts[c->rank]);
@@ -142,7 +168,8 @@ scape_rc comm_iallgather_wait(comm_t *c)
         return scape_set_error(SCAPE_INVALID,
                                "comm_iallgather_wait: nothing outstanding");
     c->pending = 0;
-    return c->ops->iallgather_wait(c);
+    busy(c, comm_op_name(COMM_IALLGATHER));
+    return done(c, c->ops->iallgather_wait(c));
 }
 
 scape_rc comm_broadcast(comm_t *c, void *buf, size_t bytes, int root)
@@ -155,7 +182,8 @@ scape_rc comm_broadcast(comm_t *c, void *buf, size_t bytes, int root)
                                root, c->size);
     if (buf == NULL && bytes > 0)
         return scape_set_error(SCAPE_INVALID, "comm_broadcast: buf is NULL");
-    rc = c->ops->broadcast(c, buf, bytes, root);
+    busy(c, comm_op_name(COMM_BROADCAST));
+    rc = done(c, c->ops->broadcast(c, buf, bytes, root));
     if (rc == SCAPE_OK)
         count(c, COMM_BROADCAST, bytes, c->rank == root ? 0 : bytes);
     return rc;
@@ -166,7 +194,8 @@ scape_rc comm_barrier(comm_t *c)
     scape_rc rc = check_comm("comm_barrier", c);
     if (rc != SCAPE_OK)
         return rc;
-    rc = c->ops->barrier(c);
+    busy(c, comm_op_name(COMM_BARRIER));
+    rc = done(c, c->ops->barrier(c));
     if (rc == SCAPE_OK)
         count(c, COMM_BARRIER, 0, 0);
     return rc;
@@ -175,13 +204,6 @@ scape_rc comm_barrier(comm_t *c)
 static int (*s_interrupt)(void);
 static long long s_stop_seen_ms;  /* when a wait first saw the request; 0: not yet */
 static long long s_progress_ms;   /* the last comm_progress() */
-
-static long long mono_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 void comm_set_interrupt(int (*check)(void))
 {
@@ -271,5 +293,60 @@ void *comm_device_stream(const comm_t *c)
 
 scape_rc comm_device_sync(comm_t *c)
 {
-    return c && c->ops && c->ops->device_sync ? c->ops->device_sync(c) : SCAPE_OK;
+    if (c == NULL || c->ops == NULL || c->ops->device_sync == NULL)
+        return SCAPE_OK;
+    busy(c, "device_sync");
+    return done(c, c->ops->device_sync(c));
+}
+
+static comm_wait_fn s_wait_fn;
+static void *s_wait_arg;
+static int s_serving;           /* inside the hook: what it serves waits on nothing */
+static long long s_served_ms;   /* comm_wait_serve's last turn */
+
+void comm_set_wait_hook(comm_wait_fn fn, void *arg)
+{
+    s_wait_fn = fn;
+    s_wait_arg = arg;
+}
+
+int comm_wait_poll(void *sock, long timeout_ms)
+{
+    if (s_wait_fn != NULL && !s_serving) {
+        s_serving = 1;
+        int r = s_wait_fn(s_wait_arg, sock, timeout_ms);
+        s_serving = 0;
+        return r;
+    }
+    zmq_pollitem_t it = { sock, 0, ZMQ_POLLIN, 0 };
+    if (sock != NULL)
+        return zmq_poll(&it, 1, timeout_ms) < 0 ? -1 : (it.revents & ZMQ_POLLIN) != 0;
+    struct timespec ts = { timeout_ms / 1000, (timeout_ms % 1000) * 1000000L };
+    return nanosleep(&ts, NULL) == 0 || errno == EINTR ? 0 : -1;
+}
+
+void comm_wait_serve(void)
+{
+    if (s_wait_fn == NULL || s_serving)
+        return;
+    long long now = mono_ms();
+    if (now - s_served_ms < COMM_SERVE_MS)
+        return;
+    s_served_ms = now;
+    comm_wait_poll(NULL, 0);
+}
+
+int comm_waiting(const comm_t *c, const char **op, double *seconds, int *ranks, int cap,
+                 int *nranks)
+{
+    *op = NULL;
+    *seconds = 0.0;
+    *nranks = -1;
+    if (c == NULL || c->ops == NULL || c->busy_op == NULL)
+        return 0;
+    *op = c->busy_op;
+    *seconds = 1e-3 * (double)(mono_ms() - c->busy_since_ms);
+    if (c->ops->waiting_for)
+        *nranks = c->ops->waiting_for(c, ranks, cap);
+    return 1;
 }

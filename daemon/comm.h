@@ -100,6 +100,10 @@ typedef struct comm_ops {
     /* Wait, bounded like every wait of the backend, until the device stream
      * has run everything enqueued on it (with device_stream). */
     scape_rc (*device_sync)(comm_t *c);
+    /* During a collective (from the wait hook): the peers whose data it still
+     * waits for, at most cap of them into ranks; their count, or -1 when the
+     * backend cannot tell (NULL: -1). */
+    int (*waiting_for)(const comm_t *c, int *ranks, int cap);
 } comm_ops;
 
 struct comm {
@@ -109,6 +113,8 @@ struct comm {
     comm_stats stats;
     int pending;  /* an iallgather is outstanding */
     void *impl;   /* backend state */
+    const char *busy_op;     /* the collective running now (comm_waiting); NULL: none */
+    long long busy_since_ms; /* when it began, CLOCK_MONOTONIC */
 };
 
 /* Sum of n floats across ranks, in place. */
@@ -141,6 +147,29 @@ scape_rc comm_barrier(comm_t *c);
  * received, a collective completed: comm_progress) since the later of the
  * request and the last progress. */
 void comm_set_interrupt(int (*check)(void));
+/* What a process serves while one of its collectives waits (the daemon: its
+ * status socket and metrics listener, docs/design.md "Status during a
+ * wait").  The hook waits up to timeout_ms for sock (a ZeroMQ socket; NULL:
+ * none) to have a message, serving its own sockets meanwhile, on the calling
+ * thread; it returns 1 when sock is readable, 0 when not (yet), -1 when
+ * polling failed (errno set).  NULL: none.  Process-wide, for a process with
+ * one rank: the backends call it from their waits only. */
+typedef int (*comm_wait_fn)(void *arg, void *sock, long timeout_ms);
+void comm_set_wait_hook(comm_wait_fn fn, void *arg);
+/* A backend's blocking wait for a message on sock: the hook's, else
+ * zmq_poll on sock alone; returns as comm_wait_fn. */
+int comm_wait_poll(void *sock, long timeout_ms);
+/* A backend's busy wait (one that polls a device): lets the hook serve
+ * what is pending, at most every COMM_SERVE_MS. */
+void comm_wait_serve(void);
+#define COMM_SERVE_MS 5
+/* 1 while c runs a collective: its op's name (comm_op_name, or
+ * "device_sync") into *op, the seconds since it began into *seconds, and the
+ * peers it still waits for (comm_ops.waiting_for: at most cap into ranks,
+ * their count into *nranks, -1 when the backend cannot tell); 0 when none
+ * runs. */
+int comm_waiting(const comm_t *c, const char **op, double *seconds, int *ranks, int cap,
+                 int *nranks);
 int comm_interrupted(void);
 void comm_progress(void);
 #define COMM_INTERRUPT_SLICE_MS 100

@@ -87,6 +87,12 @@
 #define HOST_SOCKETS_PER_PEER 3 /* ZeroMQ sockets: PUSH, its monitor, the PAIR */
 #define HOST_BACKLOG_SPARE 64   /* pending connections beyond one per peer */
 
+/* What the running collective waits for (hc_waiting_for: status during a
+ * wait): the parts of this rank's segment (reduce-scatter), the chunks of an
+ * all-gather, one rank (broadcast, a barrier's release), or the barrier's
+ * arrivals (rank 0). */
+typedef enum { W_NONE = 0, W_RS, W_AG, W_IAG, W_ONE, W_BAR } wait_kind;
+
 typedef struct host_msg {
     wire_hdr h;
     zmq_msg_t body;
@@ -129,6 +135,8 @@ typedef struct host {
     uint64_t *rq_next;      /* reduce-scatter: next part expected from each sender */
     host_msg *stash, *stash_tail; /* messages of later ops, in arrival order */
     const char *opname;
+    wait_kind waits;        /* what the running op waits for */
+    int wait_one;           /* W_ONE: the rank */
     uint64_t sent, recvd;
     uint64_t foreign;       /* dropped messages not of this job */
     char foreign_why[200];  /* the last one */
@@ -449,7 +457,6 @@ static scape_rc timed_out(const comm_t *c, int from, const char *what, uint64_t 
 static scape_rc pump_one(comm_t *c, long long deadline, int in_op, host_msg **out)
 {
     host *h = c->impl;
-    zmq_pollitem_t it = { h->pull, 0, ZMQ_POLLIN, 0 };
     long long left = deadline - now_ms();
     if (left <= 0)
         return PUMP_DEADLINE;
@@ -459,7 +466,7 @@ static scape_rc pump_one(comm_t *c, long long deadline, int in_op, host_msg **ou
                                h->opname ? h->opname : "a wait", (unsigned long long)h->seq,
                                COMM_STOP_GRACE_MS);
     long slice = left < COMM_INTERRUPT_SLICE_MS ? (long)left : COMM_INTERRUPT_SLICE_MS;
-    int ready = zmq_poll(&it, 1, slice);
+    int ready = comm_wait_poll(h->pull, slice); /* status is served meanwhile */
     if (ready == 0) {
         /* Nothing left to read: is a peer gone for good?  (What it sent before
          * it died has been read by now: it arrived before its connection
@@ -646,6 +653,7 @@ static scape_rc rs_run(comm_t *c, const float *send, float *recv)
             TRY(rs_send_part(c, q, i, send + h->segoff[q] + (size_t)i * cf,
                              rs_part_len(h, q, i, cf)));
         }
+    h->waits = W_RS;
     for (uint64_t i = 0; (size_t)i * cf < own; i++) {
         size_t a = (size_t)i * cf, len = rs_part_len(h, c->rank, i, cf);
         for (int q = 0; q < c->size; q++) {
@@ -707,6 +715,7 @@ static scape_rc ag_run(comm_t *c, const void *send, void *recv, const size_t *co
     if (counts[c->rank] && (const void *)own != send)
         memcpy(own, send, counts[c->rank]);
     TRY(gather_send(c, K_AG, h->seq, own, counts[c->rank]));
+    h->waits = W_AG;
     while (h->sg.left > 0) {
         host_msg *m;
         scape_rc rc = next_msg(c, gather_missing(c, &h->sg), &m);
@@ -774,6 +783,7 @@ static scape_rc iag_wait(comm_t *c)
 {
     host *h = c->impl;
     long long deadline = now_ms() + h->timeout_ms;
+    h->waits = W_IAG;
     while (h->ag.left > 0) {
         host_msg *none = NULL;
         scape_rc rc = pump_one(c, deadline, 0, &none);
@@ -802,6 +812,8 @@ static scape_rc bc_run(comm_t *c, unsigned char *buf, size_t bytes, int root)
 {
     host *h = c->impl;
     int prev = (c->rank + c->size - 1) % c->size, next = (c->rank + 1) % c->size;
+    h->waits = W_ONE;
+    h->wait_one = prev;
     for (uint64_t i = 0; c->size > 1 && i < nchunks(bytes, h->chunk); i++) {
         size_t a = (size_t)i * h->chunk, n = bytes - a < h->chunk ? bytes - a : h->chunk;
         if (c->rank != root) {
@@ -852,6 +864,8 @@ static scape_rc expect(comm_t *c, int kind, int from)
 static scape_rc bar_run(comm_t *c)
 {
     host *h = c->impl;
+    h->waits = c->rank != 0 ? W_ONE : W_BAR;
+    h->wait_one = 0;
     if (c->rank != 0) {
         TRY(send_msg(c, 0, K_BAR_IN, h->seq, 0, NULL, 0));
         return expect(c, K_BAR_OUT, 0);
@@ -982,6 +996,49 @@ static int hc_peers_up(const comm_t *c, int *down, int cap, int *ndown)
     return up;
 }
 
+/* The chunks of g some peer has not sent yet: those peers into ranks. */
+static int gather_waits(const comm_t *c, const gather *g, int *ranks, int cap)
+{
+    const host *h = c->impl;
+    int n = 0;
+    for (int q = 0; q < c->size && n < cap; q++)
+        if (q != c->rank && g->next[q] < nchunks(g->counts[q], h->chunk))
+            ranks[n++] = q;
+    return n;
+}
+
+/* Read between the waits' polls (comm_wait_poll's hook): the op's state is
+ * the one its loop left there. */
+static int hc_waiting_for(const comm_t *c, int *ranks, int cap)
+{
+    const host *h = c->impl;
+    size_t cf = h->chunk / sizeof(float);
+    uint64_t parts = (h->segoff[c->rank + 1] - h->segoff[c->rank] + cf - 1) / cf;
+    int n = 0;
+    switch (h->waits) {
+    case W_RS:
+        for (int q = 0; q < c->size && n < cap; q++)
+            if (q != c->rank && h->rq_next[q] < parts)
+                ranks[n++] = q;
+        return n;
+    case W_AG:
+        return gather_waits(c, &h->sg, ranks, cap);
+    case W_IAG:
+        return gather_waits(c, &h->ag, ranks, cap);
+    case W_ONE:
+        if (cap > 0)
+            ranks[n++] = h->wait_one;
+        return n;
+    case W_BAR:
+        for (int q = 1; q < c->size && n < cap; q++)
+            if (!h->arrived[q])
+                ranks[n++] = q;
+        return n;
+    default:
+        return -1;
+    }
+}
+
 static void hc_data_bytes(const comm_t *c, uint64_t *sent, uint64_t *recvd)
 {
     const host *h = c->impl;
@@ -1025,6 +1082,7 @@ static const comm_ops s_host_ops = {
     .data_bytes = hc_data_bytes,
     .gone = hc_gone,
     .peers_up = hc_peers_up,
+    .waiting_for = hc_waiting_for,
 };
 
 static scape_rc host_alloc(const comm_host_opts *o, host **out)

@@ -139,7 +139,8 @@ static scape_rc cuda_fail(nccl_impl *x, cudaError_t e, const char *what)
 
 /* One more round of a wait: past the deadline, or when the daemon is being
  * stopped and the wait has made no progress for COMM_STOP_GRACE_MS, abort
- * both communicators and fail; else nap and go on. */
+ * both communicators and fail; else let the daemon serve its status
+ * (comm_wait_serve), nap and go on. */
 static scape_rc wait_more(nccl_impl *x, double deadline, const char *what)
 {
     if (now_ms() > deadline) {
@@ -154,6 +155,7 @@ static scape_rc wait_more(nccl_impl *x, double deadline, const char *what)
                                "down and the wait made no progress for %d ms", what,
                                COMM_STOP_GRACE_MS);
     }
+    comm_wait_serve(); /* the daemon's status, while a peer is awaited */
     nap();
     return SCAPE_OK;
 }

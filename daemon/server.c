@@ -4,7 +4,9 @@
  * status REP (scapectl) and, outbound only, the events PUB.  Between polls it
  * checks that every attached trainer's process is still alive; a trainer that
  * died is dropped and a step it left half-posted is abandoned for the others.
- * Steps run on this thread as soon as every registered trainer has posted.
+ * Steps run on this thread as soon as every registered trainer has posted;
+ * while one of their collectives waits for another daemon, the status socket
+ * and the metrics listener are served from that wait's poll (wait_hook).
  */
 #define _POSIX_C_SOURCE 200809L
 #include <errno.h>
@@ -313,6 +315,22 @@ static scape_rc choose_executor(server *s)
     return SCAPE_OK;
 }
 
+/* The comm wait hook (comm.h): while a collective waits for sock, the
+ * status plane is served from the same poll (docs/design.md, "Status during
+ * a wait"). */
+static int wait_hook(void *arg, void *sock, long timeout_ms)
+{
+    server *s = arg;
+    zmq_pollitem_t items[2 + MHTTP_MAX_ITEMS] = { { sock, 0, ZMQ_POLLIN, 0 } };
+    int first = sock != NULL;
+    int n = first + status_poll_items(s, items + first);
+    int rc = zmq_poll(items, n, timeout_ms);
+    if (rc < 0)
+        return -1;
+    status_poll_serve(s, items + first, rc > 0 ? n - first : 0);
+    return first && (items[0].revents & ZMQ_POLLIN) ? 1 : 0;
+}
+
 scape_rc srv_create(server **out, const scaped_config *cfg)
 {
     scape_set_trail(log_trail);
@@ -352,6 +370,8 @@ scape_rc srv_create(server **out, const scaped_config *cfg)
         comm_set_interrupt(stop_requested);
         rc = open_comm(s);
     }
+    if (rc == SCAPE_OK)
+        comm_set_wait_hook(wait_hook, s);
     if (rc != SCAPE_OK) {
         srv_destroy(&s);
         return rc;
@@ -436,10 +456,10 @@ static void farewell(server *s)
 
 scape_rc srv_serve_once(server *s, int timeout_ms, int *handled)
 {
-    zmq_pollitem_t items[2 + MHTTP_MAX_ITEMS] = { { s->ctrl, 0, ZMQ_POLLIN, 0 },
-                                                  { s->status, 0, ZMQ_POLLIN, 0 } };
-    int nhttp = s->metrics_http ? mhttp_poll_items(s->metrics_http, items + 2) : 0;
-    int rc = zmq_poll(items, 2 + nhttp, timeout_ms);
+    status_release(s); /* a checkpoint request held during a collective */
+    zmq_pollitem_t items[2 + MHTTP_MAX_ITEMS] = { { s->ctrl, 0, ZMQ_POLLIN, 0 } };
+    int nitems = 1 + status_poll_items(s, items + 1);
+    int rc = zmq_poll(items, nitems, timeout_ms);
     if (rc < 0 && zmq_errno() != EINTR)
         return scape_set_error(SCAPE_ZMQ, "zmq_poll: %s", zmq_strerror(zmq_errno()));
     int n = 0;
@@ -447,12 +467,7 @@ scape_rc srv_serve_once(server *s, int timeout_ms, int *handled)
         control_recv(s);
         n++;
     }
-    if (rc > 0 && (items[1].revents & ZMQ_POLLIN)) {
-        status_serve(s);
-        n++;
-    }
-    if (s->metrics_http)
-        mhttp_serve(s->metrics_http, items + 2, rc > 0 ? nhttp : 0);
+    n += status_poll_serve(s, items + 1, rc > 0 ? nitems - 1 : 0);
     ctl_reap_maps(s, 0);
     if (job_now() >= s->next_check) {
         check_liveness(s);
@@ -520,12 +535,15 @@ void srv_destroy(server **sp)
     if (sp == NULL || *sp == NULL)
         return;
     server *s = *sp;
+    comm_set_wait_hook(NULL, NULL);
     farewell(s);
     shm_map_close(&s->spare, 1);
     job_close(&s->job);
     comm_destroy(&s->comm); /* finalized or aborted: nothing in flight any more */
     ctl_reap_maps(s, 1);
     free(s->graves);
+    if (s->held)
+        scape__request__free_unpacked(s->held, NULL);
     mhttp_destroy(&s->metrics_http);
     void *socks[] = { s->ctrl, s->status, s->events };
     for (size_t i = 0; i < 3; i++)

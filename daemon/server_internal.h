@@ -101,6 +101,8 @@ struct server {
     job job;                  /* the engine, the next step and the steps' figures
                                  (job.h: only job.c touches the engine) */
     struct mhttp *metrics_http;    /* metrics_listen's HTTP server (NULL: off) */
+    Scape__Request *held;           /* a checkpoint request that came during a collective,
+                                       answered after it (status_release); NULL: none */
 
     /* Checkpoints (checkpoint.c). */
     int ckpt_requested;             /* scapectl checkpoint, not yet taken */
@@ -169,8 +171,18 @@ void status_step_done(const job *j, step_done_msg *m);
  * this libzmq gives no credentials (the 0700 runtime directory still
  * guards the sockets then). */
 int status_peer_refused(server *s, zmq_msg_t *msg, const char *what);
-/* Answer one request on the status socket. */
+/* Answer one request on the status socket.  During a collective (the comm
+ * wait hook) a checkpoint request is held until the collective is over. */
 void status_serve(server *s);
+/* The status plane's poll items into items (room for 1 + MHTTP_MAX_ITEMS):
+ * the status socket, unless a held request waits for its answer, and the
+ * metrics listener's; returns how many. */
+int status_poll_items(server *s, zmq_pollitem_t *items);
+/* Serve what the n items of status_poll_items say is ready; returns how many
+ * status requests came. */
+int status_poll_serve(server *s, const zmq_pollitem_t *items, int n);
+/* Between collectives: answer the held checkpoint request, if any. */
+void status_release(server *s);
 /* After each completed step: publish its Metrics on the events socket. */
 void status_publish(server *s);
 /* The Prometheus text exposition of a status reply, as scapectl metrics

@@ -1,5 +1,7 @@
 /* status.c - the status plane: a REP socket answering status, metrics and
- * shutdown requests, and a PUB socket with one Metrics message per step. */
+ * shutdown requests, and a PUB socket with one Metrics message per step.
+ * Also served from inside a collective's wait (server.c's wait hook): then
+ * the reply says what the collective waits for. */
 #define _POSIX_C_SOURCE 200809L
 #include <stdio.h>
 #include <stdlib.h>
@@ -9,6 +11,7 @@
 
 #include "auth.h"
 #include "log.h"
+#include "metrics_http.h"
 #include "scape_prom.h"
 #include "scape_wire.h"
 #include "server_internal.h"
@@ -84,6 +87,7 @@ typedef struct status_buf {
     Scape__CollectiveCount *coll_p[COMM_OP_COUNT];
     step_done_msg last;
     status_config config; /* StatusReply.config */
+    uint32_t wait_ranks[64];
 } status_buf;
 
 /* The counters: what the completed steps add up to. */
@@ -122,6 +126,36 @@ static void fill_config(const server *s, Scape__StatusReply *st, status_config *
     }
     st->n_config = n;
     st->config = sc->ptrs;
+}
+
+/* Status is asked from inside a collective's wait (the comm wait hook). */
+static int in_collective(const server *s)
+{
+    const char *op;
+    double secs;
+    int n;
+    return comm_waiting(s->comm, &op, &secs, NULL, 0, &n);
+}
+
+/* The collective this daemon waits in, when status is asked from inside its
+ * wait (the comm wait hook): which, for how long, for which peers. */
+static int fill_wait(const server *s, status_buf *b)
+{
+    Scape__StatusReply *st = &b->st;
+    const char *op;
+    double secs;
+    int ranks[sizeof b->wait_ranks / sizeof *b->wait_ranks], n;
+    if (!comm_waiting(s->comm, &op, &secs, ranks, (int)(sizeof ranks / sizeof *ranks), &n))
+        return 0;
+    st->wait_op = (char *)op;
+    st->has_wait_seconds = 1;
+    st->wait_seconds = secs;
+    st->has_wait_ranks_known = 1;
+    st->wait_ranks_known = n >= 0;
+    st->wait_ranks = b->wait_ranks;
+    for (int i = 0; i < n; i++)
+        b->wait_ranks[st->n_wait_ranks++] = (uint32_t)ranks[i];
+    return 1;
 }
 
 static void fill_status(server *s, status_buf *b)
@@ -204,11 +238,14 @@ static void fill_status(server *s, status_buf *b)
     st->runtime_dir = s->dir;
     fill_waiting(s, st, b->waiting);
     /* The residual norm is a pass over N floats: taken when asked, not on
-     * the per-step path. */
+     * the per-step path; and not in the middle of a step, whose residual is
+     * half updated (and whose device work a norm on the device would wait
+     * behind). */
+    int waiting = fill_wait(s, b);
     if (s->job.have_last) {
         status_step_done(&s->job, &b->last);
-        b->last.d.has_residual_norm = 1;
-        b->last.d.residual_norm = job_residual_norm(&s->job);
+        b->last.d.has_residual_norm = !waiting;
+        b->last.d.residual_norm = waiting ? 0.0 : job_residual_norm(&s->job);
         st->last = &b->last.d;
     }
     st->has_loss = s->job.have_loss;
@@ -293,6 +330,11 @@ static void answer(server *s, const Scape__Request *q)
     case SCAPE__REQUEST__BODY_SHUTDOWN:
         LOG_INFO(SUB_STATUS, "shutdown requested on the status socket");
         s->stopping = 1;
+        /* during a collective's wait: that wait gives up as on SIGTERM, once
+         * it makes no progress (comm_set_interrupt), instead of holding the
+         * stop until comm_timeout_ms when a peer hangs */
+        if (in_collective(s))
+            srv_request_stop();
         send_reply(s, &r);
         break;
     default:
@@ -425,8 +467,49 @@ void status_serve(server *s)
         send_error(s, stranger ? SCAPE_INVALID : SCAPE_PROTO);
         return;
     }
+    /* A checkpoint runs collectives of its own: not inside this one. */
+    if (q->body_case == SCAPE__REQUEST__BODY_CHECKPOINT && in_collective(s)) {
+        LOG_INFO(SUB_STATUS, "a checkpoint request during a collective: answered after it");
+        s->held = q;
+        return;
+    }
     answer(s, q);
     scape__request__free_unpacked(q, NULL);
+}
+
+void status_release(server *s)
+{
+    if (s->held == NULL || in_collective(s))
+        return;
+    Scape__Request *q = s->held;
+    s->held = NULL;
+    answer(s, q);
+    scape__request__free_unpacked(q, NULL);
+}
+
+int status_poll_items(server *s, zmq_pollitem_t *items)
+{
+    int n = 0;
+    if (s->held == NULL)
+        items[n++] = (zmq_pollitem_t){ s->status, 0, ZMQ_POLLIN, 0 };
+    if (s->metrics_http)
+        n += mhttp_poll_items(s->metrics_http, items + n);
+    return n;
+}
+
+int status_poll_serve(server *s, const zmq_pollitem_t *items, int n)
+{
+    int got = 0, first = 0;
+    if (n > 0 && items[0].socket == s->status) {
+        first = 1;
+        if (items[0].revents & ZMQ_POLLIN) {
+            status_serve(s);
+            got = 1;
+        }
+    }
+    if (s->metrics_http)
+        mhttp_serve(s->metrics_http, items + first, n - first);
+    return got;
 }
 
 int status_metrics(void *arg, FILE *out)

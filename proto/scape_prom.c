@@ -254,6 +254,27 @@ static void data_plane(const prom *m, const Scape__StatusReply *st)
             st->has_refused_handshakes ? (double)st->refused_handshakes : 0.0);
 }
 
+/* The collective the daemon waits in when scraped (status during a wait):
+ * 0 seconds and no peers between collectives. */
+static void wait_series(const prom *m, const Scape__StatusReply *st)
+{
+    const char *op[2] = { "op", st->wait_op };
+    family(m, "scape_collective_wait_seconds",
+           "Seconds the collective running now has waited (label op); 0 between collectives.");
+    sample(m, "scape_collective_wait_seconds", st->wait_op ? op : NULL,
+           st->wait_op && st->has_wait_seconds ? st->wait_seconds : 0.0);
+    if (st->wait_op == NULL || !st->wait_ranks_known || st->n_wait_ranks == 0)
+        return;
+    family(m, "scape_collective_waiting_for",
+           "1 for each peer (label peer) whose data the running collective still waits for.");
+    for (size_t i = 0; i < st->n_wait_ranks; i++) {
+        char peer[16];
+        snprintf(peer, sizeof peer, "%" PRIu32, st->wait_ranks[i]);
+        const char *extra[2] = { "peer", peer };
+        sample(m, "scape_collective_waiting_for", extra, 1);
+    }
+}
+
 int prom_render(FILE *out, const Scape__StatusReply *st)
 {
     prom m = { .out = out };
@@ -277,6 +298,7 @@ int prom_render(FILE *out, const Scape__StatusReply *st)
           (double)st->device_bytes);
     data_plane(&m, st);
     optional_series(&m, st);
+    wait_series(&m, st);
     per_op(&m, "counter", "scape_collectives_total",
            "Collectives of each op in the completed steps, summed.", st->collectives_total,
            st->n_collectives_total, 0);

@@ -1,7 +1,8 @@
 """No silent waits, in either direction, and no lost steps: signals during
 libscape's waits (a handler that returns, Ctrl-C), a daemon that dies under
 its trainers, a daemon that waits for its trainers, trainers that start
-before their daemon, and README's "A node in one minute" run as written.
+before their daemon, README's "A node in one minute" run as written, and
+status that answers while a collective waits for a hung daemon.
 
 Run as a script, this file is the Python trainer these tests start:
     test_waits.py trainer --endpoint EP --index I --n N --steps S --out FILE
@@ -109,7 +110,8 @@ if __name__ == "__main__" and sys.argv[1:2] == ["trainer"]:
 
 import pytest  # noqa: E402
 
-from conftest import SOURCE, binary, run_reference  # noqa: E402
+from conftest import (SOURCE, binary, free_endpoints, process_stopped,  # noqa: E402
+                      run_reference, run_trainer)
 
 
 class Proc:
@@ -427,3 +429,141 @@ def test_readme_node_in_one_minute_runs_as_written():
     assert "waiting for" in out, out
     hashes = re.findall(r"trainer_c \d: steps 1\.\.200 done, .* params ([0-9a-f]{16})", out)
     assert len(hashes) == 2 and hashes[0] == hashes[1], out
+
+
+def scapectl_status(d, *args):
+    res = subprocess.run([binary("client", "scapectl"), "--runtime-dir", d.rt, *args,
+                          "status"], capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res.stdout
+
+
+def scrape_metrics(d):
+    import urllib.request
+    m = re.search(r"metrics at http://127\.0\.0\.1:(\d+)/metrics", d.output())
+    assert m, d.output()
+    with urllib.request.urlopen("http://127.0.0.1:%s/metrics" % m.group(1), timeout=30) as r:
+        assert r.status == 200
+        return r.read().decode()
+
+
+def test_status_answers_while_a_collective_waits_for_a_hung_daemon(daemon_factory, tmp_path):
+    """Three daemons over the host backend, one trainer each.  Rank 2's
+    trainer stops itself before step 6 and rank 2's daemon is then SIGSTOPped
+    (hung: its connections stay open), so ranks 0 and 1 wait in step 6's
+    first collective for it.  While rank 2 is provably still stopped, both
+    answer `scapectl status` (the binary) and /metrics, naming the collective
+    and rank 2 as the one they wait for.  A checkpoint request (which runs
+    collectives of its own) is held until the wait is over, then answered.
+    Once rank 2 goes on, the job ends bitwise where the in-process engine
+    ends."""
+    n, steps, hold = 3000, 12, 6
+    coord = free_endpoints(1)[0]
+    daemons = [daemon_factory(*ENGINE, "--world", "3", "--rank", str(r), "--coordinator", coord,
+                              "--listen", "tcp://127.0.0.1:*", "--job", "35",
+                              "--comm-timeout-ms", "120000", "--metrics-listen", "127.0.0.1:0")
+               for r in range(3)]
+    outs = [str(tmp_path / ("r%d" % r)) for r in range(3)]
+    trainers = [run_trainer(d.endpoint, 0, n, steps, out=outs[r], seed=1 + 1000 * r, wait=False,
+                            stop_before=hold if r == 2 else None)
+                for r, d in enumerate(daemons)]
+    hung = daemons[2].proc
+    try:
+        deadline = time.monotonic() + 120
+        while not process_stopped(trainers[2].pid):
+            assert time.monotonic() < deadline and trainers[2].poll() is None, \
+                "rank 2's trainer never reached step %d" % hold
+            time.sleep(0.01)
+        hung.send_signal(signal.SIGSTOP)
+        while not process_stopped(hung.pid):
+            assert time.monotonic() < deadline, "rank 2's daemon did not stop"
+            time.sleep(0.01)
+        for r in (0, 1):
+            # the other ranks post step `hold` and wait in its collective: ask
+            # until one answer comes from inside that wait (bounded)
+            for _ in range(2000):
+                text = scapectl_status(daemons[r])
+                if "waiting in " in text:
+                    break
+                assert time.monotonic() < deadline, text
+                time.sleep(0.02)
+            line = re.search(r"^Collective\s*: waiting in (\w+) for ranks \[([\d, ]*)\] "
+                             r"since ([\d.]+) s$", text, re.M)
+            assert line, text
+            op, ranks = line.group(1), [int(x) for x in line.group(2).split(",") if x.strip()]
+            assert op in ("allreduce", "reduce_scatter", "allgather", "iallgather",
+                          "broadcast", "barrier"), text
+            assert 2 in ranks and r not in ranks, text
+            assert re.search(r"^Step\s*: %d$" % (hold - 1), text, re.M), text
+            got = json.loads(scapectl_status(daemons[r], "--json"))
+            assert got["wait"]["op"] == op and 2 in got["wait"]["ranks"], got["wait"]
+            assert got["wait"]["ranks_known"] is True and got["wait"]["seconds"] >= 0, got
+            metrics = scrape_metrics(daemons[r])
+            assert re.search(r'^scape_collective_wait_seconds\{rank="%d",op="%s"\} [\d.e+-]+$'
+                             % (r, op), metrics, re.M), metrics
+            assert re.search(r'^scape_collective_waiting_for\{rank="%d",peer="2"\} 1$' % r,
+                             metrics, re.M), metrics
+            assert process_stopped(hung.pid), "rank 2's daemon went on during the queries"
+        ckpt = subprocess.Popen([binary("client", "scapectl"), "--runtime-dir", daemons[0].rt,
+                                 "--timeout-ms", "120000", "checkpoint"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        while "a checkpoint request during a collective" not in daemons[0].output():
+            assert time.monotonic() < deadline and ckpt.poll() is None, daemons[0].output()
+            time.sleep(0.02)
+        assert process_stopped(hung.pid)
+    finally:
+        hung.send_signal(signal.SIGCONT)
+        if trainers[2].poll() is None:
+            trainers[2].send_signal(signal.SIGCONT)
+    o, e = ckpt.communicate(timeout=300)
+    assert ckpt.returncode == 1 and "no checkpoint_dir is configured" in e, (o, e)
+    for t in trainers:
+        o, e = t.communicate(timeout=300)
+        assert t.returncode == 0, o + e
+    for r, d in enumerate(daemons):
+        text = scapectl_status(d)
+        assert not re.search(r"^Collective", text, re.M), text
+        assert 'scape_collective_wait_seconds{rank="%d"} 0' % r in scrape_metrics(d)
+    run_reference(str(tmp_path / "ref"), "1,1,1", n, steps, *ENGINE)
+    with open(tmp_path / "ref", "rb") as f:
+        ref = f.read()
+    assert_bitwise(outs, ref)
+
+
+def test_shutdown_asked_during_a_hung_wait_stops_the_daemon(daemon_factory, tmp_path):
+    """`scapectl shutdown` reaches a daemon whose collective waits for a hung
+    peer (comm_timeout_ms two minutes away): it is answered, and the wait
+    gives up as on SIGTERM, so the daemon stops cleanly, saying why."""
+    coord = free_endpoints(1)[0]
+    daemons = [daemon_factory(*ENGINE, "--world", "2", "--rank", str(r), "--coordinator", coord,
+                              "--listen", "tcp://127.0.0.1:*", "--job", "36",
+                              "--comm-timeout-ms", "120000") for r in range(2)]
+    trainers = [run_trainer(d.endpoint, 0, 2000, 6, seed=1 + 1000 * r, wait=False,
+                            stop_before=3 if r == 1 else None) for r, d in enumerate(daemons)]
+    hung = daemons[1].proc
+    try:
+        deadline = time.monotonic() + 120
+        while not process_stopped(trainers[1].pid):
+            assert time.monotonic() < deadline and trainers[1].poll() is None
+            time.sleep(0.01)
+        hung.send_signal(signal.SIGSTOP)
+        for _ in range(2000):
+            if "waiting in " in scapectl_status(daemons[0]):
+                break
+            assert time.monotonic() < deadline, daemons[0].output()
+            time.sleep(0.02)
+        res = subprocess.run([binary("client", "scapectl"), "--runtime-dir", daemons[0].rt,
+                              "shutdown"], capture_output=True, text=True, timeout=30)
+        assert res.returncode == 0, res.stdout + res.stderr
+        # well before comm_timeout_ms: the wait gave up on the stop request
+        assert daemons[0].proc.wait(timeout=60) == 0, daemons[0].output()
+        assert process_stopped(hung.pid)
+    finally:
+        hung.send_signal(signal.SIGKILL)
+        hung.wait()
+        for t in trainers:
+            t.send_signal(signal.SIGKILL)
+            t.communicate()
+    log = daemons[0].output()
+    assert "shutdown requested on the status socket" in log, log
+    assert "given up: the daemon is shutting down" in log, log
