@@ -116,6 +116,11 @@ static const eng_key s_keys[] = {
       .doc = "scape, topk-adamw: a tensor of at most this many coordinates (norms, biases) "
              "is sent whole every step, as PowerSGD leaves vectors uncompressed (0: none); "
              "alike on every daemon" },
+    { "split_above", EOFF(split_above), ENG_KT_U32, 0, IF_SET | SHOWN, 18,
+      .hash_tag = "split_above", .hash_tag_value = 1, .min = 0, .max = UINT32_MAX,
+      .doc = "split a tensor longer than this many coordinates into ranges of at most this "
+             "many, each with its own owner and top-k, so that no owner's share exceeds the "
+             "mean by more than split_above (0: whole tensors); alike on every daemon" },
     { "mask_deltas", EOFF(mask_deltas), ENG_KT_INT, 0, IF_SET | SHOWN, 13,
       .hash_tag = "mask_deltas", .names = eng_bool_names,
       .doc = "scape: send each next mask as its change from the last one when that is "
@@ -567,8 +572,9 @@ static scape_rc handshake(eng_t *e)
                                  r, e->rank);
         else if (a[2] != mine[2])
             rc = scape_set_error(SCAPE_INVALID,
-                                 "engine: rank %d has a different optimizer config than rank %d",
-                                 r, e->rank);
+                                 "engine: rank %d has a different optimizer config than rank %d "
+                                 "(mode, or one of %s): set them alike on every daemon",
+                                 r, e->rank, eng_config_hashed());
         else if ((rc = agree_keys(e, r, a, mine)) == SCAPE_OK)
             e->a.t_total += (int)a[0];
     }
@@ -599,7 +605,8 @@ scape_rc eng_create(eng_t **out, const eng_config *cfg, const eng_layout *layout
     e->a = (exec_args){ .cfg = &e->cfg, .opt = e->opt, .comm = comm, .rank = comm->rank,
                         .pdt = layout->param_dtype, .gdt = layout->grad_dtype,
                         .stats = &e->last, .tr = local_trainers };
-    scape_rc rc = plan_build(&e->p, layout->tensors, layout->ntensors, comm->size, cfg->rho);
+    scape_rc rc = plan_build_split(&e->p, layout->tensors, layout->ntensors, comm->size,
+                                   cfg->rho, cfg->split_above);
     e->a.p = e->p;
     if (rc == SCAPE_OK)
         plan_set_dense(e->p, cfg->dense_below, cfg->rho);

@@ -123,6 +123,10 @@ typedef struct eng_config {
                                 (k_l = |L_l|), as PowerSGD leaves vectors
                                 uncompressed; 0 (default): none.  Every rank
                                 must set it alike. */
+    uint32_t split_above;    /* a tensor longer than this many coordinates is
+                                split into ranges of at most this many, each
+                                with its own owner and top-k (plan.h); 0
+                                (default): whole tensors.  Hashed when set. */
 } eng_config;
 
 typedef struct eng_tensor {
@@ -337,7 +341,8 @@ int eng_gathers_delta(const eng_t *e);
 eng_executor eng_get_executor(const eng_t *e);
 /* T, the trainers of all ranks. */
 int eng_total_trainers(const eng_t *e);
-/* k_l of tensor l (layout index) and its owning rank. */
+/* k_l of plan tensor l (layout index; with split_above, of the pieces, a
+ * tensor's in a row) and its owning rank. */
 size_t eng_tensor_k(const eng_t *e, size_t l);
 int eng_tensor_owner(const eng_t *e, size_t l);
 /* L2 norm of this rank's residual. */
@@ -463,7 +468,9 @@ typedef struct eng_coord_state {
  * keys flagged ENG_KEY_HASH, FNV-1a over each one's value (a double) or tag,
  * in seq order. */
 uint64_t eng_config_hash(const eng_config *c);
-/* The layout this engine was created with (names borrowed), ntensors entries. */
+/* The layout this engine was created with (names borrowed), ntensors entries:
+ * with split_above, its pieces as tensors (a plan of them for any R has the
+ * owners of a split plan of that R: what resharding rebuilds). */
 scape_rc eng_get_layout(const eng_t *e, eng_tensor *out, size_t ntensors);
 size_t eng_ntensors(const eng_t *e);
 const eng_config *eng_get_config(const eng_t *e);

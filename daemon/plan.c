@@ -131,16 +131,17 @@ uint64_t plan_fnv1a(uint64_t h, const void *data, size_t len)
     return h;
 }
 
-static uint64_t layout_hash(const plan *p)
+/* Over the registered tensors, in layout order: pieces do not change it. */
+static uint64_t layout_hash(const eng_tensor *ts, size_t nt)
 {
     uint64_t h = 0xcbf29ce484222325ull;
-    for (size_t i = 0; i < p->ntensors; i++) {
-        uint64_t ol[2] = { p->t[i].off, p->t[i].len };
+    for (size_t i = 0; i < nt; i++) {
+        uint64_t ol[2] = { ts[i].offset, ts[i].length };
         h = plan_fnv1a(h, ol, sizeof ol);
-        if (p->t[i].group) /* a layout without groups hashes as before */
-            h = plan_fnv1a(h, &p->t[i].group, sizeof p->t[i].group);
-        if (p->t[i].name)
-            h = plan_fnv1a(h, p->t[i].name, strlen(p->t[i].name) + 1);
+        if (ts[i].group) /* a layout without groups hashes as before */
+            h = plan_fnv1a(h, &ts[i].group, sizeof ts[i].group);
+        if (ts[i].name)
+            h = plan_fnv1a(h, ts[i].name, strlen(ts[i].name) + 1);
     }
     return h;
 }
@@ -157,7 +158,87 @@ void plan_destroy(plan **pp)
     *pp = NULL;
 }
 
-scape_rc plan_build(plan **out, const eng_tensor *ts, size_t nt, int nranks, double rho)
+size_t plan_pieces(size_t len, size_t split_above)
+{
+    if (split_above == 0 || len <= split_above)
+        return 1;
+    return len / split_above + (len % split_above != 0);
+}
+
+/* Registered tensor i's pieces into t (np of them, nearly equal: piece q
+ * starts at floor(q * len / np), so none is longer than split_above). */
+static void fill_pieces(plan_tensor *t, const eng_tensor *ts, size_t i, size_t np)
+{
+    size_t len = ts[i].length;
+    for (size_t q = 0; q < np; q++) {
+        size_t a = (size_t)((uint64_t)len * q / np); /* len < 2^32: no overflow */
+        size_t b = (size_t)((uint64_t)len * (q + 1) / np);
+        t[q] = (plan_tensor){ .name = ts[i].name, .off = ts[i].offset + a, .len = b - a,
+                              .group = ts[i].group, .parent = i, .whole = len };
+    }
+}
+
+/* The most tensors splitting may make: each costs a mask word, a plan entry
+ * and a task in every phase, so pieces far shorter than N / 2^19 only add
+ * overhead. */
+#define PLAN_MAX_PIECES (1 << 20)
+
+/* The plan's tensors (pieces) from the validated layout; by_off gets them
+ * by offset. */
+static scape_rc make_pieces(plan *p, const eng_tensor *ts, size_t nt, keyed **by_off)
+{
+    size_t np = 0;
+    for (size_t i = 0; i < nt; i++)
+        np += plan_pieces(ts[i].length, p->split_above);
+    if (np > nt && np > PLAN_MAX_PIECES)
+        return scape_set_error(SCAPE_INVALID, "split_above=%zu cuts the layout (N=%zu) into %zu "
+                               "tensors, more than %d: raise split_above to at least %zu",
+                               p->split_above, p->n, np, PLAN_MAX_PIECES,
+                               p->n / (PLAN_MAX_PIECES / 2) + 1);
+    p->t = calloc(np, sizeof *p->t);
+    p->order = calloc(np, sizeof *p->order);
+    *by_off = malloc(np * sizeof **by_off);
+    if (!p->t || !p->order || !*by_off)
+        return scape_set_error(SCAPE_NOMEM, "layout: out of memory (%zu tensors)", np);
+    p->ntensors = np;
+    for (size_t i = 0, j = 0; i < nt; i++) {
+        size_t n = plan_pieces(ts[i].length, p->split_above);
+        fill_pieces(p->t + j, ts, i, n);
+        j += n;
+    }
+    for (size_t j = 0; j < np; j++) {
+        (*by_off)[j] = (keyed){ p->t[j].off, j };
+        if (p->t[j].len > p->max_len)
+            p->max_len = p->t[j].len;
+    }
+    qsort(*by_off, np, sizeof **by_off, by_key_asc);
+    return SCAPE_OK;
+}
+
+static scape_rc build(plan *p, const eng_tensor *ts, size_t nt, double rho)
+{
+    keyed *by_off = malloc(nt * sizeof *by_off);
+    if (by_off == NULL)
+        return scape_set_error(SCAPE_NOMEM, "layout: out of memory (%zu tensors)", nt);
+    scape_rc rc = check_tiling(ts, nt, by_off, &p->n);
+    free(by_off);
+    by_off = NULL;
+    if (rc == SCAPE_OK)
+        rc = make_pieces(p, ts, nt, &by_off);
+    if (rc == SCAPE_OK) {
+        plan_set_rho(p, rho);
+        rc = assign_owners(p);
+    }
+    if (rc == SCAPE_OK) {
+        lay_out(p, by_off);
+        p->hash = layout_hash(ts, nt);
+    }
+    free(by_off);
+    return rc;
+}
+
+scape_rc plan_build_split(plan **out, const eng_tensor *ts, size_t nt, int nranks, double rho,
+                          size_t split_above)
 {
     if (out == NULL || ts == NULL)
         return scape_set_error(SCAPE_INVALID, "layout: NULL argument");
@@ -168,46 +249,27 @@ scape_rc plan_build(plan **out, const eng_tensor *ts, size_t nt, int nranks, dou
     if (!(rho > 0.0 && rho <= 1.0))
         return scape_set_error(SCAPE_INVALID, "rho=%g must be in (0, 1]", rho);
     plan *p = calloc(1, sizeof *p);
-    keyed *by_off = malloc(nt * sizeof *by_off);
-    if (p) {
-        p->t = calloc(nt, sizeof *p->t);
-        p->order = calloc(nt, sizeof *p->order);
+    if (p)
         p->shard = calloc((size_t)nranks, sizeof *p->shard);
-    }
-    if (!p || !by_off || !p->t || !p->order || !p->shard) {
-        free(by_off);
+    if (!p || !p->shard) {
         plan_destroy(&p);
         return scape_set_error(SCAPE_NOMEM, "layout: out of memory (%zu tensors)", nt);
     }
-    scape_rc rc = check_tiling(ts, nt, by_off, &p->n);
-    if (rc != SCAPE_OK) {
-        free(by_off);
-        plan_destroy(&p);
-        return rc;
-    }
-    p->ntensors = nt;
+    p->nreg = nt;
     p->nranks = nranks;
-    for (size_t i = 0; i < nt; i++) {
-        plan_tensor *t = &p->t[i];
-        t->name = ts[i].name;
-        t->off = ts[i].offset;
-        t->len = ts[i].length;
-        t->group = ts[i].group;
-        if (t->len > p->max_len)
-            p->max_len = t->len;
-    }
-    plan_set_rho(p, rho);
-    rc = assign_owners(p);
+    p->split_above = split_above;
+    scape_rc rc = build(p, ts, nt, rho);
     if (rc != SCAPE_OK) {
-        free(by_off);
         plan_destroy(&p);
         return rc;
     }
-    lay_out(p, by_off);
-    p->hash = layout_hash(p);
-    free(by_off);
     *out = p;
     return SCAPE_OK;
+}
+
+scape_rc plan_build(plan **out, const eng_tensor *ts, size_t nt, int nranks, double rho)
+{
+    return plan_build_split(out, ts, nt, nranks, rho, 0);
 }
 
 void plan_set_rho(plan *p, double rho)
@@ -215,7 +277,7 @@ void plan_set_rho(plan *p, double rho)
     p->k_total = 0;
     for (size_t i = 0; i < p->ntensors; i++) {
         size_t len = p->t[i].len;
-        p->t[i].k = len <= p->dense_below ? len : plan_k(rho, len);
+        p->t[i].k = p->t[i].whole <= p->dense_below ? len : plan_k(rho, len);
         p->k_total += p->t[i].k;
     }
 }

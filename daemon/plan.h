@@ -2,6 +2,12 @@
  * balance by length), and the comm order in which masks, packed values and
  * sharded state are laid out.
  *
+ * With split_above > 0, a registered tensor longer than that is split into
+ * ceil(len / split_above) ranges of nearly equal length (pieces), and the
+ * plan's tensors are the pieces: each has its own k_l, owner and mask words
+ * (docs/algorithm.md, "Split tensors").  split_above 0 gives one piece per
+ * registered tensor, the plan of before the split.
+ *
  * Comm order lists the tensors of rank 0's shard, then rank 1's, ... and each
  * shard's tensors by offset.  Every tensor's mask bits start on a fresh
  * uint32_t word, so a shard is a contiguous run of words, its packed values a
@@ -16,14 +22,16 @@
 #include "engine.h"
 
 typedef struct plan_tensor {
-    const char *name;
+    const char *name; /* the registered tensor's (pieces share it) */
     size_t off;  /* coordinate offset in the flat vector */
     size_t len;
-    size_t k;    /* k_l = max(1, ceil(rho * len)), or len when len <= dense_below */
+    size_t k;    /* k_l = max(1, ceil(rho * len)), or len when whole <= dense_below */
     int owner;
     size_t word; /* first mask word, comm space */
     size_t pos;  /* first element in comm-order state vectors */
     uint32_t group; /* parameter group (eng_tensor.group) */
+    size_t parent;  /* index of the registered tensor this is (a piece of) */
+    size_t whole;   /* that tensor's length: dense_below looks at it */
 } plan_tensor;
 
 typedef struct plan_shard {
@@ -35,17 +43,30 @@ typedef struct plan_shard {
 typedef struct plan {
     size_t n, ntensors, nwords, max_len, k_total;
     size_t dense_below;  /* tensors of at most this many coordinates go whole */
+    size_t nreg;         /* registered tensors (ntensors counts the pieces) */
+    size_t split_above;  /* 0: no split */
     int nranks;
-    plan_tensor *t;      /* layout order */
+    plan_tensor *t;      /* layout order; a tensor's pieces in a row, by offset */
     size_t *order;       /* comm order: indices into t */
     plan_shard *shard;   /* per rank */
-    uint64_t hash;       /* of offsets, lengths, names and (non-zero) groups */
+    uint64_t hash;       /* of the registered tensors' offsets, lengths, names and
+                            (non-zero) groups: the same whatever split_above */
 } plan;
 
 /* k_l for a tensor of len coordinates at density rho. */
 size_t plan_k(double rho, size_t len);
 /* Validate the tensors (they must tile [0, N)) and build the plan. */
 scape_rc plan_build(plan **out, const eng_tensor *ts, size_t nt, int nranks, double rho);
+/* ... splitting every tensor longer than split_above (> 0) into pieces of at
+ * most split_above coordinates.  Greedy balance then keeps every owner's
+ * share under mean + split_above (docs/algorithm.md).  Pieces do not depend
+ * on nranks, so a plan built (plan_build) from the pieces as tensors, for
+ * any R, has the owners a split plan of that R has. */
+scape_rc plan_build_split(plan **out, const eng_tensor *ts, size_t nt, int nranks, double rho,
+                          size_t split_above);
+/* The number of pieces tensor len splits into (1 when split_above is 0 or
+ * len <= split_above). */
+size_t plan_pieces(size_t len, size_t split_above);
 /* FNV-1a over len bytes, continuing from h (the hashes ranks compare). */
 uint64_t plan_fnv1a(uint64_t h, const void *data, size_t len);
 /* k_l and k_total for density rho (the owners and the layout do not

@@ -133,6 +133,7 @@ static int parse(int argc, char **argv, args *a)
         else if (!strcmp(k, "--max-grad-norm")) a->cfg.max_grad_norm = strtof(v, NULL);
         else if (!strcmp(k, "--clip-norm")) rc = eng_clip_norm_parse(v, &a->cfg.clip_norm);
         else if (!strcmp(k, "--dense-below")) a->cfg.dense_below = (uint32_t)strtoul(v, NULL, 0);
+        else if (!strcmp(k, "--split-above")) a->cfg.split_above = (uint32_t)strtoul(v, NULL, 0);
         else if (!strcmp(k, "--gather-values")) {
             if (!strcmp(v, "params")) a->cfg.gather = ENG_GATHER_PARAMS;
             else if (!strcmp(v, "f32")) a->cfg.gather = ENG_GATHER_F32;

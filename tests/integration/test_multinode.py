@@ -181,6 +181,37 @@ def test_gather_delta_over_daemons(daemon_factory, tmp_path):
                                ["--gather-values", "delta"], ["--gather-values", "params"])
 
 
+def test_split_tensors_over_daemons(daemon_factory, tmp_path):
+    """split_above across three daemons, sharded: the long tensors are cut
+    into ranges with owners of their own, every trainer ends with the
+    in-process engine's parameters for the same setting (which differ from
+    whole tensors'), the reduction carries the pieces' K, status shows the
+    key, and daemons that disagree on it are refused before step 1."""
+    n, steps, trainers, split = 3000, 60, [1, 2, 1], 200
+    daemons = start_group(daemon_factory, trainers, ["--mode", "sharded",
+                                                     "--split-above", str(split)])
+    got = train_group(daemons, trainers, tmp_path, n, steps, "split")
+    assert all(g == got[0] for g in got), "trainers disagree"
+    lens = [t[2] for t in synth_layout(n)]
+    assert max(lens) > 2 * split, lens  # the setting cuts something
+    pieces = [x // -(-x // split) + (1 if q < x % -(-x // split) else 0)
+              for x in lens for q in range(-(-x // split))]
+    assert sum(pieces) == sum(lens) and max(pieces) <= split
+    k = sum(max(1, math.ceil(0.01 * x)) for x in pieces)
+    for d in daemons:
+        assert collectives(d)["reduce_scatter"] == (1, 2 * k), collectives(d)
+        assert status_of(d)["config"]["split_above"] == str(split), status_of(d)["config"]
+        assert d.stop() == 0, d.output()
+    for s in (str(split), "0"):
+        run_reference(str(tmp_path / ("ref" + s)), ",".join(map(str, trainers)), n, steps,
+                      *ENGINE, "--mode", "sharded", "--split-above", s)
+    assert got[0] == read(tmp_path / ("ref" + str(split))), "daemons differ from the engine"
+    assert got[0] != read(tmp_path / "ref0"), "split_above changed nothing"
+    # hashed, not agreed: the refusal lists the hashed keys, split_above among them
+    refused_when_they_disagree(daemon_factory, "11", "split_above", ["--mode", "sharded"],
+                               ["--split-above", str(split)], ["--split-above", "0"])
+
+
 def status_of(d):
     res = subprocess.run([binary("client", "scapectl"), "--runtime-dir", d.rt, "status",
                           "--json"], capture_output=True, text=True, check=True)

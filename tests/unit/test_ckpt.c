@@ -287,6 +287,49 @@ START_TEST(parameter_groups_are_part_of_the_checkpoint)
 }
 END_TEST
 
+/* split_above is hashed: a checkpoint of split tensors resumes bitwise
+ * under the same split (sharded: the pieces' owners hold their state), and
+ * is refused, naming the key, with another split or none; a checkpoint of
+ * whole tensors is refused with a split. */
+START_TEST(split_ranges_are_part_of_the_checkpoint)
+{
+    static job full, jb;
+    for (int mode = 0; mode < ENG_MODE_COUNT; mode++) {
+        memset(&full, 0, sizeof full);
+        eng_config_default(&full.cfg);
+        full.cfg.mode = (eng_mode)mode;
+        full.cfg.rho = 0.05;
+        full.cfg.warmup = 3;
+        full.cfg.split_above = 100; /* a: 7 pieces, d: 3 */
+        run_job(&full);
+        memset(&jb, 0, sizeof jb);
+        jb.cfg = jb.restore_cfg = full.cfg;
+        jb.save_at = 5;
+        temp_root(&jb);
+        run_job(&jb);
+        for (int r = 0; r < R; r++)
+            ck_assert_int_eq(memcmp(full.out[r], jb.out[r], sizeof full.out[r]), 0);
+        remove_root(jb.root);
+    }
+    const uint32_t saved[] = { 100, 100, 0 }, restored[] = { 0, 64, 100 };
+    for (int q = 0; q < 3; q++) {
+        memset(&jb, 0, sizeof jb);
+        eng_config_default(&jb.cfg);
+        jb.cfg.rho = 0.05;
+        jb.cfg.warmup = 3;
+        jb.restore_cfg = jb.cfg;
+        jb.cfg.split_above = saved[q];
+        jb.restore_cfg.split_above = restored[q];
+        jb.save_at = 5;
+        jb.expect_refusal = 1;
+        jb.refusal = "split_above";
+        temp_root(&jb);
+        run_job(&jb);
+        remove_root(jb.root);
+    }
+}
+END_TEST
+
 START_TEST(checksum_sees_every_word)
 {
     unsigned char buf[4096];
@@ -574,23 +617,24 @@ START_TEST(reshard_keeps_state_and_residual_sum)
     const eng_mode modes[] = { ENG_MODE_SHARDED, ENG_MODE_REPLICATED };
     const int onto[] = { 2, 5 };
     static rs_job before, after;
-    for (int k = 0; k < 2; k++) {
+    for (int k = 0; k < 4; k++) {
         memset(&before, 0, sizeof before);
         eng_config_default(&before.cfg);
         before.cfg.rho = 0.05;
         before.cfg.warmup = 3;
         before.cfg.mode = ENG_MODE_SHARDED;
+        before.cfg.split_above = k < 2 ? 0 : 100; /* then split tensors, on both sides */
         temp_dir(before.root, sizeof before.root);
         run_reshard(&before, R);
         memset(&after, 0, sizeof after);
         after.cfg = before.cfg;
-        after.cfg.mode = modes[k];
+        after.cfg.mode = modes[k % 2];
         /* the second onto the sim executor: resharding stages through it too */
-        if (k == 1)
+        if (k % 2 == 1)
             set_executor(&after.cfg, ENG_EXEC_SIM, 0);
         after.restore = 1;
         memcpy(after.root, before.root, sizeof after.root);
-        run_reshard(&after, onto[k]);
+        run_reshard(&after, onto[k % 2]);
         for (size_t i = 0; i < NUMEL; i++) {
             ck_assert_msg(after.have[i], "coordinate %zu has no owner after resharding", i);
             ck_assert_msg(after.m[i] == before.m[i] && after.theta[i] == before.theta[i],
@@ -617,6 +661,7 @@ int main(void)
     tcase_add_test(tc, checkpoints_cross_executors);
     tcase_add_test(tc, other_settings_are_refused_on_every_rank);
     tcase_add_test(tc, parameter_groups_are_part_of_the_checkpoint);
+    tcase_add_test(tc, split_ranges_are_part_of_the_checkpoint);
     tcase_add_test(tc, missing_checkpoints_are_named);
     tcase_add_test(tc, handed_out_checkpoints_outlive_the_newest_keep);
     tcase_add_test(tc, leave_markers_are_counted_per_job);

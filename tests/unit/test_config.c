@@ -16,7 +16,7 @@
 #include "check_run.h"
 #include "rank_threads.h"
 
-#define NKEYS 43
+#define NKEYS 44
 
 /* Every key with a valid value other than its default. */
 static const struct {
@@ -39,6 +39,7 @@ static const struct {
     { "rho_start", "0.25" },
     { "rho_steps", "500" },
     { "dense_below", "256" },
+    { "split_above", "4096" },
     { "mask_deltas", "true" },
     { "engine_threads", "6" },
     { "executor", "sim" },
@@ -82,6 +83,7 @@ static void check_full(const scaped_config *c)
     ck_assert_float_eq(c->engine.hyper.wd, 0.1f);
     ck_assert_float_eq(c->engine.max_grad_norm, 1.5f);
     ck_assert_int_eq(c->engine.clip_norm, ENG_CLIP_GRAD);
+    ck_assert_uint_eq(c->engine.split_above, 4096);
     ck_assert_int_eq(c->engine.threads, 6);
     ck_assert_int_eq(c->executor, CFG_EXEC_SIM);
     ck_assert_int_eq(c->engine.residual_on_device, 1);
@@ -538,7 +540,7 @@ START_TEST(print_format)
         "weight_decay: 0",    "max_grad_norm: 0",      "clip_norm: sent",
         "wire_values: bf16",
         "gather_values: params", "rho_start: 0",       "rho_steps: 1000",
-        "dense_below: 0",     "mask_deltas: false",
+        "dense_below: 0",     "split_above: 0",        "mask_deltas: false",
         "engine_threads: 1",
         "executor: auto",
         "residual_on_device: false",                   "residual_chunk: 4194304",
@@ -794,6 +796,11 @@ static uint64_t frozen_hash(const eng_config *c)
         h = fnv(h, "dense_below", 11);
         h = fnv(h, &d, sizeof d);
     }
+    if (c->split_above) {
+        uint64_t a = c->split_above;
+        h = fnv(h, "split_above", 11);
+        h = fnv(h, &a, sizeof a);
+    }
     return h;
 }
 
@@ -835,6 +842,7 @@ static void random_config(eng_config *c)
     c->rho_steps = (uint32_t)pick(big, 5, 1, 1e5);
     c->mask_deltas = (int)(rnd() % 3); /* 2: the tests' "always a delta" */
     c->dense_below = (uint32_t)pick(big, 5, 0, 1e6);
+    c->split_above = rnd() % 2 ? 0 : (uint32_t)pick(big, 5, 0, 1e8);
     c->defer_select = (int)(rnd() % 2);
     c->threads = 1 + (int)(rnd() % 8);
 }
@@ -916,7 +924,7 @@ START_TEST(engine_key_order)
     static const char *const want[] = {
         "optimizer", "mode", "rho", "warmup", "beta1", "beta2", "eps", "weight_decay",
         "max_grad_norm", "wire_values", "rho_start", "rho_steps", "mask_deltas", "clip_norm",
-        "dense_below", "defer_select", "gather_values",
+        "dense_below", "defer_select", "gather_values", "split_above",
     };
     enum { NWANT = sizeof want / sizeof want[0] };
     const unsigned agree = ENG_KEY_AGREE | ENG_KEY_AGREE_LAGGED;
@@ -931,7 +939,7 @@ START_TEST(engine_key_order)
         with_seq++;
         ck_assert_uint_le(k[i].seq, NWANT);
         ck_assert_str_eq(k[i].name, want[k[i].seq - 1]);
-        ck_assert_int_eq((k[i].flags & agree) != 0, k[i].seq > 15);
+        ck_assert_int_eq((k[i].flags & agree) != 0, k[i].seq == 16 || k[i].seq == 17);
     }
     ck_assert_uint_eq(with_seq, NWANT);
     /* the restore refusals name the hashed keys but the mode, as the
@@ -940,7 +948,7 @@ START_TEST(engine_key_order)
     ck_assert_str_eq(eng_config_hashed(),
                      "optimizer, rho, warmup, beta1, beta2, eps, weight_decay, "
                      "max_grad_norm, clip_norm, wire_values, rho_start, rho_steps, "
-                     "dense_below and mask_deltas");
+                     "dense_below, split_above and mask_deltas");
 }
 END_TEST
 

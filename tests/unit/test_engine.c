@@ -35,6 +35,12 @@
 /* Lengths include 1, non-multiples of 32 and one exact multiple. */
 static const size_t s_lens[] = { 1, 31, 33, 64, 100, 257, 1, 7, 500, 190 };
 #define NT (sizeof s_lens / sizeof s_lens[0])
+/* split_above forced on these small tensors (the invariant tests run with
+ * 0 and with it: _i 1): w64 into 2 pieces, w500 into 11, 31 pieces in all. */
+#define SPLIT_SMALL 48
+#define MAX_PC 64
+static uint32_t s_split; /* make_spec's split_above */
+static uint32_t split_of(int i) { return i ? SPLIT_SMALL : 0; }
 
 static uint64_t s_seed;
 
@@ -68,6 +74,9 @@ typedef struct published {
 typedef struct ctx {
     const spec *sp;
     eng_tensor ts[NT];
+    eng_tensor pc[MAX_PC];  /* the plan's tensors: ts split at split_above, */
+    size_t pc_whole[MAX_PC]; /* ... each one's registered tensor's length */
+    size_t npc;
     size_t n;
     int T;
     pthread_barrier_t bar;
@@ -96,6 +105,24 @@ static void note_fail(ctx *c, const char *fmt, ...)
     c->failed = 1;
 }
 
+/* The split rule restated (docs/algorithm.md): a tensor longer than S > 0
+ * becomes np = ceil(len / S) pieces, piece q from floor(q len / np), in
+ * layout order, a tensor's pieces in a row. */
+static void split_layout(ctx *c)
+{
+    size_t S = c->sp->cfg.split_above;
+    c->npc = 0;
+    for (size_t j = 0; j < NT; j++) {
+        size_t len = c->ts[j].length, np = S && len > S ? (len + S - 1) / S : 1;
+        for (size_t q = 0; q < np && c->npc < MAX_PC; q++, c->npc++) {
+            size_t a = len * q / np, b = len * (q + 1) / np;
+            c->pc[c->npc] = (eng_tensor){ c->ts[j].name, c->ts[j].offset + a, b - a,
+                                          c->ts[j].group };
+            c->pc_whole[c->npc] = len;
+        }
+    }
+}
+
 static void build_layout(ctx *c)
 {
     static const char *names[NT] = { "bias0", "w31", "w33", "w64", "w100",
@@ -112,6 +139,7 @@ static void build_layout(ctx *c)
         c->ts[j] = (eng_tensor){ names[perm[j]], offs[perm[j]], s_lens[perm[j]],
                                  c->sp->ngroups ? (uint32_t)(j % c->sp->ngroups) : 0 };
     c->n = off;
+    split_layout(c);
 }
 
 /* Group g's learning rate at step t: with groups, g's own and changing
@@ -131,6 +159,15 @@ static size_t tensor_of(const ctx *c, size_t i)
 {
     for (size_t l = 0; l < NT; l++)
         if (i >= c->ts[l].offset && i < c->ts[l].offset + c->ts[l].length)
+            return l;
+    return 0;
+}
+
+/* The plan tensor (piece) holding coordinate i. */
+static size_t piece_of(const ctx *c, size_t i)
+{
+    for (size_t l = 0; l < c->npc; l++)
+        if (i >= c->pc[l].offset && i < c->pc[l].offset + c->pc[l].length)
             return l;
     return 0;
 }
@@ -221,13 +258,13 @@ static double rho_at(const spec *sp, uint64_t t)
     return r > c->rho ? r : c->rho;
 }
 
-/* k_l of tensor l in step t's mask: the plan's rule (docs/algorithm.md) at
- * the step's density, computed here; a tensor of at most dense_below
- * coordinates whole. */
+/* k_l of plan tensor (piece) l in step t's mask: the plan's rule
+ * (docs/algorithm.md) at the step's density, computed here; a piece of a
+ * tensor of at most dense_below coordinates whole. */
 static size_t want_k(const ctx *c, uint64_t t, size_t l)
 {
-    size_t len = c->ts[l].length;
-    if (len <= c->sp->cfg.dense_below)
+    size_t len = c->pc[l].length;
+    if (c->pc_whole[l] <= c->sp->cfg.dense_below)
         return len;
     double x = rho_at(c->sp, t) * (double)len, k = ceil(x - 1e-12 * x);
     return k < 1.0 ? 1 : k > (double)len ? len : (size_t)k;
@@ -382,8 +419,8 @@ static double scape_stat(const ctx *c, uint64_t t, size_t i, int owner, int hold
  * the previous step (ties within fp32 rounding may go either way). */
 static void check_lagged_selection(ctx *c, uint64_t t)
 {
-    for (size_t l = 0; l < NT; l++) {
-        const eng_tensor *ts = &c->ts[l];
+    for (size_t l = 0; l < c->npc; l++) {
+        const eng_tensor *ts = &c->pc[l];
         size_t k = 0;
         double min_in = INFINITY, max_out = 0.0, top = 0.0;
         for (size_t i = ts->offset; i < ts->offset + ts->length; i++) {
@@ -412,10 +449,10 @@ static void check_lagged_selection(ctx *c, uint64_t t)
 static size_t code_bytes(const ctx *c, const eng_t *e, int owner, uint64_t t)
 {
     size_t words = 0, bits = 0;
-    for (size_t l = 0; l < NT; l++) {
+    for (size_t l = 0; l < c->npc; l++) {
         if (owner >= 0 && eng_tensor_owner(e, l) != owner)
             continue;
-        size_t len = c->ts[l].length, w = (len + 31) / 32;
+        size_t len = c->pc[l].length, w = (len + 31) / 32;
         size_t k = c->sp->cfg.optimizer == ENG_OPT_SCAPE ? want_k(c, t, l) : eng_tensor_k(e, l);
         size_t b = 1;
         while ((len - 1) >> b)
@@ -573,7 +610,7 @@ static void check_clipping(ctx *c, uint64_t t, eng_t *e0)
     double sq = 0.0;
     for (size_t i = 0; i < c->n; i++)
         if (c->pub[0].mask[i]) {
-            int holder = holder_of(c, i, eng_tensor_owner(e0, tensor_of(c, i)));
+            int holder = holder_of(c, i, eng_tensor_owner(e0, piece_of(c, i)));
             double g = c->pub[holder].ghat[i];
             sq += g * g;
         }
@@ -599,11 +636,14 @@ static void check_step(ctx *c, uint64_t t, eng_t *e0)
     size_t K = 0, k_sum = 0;
     for (size_t i = 0; i < c->n; i++)
         K += c->pub[0].mask[i];
-    for (size_t l = 0; l < NT; l++)
+    for (size_t l = 0; l < c->npc; l++)
         k_sum += sp->cfg.optimizer == ENG_OPT_SCAPE ? want_k(c, t, l) : eng_tensor_k(e0, l);
     if (c->pub[0].st.k != K)
         note_fail(c, "step %llu: stats say K=%zu, mask has %zu", (unsigned long long)t,
              c->pub[0].st.k, K);
+    if (eng_tensor_k(e0, c->npc - 1) == 0 || eng_tensor_k(e0, c->npc) != 0)
+        note_fail(c, "split_above %u: the engine's plan has not the %zu pieces restated here",
+                  (unsigned)sp->cfg.split_above, c->npc);
     if (dense_at(sp, t) && K != c->n)
         note_fail(c, "step %llu: dense step with K=%zu of %zu", (unsigned long long)t, K, c->n);
     if (sp->cfg.optimizer == ENG_OPT_SCAPE && !dense_at(sp, t)) {
@@ -623,7 +663,7 @@ static void check_step(ctx *c, uint64_t t, eng_t *e0)
     check_collectives(c, t, K, e0);
     check_clipping(c, t, e0);
     for (size_t i = 0; i < c->n && !c->failed; i++) {
-        int owner = eng_tensor_owner(e0, tensor_of(c, i));
+        int owner = eng_tensor_owner(e0, piece_of(c, i));
         int holder = holder_of(c, i, owner);
         check_residual(c, t, i, c->pub[0].mask[i], holder);
         check_update(c, t, i, c->pub[0].mask[i], holder);
@@ -831,9 +871,9 @@ static void run_spec(const spec *sp, float **final, size_t **k_hist, size_t *n)
         ck_assert_msg(args[r].rc == SCAPE_OK, "%s %s R=%d rho=%g rank %d: %s",
                       eng_optimizer_name(sp->cfg.optimizer), eng_mode_name(sp->cfg.mode),
                       sp->R, sp->cfg.rho, r, args[r].err);
-    ck_assert_msg(!c->failed, "%s %s R=%d rho=%g W=%u: %s",
+    ck_assert_msg(!c->failed, "%s %s R=%d rho=%g W=%u split_above=%u: %s",
                   eng_optimizer_name(sp->cfg.optimizer), eng_mode_name(sp->cfg.mode), sp->R,
-                  sp->cfg.rho, sp->cfg.warmup, c->fail);
+                  sp->cfg.rho, sp->cfg.warmup, (unsigned)sp->cfg.split_above, c->fail);
     s_clip_seen[0] += c->clipped;
     s_clip_seen[1] += c->unclipped;
     s_delta_bytes[0] += c->delta_bytes;
@@ -864,6 +904,7 @@ static spec make_spec(eng_optimizer opt, eng_mode mode, int R, double rho, int s
     sp.cfg.hyper.wd = 0.01f;
     sp.cfg.intake_chunk = 64; /* several chunks per tensor when trainers are summed */
     sp.cfg.wire_bf16 = 0;     /* fp32 values; bf16_values and its kin ask for bf16 */
+    sp.cfg.split_above = s_split;
     memcpy(sp.tr, s_tr, sizeof sp.tr);
     return sp;
 }
@@ -896,13 +937,13 @@ static void run_scape_density(double rho, int steps)
     }
 }
 
-START_TEST(scape_rho_1)    { run_scape_density(1.0, 60); }
+START_TEST(scape_rho_1)    { s_split = split_of(_i); run_scape_density(1.0, 60); }
 END_TEST
-START_TEST(scape_rho_0_5)  { run_scape_density(0.5, 100); }
+START_TEST(scape_rho_0_5)  { s_split = split_of(_i); run_scape_density(0.5, 100); }
 END_TEST
-START_TEST(scape_rho_0_1)  { run_scape_density(0.1, 300); }
+START_TEST(scape_rho_0_1)  { s_split = split_of(_i); run_scape_density(0.1, 300); }
 END_TEST
-START_TEST(scape_rho_0_01) { run_scape_density(0.01, 300); }
+START_TEST(scape_rho_0_01) { s_split = split_of(_i); run_scape_density(0.01, 300); }
 END_TEST
 
 /* Runs variant 0..nv-1 of a spec (vary sets variant k) and expects every
@@ -968,6 +1009,7 @@ static void variants_over_matrix(int nv, void (*vary)(spec *, int), const char *
  * as on one (variants: 1, 3 and 8 threads). */
 START_TEST(threads_do_not_change_results)
 {
+    s_split = split_of(_i);
     variants_over_matrix(3, vary_threads, "threads 1/3/8", 0);
 }
 END_TEST
@@ -988,6 +1030,7 @@ static void vary_executor(spec *sp, int k)
  * deferred or not. */
 START_TEST(sim_executor_is_the_host_executor)
 {
+    s_split = split_of(_i);
     variants_over_matrix(3, vary_executor, "host / sim / sim resident", 1);
 }
 END_TEST
@@ -1001,6 +1044,7 @@ END_TEST
  * some steps clip and some do not. */
 START_TEST(clipping_by_global_norm)
 {
+    s_split = split_of(_i);
     static const struct {
         eng_optimizer opt;
         double rho;
@@ -1054,6 +1098,7 @@ END_TEST
  * sharded agree bitwise, and the host and the sim executors. */
 START_TEST(parameter_groups)
 {
+    s_split = split_of(_i);
     static const struct {
         eng_optimizer opt;
         double rho;
@@ -1092,6 +1137,7 @@ END_TEST
  * at R 1, 2, 3, 4, 8; the host and sim executors agree. */
 START_TEST(bf16_values)
 {
+    s_split = split_of(_i);
     static const struct {
         eng_optimizer opt;
         double rho;
@@ -1128,6 +1174,7 @@ static void vary_gather(spec *sp, int k) { sp->cfg.gather = (eng_gather)k; }
  * of the fp32 gather; on both executors. */
 START_TEST(gather_in_param_dtype)
 {
+    s_split = split_of(_i);
     static const struct {
         eng_optimizer opt;
         double rho;
@@ -1155,6 +1202,7 @@ END_TEST
  * rounding does change the result (the path ran). */
 START_TEST(gather_delta)
 {
+    s_split = split_of(_i);
     static const struct {
         eng_optimizer opt;
         double rho;
@@ -1199,6 +1247,7 @@ END_TEST
  * replicated equals sharded, the host and sim executors agree. */
 START_TEST(density_schedule)
 {
+    s_split = split_of(_i);
     for (size_t ri = 0; ri < sizeof s_R / sizeof s_R[0]; ri++) {
         float *fin[2];
         size_t *kh[2], n = 0;
@@ -1249,6 +1298,7 @@ static void vary_deltas(spec *sp, int k);
 
 START_TEST(small_tensors_whole)
 {
+    s_split = split_of(_i);
     static const int rs[] = { 1, 3, 4 };
     for (size_t ri = 0; ri < sizeof rs / sizeof rs[0]; ri++) {
         float *fin[2];
@@ -1258,8 +1308,10 @@ START_TEST(small_tensors_whole)
             sp.cfg.dense_below = 64;
             run_spec(&sp, &fin[mode], &kh[mode], &n);
             /* K: the whole small tensors plus the large ones' k_l at 0.02
-             * (100 -> 2, 257 -> 6, 500 -> 10, 190 -> 4) */
-            ck_assert_uint_eq(kh[mode][sp.steps - 1], 137 + 2 + 6 + 10 + 4);
+             * (100 -> 2, 257 -> 6, 500 -> 10, 190 -> 4); split at 48, one
+             * per piece (100: 3 pieces, 257: 6, 500: 11, 190: 4; w64 whole) */
+            ck_assert_uint_eq(kh[mode][sp.steps - 1],
+                              _i ? 137 + 3 + 6 + 11 + 4 : 137 + 2 + 6 + 10 + 4);
         }
         char what[96];
         snprintf(what, sizeof what, "dense_below 64, R=%d: replicated vs sharded", rs[ri]);
@@ -1301,6 +1353,7 @@ static void vary_deltas(spec *sp, int k)
  * deferred; the deltas move fewer bytes; the host and sim executors. */
 START_TEST(mask_deltas_decode_to_the_same_masks)
 {
+    s_split = split_of(_i);
     static const double rhos[] = { 0.1, 0.01 };
     for (size_t o = 0; o < 2; o++)
         for (int mode = 0; mode < 2; mode++)
@@ -1389,6 +1442,7 @@ static void vary_defer(spec *sp, int k)
  * both modes, one and three ranks, f32 and bf16 buffers. */
 START_TEST(deferred_selection_changes_nothing)
 {
+    s_split = split_of(_i);
     static const double rhos[] = { 0.1, 0.01 };
     for (size_t o = 0; o < 2; o++)
         for (int mode = 0; mode < 2; mode++)
@@ -1407,6 +1461,7 @@ END_TEST
 
 START_TEST(ties_keep_exact_k)
 {
+    s_split = split_of(_i);
     /* Gradients in {-1, 0, 1}: statistics tie massively; masks must still
      * hold exactly k_l bits per tensor (checked every step). */
     for (size_t ri = 0; ri < sizeof s_R / sizeof s_R[0]; ri++) {
@@ -1423,6 +1478,7 @@ END_TEST
 
 START_TEST(bf16_buffers)
 {
+    s_split = split_of(_i);
     float *fin[2];
     size_t *kh[2], n;
     for (int mode = 0; mode < 2; mode++) {
@@ -1489,6 +1545,7 @@ static void expect_near_dense(const spec *sp, int adamw, const float *got, size_
 
 START_TEST(dense_equivalence)
 {
+    s_split = split_of(_i);
     /* rho = 1 SCAPE equals dense AdamS bitwise in the engine and the float64
      * dense AdamS to fp32 rounding, for any R and split of trainers. */
     for (size_t ri = 0; ri < sizeof s_R / sizeof s_R[0]; ri++) {
@@ -1511,6 +1568,7 @@ END_TEST
 
 START_TEST(adamw_dense)
 {
+    s_split = split_of(_i);
     for (size_t ri = 0; ri < sizeof s_R / sizeof s_R[0]; ri++) {
         float *f[2];
         size_t *kh[2], n;
@@ -1568,6 +1626,7 @@ END_TEST
 
 START_TEST(topk_adamw_fills_in)
 {
+    s_split = split_of(_i);
     /* Per-rank raw-gradient masks and their union: K grows with R. */
     size_t k_at[MAX_R + 1] = { 0 };
     for (size_t ri = 0; ri < sizeof s_R / sizeof s_R[0]; ri++) {
@@ -1819,27 +1878,27 @@ int main(void)
     Suite *s = suite_create("engine");
     TCase *inv = tcase_create("invariants");
     tcase_set_timeout(inv, 1800);
-    tcase_add_test(inv, scape_rho_1);
-    tcase_add_test(inv, scape_rho_0_5);
-    tcase_add_test(inv, scape_rho_0_1);
-    tcase_add_test(inv, scape_rho_0_01);
+    tcase_add_loop_test(inv, scape_rho_1, 0, 2);
+    tcase_add_loop_test(inv, scape_rho_0_5, 0, 2);
+    tcase_add_loop_test(inv, scape_rho_0_1, 0, 2);
+    tcase_add_loop_test(inv, scape_rho_0_01, 0, 2);
     tcase_add_test(inv, threads_do_not_change_results);
-    tcase_add_test(inv, sim_executor_is_the_host_executor);
+    tcase_add_loop_test(inv, sim_executor_is_the_host_executor, 0, 2);
     tcase_add_test(inv, launches_do_not_grow_with_tensors);
-    tcase_add_test(inv, clipping_by_global_norm);
-    tcase_add_test(inv, parameter_groups);
-    tcase_add_test(inv, deferred_selection_changes_nothing);
-    tcase_add_test(inv, ties_keep_exact_k);
-    tcase_add_test(inv, bf16_buffers);
-    tcase_add_test(inv, bf16_values);
-    tcase_add_test(inv, gather_in_param_dtype);
-    tcase_add_test(inv, gather_delta);
-    tcase_add_test(inv, density_schedule);
-    tcase_add_test(inv, mask_deltas_decode_to_the_same_masks);
-    tcase_add_test(inv, small_tensors_whole);
-    tcase_add_test(inv, dense_equivalence);
-    tcase_add_test(inv, adamw_dense);
-    tcase_add_test(inv, topk_adamw_fills_in);
+    tcase_add_loop_test(inv, clipping_by_global_norm, 0, 2);
+    tcase_add_loop_test(inv, parameter_groups, 0, 2);
+    tcase_add_loop_test(inv, deferred_selection_changes_nothing, 0, 2);
+    tcase_add_loop_test(inv, ties_keep_exact_k, 0, 2);
+    tcase_add_loop_test(inv, bf16_buffers, 0, 2);
+    tcase_add_loop_test(inv, bf16_values, 0, 2);
+    tcase_add_loop_test(inv, gather_in_param_dtype, 0, 2);
+    tcase_add_loop_test(inv, gather_delta, 0, 2);
+    tcase_add_loop_test(inv, density_schedule, 0, 2);
+    tcase_add_loop_test(inv, mask_deltas_decode_to_the_same_masks, 0, 2);
+    tcase_add_loop_test(inv, small_tensors_whole, 0, 2);
+    tcase_add_loop_test(inv, dense_equivalence, 0, 2);
+    tcase_add_loop_test(inv, adamw_dense, 0, 2);
+    tcase_add_loop_test(inv, topk_adamw_fills_in, 0, 2);
     tcase_add_test(inv, mask_wait_and_overlap);
     suite_add_tcase(s, inv);
     TCase *bad = tcase_create("bad arguments");
