@@ -135,6 +135,48 @@ typedef struct joiner {
     size_t rid_len;
 } joiner;
 
+/* Refused joins: the first RDV_LOG_FIRST are logged one by one, then at most
+ * one line per RDV_LOG_EVERY_MS with how many came since, so that a flood of
+ * bogus joins cannot flood the log. */
+#define RDV_LOG_FIRST 5
+#define RDV_LOG_EVERY_MS 10000
+#define RDV_LOG_EVERY_TEXT "10 s"
+
+typedef struct refusals {
+    uint64_t count;    /* refused in all */
+    uint64_t unlogged; /* refused since the last line */
+    double since_ms;   /* when the current interval began */
+    char last[400];    /* the latest unlogged one: whence and why */
+} refusals;
+
+/* tail: what follows the line ("" once the rendezvous is over). */
+static void refusals_flush(refusals *f, const char *tail)
+{
+    if (f->unlogged)
+        LOG_WARN(SUB_COMM, "refused %llu more joins in the last %.0f s (%llu in all); the "
+                 "latest %s%s", (unsigned long long)f->unlogged,
+                 (now_ms() - f->since_ms) / 1e3, (unsigned long long)f->count, f->last, tail);
+    f->unlogged = 0;
+    f->since_ms = now_ms();
+}
+
+static void refusals_note(refusals *f, const char *peer, const char *why)
+{
+    if (++f->count <= RDV_LOG_FIRST) {
+        LOG_WARN(SUB_COMM, "refused a join from %s: %s; still waiting for the job's ranks%s",
+                 peer, why, f->count == RDV_LOG_FIRST
+                                ? " (more refusals: one line every " RDV_LOG_EVERY_TEXT
+                                  " with their count)"
+                                : "");
+        f->since_ms = now_ms();
+        return;
+    }
+    f->unlogged++;
+    snprintf(f->last, sizeof f->last, "from %s: %.300s", peer, why);
+    if (now_ms() - f->since_ms >= RDV_LOG_EVERY_MS)
+        refusals_flush(f, "; still waiting for the job's ranks");
+}
+
 /* Check one join; on success record the rank's endpoint. */
 static scape_rc admit(const rdv_opts *o, const Scape__RdvJoin *j, rdv_result *out)
 {
@@ -189,7 +231,8 @@ scape_rc rdv_judge_join(const rdv_opts *o, const void *buf, size_t n, rdv_result
 
 /* Receive and judge one join; refused joiners are told why, and the
  * refusal is logged with where it came from. */
-static int take_join(void *sock, const rdv_opts *o, rdv_result *out, joiner *who)
+static int take_join(void *sock, const rdv_opts *o, rdv_result *out, joiner *who,
+                     refusals *f)
 {
     unsigned char rid[256];
     int rl = zmq_recv(sock, rid, sizeof rid, 0);
@@ -214,8 +257,7 @@ static int take_join(void *sock, const rdv_opts *o, rdv_result *out, joiner *who
         who[rank].rid_len = rid_len;
     } else {
         const char *peer = zmq_msg_gets(&m, "Peer-Address");
-        LOG_WARN(SUB_COMM, "refused a join from %s: %s; still waiting for the job's ranks",
-                 peer ? peer : "an unknown address", scape_last_error());
+        refusals_note(f, peer ? peer : "an unknown address", scape_last_error());
         refuse(sock, rid, rid_len, rc);
     }
     zmq_msg_close(&m);
@@ -287,12 +329,18 @@ static scape_rc serve(void *ctx, const rdv_opts *o, rdv_result *out)
         rc = scape_set_error(SCAPE_ZMQ, "rendezvous: bind %s: %s", where,
                              zmq_strerror(zmq_errno()));
     double deadline = now_ms() + o->timeout_ms;
+    refusals f = { 0 };
     for (int joined = 1; rc == SCAPE_OK && joined < o->world;) {
         if (!wait_in(sock, deadline))
             rc = missing(o, out);
         else
-            joined += take_join(sock, o, out, who);
+            joined += take_join(sock, o, out, who, &f);
     }
+    refusals_flush(&f, "");
+    if (f.count)
+        LOG_WARN(SUB_COMM, "rendezvous: refused %llu joins in all (bogus, of another job, or "
+                 "not sealed by its user)", (unsigned long long)f.count);
+    out->refused = f.count;
     if (rc == SCAPE_OK)
         rc = send_table(sock, o, out, who);
     if (sock)

@@ -8,8 +8,10 @@
  *
  * With an auth context (auth.h) every join and every table travels sealed:
  * rank 0 refuses a join it cannot open (another user's, another key's, a
- * replay), logs who was refused and why, and goes on waiting for the real
- * rank; a joiner accepts only a table sealed by the job's user.  Each rank
+ * replay), logs who was refused and why (the first few one by one, then one
+ * line per interval with their count, so a flood cannot flood the log), and
+ * goes on waiting for the real rank; a joiner accepts only a table sealed by
+ * the job's user.  Each rank
  * may also publish its data plane's CURVE public key, handed to all.
  */
 #ifndef SCAPE_RENDEZVOUS_H
@@ -43,6 +45,7 @@ typedef struct rdv_result {
     int world;
     unsigned char blob[RDV_BLOB_MAX];
     size_t blob_len;
+    uint64_t refused;        /* rank 0: joins it refused (bogus, another job's) */
 } rdv_result;
 
 /* Run the rendezvous for this rank; on success *out holds the table. */
