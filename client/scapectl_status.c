@@ -159,6 +159,12 @@ static void print_auth(printer *p, const Scape__StatusReply *st)
         pr_uint(p, "refused_handshakes", NULL, st->refused_handshakes, NULL);
     if (st->refused_last)
         pr_str(p, "refused_last", NULL, st->refused_last);
+    if (st->has_rendezvous_refused_joins) {
+        char j[64];
+        snprintf(j, sizeof j, "%llu at the rendezvous",
+                 (unsigned long long)st->rendezvous_refused_joins);
+        pr_uint(p, "rendezvous_refused_joins", "Refused joins", st->rendezvous_refused_joins, j);
+    }
     if (st->data_public_key)
         pr_str(p, "data_public_key", NULL, st->data_public_key);
 }

@@ -179,6 +179,7 @@ static scape_rc open_nccl(server *s)
         auth_destroy(a);
         if (rc != SCAPE_OK)
             return rc;
+        s->rdv_refused = r.refused;
         int ok = r.blob_len == sizeof o.ids;
         if (ok)
             memcpy(o.ids, r.blob, sizeof o.ids);
@@ -217,6 +218,7 @@ static scape_rc meet_peers(void *arg, const char *bound, const char *const **end
                    .auth = m->auth, .curve_key = m->curve_key };
     TRY(rdv_run(&o, &m->r));
     m->have = 1;
+    m->s->rdv_refused = m->r.refused;
     *endpoints = (const char *const *)m->r.endpoints;
     *keys = (const char *const *)m->r.keys;
     return SCAPE_OK;

@@ -86,6 +86,7 @@ struct server {
 
     comm_t *comm;
     char data_ep[256];             /* host backend: the bound data-plane address */
+    uint64_t rdv_refused;           /* rank 0: joins its rendezvous refused */
     int auth_mode;                 /* auth_mode the job's daemons use (world > 1) */
     int curve;                     /* the data plane runs CURVE */
     uint64_t foreign_seen;          /* comm_foreign count already logged */

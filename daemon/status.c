@@ -218,6 +218,10 @@ static void fill_status(server *s, status_buf *b)
                 st->refused_last = b->refused_last;
         }
     }
+    if (s->cfg.world > 1 && s->cfg.rank == 0) {
+        st->has_rendezvous_refused_joins = 1;
+        st->rendezvous_refused_joins = s->rdv_refused;
+    }
     if (s->cfg.world > 1)
         st->auth = (char *)auth_mode_name(s->auth_mode);
     if (s->curve_public[0])

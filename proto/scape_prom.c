@@ -252,6 +252,10 @@ static void data_plane(const prom *m, const Scape__StatusReply *st)
             "Connections to the data port refused at the CURVE handshake (not a rank's key, "
             "no CURVE, not ZMTP; 0 without CURVE).",
             st->has_refused_handshakes ? (double)st->refused_handshakes : 0.0);
+    counter(m, "scape_rendezvous_refused_joins_total",
+            "Joins rank 0's rendezvous refused at the start (a wrong key or uid, another "
+            "job's, not a join; 0 on other ranks and with one daemon).",
+            st->has_rendezvous_refused_joins ? (double)st->rendezvous_refused_joins : 0.0);
 }
 
 /* The collective the daemon waits in when scraped (status during a wait):

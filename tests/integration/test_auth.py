@@ -162,6 +162,8 @@ def test_forged_joins_are_refused(daemon_factory, munged, tmp_path):
     assert log.count("refused a join from") >= 3, log
     rank1 = daemon_factory(*group_args(coord, 1, auth))
     train_and_compare([rank0, rank1], tmp_path, "forged")
+    # rank 0's status counts the three (StatusReply.rendezvous_refused_joins)
+    assert status(rank0).get(55) == [3] and 55 not in status(rank1), (status(rank0).get(55),)
 
 
 def test_secret_with_the_right_key_and_a_wrong_one(daemon_factory, tmp_path):
