@@ -124,8 +124,9 @@ def owners(lens, R):
 
 
 def split(lens, R, parts_per_rank=4):
-    """Balanced owners (issue 34 part 2, not built): tensors longer than
-    N / (parts_per_rank R) cut into ranges of at most that length."""
+    """Balanced owners (issue 34 part 2, the engine key split_above, off by
+    default): tensors longer than N / (parts_per_rank R) cut into near-equal
+    ranges of at most that length, as plan_build_split does."""
     cap = max(1, sum(lens) // (parts_per_rank * R))
     out = []
     for n in lens:
@@ -348,7 +349,7 @@ def render(rows, facts, n_full, scale, n_run):
     out += ["", "Step time, strong-scaling efficiency E = T1 / (R T_R) and speedup against "
             "dense AdamS (fp32, not overlapped) at the fitted compute; 'bucketed' is a "
             "projection of a PLANNED feature (issue 34 part 1, not built), 'balanced owners' "
-            "of another (part 2, not built). Paper at R = 64: SCAPE 55.04%, 3.26x.", "",
+            "is split_above = N / (4 R) (part 2, built, off by default). Paper at R = 64: SCAPE 55.04%, 3.26x.", "",
             "| rho | R | compute ms | dense AdamS fp32 step ms (E) | dense bf16 overlapped "
             "(Megatron) step ms (E) | SCAPE as built: reply / step ms, E, speedup | bucketed: "
             "reply / step, E, speedup | balanced owners: reply / step, E, speedup | both: "
