@@ -45,6 +45,15 @@
  * failure (timeout, protocol, ZeroMQ) the comm refuses every further
  * collective with the same code: its peers are in an unknown state.
  *
+ * Failure reports.  A wait that gives up on rank k (a timeout, or k gone)
+ * tells every other peer so (K_FAIL, queued without blocking); a rank with
+ * such a report in hand fails its wait at once, or its next one, naming k.
+ * The first report names the culprit, unless the rank it names reports too:
+ * that rank is alive, and whom it waited on replaces it.  So a rank stuck
+ * on a hung peer and the ranks stuck behind it name the same rank: before
+ * failing, a rank whose culprit is still connected reads reports a little
+ * longer (settle) for the culprit's own.
+ *
  * Lost peers.  A ZeroMQ monitor on each PUSH socket reports when its TCP
  * connection closes or comes back.  A peer whose daemon died closes them at
  * once (its kernel does), so a wait fails as soon as some peer's connection
@@ -76,6 +85,7 @@
 #define HOST_DEFAULT_CHUNK (1u << 20)
 #define HOST_MAX_RANKS 4096
 #define LOST_GRACE_MS 1000  /* a closed connection this long: the peer is gone */
+#define REPORT_HOLD_MS 1000 /* longest wait for the named rank's own report */
 #define PUMP_DEADLINE SCAPE_RC_COUNT /* pump_one: the deadline passed (no error set) */
 #define CURVE_FRAME_OVERHEAD 64 /* "\x07MESSAGE", an 8-byte nonce, a 16-byte MAC, flags */
 /* Open files per peer: the TCP connections to and from it, and the
@@ -140,6 +150,12 @@ typedef struct host {
     uint64_t sent, recvd;
     uint64_t foreign;       /* dropped messages not of this job */
     char foreign_why[200];  /* the last one */
+    int named;              /* the rank a failed wait named (-1: none) */
+    int blame, blame_from;  /* the rank named as failed (-1: none yet), and by whom */
+    uint64_t blame_seq;     /* the op of that report */
+    char blame_why[HOST_FAIL_TEXT + 1]; /* its text */
+    uint64_t reports_ignored; /* reports naming no rank this one could name */
+    char ignored_why[120];  /* the last one */
     scape_rc failed;
     char failmsg[400];
 } host;
@@ -225,8 +241,40 @@ static scape_rc check_hdr(comm_t *c, const host_msg *m)
     return SCAPE_OK;
 }
 
+/* A peer's report that a wait of its own gave up on rank m->h.chunk.  The
+ * first one names the culprit, unless the rank it names reports in turn (it
+ * is alive, so whom it waited on is the better guess): "Failure reports".
+ * One about this rank, its sender, a rank out of range or from a sender out
+ * of range is counted and dropped. */
+static void take_report(comm_t *c, const host_msg *m)
+{
+    host *h = c->impl;
+    uint64_t k = m->h.chunk;
+    int from = m->h.sender;
+    if (from >= c->size || from == c->rank || k >= (uint64_t)c->size ||
+        k == (uint64_t)c->rank || k == (uint64_t)from) {
+        h->reports_ignored++;
+        snprintf(h->ignored_why, sizeof h->ignored_why, "a report from rank %d that rank %llu "
+                 "failed (this is rank %d of %d)", from, (unsigned long long)k, c->rank,
+                 c->size);
+        return;
+    }
+    if (h->blame >= 0 && h->blame != from)
+        return; /* a culprit is named already */
+    h->blame = (int)k;
+    h->blame_from = from;
+    h->blame_seq = m->h.seq;
+    size_t n = zmq_msg_size((zmq_msg_t *)&m->body);
+    const unsigned char *p = zmq_msg_data((zmq_msg_t *)&m->body);
+    n = n < HOST_FAIL_TEXT ? n : HOST_FAIL_TEXT;
+    for (size_t i = 0; i < n; i++) /* a peer's text goes into logs: printable only */
+        h->blame_why[i] = p[i] >= 0x20 && p[i] < 0x7f ? (char)p[i] : '?';
+    h->blame_why[n] = '\0';
+}
+
 /* Receive one two-frame message; *got = 0 if none was waiting, -1 if it was
- * dropped as foreign (counted; m holds nothing). */
+ * dropped as foreign (counted; m holds nothing) or was a failure report
+ * (taken). */
 static scape_rc recv_msg(comm_t *c, host_msg *m, int *got)
 {
     host *h = c->impl;
@@ -262,6 +310,11 @@ static scape_rc recv_msg(comm_t *c, host_msg *m, int *got)
         h->foreign++;
         zmq_msg_close(&m->body);
         zmq_msg_init(&m->body);
+        *got = -1;
+        return SCAPE_OK;
+    }
+    if (m->h.kind == K_FAIL) {
+        take_report(c, m);
         *got = -1;
         return SCAPE_OK;
     }
@@ -431,11 +484,14 @@ static int peers_down(const comm_t *c, long long grace_ms, long long *down_ms)
     return worst;
 }
 
+/* The error of a wait for `from` that timed out; it names a peer that is
+ * gone instead, if there is one (h->named: the rank named). */
 static scape_rc timed_out(const comm_t *c, int from, const char *what, uint64_t seq)
 {
-    const host *h = c->impl;
+    host *h = c->impl;
     long long down_ms;
     int lost = peers_down(c, 0, &down_ms);
+    h->named = lost >= 0 ? lost : from;
     if (lost >= 0 && lost != from)
         return scape_set_error(SCAPE_TIMEOUT,
                                "comm host: rank %d sent nothing for %d ms during %s (op %llu); "
@@ -474,6 +530,7 @@ static scape_rc pump_one(comm_t *c, long long deadline, int in_op, host_msg **ou
         long long grace = h->timeout_ms < LOST_GRACE_MS ? h->timeout_ms : LOST_GRACE_MS;
         long long down_ms;
         int lost = peers_down(c, grace, &down_ms);
+        h->named = lost;
         if (lost >= 0)
             return scape_set_error(SCAPE_TIMEOUT,
                                    "comm host: lost rank %d during %s (op %llu): its connection "
@@ -498,19 +555,85 @@ static scape_rc pump_one(comm_t *c, long long deadline, int in_op, host_msg **ou
     return rc;
 }
 
+/* ---- failure reports ------------------------------------------------------ */
+
+/* Tell every peer but k that this rank's wait gave up on rank k, and why:
+ * best effort, never blocking (a hung peer must not hold this rank up). */
+static void report_send(comm_t *c, int k, uint64_t seq, const char *why)
+{
+    host *h = c->impl;
+    /* no longer than a frame the peers' sockets take (open_socket) */
+    size_t most = h->chunk > sizeof(wire_hdr) ? h->chunk : sizeof(wire_hdr);
+    size_t len = strnlen(why, HOST_FAIL_TEXT < most ? HOST_FAIL_TEXT : most);
+    wire_hdr w = { .job = h->job, .seq = seq, .chunk = (uint64_t)k, .magic = HOST_MAGIC,
+                   .kind = K_FAIL, .sender = (uint16_t)c->rank };
+    for (int q = 0; q < c->size; q++) {
+        if (q == c->rank || q == k || h->push[q] == NULL)
+            continue;
+        if (zmq_send(h->push[q], &w, sizeof w, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0)
+            continue; /* no connection to q (yet): it learns by its own timeout */
+        /* the rest of a message whose first frame was queued is taken too */
+        int r;
+        while ((r = zmq_send(h->push[q], why, len, ZMQ_DONTWAIT)) < 0 && zmq_errno() == EINTR)
+            ;
+        if (r >= 0)
+            h->sent += sizeof w + len;
+    }
+}
+
+/* A wait failed with rc: on rank k (this rank's own finding, error set), or
+ * (k < 0) on a peer's report.  Report an own finding to every peer; then,
+ * while the rank named is still connected, wait a little (REPORT_HOLD_MS,
+ * at most a quarter of timeout_ms) for a report from that rank itself, which
+ * replaces it as the culprit (take_report); the error names the culprit. */
+static scape_rc settle(comm_t *c, int k, uint64_t seq, scape_rc rc)
+{
+    host *h = c->impl;
+    char own[sizeof h->failmsg];
+    snprintf(own, sizeof own, "%s", k >= 0 ? scape_last_error() : "");
+    if (h->blame < 0 && k >= 0) {
+        h->blame = k;
+        h->blame_from = c->rank;
+        h->blame_seq = seq;
+        snprintf(h->blame_why, sizeof h->blame_why, "%.300s", own);
+        report_send(c, k, seq, own);
+    }
+    long long hold = h->timeout_ms / 4 < REPORT_HOLD_MS ? h->timeout_ms / 4 : REPORT_HOLD_MS;
+    long long deadline = now_ms() + hold;
+    while (h->blame >= 0 && h->up[h->blame]) {
+        host_msg *none = NULL; /* in_op 0: the op's late messages are only kept */
+        if (pump_one(c, deadline, 0, &none) != SCAPE_OK)
+            break;
+    }
+    if (h->blame_from == c->rank)
+        return scape_set_error(rc, "%s", own);
+    const char *why = h->blame_why;
+    if (strncmp(why, "comm host: ", 11) == 0)
+        why += 11;
+    return scape_set_error(SCAPE_TIMEOUT,
+                           "comm host: rank %d failed, as rank %d reported (its op %llu): %.200s; "
+                           "this rank gave up its %s (op %llu)%s",
+                           h->blame, h->blame_from, (unsigned long long)h->blame_seq, why,
+                           h->opname, (unsigned long long)seq,
+                           k >= 0 && k != h->blame ? ", where it waited on another rank" : "");
+}
+
 /* The next message of the current synchronous op, from the stash or the
- * socket; `from` names the rank the schedule waits for in a timeout. */
+ * socket; `from` names the rank the schedule waits for in a timeout.  A
+ * peer's failure report, received now or before, fails it at once. */
 static scape_rc next_msg(comm_t *c, int from, host_msg **out)
 {
     host *h = c->impl;
-    *out = stash_take(h, 0, h->seq);
+    *out = h->blame < 0 ? stash_take(h, 0, h->seq) : NULL;
     long long deadline = now_ms() + h->timeout_ms;
     while (*out == NULL) {
+        if (h->blame >= 0)
+            return settle(c, -1, h->seq, SCAPE_TIMEOUT);
         scape_rc rc = pump_one(c, deadline, 1, out);
         if (rc == PUMP_DEADLINE)
-            return timed_out(c, from, h->opname, h->seq);
+            rc = timed_out(c, from, h->opname, h->seq);
         if (rc != SCAPE_OK)
-            return rc;
+            return rc == SCAPE_TIMEOUT && h->named >= 0 ? settle(c, h->named, h->seq, rc) : rc;
     }
     return SCAPE_OK;
 }
@@ -786,12 +909,13 @@ static scape_rc iag_wait(comm_t *c)
     h->waits = W_IAG;
     while (h->ag.left > 0) {
         host_msg *none = NULL;
+        if (h->blame >= 0)
+            return settle(c, -1, h->aseq, SCAPE_TIMEOUT);
         scape_rc rc = pump_one(c, deadline, 0, &none);
         if (rc == PUMP_DEADLINE)
-            return timed_out(c, gather_missing(c, &h->ag), "iallgather_wait (async op)",
-                             h->aseq);
+            rc = timed_out(c, gather_missing(c, &h->ag), "iallgather_wait (async op)", h->aseq);
         if (rc != SCAPE_OK)
-            return rc;
+            return rc == SCAPE_TIMEOUT && h->named >= 0 ? settle(c, h->named, h->aseq, rc) : rc;
     }
     h->async_active = 0;
     h->aseq++;
@@ -1097,6 +1221,7 @@ static scape_rc host_alloc(const comm_host_opts *o, host **out)
                               : HOST_DEFAULT_CHUNK;
     h->job = o->job;
     h->opname = "create";
+    h->named = h->blame = -1;
     h->push = calloc(n, sizeof *h->push);
     h->mon = calloc(n, sizeof *h->mon);
     h->down_since = calloc(n, sizeof *h->down_since);
@@ -1381,6 +1506,16 @@ int comm_host_peer_up(const comm_t *c, int q)
         return 0;
     const host *h = c->impl;
     return h->up[q];
+}
+
+uint64_t comm_host_reports_ignored(const comm_t *c, char *why, size_t len)
+{
+    if (c == NULL || c->ops != &s_host_ops)
+        return 0;
+    const host *h = c->impl;
+    if (why && len)
+        snprintf(why, len, "%s", h->ignored_why);
+    return h->reports_ignored;
 }
 
 scape_rc comm_host_wire_stats(const comm_t *c, uint64_t *sent, uint64_t *recvd)

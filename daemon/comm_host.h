@@ -43,6 +43,10 @@ scape_rc comm_host_create(const comm_host_opts *o, comm_t **out);
 /* Bytes this rank really sent and received (headers included, ZeroMQ's own
  * framing not); SCAPE_INVALID if c is not a host comm. */
 scape_rc comm_host_wire_stats(const comm_t *c, uint64_t *sent, uint64_t *recvd);
+/* Failure reports (K_FAIL) this rank dropped: about itself, about their
+ * sender, or naming or sent by a rank out of range; the last one in why (0:
+ * not a host comm). */
+uint64_t comm_host_reports_ignored(const comm_t *c, char *why, size_t len);
 /* Peers this rank's connections currently reach (-1: not a host comm). */
 int comm_host_connected(const comm_t *c);
 /* Whether rank q was reached at the last comm_host_connected (or any wait);

@@ -11,8 +11,12 @@
 
 /* What a message carries: a reduce-scatter part, a chunk of an all-gather,
  * of the asynchronous all-gather, of a broadcast, a barrier arrival at rank
- * 0 and rank 0's release. */
-enum host_kind { K_RS_PART = 1, K_AG, K_IAG, K_BC, K_BAR_IN, K_BAR_OUT, K_END };
+ * 0 and rank 0's release; and K_FAIL, a report that a wait of the sender's
+ * gave up on a rank: chunk is that rank, seq the sender's op, the payload
+ * the sender's error text (at most HOST_FAIL_TEXT bytes, not terminated). */
+enum host_kind { K_RS_PART = 1, K_AG, K_IAG, K_BC, K_BAR_IN, K_BAR_OUT, K_FAIL, K_END };
+
+#define HOST_FAIL_TEXT 300
 
 typedef struct wire_hdr {
     uint64_t job;

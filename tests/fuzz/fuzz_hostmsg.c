@@ -21,11 +21,13 @@
  * (job) spoils them.
  *
  * Checked for every input, beyond "no crash" (ASan, UBSan): the collective
- * either succeeds or fails with a reason, and no more messages are counted as
+ * either succeeds or fails with a reason, no more messages are counted as
  * foreign (dropped as not of this job) than were sent bare, with a bad magic
- * or with another job's id.  The seeds are the played rank's real side of
- * each collective from either rank, plus three such stray messages, so they
- * succeed.
+ * or with another job's id, and no more failure reports (K_FAIL) are counted
+ * as ignored than were sent framed.  The seeds are the played rank's real
+ * side of each collective from either rank, plus three such stray messages
+ * and four failure reports that a group of two must ignore (about the real
+ * rank, about their sender, about rank 9, from rank 7), so they succeed.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <string.h>
@@ -182,10 +184,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     uint32_t sel;
     const uint8_t *p;
     size_t n;
-    uint64_t foreign = 0;
+    uint64_t foreign = 0, reports = 0;
     while (fuzz_record(&in, &sel, &p, &n)) {
         send_msg(push, sel, p, n);
         foreign += (sel & 7) != 0;
+        reports += (sel & 7) == 0 && n > 0 && p[0] == K_FAIL;
     }
     scape_rc rc = run_op(c, &sh);
     if (s_verbose)
@@ -197,6 +200,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
      * had not been read when the op ended are not counted yet. */
     FUZZ_CHECK(comm_foreign(c, NULL, 0) <= foreign, "%llu foreign messages counted of %llu sent",
                (unsigned long long)comm_foreign(c, NULL, 0), (unsigned long long)foreign);
+    /* In a group of two no report names a rank the real one may blame. */
+    char ign[128];
+    FUZZ_CHECK(comm_host_reports_ignored(c, ign, sizeof ign) <= reports,
+               "%llu reports ignored of %llu sent (the last: %s)",
+               (unsigned long long)comm_host_reports_ignored(c, NULL, 0),
+               (unsigned long long)reports, ign);
     /* The played rank holds a key the real rank admits: never refused. */
     char why[256];
     FUZZ_CHECK(comm_refused(c, why, sizeof why) == 0, "the played rank was refused: %s", why);
@@ -278,6 +287,12 @@ void fuzz_seeds(fuzz_emit emit, void *ctx)
                 break;
             case OP_N: break;
             }
+            /* Failure reports no rank of two can act on: ignored and counted. */
+            static const char why[] = "rank 1 sent nothing for 40 ms during barrier (op 0)";
+            put_msg(b, me, K_FAIL, 0, real, why, sizeof why - 1);
+            put_msg(b, me, K_FAIL, 0, me, why, sizeof why - 1);
+            put_msg(b, me, K_FAIL, 0, 9, why, sizeof why - 1);
+            put_msg(b, 7, K_FAIL, 0, real, "\x01\xff", 2);
             /* A stray sender on the port: dropped and counted, never fatal. */
             fuzz_put(b, 1, "hello?", 6);
             fuzz_put(b, 2, "\x02\x00\x00\x01", 4);

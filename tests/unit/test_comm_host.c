@@ -446,7 +446,9 @@ START_TEST(dead_rank_is_named_not_the_rank_waited_for)
 }
 END_TEST
 
-/* In a barrier, rank 0 names the rank that never arrived. */
+/* In a barrier, rank 0 names the rank that never arrived (hung: connected,
+ * silent); ranks 1 and 2, which wait on rank 0 for the release, name it too,
+ * from rank 0's report, whether their own wait timed out first or not. */
 START_TEST(barrier_names_missing_rank)
 {
     const int R = 4;
@@ -459,8 +461,13 @@ START_TEST(barrier_names_missing_rank)
     ck_assert_msg(strstr(args[0].err, "rank 3 sent nothing"), "%s", args[0].err);
     for (int r = 1; r < R - 1; r++) {
         ck_assert_int_eq(args[r].rc, SCAPE_TIMEOUT);
-        ck_assert_msg(strstr(args[r].err, "rank 0 sent nothing"), "%s", args[r].err);
+        ck_assert_msg(strstr(args[r].err, "rank 3 failed, as rank 0 reported") &&
+                          strstr(args[r].err, "rank 3 sent nothing") &&
+                          !strstr(args[r].err, "rank 0 sent nothing"), "%s", args[r].err);
     }
+    /* the comms refuse what follows with the same culprit */
+    ck_assert_int_eq(comm_barrier(g.c[1]), SCAPE_TIMEOUT);
+    ck_assert_msg(strstr(scape_last_error(), "rank 3 failed"), "%s", scape_last_error());
     group_close(&g, R);
 }
 END_TEST
@@ -605,6 +612,40 @@ START_TEST(bad_async_chunk_is_refused)
     zmq_close(push);
     zmq_ctx_term(zctx);
     group_close(&g, 2);
+}
+END_TEST
+
+/* Failure reports rank 0 of three cannot act on (about itself, about their
+ * sender, naming rank 7, from rank 9) are counted and dropped, and barriers
+ * go on; then one from rank 1 about rank 2 fails rank 0's next wait,
+ * naming rank 2 and rank 1, with rank 1's text. */
+START_TEST(failure_reports_are_checked)
+{
+    static const char why[] = "rank 2 sent nothing for 9 ms during barrier (op 0)";
+    group g;
+    group_open(&g, 3, 7, 20000);
+    void *zctx, *push = forger(&g, &zctx);
+    forge(push, K_FAIL, 1, 0, why, sizeof why - 1);
+    forge(push, K_FAIL, 1, 1, why, sizeof why - 1);
+    forge(push, K_FAIL, 1, 7, why, sizeof why - 1);
+    forge(push, K_FAIL, 9, 2, why, sizeof why - 1);
+    rank_arg args[MAXR];
+    for (int i = 0; i < 200 && comm_host_reports_ignored(g.c[0], NULL, 0) < 4; i++) {
+        run_on(3, g.c, do_barrier, NULL, args);
+        expect_ok(3, args, "host");
+        nanosleep(&(struct timespec){ 0, 5000000 }, NULL);
+    }
+    char last[160];
+    ck_assert_uint_eq(comm_host_reports_ignored(g.c[0], last, sizeof last), 4);
+    ck_assert_msg(strstr(last, "from rank 9 that rank 2"), "%s", last);
+    forge(push, K_FAIL, 1, 2, why, sizeof why - 1);
+    /* (rank 0's own timeout would name whom it waited for, in its own words) */
+    ck_assert_int_eq(comm_barrier(g.c[0]), SCAPE_TIMEOUT);
+    ck_assert_msg(strstr(scape_last_error(), "rank 2 failed, as rank 1 reported") &&
+                      strstr(scape_last_error(), why), "%s", scape_last_error());
+    zmq_close(push);
+    zmq_ctx_term(zctx);
+    group_close(&g, 3);
 }
 END_TEST
 
@@ -853,6 +894,7 @@ int main(void)
     tcase_add_test(tc, stop_gives_up_a_stalled_wait);
     tcase_add_test(tc, schedule_breakers_are_refused);
     tcase_add_test(tc, bad_async_chunk_is_refused);
+    tcase_add_test(tc, failure_reports_are_checked);
     tcase_add_test(tc, ports_picked_by_the_kernel_are_met);
     tcase_add_test(tc, unpublishable_listen_and_failed_meet);
     suite_add_tcase(s, tc);
