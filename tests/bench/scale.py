@@ -227,26 +227,11 @@ def run_one(args, ranks):
 
 # ---- faults (--faults) -------------------------------------------------------
 
-# A stranger at rank 0's rendezvous (as tests/integration/test_scale.py's):
-# random bytes as joins, each once the last one's refusal came, until count
-# are sent, 120 s passed or 3 s went by without an answer.  Prints: sent answered.
-FLOODER = """
-import os, sys, time, zmq
-coord, count = sys.argv[1], int(sys.argv[2])
-s = zmq.Context().socket(zmq.DEALER)
-s.setsockopt(zmq.LINGER, 0)
-s.connect(coord)
-sent = answered = 0
-deadline = time.time() + 120
-while sent < count and time.time() < deadline:
-    s.send(os.urandom(1 + sent % 1500))
-    sent += 1
-    if not s.poll(3000):
-        break
-    s.recv()
-    answered += 1
-print(sent, answered)
-"""
+# A stranger at rank 0's rendezvous (tests/integration/flooder.py), run as
+# python3 -c so that a user such as nobody needs no file it can read.
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "integration",
+                       "flooder.py")) as _f:
+    FLOODER = _f.read()
 
 
 def log_time(line):
@@ -430,8 +415,9 @@ def fault_flood(args, ranks, work):
         g.start(range(half), trainers=False)
         strangers = [subprocess.Popen(
             ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
-             "/usr/bin/python3", "-c", FLOODER, g.coord, "1000000"], stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True, cwd="/") for _ in range(2)]
+             "/usr/bin/python3", "-c", FLOODER, g.coord, "1000000", "120"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+            for _ in range(2)]
         # the other half joins in the middle of the flood
         wait_for(lambda: "more refusals: one line every" in g.log(0), 60)
         intruders = intrude(a, g, work) if a.auth == "munge" else ""
