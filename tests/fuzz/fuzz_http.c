@@ -33,6 +33,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <time.h>
@@ -120,15 +121,34 @@ static double now_s(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
+/* A non-blocking connection to the listener.  The connect is non-blocking
+ * too: libFuzzer's SIGALRM (its -timeout watchdog) may interrupt a blocking
+ * one (EINTR), which then goes on in the background; either way the
+ * connection is waited for, bounded, by poll.  On loopback the kernel
+ * completes it from the listen backlog, before anything accepts. */
 static int dial(void)
 {
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     FUZZ_CHECK(fd >= 0, "socket: %s", strerror(errno));
-    FUZZ_CHECK(connect(fd, (struct sockaddr *)&s_addr, sizeof s_addr) == 0,
-               "connect to 127.0.0.1:%d: %s", mhttp_port(s_http), strerror(errno));
     int fl = fcntl(fd, F_GETFL);
     FUZZ_CHECK(fl >= 0 && fcntl(fd, F_SETFL, fl | O_NONBLOCK) == 0, "fcntl: %s",
                strerror(errno));
+    if (connect(fd, (struct sockaddr *)&s_addr, sizeof s_addr) == 0)
+        return fd;
+    FUZZ_CHECK(errno == EINPROGRESS || errno == EINTR, "connect to 127.0.0.1:%d: %s",
+               mhttp_port(s_http), strerror(errno));
+    double deadline = now_s() + 10.0;
+    struct pollfd p = { .fd = fd, .events = POLLOUT, .revents = 0 };
+    int rc;
+    while ((rc = poll(&p, 1, 100)) <= 0) {
+        FUZZ_CHECK(rc == 0 || errno == EINTR, "poll: %s", strerror(errno));
+        FUZZ_CHECK(now_s() < deadline, "connect to 127.0.0.1:%d: no connection in 10 s",
+                   mhttp_port(s_http));
+    }
+    int err = 0;
+    socklen_t len = sizeof err;
+    FUZZ_CHECK(getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) == 0 && err == 0,
+               "connect to 127.0.0.1:%d: %s", mhttp_port(s_http), strerror(err ? err : errno));
     return fd;
 }
 
