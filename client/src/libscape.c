@@ -96,6 +96,7 @@ void *scape_grads(const scape_session *s)
 size_t scape_numel(const scape_session *s) { return s ? s->numel : 0; }
 int scape_index(const scape_session *s) { return s ? s->index : -1; }
 uint64_t scape_next_step(const scape_session *s) { return s ? s->next_step : 0; }
+int scape_step_in_flight(const scape_session *s) { return s ? s->in_flight : 0; }
 
 /* ---- shared memory ---------------------------------------------------------- */
 
@@ -691,23 +692,27 @@ scape_rc scape_attach(const char *endpoint, const scape_tensor *layout, size_t n
     s->numel = numel;
     size_t pb = numel * (o.param_dtype == SCAPE_DTYPE_BF16 ? 2 : 4);
     size_t gb = numel * (o.grad_dtype == SCAPE_DTYPE_BF16 ? 2 : 4);
-    if (on_device(s)) {
-        rc = lsc_cuda_check_ipc(o.device);
-        if (rc == SCAPE_OK)
-            rc = lsc_cuda_events_create(&s->dev_ev, o.device);
+    rc = on_device(s) ? lsc_cuda_check_ipc(o.device) : SCAPE_OK;
+    if (rc == SCAPE_OK)
+        rc = connect_socket(s, endpoint);
+    /* The buffers come after the daemon's welcome, which can take long (a
+     * daemon still starting, or in its rendezvous): a shared-memory name lives
+     * until the daemon has mapped it, and a trainer killed while it waits
+     * would leave the name behind in /dev/shm. */
+    if (rc == SCAPE_OK)
+        rc = hello(s);
+    int welcomed = rc == SCAPE_OK;
+    if (rc == SCAPE_OK && on_device(s)) {
+        rc = lsc_cuda_events_create(&s->dev_ev, o.device);
         if (rc == SCAPE_OK)
             rc = lsc_cuda_alloc(&s->dparams, o.device, pb);
         if (rc == SCAPE_OK)
             rc = lsc_cuda_alloc(&s->dgrads, o.device, gb);
-    } else {
+    } else if (rc == SCAPE_OK) {
         rc = shm_create(&s->params, "p", pb);
         if (rc == SCAPE_OK)
             rc = shm_create(&s->grads, "g", gb);
     }
-    if (rc == SCAPE_OK)
-        rc = connect_socket(s, endpoint);
-    if (rc == SCAPE_OK)
-        rc = hello(s);
     if (rc == SCAPE_OK) {
         rc = register_layout(s, layout, ntensors);
         /* whatever the daemon refused it for (a layout, a GPU it cannot
@@ -715,6 +720,8 @@ scape_rc scape_attach(const char *endpoint, const scape_tensor *layout, size_t n
          * buffers open */
         if (rc != SCAPE_OK && (s->refused || s->registered || s->gave_up))
             leave_after_refusal(s, rc);
+    } else if (welcomed) {
+        leave_after_refusal(s, rc); /* our buffers failed: give the slot back */
     }
     if (rc == SCAPE_OK && !on_device(s)) {
         shm_unlink_name(&s->params);

@@ -297,8 +297,12 @@ def test_c_trainer_with_a_handled_signal_in_its_waits(daemon_factory, tmp_path):
     assert d.stop() == 0
 
 
-def scape_shm(pid):
-    return [f for f in os.listdir("/dev/shm") if f.startswith("scape-%d-" % pid)]
+def scape_shm(pid, before=()):
+    """The shared-memory names of process pid, less those already there (a
+    process killed earlier, with the same pid since reused, may have left
+    some: pids wrap at 32,768 in a long CI run)."""
+    return [f for f in os.listdir("/dev/shm")
+            if f.startswith("scape-%d-" % pid) and f not in before]
 
 
 def test_killed_daemon_fails_its_trainers_in_time_and_leaves_no_memory(daemon_factory,
@@ -309,6 +313,7 @@ def test_killed_daemon_fails_its_trainers_in_time_and_leaves_no_memory(daemon_fa
     d = daemon_factory(*ENGINE, "--trainers", "2")
     env = dict(os.environ, SCAPE_DAEMON_LOST_MS="1000")
     outs = [str(tmp_path / ("t%d" % i)) for i in range(2)]
+    before = set(os.listdir("/dev/shm"))
     trainers = [c_trainer(d.endpoint, 0, 2000, 100000, outs[0], "--sleep-ms", 5, env=env),
                 py(d.endpoint, 1, 2000, 100000, outs[1], "--sleep-ms", 5, env=env)]
     deadline = time.monotonic() + 60
@@ -326,7 +331,7 @@ def test_killed_daemon_fails_its_trainers_in_time_and_leaves_no_memory(daemon_fa
         err = t.err()
         assert "scaped (pid %d) at %s is gone (runtime directory %s)" % (pid, d.endpoint,
                                                                          d.rt) in err, err
-        assert scape_shm(t.p.pid) == []
+        assert scape_shm(t.p.pid, before) == []
     d.proc.wait()
     print("trainers failed %.2f s after the daemon was killed (bound 1 s + a 0.1 s slice)"
           % waited)
@@ -394,6 +399,33 @@ def test_trainers_started_before_their_daemon_wait_for_it(tmp_path):
         if d is not None:
             d.send_signal(signal.SIGTERM)
             d.wait(20)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_trainer_killed_while_waiting_for_its_daemon_leaves_no_memory(tmp_path):
+    """A C and a Python trainer SIGKILLed in SCAPE_START_WAIT_MS's wait
+    leave no shared-memory name behind: the buffers come after the
+    daemon's welcome (a long CI run found hundreds left by trainers killed
+    before their daemons had formed the group)."""
+    base = tempfile.mkdtemp(prefix="scape-sk-")
+    endpoint = "ipc://%s/rt/control" % base
+    env = dict(os.environ, SCAPE_START_WAIT_MS="60000")
+    before = set(os.listdir("/dev/shm"))
+    trainers = [c_trainer(endpoint, 0, 3000, 10, str(tmp_path / "t0"), env=env),
+                py(endpoint, 1, 3000, 10, str(tmp_path / "t1"), env=env)]
+    try:
+        deadline = time.monotonic() + 60
+        while not all(t.p.poll() is None and in_syscall(t.p.pid, SYS_SLEEP) for t in trainers):
+            assert time.monotonic() < deadline, "the trainers never waited"
+            time.sleep(0.02)
+        for t in trainers:
+            t.p.kill()
+            t.p.wait(20)
+            assert scape_shm(t.p.pid, before) == []
+    finally:
+        for t in trainers:
+            if t.p.poll() is None:
+                t.p.kill()
         shutil.rmtree(base, ignore_errors=True)
 
 

@@ -130,6 +130,9 @@ int scape_index(const scape_session *s);
 /* The step the daemon expects next (1 for a fresh job; later when a trainer
  * re-attaches to a running one); after a completed step, the one after it. */
 uint64_t scape_next_step(const scape_session *s);
+/* 1 while a step is begun and not yet waited for (scape_step_begin, or a
+ * wait given up on by a timeout or an interrupt). */
+int scape_step_in_flight(const scape_session *s);
 
 /* Call once the parameter buffer holds this trainer's initial parameters, and
  * before the first step.  Blocks until the buffer holds the job's parameters:

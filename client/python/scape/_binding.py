@@ -275,6 +275,10 @@ class Session:
         {"dir", "name", "job", "step", "layout_hash", "pending"}.  name is dir
         relative to the daemon's checkpoint_dir ("" when not under it).  Before
         the first step of a fresh job: step 0, dir and name ""."""
+        if lib.scape_step_in_flight(self._live()):
+            # a step posted and not waited for: Ctrl-C between the post and
+            # the wait (the KeyboardInterrupt handler then asks for this)
+            self.step_wait()
         info = _CheckpointInfo()
         self._signals.settle(lib.scape_checkpoint(self._live(), ctypes.byref(info)))
         return {"dir": info.dir.decode(), "name": info.name.decode(), "job": info.job,

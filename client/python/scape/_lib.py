@@ -97,6 +97,7 @@ def _declare(lib):
         "scape_numel": (ctypes.c_size_t, [sess]),
         "scape_index": (ctypes.c_int, [sess]),
         "scape_next_step": (ctypes.c_uint64, [sess]),
+        "scape_step_in_flight": (ctypes.c_int, [sess]),
         "scape_sync": (rc, [sess]),
         "scape_step": (rc, [sess, ctypes.c_uint64, ctypes.c_float, P(ctypes.c_float),
                             P(StepInfo)]),
