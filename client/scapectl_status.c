@@ -96,6 +96,7 @@ static void print_phases(printer *p, const Scape__Phases *ph)
         { "writeback", "writeback", ph->has_writeback, ph->writeback },
         { "after_reply", "after reply", ph->has_after_reply, ph->after_reply },
         { "queued", "queued", ph->has_queued, ph->queued },
+        { "early_pack", "early pack", ph->has_early_pack, ph->early_pack },
         { "total", NULL, ph->has_total, ph->total }, /* the text shows it above */
     };
     char b[32];
@@ -106,6 +107,10 @@ static void print_phases(printer *p, const Scape__Phases *ph)
         else
             pr_null(p, f[i].key, f[i].label);
     }
+    if (ph->has_early_tensors)
+        pr_uint(p, "early_tensors", "packed early", ph->early_tensors, NULL);
+    else
+        pr_null(p, "early_tensors", "packed early");
     pr_close(p);
 }
 

@@ -439,6 +439,21 @@ static scape_rc seed_params(server *s, trainer *t)
     return rc;
 }
 
+/* Bucketed hand-over's flags: the trainer's posted tensors, and the
+ * daemon's (for the layout, once). */
+static scape_rc alloc_buckets(server *s, trainer *t)
+{
+    if (s->early == NULL) {
+        s->early = calloc(s->ntensors, 1);
+        s->take = calloc(s->ntensors, 1);
+    }
+    free(t->bucket);
+    t->bucket = calloc(s->ntensors, 1);
+    if (s->early == NULL || s->take == NULL || t->bucket == NULL)
+        return scape_set_error(SCAPE_NOMEM, "register: out of memory");
+    return SCAPE_OK;
+}
+
 static scape_rc on_register(server *s, trainer *t, const Scape__Register *g)
 {
     if (t->registered)
@@ -481,6 +496,8 @@ static scape_rc on_register(server *s, trainer *t, const Scape__Register *g)
         s->numel = numel;
         rc = map_buffers(s, g, numel, pdt, gdt, t);
     }
+    if (rc == SCAPE_OK)
+        rc = alloc_buckets(s, t);
     unsigned char pev[SHM_IPC_HANDLE_BYTES];
     if (rc == SCAPE_OK && g->has_grad_event) {
         char what[64];
@@ -496,7 +513,12 @@ static scape_rc on_register(server *s, trainer *t, const Scape__Register *g)
                 free((char *)s->layout[i].name);
             free(s->layout);
             s->layout = NULL;
+            free(s->early);
+            free(s->take);
+            s->early = s->take = NULL;
         }
+        free(t->bucket);
+        t->bucket = NULL;
         ctl_close_map(s, &t->grads, 0);
         ctl_close_map(s, &t->params, 0);
         return rc;
@@ -530,6 +552,13 @@ static scape_rc on_step(server *s, trainer *t, const Scape__Step *st)
     if (t->posted)
         return scape_set_error(SCAPE_INVALID, "step %llu: already posted by trainer %d",
                                (unsigned long long)st->step, t->index);
+    if (t->post_refused[0]) {
+        scape_set_error(SCAPE_INVALID, "step %llu: a post of this step was refused: %s",
+                        (unsigned long long)st->step, t->post_refused);
+        t->post_refused[0] = '\0';
+        memset(t->bucket, 0, s->ntensors);
+        return SCAPE_INVALID;
+    }
     if (st->step != s->job.next_step)
         return scape_set_error(SCAPE_INVALID, "step %llu is out of order: expected step %llu",
                                (unsigned long long)st->step,
@@ -576,6 +605,115 @@ static int collect(server *s, trainer **ts, int synced)
             ts[n++] = t;
     }
     return n;
+}
+
+/* ---- bucketed hand-over ------------------------------------------------------ */
+
+/* Forget the buckets of the step in flight (it ran, or was abandoned): the
+ * engine's early packs were used by the step or are undone here. */
+static void early_forget(server *s, int undo)
+{
+    if (undo && s->job.eng && job_pack_undo(&s->job) != SCAPE_OK) {
+        job_mark_broken(&s->job);
+        LOG_ERROR(SUB_ENGINE, "step %llu: undoing the early packs failed: %s",
+                  (unsigned long long)s->job.next_step, scape_last_error());
+    }
+    if (s->early)
+        memset(s->early, 0, s->ntensors);
+}
+
+/* The trainers of the step changed (one left, one joined): what the engine
+ * packed early summed the others' gradients; undo it, the step packs all. */
+static void early_restart(server *s)
+{
+    size_t any = 0;
+    for (size_t i = 0; s->early && i < s->ntensors; i++)
+        any += s->early[i];
+    if (any == 0)
+        return;
+    LOG_INFO(SUB_ENGINE, "step %llu: undid the early packs of %zu tensor(s) (the step's "
+             "trainers changed, or a post was refused): the step packs them",
+             (unsigned long long)s->job.next_step, any);
+    early_forget(s, 1);
+}
+
+/* Tensors that every trainer of the step has posted go to the engine now,
+ * before the Steps come. */
+static void pack_early(server *s)
+{
+    trainer *ts[SRV_MAX_SLOTS];
+    int n = collect(s, ts, 1);
+    if (n == 0 || !job_started(&s->job) || s->job.broken || n != s->job.trainers)
+        return;
+    size_t any = 0;
+    for (size_t i = 0; i < s->ntensors; i++) {
+        int all = !s->early[i];
+        for (int k = 0; all && k < n; k++)
+            all = ts[k]->bucket[i];
+        s->take[i] = (unsigned char)all;
+        any += (size_t)all;
+    }
+    if (any == 0)
+        return;
+    job_part parts[SRV_MAX_SLOTS];
+    for (int i = 0; i < n; i++)
+        parts[i] = (job_part){ .params = &ts[i]->params, .grads = &ts[i]->grads,
+                               .pid = ts[i]->pid, .index = ts[i]->index };
+    scape_rc rc = job_pack_early(&s->job, parts, n, s->take);
+    if (rc != SCAPE_OK) {
+        job_mark_broken(&s->job);
+        LOG_ERROR(SUB_ENGINE, "step %llu: packing a bucket early failed: %s",
+                  (unsigned long long)s->job.next_step, scape_last_error());
+        return;
+    }
+    for (size_t i = 0; i < s->ntensors; i++)
+        s->early[i] |= s->take[i];
+}
+
+static scape_rc check_post(server *s, const trainer *t, const Scape__Post *p)
+{
+    if (!t->synced)
+        return scape_set_error(SCAPE_INVALID, "post: trainer %d has not synced its parameters "
+                               "(scape_sync) yet", t->index);
+    if (s->job.broken)
+        return scape_set_error(SCAPE_REMOTE, "post: the optimizer failed part-way through a "
+                               "step (%s)", s->job.broken_why);
+    if (t->posted)
+        return scape_set_error(SCAPE_INVALID, "post: trainer %d posted tensors after its step "
+                               "%llu", t->index, (unsigned long long)t->last_step);
+    if (p->step != s->job.next_step)
+        return scape_set_error(SCAPE_INVALID, "post: tensors of step %llu, but the next step "
+                               "is %llu", (unsigned long long)p->step,
+                               (unsigned long long)s->job.next_step);
+    if (p->count == 0 || p->first >= s->ntensors || p->count > s->ntensors - p->first)
+        return scape_set_error(SCAPE_INVALID, "post: tensors [%u, %u + %u) of step %llu: the "
+                               "layout has tensors [0, %zu)", p->first, p->first, p->count,
+                               (unsigned long long)p->step, s->ntensors);
+    for (size_t i = p->first; i < (size_t)p->first + p->count; i++)
+        if (t->bucket[i])
+            return scape_set_error(SCAPE_INVALID, "post: tensor %zu (%s) of step %llu posted "
+                                   "twice by trainer %d (a bucket posted twice, or "
+                                   "overlapping another)", i, s->layout[i].name,
+                                   (unsigned long long)p->step, t->index);
+    return SCAPE_OK;
+}
+
+/* A Post is one-way: a refusal is logged and kept for the trainer's Step,
+ * and what was packed early is undone (the step packs everything). */
+static void on_post(server *s, trainer *t, const Scape__Post *p)
+{
+    if (t->bucket == NULL || check_post(s, t, p) != SCAPE_OK) {
+        if (t->bucket == NULL)
+            scape_set_error(SCAPE_INVALID, "post: trainer %d has not registered", t->index);
+        LOG_WARN(SUB_CTRL, "refused a post from trainer %d (%s): %s", t->index, t->identity,
+                 scape_last_error());
+        if (t->post_refused[0] == '\0')
+            snprintf(t->post_refused, sizeof t->post_refused, "%s", scape_last_error());
+        early_restart(s);
+        return;
+    }
+    memset(t->bucket + p->first, 1, p->count);
+    pack_early(s);
 }
 
 /* Start the job: the engine, with trainer 0's parameters in every buffer. */
@@ -647,8 +785,10 @@ static void finish_step(server *s, trainer **ts, int n, scape_rc rc)
             order[j] = order[j - 1];
         order[j] = ts[i];
     }
+    early_forget(s, rc != SCAPE_OK); /* used by the step, or undone for its retry */
     for (int i = 0; i < n; i++) {
         order[i]->posted = 0;
+        memset(order[i]->bucket, 0, s->ntensors);
         if (rc == SCAPE_OK)
             ctl_reply(s, order[i]->rid, order[i]->rid_len, &r);
         else
@@ -805,6 +945,7 @@ static void reply_synced(server *s, trainer *t)
     r.synced = &y;
     t->wants_sync = 0;
     t->synced = 1;
+    early_restart(s); /* a trainer joins the step in flight */
     reply_ok(s, t, &r);
 }
 
@@ -991,7 +1132,10 @@ void ctl_drop(server *s, trainer *t, int died)
     ctl_close_map(s, &t->params, died);
     ctl_close_map(s, &t->grads, died);
     int idx = t->index;
+    free(t->bucket);
     memset(t, 0, sizeof *t);
+    if (was_registered)
+        early_restart(s); /* its gradients were in what was packed early */
     if (!was_registered)
         return;
     if (died) {
@@ -1002,6 +1146,7 @@ void ctl_drop(server *s, trainer *t, int died)
             if (!o->used || !o->posted)
                 continue;
             o->posted = 0;
+            memset(o->bucket, 0, s->ntensors); /* it posts the step again, whole */
             scape_set_error(SCAPE_REMOTE,
                             "step %llu abandoned: trainer %d died mid-step; the optimizer "
                             "kept the state after step %llu, post step %llu again",
@@ -1054,6 +1199,7 @@ void ctl_handle(server *s, const unsigned char *rid, size_t rid_len, const Scape
         case SCAPE__REQUEST__BODY_SYNC: rc = on_sync(s, t); break;
         case SCAPE__REQUEST__BODY_RESUME: rc = on_resume(s, t, q->resume); break;
         case SCAPE__REQUEST__BODY_DETACH: rc = on_detach(s, t); break;
+        case SCAPE__REQUEST__BODY_POST: on_post(s, t, q->post); rc = SCAPE_OK; break;
         case SCAPE__REQUEST__BODY_STATUS:
         case SCAPE__REQUEST__BODY_METRICS:
         case SCAPE__REQUEST__BODY_SHUTDOWN:

@@ -636,7 +636,8 @@ void eng_destroy(eng_t **ep)
     plan_destroy(&e->p);
     void *bufs[] = { e->code_bytes, e->a.toff, e->counts, e->ghat, e->ghave, e->bounce,
                      e->mbounce, e->sq, e->gsq, e->a.gn_part, e->a.gn_buf, e->dcounts,
-                     e->dsizes, e->dhost, e->dmax };
+                     e->dsizes, e->dhost, e->dmax, e->early_done, e->early_take,
+                     e->early_undo };
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         free(bufs[i]);
     free(e);
@@ -651,6 +652,7 @@ scape_rc eng_set_local_trainers(eng_t *e, int local_trainers)
         return scape_set_error(SCAPE_INVALID,
                                "eng_set_local_trainers: %d not in [1, %d]", local_trainers,
                                ENG_MAX_TRAINERS);
+    TRY(eng_early_undo(e)); /* packed from the old trainers */
     TRY(eng_step_finish(e)); /* it selects with the old T_r */
     e->a.tr = local_trainers;
     return handshake(e);
@@ -731,6 +733,33 @@ static scape_rc check_step(const eng_t *e, uint64_t t, const float *lrs,
 
 size_t eng_groups(const eng_t *e) { return e ? e->a.ngroups : 0; }
 
+scape_rc eng_pack_early(eng_t *e, uint64_t t, const void *const *grads,
+                        const unsigned char *take, size_t *packed)
+{
+    if (e == NULL || take == NULL || packed == NULL)
+        return scape_set_error(SCAPE_INVALID, "eng_pack_early: NULL argument");
+    *packed = 0;
+    if (e->broken)
+        return scape_set_error(SCAPE_INVALID,
+                               "engine: a previous step failed part-way; state is "
+                               "inconsistent and must be restored");
+    if (!e->initialised)
+        return scape_set_error(SCAPE_INVALID, "engine: eng_init_params was not called");
+    if (t != e->last_step + 1)
+        return scape_set_error(SCAPE_INVALID, "engine: early pack for step %llu, but the "
+                               "next step is %llu", (unsigned long long)t,
+                               (unsigned long long)e->last_step + 1);
+    TRY(check_buffers(e, grads, "grads"));
+    return eng_early_pack(e, t, grads, take, packed);
+}
+
+scape_rc eng_pack_early_undo(eng_t *e)
+{
+    if (e == NULL)
+        return scape_set_error(SCAPE_INVALID, "eng_pack_early_undo: engine is NULL");
+    return eng_early_undo(e);
+}
+
 scape_rc eng_step(eng_t *e, uint64_t t, float lr, const void *const *grads,
                   void *const *params)
 {
@@ -746,13 +775,23 @@ scape_rc eng_step_groups(eng_t *e, uint64_t t, const float *lrs, const void *con
     if (e == NULL)
         return scape_set_error(SCAPE_INVALID, "eng_step: engine is NULL");
     TRY(check_step(e, t, lrs, grads, params));
+    if (e->early_step && e->early_step != t)
+        return scape_set_error(SCAPE_INVALID, "engine: step %llu, but the early packs in "
+                               "flight are step %llu's", (unsigned long long)t,
+                               (unsigned long long)e->early_step);
     memcpy(e->a.glr, lrs, e->a.ngroups * sizeof *lrs);
     TRY(eng_step_finish(e)); /* the caller left the last step's selection */
     eng_ckpt_unstage(e);     /* a checkpoint's host copies are written by now */
     comm_stats before = e->comm->stats;
     memset(&e->last, 0, sizeof e->last);
     memset(e->used_iag, 0, sizeof e->used_iag);
+    e->last.early_tensors = e->early_count;
+    e->last.early_pack_s = e->early_s;
+    if (e->early_waited)
+        e->last.mask_overlap = e->early_overlap;
     scape_rc rc = eng_step_body(e, t, grads, params);
+    eng_early_clear(e);
+    e->early_waited = 0;
     if (rc != SCAPE_OK) {
         e->broken = 1;
         return rc;

@@ -202,6 +202,9 @@ typedef struct eng_step_stats {
                               on the executor's memory (cuda executor, host or
                               local backend): there and back */
     comm_stats comm;      /* this step's collectives only */
+    size_t early_tensors; /* comm-order tensors packed before the step by
+                             eng_pack_early (bucketed hand-over) */
+    double early_pack_s;  /* seconds spent in eng_pack_early for this step */
 } eng_step_stats;
 
 typedef struct eng eng_t;
@@ -297,6 +300,23 @@ scape_rc eng_step(eng_t *e, uint64_t t, float lr, const void *const *grads,
  * of group g, max(1, ngroups) of them. */
 scape_rc eng_step_groups(eng_t *e, uint64_t t, const float *lrs, const void *const *grads,
                          void *const *params);
+/* Bucketed hand-over: before eng_step_groups(e, t, ...), pack now the
+ * registered (layout) tensors i with take[i] != 0 (size: the number of
+ * registered tensors), from grads: the same trainers' buffers eng_step_groups(t)
+ * will get, which keep those tensors' values until then.  Each comm-order
+ * tensor (each piece of a split one) is packed once per step;
+ * eng_step_groups(t) packs only the rest, and the step's result is bitwise
+ * the step without early packs.  Not collective (at most it completes the
+ * lagged mask's all-gather, and runs a pending eng_step_finish first, as
+ * eng_step does).  *packed: comm-order tensors packed by this call; 0 where
+ * the engine leaves everything to the step: an executor without early packs,
+ * an optimizer that reads the whole gradient first (eng_opt.intake). */
+scape_rc eng_pack_early(eng_t *e, uint64_t t, const void *const *grads,
+                        const unsigned char *take, size_t *packed);
+/* Undo every early pack of the step in flight: the engine is back to the state
+ * after the last completed step (a trainer died or the trainers changed before
+ * the step ran).  Nothing to do (SCAPE_OK) when none is in flight. */
+scape_rc eng_pack_early_undo(eng_t *e);
 /* Parameter groups of the layout, 1 without (eng_layout.ngroups or 1). */
 size_t eng_groups(const eng_t *e);
 /* With cfg.defer_select: select the next mask and start its all-gather,

@@ -145,6 +145,7 @@ scape_rc eng_ckpt_save(eng_t *e, eng_ckpt_meta *meta, eng_ckpt_sec *secs, int *n
                                "state is inconsistent and is not saved");
     if (!e->initialised)
         return scape_set_error(SCAPE_INVALID, "checkpoint: the job has not started");
+    TRY(eng_early_undo(e)); /* the state after the last step; the step repacks */
     TRY(eng_step_finish(e)); /* M_{t+1} must be whole to be saved */
     TRY(eng_mask_finish(e, NULL));
     fill_meta(e, meta);

@@ -105,6 +105,22 @@ struct eng {
     unsigned char *ghave;
 
     eng_step_stats last;
+
+    /* Early packs (eng_pack_early) of step early_step before it runs (0:
+     * none in flight).  early_done[j]: comm tensor j is packed, from mask
+     * early_mask (the one the step will use; a.mask_cur stays the last
+     * step's until then).  Where the residual was live (!early_stale0),
+     * early_undo (N floats, comm order, host memory) keeps each packed
+     * tensor's residual as the last step left it. */
+    uint64_t early_step;
+    unsigned char *early_done, *early_take; /* ntensors each */
+    float *early_undo;
+    const uint32_t *early_mask;
+    int early_stale0;
+    size_t early_count;  /* comm tensors packed early */
+    double early_s;      /* seconds spent in eng_pack_early */
+    int early_waited;     /* an early pack completed the lagged all-gather, */
+    double early_overlap; /* whose mask_overlap then counts to the step */
 };
 
 /* mask_deltas: the word before each rank's code says its form. */
@@ -154,6 +170,14 @@ scape_rc eng_broadcast(eng_t *e, void *buf, size_t bytes, int root);
 scape_rc eng_gather_shards(eng_t *e, const float *own, float *whole);
 /* Free the host copies a checkpoint left (engine_ckpt.c). */
 void eng_ckpt_unstage(eng_t *e);
+
+/* Early packs (engine_step.c): pack the registered tensors with take[i]
+ * of step t (the caller validated the arguments); undo them all; forget
+ * them once the step ran. */
+scape_rc eng_early_pack(eng_t *e, uint64_t t, const void *const *grads,
+                        const unsigned char *take, size_t *packed);
+scape_rc eng_early_undo(eng_t *e);
+void eng_early_clear(eng_t *e);
 
 /* Run step t's phases (engine_step.c); the caller validated the arguments. */
 scape_rc eng_step_body(eng_t *e, uint64_t t, const void *const *grads,

@@ -553,6 +553,143 @@ static scape_rc choose_mask(eng_t *e, uint64_t t)
     return SCAPE_OK;
 }
 
+/* ---- early packs (bucketed hand-over) ----------------------------------------- */
+
+/* The first early pack of step t: what the step does before its pack, short
+ * of swapping the masks (so that an undo has no mask to restore): the last
+ * step's deferred selection, the lagged all-gather, the mask step t uses. */
+static scape_rc early_begin(eng_t *e, uint64_t t)
+{
+    size_t nt = e->p->ntensors ? e->p->ntensors : 1;
+    TRY(eng_step_finish(e));
+    if (e->opt->mask == ENG_MASK_LAGGED_M && e->mask_pending) {
+        double waited;
+        TRY(eng_mask_finish(e, &waited));
+        double life = now_s() - e->mask_started;
+        e->early_overlap = life > 0.0 ? 1.0 - waited / life : 1.0;
+        e->early_waited = 1;
+    }
+    if (e->early_done == NULL && (e->early_done = calloc(nt, 1)) == NULL)
+        return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
+    if (e->early_take == NULL && (e->early_take = calloc(nt, 1)) == NULL)
+        return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
+    e->early_mask = eng_scape_masks(e) && t > e->cfg.warmup ? e->a.mask_next : NULL;
+    e->early_stale0 = e->a.e_stale;
+    e->early_step = t;
+    return SCAPE_OK;
+}
+
+/* The residual of the comm tensors j with which[j]: into the undo buffer
+ * (keep), or back from it. */
+static scape_rc early_copy(eng_t *e, const unsigned char *which, int keep)
+{
+    size_t n = e->p->n ? e->p->n : 1;
+    if (e->early_undo == NULL && (e->early_undo = malloc(n * sizeof(float))) == NULL)
+        return scape_set_error(SCAPE_NOMEM, "engine: cannot allocate %zu floats to undo "
+                               "early packs", n);
+    for (size_t j = 0; j < e->p->ntensors; j++) {
+        const plan_tensor *pt = eng_tensor_at(e, j);
+        float *u = e->early_undo + pt->pos, *r = e->a.e + pt->pos;
+        if (which[j])
+            TRY(e->x->ops->copy(e->x, keep ? u : r, keep ? r : u, pt->len * sizeof(float)));
+    }
+    return e->x->ops->sync(e->x);
+}
+
+/* The step's select_due, as step_phases will set it. */
+static int early_select_due(const eng_t *e)
+{
+    return eng_scape_masks(e) && e->early_step + 1 > e->cfg.warmup;
+}
+
+/* Pack the comm tensors early_take marks, with the mask (and its offsets)
+ * step early_step will have; a.mask_cur stays the last step's. */
+static scape_rc early_run(eng_t *e, const void *const *grads)
+{
+    if (!e->early_stale0)
+        TRY(early_copy(e, e->early_take, 1));
+    const uint32_t *cur = e->a.mask_cur;
+    int wire = e->a.wire_now;
+    size_t k = 0;
+    e->a.mask_cur = e->early_mask;
+    e->a.wire_now = e->cfg.wire_bf16 && e->early_mask != NULL;
+    scape_rc rc = e->x->ops->offsets(e->x, &k);
+    if (rc == SCAPE_OK && e->early_mask && k > e->a.k_cap)
+        rc = scape_set_error(SCAPE_INVALID, "engine: mask of %zu values exceeds the "
+                             "capacity of %zu", k, e->a.k_cap);
+    if (rc == SCAPE_OK)
+        rc = e->x->ops->pack_part(e->x, grads, e->early_take, early_select_due(e));
+    if (rc == SCAPE_OK)
+        rc = e->x->ops->sync(e->x);
+    e->a.mask_cur = cur;
+    e->a.wire_now = wire;
+    /* a failed pack leaves these tensors as the last step did */
+    if (rc != SCAPE_OK && !e->early_stale0 && early_copy(e, e->early_take, 0) != SCAPE_OK)
+        e->broken = 1;
+    return rc;
+}
+
+scape_rc eng_early_pack(eng_t *e, uint64_t t, const void *const *grads,
+                        const unsigned char *take, size_t *packed)
+{
+    *packed = 0;
+    if (e->opt->intake || e->x->ops->pack_part == NULL)
+        return SCAPE_OK; /* the step packs everything */
+    double t0 = now_s();
+    if (e->early_step == 0)
+        TRY(early_begin(e, t));
+    size_t n = 0;
+    for (size_t j = 0; j < e->p->ntensors; j++) {
+        e->early_take[j] = take[eng_tensor_at(e, j)->parent] && !e->early_done[j];
+        n += e->early_take[j];
+    }
+    if (n)
+        TRY(early_run(e, grads));
+    for (size_t j = 0; j < e->p->ntensors; j++)
+        e->early_done[j] |= e->early_take[j];
+    e->early_count += n;
+    e->early_s += now_s() - t0;
+    *packed = n;
+    return SCAPE_OK;
+}
+
+void eng_early_clear(eng_t *e)
+{
+    if (e->early_done)
+        memset(e->early_done, 0, e->p->ntensors);
+    e->early_step = 0;
+    e->early_count = 0;
+    e->early_s = 0.0;
+}
+
+scape_rc eng_early_undo(eng_t *e)
+{
+    if (e->early_step == 0)
+        return SCAPE_OK;
+    scape_rc rc = e->early_stale0 ? SCAPE_OK : early_copy(e, e->early_done, 0);
+    if (rc != SCAPE_OK)
+        e->broken = 1;
+    e->a.e_stale = e->early_stale0;
+    eng_early_clear(e);
+    return rc;
+}
+
+/* The pack of what early packs left, with the mask they used; then the
+ * residual is zero (stale) after a dense pack, as the whole pack leaves it. */
+static scape_rc pack(eng_t *e, const void *const *grads)
+{
+    if (e->early_step == 0)
+        return e->x->ops->pack(e->x, grads, e->select_due);
+    if (e->early_mask != e->a.mask_cur)
+        return scape_set_error(SCAPE_INVALID, "engine: step %llu's early packs used "
+                               "another mask than the step's", (unsigned long long)e->early_step);
+    for (size_t j = 0; j < e->p->ntensors; j++)
+        e->early_take[j] = !e->early_done[j];
+    TRY(e->x->ops->pack_part(e->x, grads, e->early_take, e->select_due));
+    e->a.e_stale = e->a.mask_cur == NULL;
+    return SCAPE_OK;
+}
+
 static scape_rc step_phases(eng_t *e, uint64_t t, const void *const *grads,
                             void *const *params)
 {
@@ -569,7 +706,7 @@ static scape_rc step_phases(eng_t *e, uint64_t t, const void *const *grads,
     e->select_due = eng_scape_masks(e) && t + 1 > e->cfg.warmup;
     e->sel_step = t + 1;
     e->a.wire_now = e->cfg.wire_bf16 && e->a.mask_cur != NULL;
-    PHASE(ENG_PH_PACK, e->x->ops->pack(e->x, grads, e->select_due));
+    PHASE(ENG_PH_PACK, pack(e, grads));
     if (e->select_due) {
         /* deferred only from a sparse step: a dense one's a is overwritten
          * by its in-place reduction */

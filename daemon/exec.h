@@ -117,6 +117,14 @@ typedef struct exec_ops {
      * residual is zero; a dense pack sets it.  select_due: a selection of
      * the next mask follows (from this step's a and the m before update). */
     scape_rc (*pack)(exec_t *x, const void *const *grads, int select_due);
+    /* Early packs (NULL: none): the pack of the comm-order tensors j with
+     * take[j] only, every value as pack() would write it.  It reads
+     * x->a->e_stale but never changes it (a sparse pack of a stale residual
+     * zeroes the parts it packs first): the engine sets it once every
+     * tensor of the step is packed, 1 when dense, else 0.  select_due: as
+     * for pack() (the step's, known before it runs). */
+    scape_rc (*pack_part)(exec_t *x, const void *const *grads, const unsigned char *take,
+                          int select_due);
     /* defer_select: keep what the selection needs before update changes m. */
     scape_rc (*keep_stats)(exec_t *x);
     /* ENG_MASK_LAGGED_M: exact top-k of the owned tensors into x->a->mask_next. */

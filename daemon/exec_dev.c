@@ -93,6 +93,7 @@ typedef struct dev_x {
     int nranges;
     float *wide;         /* device N floats: dense steps when streamed */
     int churn_due, norm_due;
+    int part_open;       /* early packs: a sparse step's parts began (norm2 zeroed) */
     mark marks[MAX_MARKS];
     int nmarks;
     uint64_t launched;   /* kernels since the last times() */
@@ -620,6 +621,7 @@ static scape_rc dev_pack(exec_t *x, const void *const *grads, int select_due)
         a.wire_bf16 = xa->wire_now;
         TRY(h->ops->zero(h->d, DEV_MAIN, &h->status->norm2, sizeof h->status->norm2));
         TRY(stream_pack(x, &a, !stale, 1));
+        h->part_open = 0;
         xa->e_stale = 0;
         h->norm_due = 1;
     } else {
@@ -628,6 +630,96 @@ static scape_rc dev_pack(exec_t *x, const void *const *grads, int select_due)
         xa->e_stale = 1;
         h->norm = 0.0;
     }
+    return SCAPE_OK;
+}
+
+/* Early packs: PACK over positions [p0, p1) (words [w0, w1)) of one run of
+ * tensors, as stream_pack would, but copying only that range of each chunk
+ * in and out (the rest of a slot may hold another run's values). */
+static scape_rc stream_part(exec_t *x, kseg_args *a, int in, int out, uint64_t w0, uint64_t w1,
+                            uint64_t p0, uint64_t p1)
+{
+    exec_args *xa = x->a;
+    dev_x *h = impl(x);
+    if (h->resident || (!in && !out)) {
+        a->e = h->resident ? xa->e : NULL;
+        a->e_base = 0;
+        a->w0 = w0;
+        a->w1 = w1;
+        return run(h, KSEG_PACK, a);
+    }
+    for (size_t c = 0; c < h->nchunks; c++) {
+        const chunk *ch = &h->chunks[c];
+        if (ch->w1 <= w0 || ch->w0 >= w1)
+            continue;
+        int b = (int)(c & 1);
+        uint64_t q0 = ch->p0 > p0 ? ch->p0 : p0, q1 = ch->p1 < p1 ? ch->p1 : p1;
+        size_t bytes = (q1 - q0) * sizeof(float);
+        a->w0 = ch->w0 > w0 ? ch->w0 : w0;
+        a->w1 = ch->w1 < w1 ? ch->w1 : w1;
+        a->e = h->slot[b];
+        a->e_base = ch->p0;
+        float *sl = h->slot[b] + (q0 - ch->p0);
+        if (in) {
+            TRY(h->ops->wait(h->d, DEV_IN, EV_K(b)));
+            TRY(h->ops->wait(h->d, DEV_IN, EV_OUT(b)));
+            TRY(h->ops->copy(h->d, DEV_IN, sl, xa->e + q0, bytes));
+            TRY(h->ops->record(h->d, DEV_IN, EV_IN(b)));
+            TRY(h->ops->wait(h->d, DEV_MAIN, EV_IN(b)));
+        } else {
+            TRY(h->ops->wait(h->d, DEV_MAIN, EV_OUT(b)));
+        }
+        TRY(run(h, KSEG_PACK, a));
+        TRY(h->ops->record(h->d, DEV_MAIN, EV_K(b)));
+        if (out) {
+            TRY(h->ops->wait(h->d, DEV_OUT, EV_K(b)));
+            TRY(h->ops->copy(h->d, DEV_OUT, xa->e + q0, sl, bytes));
+            TRY(h->ops->record(h->d, DEV_OUT, EV_OUT(b)));
+        }
+    }
+    return SCAPE_OK;
+}
+
+/* The pack of the comm tensors j with take[j], a run of consecutive ones at
+ * a time.  The residual's norm then sums the parts of the step (zeroed at
+ * its first part; an undone part still counts: it is a statistic). */
+static scape_rc dev_pack_part(exec_t *x, const void *const *grads, const unsigned char *take,
+                              int select_due)
+{
+    exec_args *xa = x->a;
+    dev_x *h = impl(x);
+    kseg_args a = args_for(xa, h);
+    TRY(grad_source(x, grads, &a));
+    if (select_due)
+        want_keys(xa, h, &a);
+    int stale = xa->e_stale, sparse = xa->mask_cur != NULL;
+    a.e_zero = stale;
+    a.out = sparse ? xa->send : xa->dense;
+    a.e_write = sparse;
+    a.wire_bf16 = sparse && xa->wire_now;
+    if (sparse && !h->part_open)
+        TRY(h->ops->zero(h->d, DEV_MAIN, &h->status->norm2, sizeof h->status->norm2));
+    h->part_open = sparse;
+    for (size_t j = 0; j < xa->p->ntensors;) {
+        size_t j1 = j;
+        while (j1 < xa->p->ntensors && take[j1])
+            j1++;
+        if (j1 == j) {
+            j++;
+            continue;
+        }
+        uint64_t w0, w1;
+        const plan_tensor *last = exec_tensor_at(xa, j1 - 1);
+        range_words(xa, j, j1 - j, &w0, &w1);
+        count_residual(x, 4 * (last->pos + last->len - exec_tensor_at(xa, j)->pos) *
+                              (uint64_t)(!stale + sparse));
+        TRY(stream_part(x, &a, sparse ? !stale : !stale && !h->resident, sparse, w0, w1,
+                        exec_tensor_at(xa, j)->pos, last->pos + last->len));
+        j = j1;
+    }
+    h->norm_due = sparse;
+    if (!sparse)
+        h->norm = 0.0;
     return SCAPE_OK;
 }
 
@@ -852,6 +944,7 @@ static scape_rc dev_update(exec_t *x, size_t first, size_t count, uint64_t t)
 {
     exec_args *xa = x->a;
     kseg_args a;
+    impl(x)->part_open = 0; /* the step's packs are done */
     /* theta, m (v), read and written */
     if (!range_args(x, first, count, 2 * (xa->opt->keeps_v ? 3 : 2), &a))
         return SCAPE_OK;
@@ -1091,6 +1184,7 @@ const exec_ops exec_dev_ops = {
     .destroy = dev_destroy,
     .intake = dev_intake,
     .pack = dev_pack,
+    .pack_part = dev_pack_part,
     .keep_stats = dev_keep_stats,
     .select = dev_select,
     .own_topk = dev_own_topk,

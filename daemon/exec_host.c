@@ -29,6 +29,7 @@ typedef struct host_x {
     pool *pool;          /* cfg.threads workers */
     item *items;         /* the pack's pieces, comm order */
     size_t nitems;
+    size_t *sel;         /* a partial pack's pieces (indices into items) */
     float *gchunk;       /* one intake chunk per worker */
     const float *g;      /* G_r whole for this step, or NULL: summed per chunk */
     void *topk_scratch;  /* one per worker, topk_scratch_bytes each */
@@ -136,6 +137,8 @@ static scape_rc host_create(exec_t *x)
         !h->gchunk || (defer && !h->sstat))
         return scape_set_error(SCAPE_NOMEM, "engine: cannot allocate state for N=%zu", n);
     TRY(plan_items(xa, h));
+    if ((h->sel = calloc(h->nitems ? h->nitems : 1, sizeof *h->sel)) == NULL)
+        return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
     return pool_create(&h->pool, xa->cfg->threads);
 }
 
@@ -150,6 +153,7 @@ static void host_destroy(exec_t *x)
     if (h) {
         pool_destroy(&h->pool);
         free(h->items);
+        free(h->sel);
         free(h->gchunk);
         free(h->topk_scratch);
         free(h->sstat);
@@ -194,16 +198,18 @@ typedef struct pack_ctx {
     exec_t *x;
     const float *g;
     const void *const *grads;
+    const size_t *sel;   /* the pieces to pack; NULL: every one */
 } pack_ctx;
 
 /* Pack one piece, the gradient sum read from g or summed into the worker's
- * chunk buffer. */
+ * chunk buffer.  A stale residual is zero: a dense pack overwrites it, a
+ * sparse one zeroes the piece first. */
 static scape_rc pack_item(void *ctx, size_t i, int w)
 {
     pack_ctx *pc = ctx;
     exec_args *xa = pc->x->a;
     host_x *h = impl(pc->x);
-    const item *it = &h->items[i];
+    const item *it = &h->items[pc->sel ? pc->sel[i] : i];
     const plan_tensor *t = exec_tensor_at(xa, it->j);
     const float *g = pc->g ? pc->g + t->off + it->c : NULL;
     if (g == NULL) {
@@ -214,34 +220,69 @@ static scape_rc pack_item(void *ctx, size_t i, int w)
     size_t k;
     if (!xa->mask_cur)
         return kern_grad_accum(xa->e + t->pos + it->c, g, KERN_F32, it->len, xa->e_stale);
+    if (xa->e_stale)
+        memset(xa->e + t->pos + it->c, 0, it->len * sizeof *xa->e);
     return (xa->wire_now ? kern_pack_ef_bf16 : kern_pack_ef)(
         g, xa->e + t->pos + it->c, xa->mask_cur + t->word + it->c / 32, it->len,
         xa->send + xa->toff[it->j] + it->done, &k);
 }
 
-static scape_rc host_pack(exec_t *x, const void *const *grads, int select_due)
+/* The pieces of the comm-order tensors j with take[j] into h->sel; their
+ * coordinates, packed values and mask words into n, k, w. */
+static size_t select_items(exec_t *x, const unsigned char *take, uint64_t *n, uint64_t *k,
+                           uint64_t *w)
 {
     exec_args *xa = x->a;
     host_x *h = impl(x);
-    (void)select_due; /* the selection reads a back from e and send */
-    if (xa->mask_cur && xa->e_stale) {
-        memset(xa->e, 0, xa->p->n * sizeof *xa->e);
-        xa->e_stale = 0;
-    }
+    size_t m = 0;
+    *n = *k = *w = 0;
+    for (size_t j = 0; j < xa->p->ntensors; j++)
+        if (take[j]) {
+            uint64_t tn, tk, tw;
+            range_sizes(xa, j, 1, &tn, &tk, &tw);
+            *n += tn;
+            *k += tk;
+            *w += tw;
+        }
+    for (size_t i = 0; i < h->nitems; i++)
+        if (take[h->items[i].j])
+            h->sel[m++] = i;
+    return m;
+}
+
+/* The pack of the tensors with take[j] (NULL: all); e_stale unchanged. */
+static scape_rc pack_run(exec_t *x, const void *const *grads, const unsigned char *take)
+{
+    exec_args *xa = x->a;
+    host_x *h = impl(x);
     const float *g = xa->opt->intake ? h->g : NULL;
     if (g == NULL && xa->tr == 1 && xa->gdt == KERN_F32)
         g = grads[0];
-    pack_ctx pc = { x, g, grads };
+    pack_ctx pc = { x, g, grads, take ? h->sel : NULL };
+    uint64_t n = xa->p->n, k = xa->toff[xa->p->ntensors], w = xa->p->nwords;
+    size_t nitems = take ? select_items(x, take, &n, &k, &w) : h->nitems;
     /* G (the trainers', summed in a chunk that stays in cache), e read and
      * written, the mask, the packed values */
-    uint64_t n = xa->p->n, k = xa->toff[xa->p->ntensors];
     uint64_t gread = g ? 4 * n : n * (uint64_t)xa->tr * kern_dtype_size(xa->gdt);
-    count(x, gread + 4 * n * (uint64_t)(1 + !xa->e_stale) +
-                 (xa->mask_cur ? 4 * xa->p->nwords + 4 * k : 0));
-    TRY(pool_run(h->pool, h->nitems, pack_item, &pc));
-    if (!xa->mask_cur)
-        xa->e_stale = 1; /* e now holds a, and after the reduction the sums */
+    count(x, gread + 4 * n * (uint64_t)(1 + (!xa->e_stale || xa->mask_cur != NULL)) +
+                 (xa->mask_cur ? 4 * w + 4 * k : 0));
+    return pool_run(h->pool, nitems, pack_item, &pc);
+}
+
+static scape_rc host_pack(exec_t *x, const void *const *grads, int select_due)
+{
+    (void)select_due; /* the selection reads a back from e and send */
+    TRY(pack_run(x, grads, NULL));
+    /* dense: e now holds a, and after the reduction the sums */
+    x->a->e_stale = x->a->mask_cur == NULL;
     return SCAPE_OK;
+}
+
+static scape_rc host_pack_part(exec_t *x, const void *const *grads, const unsigned char *take,
+                               int select_due)
+{
+    (void)select_due;
+    return pack_run(x, grads, take);
 }
 
 /* ---- offsets ---------------------------------------------------------------- */
@@ -658,6 +699,7 @@ const exec_ops exec_host_ops = {
     .destroy = host_destroy,
     .intake = host_intake,
     .pack = host_pack,
+    .pack_part = host_pack_part,
     .keep_stats = host_keep_stats,
     .select = host_select,
     .own_topk = host_own_topk,

@@ -198,6 +198,23 @@ scape_rc job_step_run(job *j, const float *lr, job_part *p, int n, size_t grad_b
     return SCAPE_OK;
 }
 
+scape_rc job_pack_early(job *j, job_part *p, int n, const unsigned char *take)
+{
+    const void *grads[JOB_MAX_PARTS];
+    if (n > JOB_MAX_PARTS)
+        return scape_set_error(SCAPE_INVALID, "step: %d trainers (at most %d)", n,
+                               JOB_MAX_PARTS);
+    for (int i = 0; i < n; i++) {
+        if (p[i].grads->dev || p[i].grads->event)
+            return SCAPE_OK; /* device memory: the step takes it all */
+        grads[i] = shm_map_engine(p[i].grads);
+    }
+    size_t packed = 0;
+    return eng_pack_early(j->eng, j->next_step, grads, take, &packed);
+}
+
+scape_rc job_pack_undo(job *j) { return eng_pack_early_undo(j->eng); }
+
 scape_rc job_step_finish(job *j, int defer_select)
 {
     j->last.has_after_reply = defer_select;

@@ -118,6 +118,13 @@ scape_rc job_step_run(job *j, const float *lr, job_part *p, int n, size_t grad_b
  * mask), timed as the step's after_reply phase.  After a failure the ranks
  * are out of step: the caller marks the job broken. */
 scape_rc job_step_finish(job *j, int defer_select);
+/* Bucketed hand-over: pack registered tensors with take[i] of the next step
+ * now, from the parts' gradients (eng_pack_early).  Left to the step (no
+ * error) where a part's gradients are in device memory (CUDA IPC: they
+ * would need their event and a copy first). */
+scape_rc job_pack_early(job *j, job_part *p, int n, const unsigned char *take);
+/* Undo what job_pack_early packed (eng_pack_early_undo). */
+scape_rc job_pack_undo(job *j);
 /* What the engine holds and sends, for status (0 and "f32" before the start). */
 typedef struct job_footprint {
     uint64_t state_bytes;       /* the optimizer's state (m, theta, v) */

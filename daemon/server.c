@@ -452,6 +452,8 @@ static void farewell(server *s)
         ctl_reply_error(s, t->rid, t->rid_len, SCAPE_REMOTE);
         ctl_close_map(s, &t->params, 1);
         ctl_close_map(s, &t->grads, 1);
+        free(t->bucket);
+        t->bucket = NULL;
         t->used = 0;
     }
 }
@@ -564,6 +566,8 @@ void srv_destroy(server **sp)
     for (size_t i = 0; s->layout && i < s->ntensors; i++)
         free((char *)s->layout[i].name);
     free(s->layout);
+    free(s->early);
+    free(s->take);
     free(s);
     *sp = NULL;
 }

@@ -63,6 +63,8 @@ typedef struct trainer {
     int clip_run;                   /* max_grad_norm: consecutive steps whose own
                                        gradient norm was the bound itself */
     int clip_warned;                /* that was logged (once per trainer) */
+    unsigned char *bucket;          /* registered tensors it posted (Post) for the next step */
+    char post_refused[256];         /* a Post refused: its next Step is answered so */
 } trainer;
 
 struct server {
@@ -83,6 +85,9 @@ struct server {
     size_t ngroups;
     size_t numel;
     kern_dtype pdt, gdt;
+    /* Bucketed hand-over: the registered tensors given to the engine early
+     * for the next step, and the scratch of what to give it now. */
+    unsigned char *early, *take;
 
     comm_t *comm;
     char data_ep[256];             /* host backend: the bound data-plane address */

@@ -360,6 +360,9 @@ void status_step_done(const job *j, step_done_msg *m)
     ph->queued = ph->has_queued ? l->queued : 0.0;
     ph->has_after_reply = l->has_after_reply;
     ph->after_reply = l->after_reply;
+    ph->has_early_pack = ph->has_early_tensors = st->early_tensors > 0;
+    ph->early_pack = st->early_pack_s;
+    ph->early_tensors = (uint32_t)st->early_tensors;
     double v[] = { l->wait, st->phase_s[ENG_PH_INTAKE], st->phase_s[ENG_PH_MASK_WAIT],
                    st->phase_s[ENG_PH_SELECT], st->phase_s[ENG_PH_PACK],
                    st->phase_s[ENG_PH_REDUCE], st->phase_s[ENG_PH_UPDATE],

@@ -58,6 +58,8 @@ typedef struct {
 } layer_act;
 
 struct GPT_FN(work) {
+    gpt_ready_fn ready;       /* gpt_work_on_ready's, or NULL */
+    void *ready_ctx;
     gpt_config c;
     int B, T;                 /* capacity */
     size_t nparams;           /* gpt_num_params(&c) */
@@ -631,9 +633,16 @@ static void backward(work_t *w, const real *p, real *g, const int *x, const int 
     layernorm_bwd(w->d_res, g + w->off[fin + F_LNFW], g + w->off[fin + F_LNFB], w->d_ln,
                   w->act[L - 1].res_out, p + w->off[fin + F_LNFW], w->lnf_mean,
                   w->lnf_rstd, N, C);
-    for (int l = L - 1; l >= 0; l--)
+    if (w->ready)
+        w->ready(w->ready_ctx, fin, N_FINAL);
+    for (int l = L - 1; l >= 0; l--) {
         block_bwd(w, p, g, l, l > 0 ? w->act[l - 1].res_out : w->res0, B, T);
+        if (w->ready)
+            w->ready(w->ready_ctx, T_LAYERS + PER_LAYER * l, PER_LAYER);
+    }
     embed_bwd(w, g, x, B, T);
+    if (w->ready)
+        w->ready(w->ready_ctx, T_WTE, T_LAYERS);
 }
 
 /* ---- workspace ---- */
@@ -723,6 +732,14 @@ work_t *GPT_FN(work_new)(const gpt_config *c, int B, int T)
 fail:
     GPT_FN(work_free)(w);
     return NULL;
+}
+
+void GPT_FN(work_on_ready)(work_t *w, gpt_ready_fn fn, void *ctx)
+{
+    if (w) {
+        w->ready = fn;
+        w->ready_ctx = ctx;
+    }
 }
 
 void GPT_FN(work_free)(work_t *w)

@@ -59,6 +59,13 @@ void gpt_init(const gpt_config *c, float *params, uint64_t seed);
 gpt_work *gpt_work_new(const gpt_config *c, int B, int T);
 void gpt_work_free(gpt_work *w);
 
+/* While gpt_forward_backward runs backward, fn(ctx, first, count) is called
+ * each time the gradients of tensors [first, first + count) (gpt_layout's
+ * order) are final: the final layernorm and head, each block from the last,
+ * then the embeddings.  fn NULL: none (the default). */
+typedef void (*gpt_ready_fn)(void *ctx, int first, int count);
+void gpt_work_on_ready(gpt_work *w, gpt_ready_fn fn, void *ctx);
+
 /* Mean cross-entropy (nats) of predicting y from x, both [B][T]; grads (all
  * gpt_num_params floats) is OVERWRITTEN with d(mean loss)/d(params).
  * NaN when B, T or a token id is out of range. */
@@ -78,6 +85,7 @@ const float *gpt_work_probs(const gpt_work *w);
 typedef struct gptd_work gptd_work;
 gptd_work *gptd_work_new(const gpt_config *c, int B, int T);
 void gptd_work_free(gptd_work *w);
+void gptd_work_on_ready(gptd_work *w, gpt_ready_fn fn, void *ctx);
 double gptd_forward_backward(const gpt_config *c, gptd_work *w, const double *params,
                              double *grads, const int *x, const int *y, int B, int T);
 double gptd_loss(const gpt_config *c, gptd_work *w, const double *params, const int *x,

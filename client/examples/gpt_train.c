@@ -26,7 +26,7 @@
 typedef struct args {
     gpt_run run;
     const char *endpoint, *log, *out;
-    int index, progress, report;
+    int index, progress, report, buckets;
 } args;
 
 static void usage(FILE *f)
@@ -39,6 +39,8 @@ static void usage(FILE *f)
                "  --report            measure the validation loss and write --log\n"
                "  --log FILE          CSV: step,lr,loss,val_loss,bytes,wire_bytes,k,step_ms,wall_s\n"
                "  --progress          draw a progress bar on stderr\n"
+               "  --buckets           hand each layer's gradients over as soon as backward\n"
+               "                      has made them (scape_post_tensors)\n"
                "  --out FILE          the final parameters, raw float32\n%s",
             gpt_run_usage());
 }
@@ -57,6 +59,7 @@ static int parse(int argc, char **argv, args *a)
         const char *k = argv[i];
         if (!strcmp(k, "--progress")) a->progress = 1;
         else if (!strcmp(k, "--report")) a->report = 1;
+        else if (!strcmp(k, "--buckets")) a->buckets = 1;
         else if (!strcmp(k, "--help")) { usage(stdout); exit(0); }
         else if (i + 1 < argc && !strcmp(k, "--endpoint")) a->endpoint = argv[++i];
         else if (i + 1 < argc && !strcmp(k, "--log")) a->log = argv[++i];
@@ -161,6 +164,7 @@ typedef struct trainer {
     int *x, *y;
     scape_session *s;
     FILE *log;
+    scape_rc post_rc; /* --buckets: the first failed post */
 } trainer;
 
 static int setup(trainer *tr)
@@ -218,6 +222,14 @@ static int attach(trainer *tr)
     return 0;
 }
 
+/* --buckets: backward made the final gradients of tensors [first, +count). */
+static void post_ready(void *ctx, int first, int count)
+{
+    trainer *tr = ctx;
+    if (tr->post_rc == SCAPE_OK)
+        tr->post_rc = scape_post_tensors(tr->s, (size_t)first, (size_t)count);
+}
+
 static int train(trainer *tr)
 {
     const gpt_run *r = &tr->a.run;
@@ -225,6 +237,8 @@ static int train(trainer *tr)
     size_t n = scape_numel(tr->s);
     uint64_t first = scape_next_step(tr->s);
     double started = now_s(), val = NAN, loss = NAN;
+    if (tr->a.buckets)
+        gpt_work_on_ready(tr->work, post_ready, tr);
     for (uint64_t t = first; t <= r->steps; t++) {
         if (gpt_run_batch(r, &tr->corpus, r->seed, t, tr->x, tr->y) != 0) {
             fprintf(stderr, "gpt_train: the training split is shorter than --seq\n");
@@ -233,6 +247,11 @@ static int train(trainer *tr)
         float l = gpt_forward_backward(&r->model, tr->work, p, g, tr->x, tr->y, r->batch, r->seq);
         if (!isfinite(l)) {
             fprintf(stderr, "gpt_train: step %llu: loss is %g\n", (unsigned long long)t, (double)l);
+            return 1;
+        }
+        if (tr->post_rc != SCAPE_OK) {
+            fprintf(stderr, "gpt_train %d: step %llu: post: %s\n", scape_index(tr->s),
+                    (unsigned long long)t, scape_last_error());
             return 1;
         }
         loss = l;

@@ -61,6 +61,8 @@ struct scape_session {
     int owed;       /* replies still to come for requests given up (not the step) */
     int gave_up;    /* a call other than the step was given up: only detach is left */
     int unanswered; /* the last wait for a reply ended without one (timeout, interrupt) */
+    size_t ntensors;      /* the registered layout's */
+    unsigned char *bucket; /* ntensors: posted for next_step by scape_post_tensors */
 };
 
 #define WAIT_SLICE_MS 100 /* how often a wait looks at the daemon and opts.interrupt */
@@ -606,6 +608,7 @@ static void session_free(scape_session *s)
         zmq_ctx_term(s->zctx);
     shm_free(&s->params);
     shm_free(&s->grads);
+    free(s->bucket);
     if (s->dev_shared) {
         /* Freeing device memory that another process still has open is
          * undefined (cudaIpcOpenMemHandle): keep it until this process ends. */
@@ -690,6 +693,11 @@ scape_rc scape_attach(const char *endpoint, const scape_tensor *layout, size_t n
         return scape_set_error(SCAPE_NOMEM, "out of memory");
     s->opts = o;
     s->numel = numel;
+    s->ntensors = ntensors;
+    if ((s->bucket = calloc(ntensors, 1)) == NULL) {
+        free(s);
+        return scape_set_error(SCAPE_NOMEM, "out of memory");
+    }
     size_t pb = numel * (o.param_dtype == SCAPE_DTYPE_BF16 ? 2 : 4);
     size_t gb = numel * (o.grad_dtype == SCAPE_DTYPE_BF16 ? 2 : 4);
     rc = on_device(s) ? lsc_cuda_check_ipc(o.device) : SCAPE_OK;
@@ -915,8 +923,44 @@ scape_rc scape_step_begin_groups(scape_session *s, uint64_t step, const float *l
     if (rc == SCAPE_OK) {
         s->in_flight = 1;
         s->posted = step;
+        memset(s->bucket, 0, s->ntensors); /* the Step posts the rest */
     }
     return rc;
+}
+
+scape_rc scape_post_tensors(scape_session *s, size_t first, size_t count)
+{
+    if (s == NULL)
+        return scape_set_error(SCAPE_INVALID, "scape_post_tensors: session is NULL");
+    if (s->in_flight)
+        return scape_set_error(SCAPE_INVALID, "scape_post_tensors: step %llu is in flight; "
+                               "post the next step's tensors after it returns",
+                               (unsigned long long)s->posted);
+    if (s->dead)
+        return scape_set_error(SCAPE_REMOTE, "scaped has shut down this session");
+    if (count == 0 || first >= s->ntensors || count > s->ntensors - first)
+        return scape_set_error(SCAPE_INVALID, "scape_post_tensors: tensors [%zu, %zu + %zu) "
+                               "of step %llu: the layout has tensors [0, %zu)", first, first,
+                               count, (unsigned long long)s->next_step, s->ntensors);
+    for (size_t i = first; i < first + count; i++)
+        if (s->bucket[i])
+            return scape_set_error(SCAPE_INVALID, "scape_post_tensors: tensor %zu of step %llu "
+                                   "is already posted (a bucket posted twice, or overlapping "
+                                   "another)", i, (unsigned long long)s->next_step);
+    if (on_device(s) && lsc_cuda_grads_ready(&s->dev_ev, 0) != SCAPE_OK)
+        return SCAPE_CUDA;
+    Scape__Post p = SCAPE__POST__INIT;
+    p.step = s->next_step;
+    p.first = (uint32_t)first;
+    p.count = (uint32_t)count;
+    Scape__Request q = SCAPE__REQUEST__INIT;
+    q.body_case = SCAPE__REQUEST__BODY_POST;
+    q.post = &p;
+    scape_rc rc = send_request(s, &q, "post");
+    if (rc != SCAPE_OK)
+        return rc;
+    memset(s->bucket + first, 1, count);
+    return SCAPE_OK;
 }
 
 static void fill_info(const Scape__StepDone *d, scape_step_info *info)

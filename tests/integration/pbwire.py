@@ -73,6 +73,12 @@ def step(n, lr=0.01):
     return field(3, LEN, field(1, VARINT, n) + field(2, FIXED32, lr))
 
 
+def post(n, first, count):
+    """A Post (one-way: the daemon answers nothing)."""
+    return field(11, LEN, field(1, VARINT, n) + field(2, VARINT, first) +
+                 field(3, VARINT, count))
+
+
 def sync():
     return field(8, LEN, b"")
 

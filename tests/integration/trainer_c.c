@@ -5,6 +5,13 @@
  * usage: trainer_c --endpoint EP --index I --n N --steps S [--seed X] [--lr LR]
  *                  [--sleep-ms MS] [--stop-before STEP] [--out FILE] [--timing FILE]
  *                  [--start-wait-ms MS] [--catch-signal SIG]
+ *                  [--buckets K] [--bucket-order fwd|rev|mix] [--die-after-buckets B]
+ * --buckets hands the gradients over in K buckets of consecutive tensors
+ * (scape_post_tensors), each as soon as its gradients are computed, in the
+ * order --bucket-order says (mix: a shuffle of its own per trainer and step);
+ * the step posts the rest (with K above the tensor count, some stay for it).
+ * --die-after-buckets exits (status 3) half a second after posting B buckets
+ * of the last step, without posting the step.
  * --start-wait-ms waits that long for a daemon that is still starting.
  * --catch-signal installs a handler for SIG (a number) that only counts, without
  * SA_RESTART, so that it interrupts libscape's waits; the count is printed.
@@ -20,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "scape/scape.h"
 #include "synth.h"
@@ -33,6 +41,8 @@ typedef struct args {
     int sleep_ms;
     uint64_t stop_before;
     int start_wait_ms, catch_signal;
+    int buckets, die_after;
+    const char *order;
 } args;
 
 static volatile sig_atomic_t s_caught;
@@ -60,6 +70,7 @@ static const char s_usage[] =
     "usage: trainer_c [--endpoint EP] [--index I] [--n N] [--steps S] [--seed X] [--lr LR]\n"
     "                 [--sleep-ms MS] [--stop-before STEP] [--out FILE] [--timing FILE]\n"
     "                 [--start-wait-ms MS] [--catch-signal SIG]\n"
+    "                 [--buckets K] [--bucket-order fwd|rev|mix] [--die-after-buckets B]\n"
     "A test trainer: attaches to scaped (EP, else $SCAPE_ENDPOINT, else the runtime\n"
     "directory's control socket), trains the synthetic problem of synth.h for S\n"
     "steps and writes its final parameters to FILE.\n";
@@ -91,6 +102,9 @@ static int parse(int argc, char **argv, args *a)
         else if (!strcmp(k, "--stop-before")) a->stop_before = strtoull(v, NULL, 0);
         else if (!strcmp(k, "--start-wait-ms")) a->start_wait_ms = atoi(v);
         else if (!strcmp(k, "--catch-signal")) a->catch_signal = atoi(v);
+        else if (!strcmp(k, "--buckets")) a->buckets = atoi(v);
+        else if (!strcmp(k, "--bucket-order")) a->order = v;
+        else if (!strcmp(k, "--die-after-buckets")) a->die_after = atoi(v);
         else {
             fprintf(stderr, "trainer_c: unknown flag %s\n", k);
             return 2;
@@ -99,12 +113,54 @@ static int parse(int argc, char **argv, args *a)
     return 0;
 }
 
+static void tensor_grads(const args *a, const scape_tensor *ts, size_t l, uint64_t t,
+                         const float *p, float *g)
+{
+    for (size_t i = ts[l].offset; i < ts[l].offset + ts[l].length; i++)
+        g[i] = synth_grad(a->seed, a->index, t, i, p[i], synth_scale(l));
+}
+
 static void compute_grads(const args *a, const scape_tensor *ts, size_t nt, uint64_t t,
                           const float *p, float *g)
 {
     for (size_t l = 0; l < nt; l++)
-        for (size_t i = ts[l].offset; i < ts[l].offset + ts[l].length; i++)
-            g[i] = synth_grad(a->seed, a->index, t, i, p[i], synth_scale(l));
+        tensor_grads(a, ts, l, t, p, g);
+}
+
+/* --buckets: bucket b holds tensors [b * nt / K, (b + 1) * nt / K); each is
+ * computed, then posted, in the order asked.  Returns the buckets posted. */
+static int post_buckets(const args *a, scape_session *s, const scape_tensor *ts, size_t nt,
+                        uint64_t t, const float *p, float *g, int limit)
+{
+    int k = a->buckets, order[64];
+    for (int b = 0; b < k; b++)
+        order[b] = b;
+    if (a->order && !strcmp(a->order, "rev")) {
+        for (int b = 0; b < k; b++)
+            order[b] = k - 1 - b;
+    } else if (a->order && !strcmp(a->order, "mix")) {
+        uint64_t h = synth_mix(t * 7919 + (uint64_t)a->index * 104729 + 1);
+        for (int b = k - 1; b > 0; b--, h = synth_mix(h)) {
+            int j = (int)(h % (uint64_t)(b + 1)), x = order[b];
+            order[b] = order[j];
+            order[j] = x;
+        }
+    }
+    compute_grads(a, ts, nt, t, p, g); /* tensors in no bucket (K > nt) too */
+    int posted = 0;
+    for (int q = 0; q < k && posted < limit; q++) {
+        size_t lo = (size_t)order[q] * nt / (size_t)k, hi = (size_t)(order[q] + 1) * nt / (size_t)k;
+        if (lo == hi)
+            continue;
+        for (size_t l = lo; l < hi; l++)
+            tensor_grads(a, ts, l, t, p, g);
+        if (scape_post_tensors(s, lo, hi - lo) != SCAPE_OK) {
+            fprintf(stderr, "trainer_c %d: post: %s\n", a->index, scape_last_error());
+            return -1;
+        }
+        posted++;
+    }
+    return posted;
 }
 
 /* Post step t, again while it is abandoned because a peer died. */
@@ -177,8 +233,28 @@ int main(int argc, char **argv)
         perror(a.timing);
         return 1;
     }
+    if (a.buckets < 0 || a.buckets > 64) {
+        fprintf(stderr, "trainer_c: --buckets %d: 0..64\n", a.buckets);
+        return 2;
+    }
     for (uint64_t t = first; t <= a.steps; t++) {
-        compute_grads(&a, ts, nt, t, p, g);
+        if (a.buckets == 0) {
+            compute_grads(&a, ts, nt, t, p, g);
+        } else {
+            int die = a.die_after && t == a.steps;
+            int posted = post_buckets(&a, s, ts, nt, t, p, g, die ? a.die_after : 64);
+            if (posted < 0)
+                return 1;
+            if (die) {
+                printf("trainer_c %d: exits after %d bucket(s) of step %llu\n", a.index,
+                       posted, (unsigned long long)t);
+                fflush(stdout);
+                /* a Post is one-way: give ZeroMQ's I/O thread, and the
+                 * daemon, time to take them before the process goes */
+                nanosleep(&(struct timespec){ 0, 500000000L }, NULL);
+                _exit(3);
+            }
+        }
         if (t == a.stop_before)
             raise(SIGSTOP);
         scape_step_info info;

@@ -153,6 +153,18 @@ scape_rc scape_sync(scape_session *s);
  * those copies). */
 scape_rc scape_step(scape_session *s, uint64_t step, float lr, const float *loss,
                     scape_step_info *info);
+/* Bucketed hand-over: the gradients of registered tensors [first, first +
+ * count) (indices into the layout given to scape_attach) are final for the
+ * next step, scape_next_step(s); the daemon may pack them at once, while
+ * backward still computes the rest.  A one-way message: it returns without
+ * waiting for the daemon.  Those gradients must stay as they are until the
+ * step's scape_step (or scape_step_wait) returns; scape_step posts what was
+ * not posted.  Refused here, naming the tensor: a range outside the layout, a
+ * tensor posted twice for one step, a call while a step is in flight.  A post
+ * the daemon refuses fails the step, naming it.  With SCAPE_MEMORY_CUDA the
+ * daemon waits, before it reads them, for the work queued so far on the
+ * stream given to scape_set_stream (an event recorded there). */
+scape_rc scape_post_tensors(scape_session *s, size_t first, size_t count);
 /* The same, split: begin posts the step and returns at once; wait blocks until
  * the parameters are updated.  One step may be outstanding. */
 scape_rc scape_step_begin(scape_session *s, uint64_t step, float lr, const float *loss);

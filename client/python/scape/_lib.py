@@ -98,6 +98,7 @@ def _declare(lib):
         "scape_index": (ctypes.c_int, [sess]),
         "scape_next_step": (ctypes.c_uint64, [sess]),
         "scape_step_in_flight": (ctypes.c_int, [sess]),
+        "scape_post_tensors": (rc, [sess, ctypes.c_size_t, ctypes.c_size_t]),
         "scape_sync": (rc, [sess]),
         "scape_step": (rc, [sess, ctypes.c_uint64, ctypes.c_float, P(ctypes.c_float),
                             P(StepInfo)]),
