@@ -796,7 +796,8 @@ scape_rc cfg_apply_env(scaped_config *c)
  * and their tools): a job sets them for those, so no warning.  test_cli.py
  * checks that this covers every variable the tree reads. */
 static const char *const s_other_env[] = {
-    "SCAPE_ARGS", "SCAPE_BIN", "SCAPE_BUILD_DIR", "SCAPE_COORD_HOST", "SCAPE_CUDA",
+    "SCAPE_ARGS", "SCAPE_BIN", "SCAPE_BUCKET_MB", "SCAPE_BUILD_DIR", "SCAPE_COORD_HOST",
+    "SCAPE_CUDA",
     "SCAPE_DAEMON_LOST_MS", "SCAPE_DATA_PORT", "SCAPE_DEB_CACHE", "SCAPE_ENDPOINT",
     "SCAPE_GPU_BUDGET",
     "SCAPE_HOME", "SCAPE_INDEX", "SCAPE_LIB", "SCAPE_LIGHTNING_SPEC", "SCAPE_LISTEN_HOST",

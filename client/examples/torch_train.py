@@ -182,6 +182,10 @@ def main():
                     help="of the matrices (biases, norms, embeddings: none)")
     ap.add_argument("--max-grad-norm", type=float, default=None,
                     help="the clipping bound the daemon must apply (its max_grad_norm)")
+    ap.add_argument("--bucket-mb", type=float, default=None,
+                    help="hand the gradients over in buckets of about this many MB as "
+                         "backward() produces them (0: all at step(); default: "
+                         "$SCAPE_BUCKET_MB, else 0)")
     ap.add_argument("--autocast", choices=("none", "bf16"), default="none",
                     help="run the forward pass under bf16 autocast")
     ap.add_argument("--eval-windows", type=int, default=32)
@@ -201,7 +205,8 @@ def main():
     torch.manual_seed(a.model_seed)
     model = GPT(vocab, a.ctx, a.d, a.layers, a.heads).to(a.device)
     opt = scape.torch.ScapeOptimizer(param_groups(model, a.weight_decay), endpoint=a.endpoint,
-                                     lr=a.lr, index=a.index, max_grad_norm=a.max_grad_norm)
+                                     lr=a.lr, index=a.index, max_grad_norm=a.max_grad_norm,
+                                     bucket_mb=a.bucket_mb)
 
     def autocast():
         return torch.autocast(device_type=torch.device(a.device).type, dtype=torch.bfloat16,

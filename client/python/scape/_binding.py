@@ -244,6 +244,15 @@ class Session:
         _check(lib.scape_set_stream(self._live(), ctypes.c_void_p(stream or None),
                                     1 if blocking else 0))
 
+    def post_tensors(self, first, count):
+        """Bucketed hand-over: the gradients of tensors [first, first + count)
+        (indices into the layout) are final for next_step, and the daemon may
+        take them at once; they must stay as they are until that step's
+        step() (or step_wait()) returns, and step() posts the rest.  Refused
+        (ScapeError INVALID, naming the tensor) outside the layout, for a
+        tensor already posted for that step, and while a step is in flight."""
+        _check(lib.scape_post_tensors(self._live(), first, count))
+
     def step(self, lr, step=None, loss=None):
         """Post step `step` (default: next_step) with the gradients in place and
         wait for the new parameters; returns the daemon's StepInfo.  lr: one

@@ -5,6 +5,9 @@ buffers, so backward() writes gradients straight into the memory the daemon
 reads, and the daemon's update lands in the parameters with no copy.
 """
 import contextlib
+import math
+import os
+import weakref
 
 import torch
 
@@ -66,6 +69,138 @@ def _host_tensor(array, dtype):
 _DEFAULTS = {}  # attach_defaults()'s, for the ScapeOptimizers made inside it
 
 
+def _bucket_mb(value):
+    """bucket_mb as given, or $SCAPE_BUCKET_MB when None (unset or empty: 0,
+    off); ValueError naming where a bad value came from."""
+    where = "bucket_mb=%r" % (value,)
+    if value is None:
+        raw = os.environ.get("SCAPE_BUCKET_MB", "").strip()
+        if not raw:
+            return 0.0
+        where = "SCAPE_BUCKET_MB=%r" % raw
+        try:
+            value = float(raw)
+        except ValueError:
+            value = float("nan")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not math.isfinite(value) or value < 0:
+        raise ValueError("ScapeOptimizer: %s: the size of a gradient bucket in MB (2**20 "
+                         "bytes) handed to the daemon as backward() fills it, or 0 to hand "
+                         "every gradient over at step()" % where)
+    return float(value)
+
+
+def _buckets(sizes, cap):
+    """Runs of consecutive tensors (sizes in bytes) formed from the last tensor
+    back, as backward produces the last layers' gradients first, each closed
+    once it holds cap bytes: (first, count) pairs, the last tensors' first."""
+    out, end, acc = [], len(sizes), 0
+    for i in range(len(sizes) - 1, -1, -1):
+        acc += sizes[i]
+        if acc >= cap:
+            out.append((i, end - i))
+            end, acc = i, 0
+    if end > 0:
+        out.append((0, end))
+    return out
+
+
+class _Handover:
+    """Bucketed hand-over of one ScapeOptimizer: gradient hooks on every
+    parameter post a bucket (Session.post_tensors) once this backward has
+    produced all of its gradients, so that the daemon packs it while
+    backward computes the rest; step() posts what is left.  A posted
+    gradient is the daemon's until step() returns: a tensor hook, which runs
+    before the gradient is accumulated, refuses a second backward into it."""
+
+    def __init__(self, opt, names, cap):
+        self._opt = weakref.ref(opt)  # the model's hooks must not keep it alive
+        views = opt._views
+        self.names = names
+        self.buckets = _buckets([gv.numel() * gv.element_size() for _, _, gv in views], cap)
+        self.of = [0] * len(views)  # tensor -> its bucket
+        for b, (first, count) in enumerate(self.buckets):
+            self.of[first:first + count] = [b] * count
+        takes = [p.requires_grad for p, _, _ in views]
+        self.need = [sum(takes[f:f + c]) for f, c in self.buckets]  # hooked tensors
+        self.paused = 0  # no_post() depth
+        self.handles, self.nodes = [], []
+        for i, (p, _, _) in enumerate(views):
+            if takes[i]:
+                self._hook(i, p)
+        self.reset()
+
+    def _hook(self, i, p):
+        self.handles.append(p.register_hook(lambda g, i=i: self._before(i)))
+        if hasattr(p, "register_post_accumulate_grad_hook"):  # torch >= 2.1
+            self.handles.append(p.register_post_accumulate_grad_hook(
+                lambda _p, i=i: self._after(i)))
+            return
+        # older torch: the hook of the parameter's AccumulateGrad node, as DDP
+        # used; the parameter holds the node weakly, so it is kept here
+        with torch.enable_grad():
+            node = p.expand_as(p).grad_fn.next_functions[0][0]
+        self.nodes.append(node)
+        self.handles.append(node.register_hook(lambda *_a, i=i: self._after(i)))
+
+    def reset(self):
+        """A new step: nothing posted, no gradient produced."""
+        self.posted = [False] * len(self.of)
+        self.fired = [False] * len(self.of)
+        self.left = list(self.need)
+        self.nposted = 0
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+        self.handles, self.nodes = [], []
+
+    def _before(self, i):
+        """A gradient is about to be accumulated into tensor i (any backward,
+        no_post() too): refused when the daemon may be reading what it would
+        change."""
+        if self.posted[i] or (self.fired[i] and self.nposted):
+            opt = self._opt()
+            what = ("the gradient of tensor %d (%s) was" % (i, self.names[i]) if self.posted[i]
+                    else "%d tensors' gradients were" % self.nposted)
+            raise RuntimeError(
+                "ScapeOptimizer: a second backward() before step(): %s handed to the daemon "
+                "for step %d by the first one (bucketed hand-over), and must not change until "
+                "step() returns. For gradient accumulation run the earlier micro-batches' "
+                "backward() inside `with optimizer.no_post():` (only the last one hands "
+                "gradients over), or turn bucketed hand-over off (bucket_mb=0, "
+                "SCAPE_BUCKET_MB=0)" % (what, opt.session.next_step if opt is not None else 0))
+
+    def _after(self, i):
+        """Tensor i has this backward's gradient: post its bucket once every
+        hooked tensor of it has one."""
+        if self.paused or self.fired[i]:
+            return
+        self.fired[i] = True
+        b = self.of[i]
+        self.left[b] -= 1
+        opt = self._opt()
+        if self.left[b] == 0 and opt is not None and opt.attached:
+            self._post(opt, *self.buckets[b])
+
+    def _post(self, opt, first, count):
+        """Each gradient of the bucket into the shared buffer (a fresh .grad,
+        after zero_grad(set_to_none=True), copied there and the view made
+        .grad again), then the bucket to the daemon."""
+        with torch.no_grad():
+            for p, _, gv in opt._views[first:first + count]:
+                g = p.grad
+                if g is None:
+                    gv.zero_()
+                elif g.data_ptr() != gv.data_ptr():
+                    gv.copy_(g)
+                p.grad = gv
+        opt._follow_stream()  # on CUDA the daemon waits for those copies
+        opt.session.post_tensors(first, count)
+        self.posted[first:first + count] = [True] * count
+        self.nposted += count
+
+
 @contextlib.contextmanager
 def attach_defaults(**kwargs):
     """Within the block, a ScapeOptimizer made without endpoint, timeout_ms,
@@ -108,10 +243,21 @@ class ScapeOptimizer(torch.optim.Optimizer):
     else): max_grad_norm=1.0 states that the daemon must be configured with
     max_grad_norm: 1.0, and attaching fails with the reason when it is not;
     None takes the daemon's.  last_info.grad_norm is the norm before
-    clipping, last_info.clip the factor applied."""
+    clipping, last_info.clip the factor applied.
+
+    bucket_mb (None: $SCAPE_BUCKET_MB, else 0) > 0 hands the gradients over
+    in buckets of about that many MB (2**20 bytes) of consecutive tensors,
+    formed from the last tensor back, as DDP's: a bucket goes to the daemon
+    as soon as backward() has produced all its gradients, and the daemon
+    packs it while backward computes the rest; step() hands over what is
+    left.  Every backward() outside no_post() hands its gradients over for
+    the next step, and they must not change until step() returns: a second
+    backward() into them raises (gradient accumulation: no_post() around
+    the earlier micro-batches).  0 (the default for now) hands everything
+    over at step()."""
 
     def __init__(self, params, endpoint=None, lr=1e-3, weight_decay=None, index=-1,
-                 timeout_ms=None, start_wait_ms=None, max_grad_norm=None):
+                 timeout_ms=None, start_wait_ms=None, max_grad_norm=None, bucket_mb=None):
         endpoint = _DEFAULTS.get("endpoint") if endpoint is None else endpoint
         timeout_ms = _DEFAULTS.get("timeout_ms", 600000) if timeout_ms is None else timeout_ms
         start_wait_ms = (_DEFAULTS.get("start_wait_ms", 0) if start_wait_ms is None
@@ -119,6 +265,8 @@ class ScapeOptimizer(torch.optim.Optimizer):
         if max_grad_norm is None:
             max_grad_norm = _DEFAULTS.get("max_grad_norm")
         self.max_grad_norm = max_grad_norm  # the bound stated at attach (None: the daemon's)
+        self.bucket_mb = _bucket_mb(bucket_mb)
+        self._handover = None  # bucketed hand-over's hooks (None: bucket_mb 0)
         named, tgroup, torch_groups = _groups(params)
         super().__init__(torch_groups, dict(lr=lr, weight_decay=weight_decay))
         # parameter groups go to the daemon when there are several, or any sets
@@ -137,6 +285,7 @@ class ScapeOptimizer(torch.optim.Optimizer):
             if old._registered == self._registered and len(named) == len(old._views) and \
                     all(p is q for (_, p), (q, _, _) in zip(named, old._views)):
                 self._take_over(old)
+                self._hand_over()
                 return
             old.detach()
         dtype = _one_dtype(named)
@@ -177,6 +326,40 @@ class ScapeOptimizer(torch.optim.Optimizer):
                 self._views.append((p, p.data, p.grad))
         self._flat_grads = flat_g
         self.last_info = None  # the StepInfo of the latest step
+        self._hand_over()
+
+    def _hand_over(self):
+        """With bucket_mb > 0: the gradient hooks of bucketed hand-over."""
+        if self.bucket_mb > 0:
+            self._handover = _Handover(self, self._registered[-1], self.bucket_mb * 2 ** 20)
+
+    @contextlib.contextmanager
+    def no_post(self):
+        """Within the block, backward() hands no gradient over to the daemon
+        (bucket_mb > 0): for the earlier micro-batches of gradient
+        accumulation, whose gradients the last backward() adds to; with
+        bucket_mb 0 it changes nothing."""
+        h = self._handover
+        if h is None:
+            yield
+            return
+        h.paused += 1
+        try:
+            yield
+        finally:
+            h.paused -= 1
+
+    def _pending(self, what):
+        """RuntimeError when the last backward() handed gradients over that no
+        step() has taken yet: `what` would change them."""
+        h = self._handover
+        if h is not None and h.nposted:
+            raise RuntimeError(
+                "ScapeOptimizer.%s: %d tensors' gradients were handed to the daemon for step %d "
+                "by backward() (bucketed hand-over, bucket_mb=%g) and must not change until "
+                "step() returns: call step() first, run a backward() that no step() follows "
+                "inside `with optimizer.no_post():`, or use bucket_mb=0"
+                % (what, h.nposted, self.session.next_step, self.bucket_mb))
 
     def state_dict(self):
         """The optimizer's state as torch keeps it ("state", "param_groups"
@@ -240,6 +423,7 @@ class ScapeOptimizer(torch.optim.Optimizer):
             name = state_dict.get("checkpoint_name")
             if name and where.rstrip("/").endswith("/" + name):
                 where = name  # resolved against the daemon's checkpoint_dir
+            self._pending("load_state_dict")
             self._follow_stream()  # the model's own load_state_dict copies land first
             self.session.resume(where, state_dict["step"], state_dict["layout_hash"])
         for g, saved in zip(self.param_groups, groups):
@@ -258,10 +442,14 @@ class ScapeOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none=True):
         """Zero the shared gradient buffer; .grad stays a view of it either way
         (set_to_none or not; step() would re-own a fresh .grad anyway).
-        After detach(), torch's zero_grad."""
+        Refused (RuntimeError) while gradients handed over by backward()
+        (bucket_mb) wait for step().  After detach(), torch's zero_grad."""
         if self._flat_grads is None:
             return super().zero_grad(set_to_none=set_to_none)
+        self._pending("zero_grad")
         self._flat_grads.zero_()
+        if self._handover is not None:
+            self._handover.reset()
 
     def step(self, closure=None):
         """Evaluate closure (if any) for the loss, hand the step to scaped and
@@ -281,10 +469,12 @@ class ScapeOptimizer(torch.optim.Optimizer):
                                  "steps)" % (i, wd, g["weight_decay"]))
         self._own_grads()
         self._follow_stream()
-        self.last_info = self.session.step(lr if self._grouped else lr[0],
-                                           loss=None if loss is None else
-                                           float(loss.detach() if torch.is_tensor(loss)
-                                                 else loss))
+        self.session.step_begin(lr if self._grouped else lr[0],
+                                loss=None if loss is None else
+                                float(loss.detach() if torch.is_tensor(loss) else loss))
+        if self._handover is not None:  # the step posted the rest
+            self._handover.reset()
+        self.last_info = self.session.step_wait()
         return loss
 
     def _own_grads(self):
@@ -293,11 +483,13 @@ class ScapeOptimizer(torch.optim.Optimizer):
         that view, and backward then puts the gradient in a fresh tensor: its
         values are copied into the buffer (on the current stream, so before
         the hand-over's event) and .grad is the view again; a parameter the
-        loss did not reach (.grad None) has a zero gradient.  A parameter
+        loss did not reach (.grad None) has a zero gradient.  A gradient
+        already handed over (bucket_mb) is the buffer's as it is.  A parameter
         whose .data is no longer the buffer's is refused: the daemon's
         parameters would not reach it."""
+        posted = self._handover.posted if self._handover is not None else None
         with torch.no_grad():
-            for p, pv, gv in self._views:
+            for i, (p, pv, gv) in enumerate(self._views):
                 if p.data_ptr() != pv.data_ptr():
                     raise RuntimeError(
                         "ScapeOptimizer.step: a parameter of shape %s no longer holds the "
@@ -307,6 +499,9 @@ class ScapeOptimizer(torch.optim.Optimizer):
                         "assign, or copy_() into the parameter" % (tuple(p.shape),))
                 g = p.grad
                 if g is not None and g.data_ptr() == gv.data_ptr():
+                    continue
+                if posted is not None and posted[i]:
+                    p.grad = gv  # handed over: the daemon may be reading gv
                     continue
                 if g is None:
                     gv.zero_()
@@ -334,6 +529,8 @@ class ScapeOptimizer(torch.optim.Optimizer):
             raise RuntimeError("ScapeOptimizer: a parameter no longer holds the daemon's buffer "
                                "since the earlier optimizer was made (its .data was replaced); "
                                "detach() that optimizer first")
+        old._pending("take-over by a new ScapeOptimizer")
+        old._unhook()
         self.session, self._device, self._views = old.session, old._device, old._views
         self._flat_grads, self.last_info = old._flat_grads, old.last_info
         old.session, old._flat_grads, old._views = None, None, []
@@ -352,6 +549,12 @@ class ScapeOptimizer(torch.optim.Optimizer):
             # the clones run on torch's current stream, which libscape
             # synchronises before it frees the buffers they read
             self._follow_stream()
+        self._unhook()
         self._flat_grads = None
         self._views = []
         self.session.detach()
+
+    def _unhook(self):
+        if self._handover is not None:
+            self._handover.remove()
+            self._handover = None
