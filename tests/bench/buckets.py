@@ -7,7 +7,9 @@ seeds: the whole hand-over (all gradients posted with the step) and
 --buckets (each layer's gradients posted as backward makes them, packed by
 the daemons while backward goes on).  The figure is the trainer's time
 inside scape_step: from the step posted (the last gradients with it) to the
-parameters in place, median over steps 3..S, mean over the two trainers;
+parameters in place, of the trainer that posted last (the shorter of the
+two: the other one's includes its wait for that post), median over steps
+3..S;
 the ratio bucketed / whole is the issue's target (at most 0.25).  Both
 runs must end with bitwise equal parameters.  With --link RATE (root) the
 daemons run on test hosts (deploy/hosts.sh) joined by links of that rate.
@@ -96,9 +98,14 @@ def run(build, work, tag, corpus, model, link, bucketed):
     for path in logs:
         with open(path) as f:
             rows.append([float(r["step_ms"]) for r in csv.DictReader(f)])
-    per_step = [statistics.mean(rows[r][k] for r in range(2)) for k in range(2, len(rows[0]))]
+    # the trainer that posted last waits only for the step itself; the other
+    # one's wait includes the time until that last post
+    per_step = [min(rows[r][k] for r in range(2)) for k in range(2, len(rows[0]))]
     params = [open(o, "rb").read() for o in outs]
     phases = last.get("phases_s") or {}
+    print("buckets: %s: rank 0's last step: %s" % (tag, ", ".join(
+        "%s %.1f ms" % (k, 1e3 * v) for k, v in phases.items()
+        if isinstance(v, float) and k != "early_tensors")), file=sys.stderr)
     return {"step_ms": statistics.median(per_step), "params": params, "n": numel,
             "early_pack_ms": 1e3 * (phases.get("early_pack") or 0.0),
             "early_tensors": phases.get("early_tensors") or 0,
