@@ -11,10 +11,14 @@
 #
 # Run as root (as deploy/setup.sh needs), the two daemons sit on two test
 # hosts (network namespaces, deploy/hosts.sh) joined by a link of --link RATE
-# (default 100mbit, tc's units); --link none, or no root, keeps them on
-# loopback.
+# (tc's units, e.g. 100mbit); --link none, or no root, keeps them on
+# loopback.  The default, --link calibrated, first trains dense AdamS for 30
+# steps over loopback to measure its compute per step here, and takes the
+# rate at which dense AdamS then spends 82% of its step communicating, as
+# the SCAPE paper's dense AdamS does at 64 GPUs (its derivation is printed;
+# client/examples/calibrate_link.py).
 #
-# Usage: deploy/demo.sh [--steps N] [--rho X] [--link RATE|none] [--plain]
+# Usage: deploy/demo.sh [--steps N] [--rho X] [--link RATE|calibrated|none] [--plain]
 #        (STEPS, RHO, LINK, PLAIN=1 in the environment too)
 # While it runs, `build-demo/client/scapectl --runtime-dir DIR watch` (the
 # directory is printed) follows a daemon from another terminal.
@@ -23,7 +27,7 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 STEPS=${STEPS:-300}
 RHO=${RHO:-0.01}
-LINK=${LINK:-100mbit}
+LINK=${LINK:-calibrated}
 PLAIN=${PLAIN:-0}
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -31,7 +35,7 @@ while [ $# -gt 0 ]; do
   --rho) RHO=$2; shift 2 ;;
   --link) LINK=$2; shift 2 ;;
   --plain) PLAIN=1; shift ;;
-  *) echo "usage: deploy/demo.sh [--steps N] [--rho X] [--link RATE|none] [--plain]" >&2; exit 64 ;;
+  *) echo "usage: deploy/demo.sh [--steps N] [--rho X] [--link RATE|calibrated|none] [--plain]" >&2; exit 64 ;;
   esac
 done
 if [ "$PLAIN" = 1 ]; then
@@ -79,19 +83,9 @@ free_port() {
 
 ctl() { build-demo/client/scapectl --runtime-dir "$1" "${@:2}"; }
 
-# Two test hosts with a LINK-rate link, when root can make them.
-if [ "$LINK" != none ]; then
-  if [ "$(id -u)" -ne 0 ]; then
-    echo "==> not root: the daemons talk over loopback (--link needs network namespaces)"
-    LINK=none
-  elif bash deploy/hosts.sh up 2 --rate "$LINK" --name "scdemo$$" >"$out/hosts.log" 2>&1; then
-    hosts="scdemo$$"
-    echo "==> two test hosts joined by a $LINK link: $(cat "$out/hosts.log")"
-  else
-    echo "==> no test hosts here ($(tail -n 1 "$out/hosts.log")): the daemons talk over loopback"
-    LINK=none
-  fi
-fi
+# run_group (below) runs RUN_STEPS steps; QUIET=1 leaves out the progress
+# bar and the validation (the calibration's probe).
+RUN_STEPS=$STEPS QUIET=0
 
 # run_group NAME SCAPED-FLAGS...: 2 daemons x 2 trainers; trainer 0 of rank 0
 # reports (validation loss, CSV log, progress bar).
@@ -124,14 +118,18 @@ run_group() {
       sleep 0.2
     done
   done
-  echo "    watch it: build-demo/client/scapectl --runtime-dir $rt/$name-0 watch"
+  [ "$QUIET" = 1 ] || echo "    watch it: build-demo/client/scapectl --runtime-dir $rt/$name-0 watch"
   local trainers=()
   for r in 0 1; do
     for j in 0 1; do
       local extra=()
-      [ "$r$j" = 00 ] && extra=(--report --progress --log "$out/$name.csv")
+      if [ "$r$j" = 00 ] && [ "$QUIET" = 1 ]; then
+        extra=(--log "$out/$name.csv")
+      elif [ "$r$j" = 00 ]; then
+        extra=(--report --progress --log "$out/$name.csv")
+      fi
       build-demo/client/examples/gpt_train --endpoint "ipc://$rt/$name-$r/control" \
-        --index "$j" --corpus "$corpus" --steps "$STEPS" --seed $((1 + 1000 * r + j)) \
+        --index "$j" --corpus "$corpus" --steps "$RUN_STEPS" --seed $((1 + 1000 * r + j)) \
         "${extra[@]}" >"$out/$name-trainer-$r-$j.log" 2>"$out/$name-trainer-$r-$j.err" &
       trainers+=($!)
     done
@@ -148,6 +146,31 @@ run_group() {
   for p in "${pids[@]}"; do wait "$p"; done
   pids=()
 }
+
+# Two test hosts with a LINK-rate link, when root can make them; a calibrated
+# rate first from dense AdamS's compute, measured over loopback.
+if [ "$LINK" != none ] && [ "$(id -u)" -ne 0 ]; then
+  echo "==> not root: the daemons talk over loopback (--link needs network namespaces)"
+  LINK=none
+fi
+if [ "$LINK" = calibrated ]; then
+  echo "==> calibrating the link: dense AdamS, 30 steps over loopback, for its compute per step"
+  RUN_STEPS=30 QUIET=1
+  run_group probe --optimizer adams "${both[@]}"
+  RUN_STEPS=$STEPS QUIET=0
+  LINK=$(python3 client/examples/calibrate_link.py "$out/probe.csv" 2>"$out/calibration.txt") ||
+    { cat "$out/calibration.txt" >&2; exit 1; }
+  echo "    $(cat "$out/calibration.txt")"
+fi
+if [ "$LINK" != none ]; then
+  if bash deploy/hosts.sh up 2 --rate "$LINK" --name "scdemo$$" >"$out/hosts.log" 2>&1; then
+    hosts="scdemo$$"
+    echo "==> two test hosts joined by a $LINK link: $(cat "$out/hosts.log")"
+  else
+    echo "==> no test hosts here ($(tail -n 1 "$out/hosts.log")): the daemons talk over loopback"
+    LINK=none
+  fi
+fi
 
 where="loopback"
 [ -z "$hosts" ] || where="a $LINK link"

@@ -76,3 +76,40 @@ def test_gpt_learns_and_scape_keeps_up_with_adams(daemon_factory, tmp_path, corp
     assert val_s[-1] < val_d[-1] + 0.3, "scape %.3f vs adams %.3f" % (val_s[-1], val_d[-1])
     # The steps after the warm-up send a small fraction of what dense sends.
     assert sorted(bytes_s)[STEPS // 2] < 0.25 * sorted(bytes_d)[STEPS // 2]
+
+
+def test_calibrated_link_from_a_dense_probe(daemon_factory, tmp_path, corpus):
+    """The demo's calibration (client/examples/calibrate_link.py) on a real
+    probe: dense AdamS over loopback, gpt_train's CSV log; the rate is the
+    one at which the daemon's wire bytes take 82/18 of the measured compute,
+    and the derivation it prints says so."""
+    import csv
+    import re
+    import statistics
+    daemons = start_group(daemon_factory, [1, 1], ["--mode", "sharded", "--optimizer", "adams"])
+    logs, procs = [str(tmp_path / ("probe%d.csv" % r)) for r in range(2)], []
+    for r, d in enumerate(daemons):
+        procs.append(subprocess.Popen(
+            [binary("client", "examples", "gpt_train"), "--endpoint", d.endpoint, "--corpus",
+             corpus, "--seed", str(1 + 1000 * r), *MODEL[:-1], "12", "--log", logs[r]],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for p in procs:
+        o, e = p.communicate(timeout=300)
+        assert p.returncode == 0, o + e
+    for d in daemons:
+        assert d.stop() == 0, d.output()
+    tool = os.path.join(SOURCE, "client", "examples", "calibrate_link.py")
+    res = subprocess.run(["python3", tool, logs[0]], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    kbit = int(re.fullmatch(r"(\d+)kbit\n", res.stdout).group(1))
+    with open(logs[0]) as f:
+        rows = list(csv.DictReader(f))
+    wall = [float(r["wall_s"]) for r in rows]
+    c = statistics.median_high(wall[i] - wall[i - 1] - 1e-3 * float(rows[i]["step_ms"])
+                               for i in range(5, len(rows)))
+    sent = statistics.median_high(int(r["wire_bytes"]) for r in rows[5:])
+    assert kbit == round(8 * sent / (c * 0.82 / 0.18) / 1e3), (kbit, sent, c)
+    assert "82% of its step communicating" in res.stderr and "Mbit/s" in res.stderr
+    short = subprocess.run(["python3", tool, logs[0], "--skip", "11"], capture_output=True,
+                           text=True)
+    assert short.returncode != 0 and "need more than" in short.stderr
