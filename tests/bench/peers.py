@@ -25,9 +25,10 @@ failure part-way loses nothing already run. A benchmark: it prints figures
 and passes or fails on nothing but the runs themselves. Needs root
 (namespaces), torch.
 
-usage: tests/bench/peers.py BUILD_DIR [--rates 100mbit,10mbit] [--steps N]
+usage: tests/bench/peers.py BUILD_DIR [--rates 100mbit,10mbit|calibrated] [--steps N]
            [--lrs 1e-3,3e-3] [--lr-for RUN=LR,...]
-           [--runs adamw,psgd1,psgd3,psgd4,adams,scape0.1,scape0.01,scape0.1s,scape0.13s]
+           [--runs adamw,psgd1,psgd3,psgd4,adams,scape0.1,scape0.01,scape0.1s,scape0.13s,
+                   scape0.1b,scape0.01b] [--calibrate-steps S]
            [--eval-every E] [--time-rates 1gbit,10mbit] [--time-steps S]
            [--markdown FILE] [--plot FILE.svg] [--results FILE.json]
        tests/bench/peers.py --replot FILE.json [--markdown FILE] [--plot FILE.svg]
@@ -36,6 +37,10 @@ usage: tests/bench/peers.py BUILD_DIR [--rates 100mbit,10mbit] [--steps N]
    the step times there; the time to each loss level at such a rate is then
    derived (the full run's steps, timed as measured at that rate), and the
    crossover link rate is fitted through all of them against 1/rate.
+   --rates calibrated: first dense AdamS for S steps on unlimited links, whose
+   compute per step (its step less the optimizer's part) and bytes per step
+   give the rate at which it spends 82% of its step communicating (the SCAPE
+   paper's dense AdamS at 64 GPUs); the runs then use that rate.
    (worker mode, run by the benchmark itself on each host: peers.py --worker ...)
 """
 import argparse
@@ -75,6 +80,10 @@ RUNS = {  # name: (family, settings)
                                "mask_deltas": "true", "gather_values": "delta"}),
     "scape0.2sg": ("scaped", {"optimizer": "scape", "rho": "0.2", "dense_below": "256",
                               "mask_deltas": "true", "gather_values": "delta"}),
+    # bucketed hand-over (ScapeOptimizer(bucket_mb=), a trainer setting):
+    # buckets of about 0.1 MB, five of them in the example GPT
+    "scape0.1b": ("scaped", {"optimizer": "scape", "rho": "0.1", "bucket_mb": "0.1"}),
+    "scape0.01b": ("scaped", {"optimizer": "scape", "rho": "0.01", "bucket_mb": "0.1"}),
 }
 LABEL = {"adamw": "DDP AdamW (dense)", "psgd1": "DDP PowerSGD rank 1 + AdamW",
          "psgd3": "DDP PowerSGD rank 3 + AdamW", "psgd4": "DDP PowerSGD rank 4 + AdamW",
@@ -83,7 +92,10 @@ LABEL = {"adamw": "DDP AdamW (dense)", "psgd1": "DDP PowerSGD rank 1 + AdamW",
          "scape0.1s": "scaped SCAPE rho 0.1, small tensors whole, mask deltas",
          "scape0.13s": "scaped SCAPE rho 0.13, small tensors whole, mask deltas",
          "scape0.16sg": "scaped SCAPE rho 0.16, small whole, mask deltas, gathers of changes",
-         "scape0.2sg": "scaped SCAPE rho 0.2, small whole, mask deltas, gathers of changes"}
+         "scape0.2sg": "scaped SCAPE rho 0.2, small whole, mask deltas, gathers of changes",
+         "scape0.1b": "scaped SCAPE rho 0.1, bucketed hand-over",
+         "scape0.01b": "scaped SCAPE rho 0.01, bucketed hand-over"}
+SHARE = 0.82  # --rates calibrated: dense AdamS's share of its step communicating
 WARMUP = 10  # PowerSGD's vanilla all-reduce steps = SCAPE's dense warm-up
 
 
@@ -118,11 +130,12 @@ def worker(a):
         import scape.torch
         net = model
         opt = scape.torch.ScapeOptimizer(groups, lr=a.lr,
-                                         max_grad_norm=a.max_grad_norm or None)
+                                         max_grad_norm=a.max_grad_norm or None,
+                                         bucket_mb=a.bucket_mb)
         step = lambda loss: opt.step(lambda: loss)  # noqa: E731
     targs = argparse.Namespace(lr=a.lr, lr_warmup=a.lr_warmup, steps=a.steps)
     nograd = lambda: torch.autocast(device_type="cpu", enabled=False)  # noqa: E731
-    trained, curve, step_s, step_tx = 0.0, [], [], []
+    trained, curve, step_s, step_tx, opt_s = 0.0, [], [], [], []
 
     def tx():  # this host's interface (the worker runs in its namespace)
         try:
@@ -143,7 +156,9 @@ def worker(a):
             torch.nn.utils.clip_grad_norm_(model.parameters(), a.max_grad_norm)
         for g in opt.param_groups:
             g["lr"] = tt.lr_at(targs, t)
+        t1 = time.perf_counter()
         step(loss)
+        opt_s.append(time.perf_counter() - t1)  # the optimizer step's part of it
         step_s.append(time.perf_counter() - t0)
         step_tx.append(tx())
         trained += step_s[-1]
@@ -153,7 +168,7 @@ def worker(a):
     if a.rank == 0:
         with open(a.out, "w") as f:
             json.dump({"curve": curve, "train_s": trained, "step_s": step_s,
-                       "step_tx": step_tx}, f)
+                       "step_tx": step_tx, "opt_s": opt_s}, f)
     if a.family == "ddp":
         import torch.distributed as dist
         dist.barrier()  # nobody leaves while another still talks to it
@@ -165,6 +180,32 @@ def worker(a):
 
 
 # ---- the benchmark ------------------------------------------------------------
+
+def calibrate(a, work, key, port):
+    """--rates calibrated: dense AdamS through scaped for --calibrate-steps
+    steps on unlimited links of the test hosts; its compute per step is the
+    step's time less its optimizer step (median over the steps after the
+    tenth), its bytes the interface's tx per host per step; the rate is the
+    one at which those bytes take SHARE / (1 - SHARE) of that compute, as the
+    SCAPE paper's dense AdamS spends 82% of its step communicating at 64
+    GPUs.  Returns the rate in tc's units and the derivation."""
+    hosts(a.hosts, "up", str(WORLD), "--rate", "none")
+    try:
+        res = one_run(a, "adams", "unlimited", a.lrs[0], work, key, port, a.calibrate_steps)
+    finally:
+        hosts(a.hosts, "down")
+    skip = min(10, len(res["step_s"]) // 2)
+    comp = sorted(t - o for t, o in zip(res["step_s"][skip:], res["opt_s"][skip:]))
+    c = comp[len(comp) // 2]
+    comm = c * SHARE / (1.0 - SHARE)
+    kbit = max(1, int(round(8.0 * res["tx_per_step"] / comm / 1e3)))
+    why = ("calibrated link: dense AdamS computes %.1f ms a step (%d steps on unlimited links) "
+           "and sends %.0f B a step per host; to spend %.0f%% of its step communicating (the "
+           "SCAPE paper's dense AdamS at 64 GPUs) that takes %.1f ms: %.2f Mbit/s"
+           % (1e3 * c, a.calibrate_steps, res["tx_per_step"], 100 * SHARE, 1e3 * comm,
+              kbit / 1e3))
+    return "%dkbit" % kbit, why
+
 
 def hosts(name, *args):
     r = subprocess.run(["bash", HOSTS_SH, *args, "--name", name], capture_output=True,
@@ -186,8 +227,11 @@ def one_run(a, name, rate, lr, work, key, port, steps=None):
     common = ["--corpus", a.corpus, "--steps", str(steps), "--lr", str(lr),
               "--eval-every", str(a.eval_every if steps == a.steps else steps),
               "--family", family, "--out", out, "--max-grad-norm", str(a.max_grad_norm)]
+    settings = dict(settings)
     if family == "ddp":
         common += ["--powersgd", str(settings["powersgd"])]
+    if "bucket_mb" in settings:  # the trainer's, not the daemon's
+        common += ["--bucket-mb", settings.pop("bucket_mb")]
     procs, logs = [], []
     before = [tx_bytes("%s-h%d" % (a.hosts, r)) for r in range(WORLD)]
     env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1",
@@ -447,6 +491,8 @@ def write_report(a, best, timed, rates, command):
                               "gradients clipped to a global norm of %g" % a.max_grad_norm
                               if a.max_grad_norm else "no gradient clipping",
                               command)] + report(a, best, rates)
+    if getattr(a, "calibration", None):
+        lines[1:1] = ["", a.calibration]
     if a.time_rates:
         lines += timing_report(a, best, rates[0], timed, levels_of(a, best, rates[0]))
     print("\n".join(lines))
@@ -461,7 +507,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("build", nargs="?")
-    ap.add_argument("--rates", default="100mbit")
+    ap.add_argument("--rates", default="100mbit",
+                    help="link rates (tc units), or 'calibrated': dense AdamS at 82%% of "
+                         "its step communicating, from its compute measured first")
+    ap.add_argument("--calibrate-steps", type=int, default=40)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--lrs", default="1e-3,3e-3")
     ap.add_argument("--lr-for", default="",
@@ -496,6 +545,7 @@ def main():
     ap.add_argument("--lr", type=float)
     ap.add_argument("--family")
     ap.add_argument("--powersgd", type=int, default=0)
+    ap.add_argument("--bucket-mb", type=float, default=0.0)
     ap.add_argument("--out")
     a = ap.parse_args()
     if a.worker:
@@ -532,6 +582,12 @@ def main():
     a.hosts = "peers%d" % os.getpid()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("peers: stopped (SIGTERM)"))
     best, timed, port, t0 = {}, {}, PORT, time.time()
+    if "calibrated" in rates:
+        port += 1
+        rate, why = calibrate(a, work, key, port)
+        print("peers: " + why, file=sys.stderr, flush=True)
+        a.calibration = why
+        rates = [rate if r == "calibrated" else r for r in rates]
     try:
         for rate in rates:
             hosts(a.hosts, "up", str(WORLD), "--rate", rate)
