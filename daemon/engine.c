@@ -696,8 +696,8 @@ scape_rc eng_init_params(eng_t *e, void *const *params)
     return SCAPE_OK;
 }
 
-static scape_rc check_step(const eng_t *e, uint64_t t, const float *lrs,
-                           const void *const *grads, void *const *params)
+/* An engine that may step: initialised, and no step failed part-way. */
+static scape_rc check_ready(const eng_t *e)
 {
     if (e->broken)
         return scape_set_error(SCAPE_INVALID,
@@ -705,6 +705,13 @@ static scape_rc check_step(const eng_t *e, uint64_t t, const float *lrs,
                                "inconsistent and must be restored");
     if (!e->initialised)
         return scape_set_error(SCAPE_INVALID, "engine: eng_init_params was not called");
+    return SCAPE_OK;
+}
+
+static scape_rc check_step(const eng_t *e, uint64_t t, const float *lrs,
+                           const void *const *grads, void *const *params)
+{
+    TRY(check_ready(e));
     if (t != e->last_step + 1)
         return scape_set_error(SCAPE_INVALID, "engine: step %llu out of order (expected %llu)",
                                (unsigned long long)t, (unsigned long long)e->last_step + 1);
@@ -739,12 +746,7 @@ scape_rc eng_pack_early(eng_t *e, uint64_t t, const void *const *grads,
     if (e == NULL || take == NULL || packed == NULL)
         return scape_set_error(SCAPE_INVALID, "eng_pack_early: NULL argument");
     *packed = 0;
-    if (e->broken)
-        return scape_set_error(SCAPE_INVALID,
-                               "engine: a previous step failed part-way; state is "
-                               "inconsistent and must be restored");
-    if (!e->initialised)
-        return scape_set_error(SCAPE_INVALID, "engine: eng_init_params was not called");
+    TRY(check_ready(e));
     if (t != e->last_step + 1)
         return scape_set_error(SCAPE_INVALID, "engine: early pack for step %llu, but the "
                                "next step is %llu", (unsigned long long)t,

@@ -497,47 +497,15 @@ static void range_words(const exec_args *xa, size_t first, size_t count, uint64_
 
 /* ---- the pack and the streamed residual -------------------------------------- */
 
+static scape_rc stream_part(exec_t *x, kseg_args *a, int in, int out, uint64_t w0, uint64_t w1,
+                            uint64_t p0, uint64_t p1);
+
 /* One PACK over the residual: in one launch when it is device memory, else
  * chunk by chunk through the two slots (in: copy the chunk in first; out:
  * copy it back after). */
 static scape_rc stream_pack(exec_t *x, kseg_args *a, int in, int out)
 {
-    exec_args *xa = x->a;
-    dev_x *h = impl(x);
-    if (h->resident || (!in && !out)) {
-        a->e = h->resident ? xa->e : NULL;
-        a->e_base = 0;
-        a->w0 = 0;
-        a->w1 = xa->p->nwords;
-        return run(h, KSEG_PACK, a);
-    }
-    for (size_t c = 0; c < h->nchunks; c++) {
-        const chunk *ch = &h->chunks[c];
-        int b = (int)(c & 1);
-        size_t bytes = (ch->p1 - ch->p0) * sizeof(float);
-        a->w0 = ch->w0;
-        a->w1 = ch->w1;
-        a->e = h->slot[b];
-        a->e_base = ch->p0;
-        /* the slot is free once chunk c - 2's kernel and copy out are done */
-        if (in) {
-            TRY(h->ops->wait(h->d, DEV_IN, EV_K(b)));
-            TRY(h->ops->wait(h->d, DEV_IN, EV_OUT(b)));
-            TRY(h->ops->copy(h->d, DEV_IN, h->slot[b], xa->e + ch->p0, bytes));
-            TRY(h->ops->record(h->d, DEV_IN, EV_IN(b)));
-            TRY(h->ops->wait(h->d, DEV_MAIN, EV_IN(b)));
-        } else {
-            TRY(h->ops->wait(h->d, DEV_MAIN, EV_OUT(b)));
-        }
-        TRY(run(h, KSEG_PACK, a));
-        TRY(h->ops->record(h->d, DEV_MAIN, EV_K(b)));
-        if (out) {
-            TRY(h->ops->wait(h->d, DEV_OUT, EV_K(b)));
-            TRY(h->ops->copy(h->d, DEV_OUT, xa->e + ch->p0, h->slot[b], bytes));
-            TRY(h->ops->record(h->d, DEV_OUT, EV_OUT(b)));
-        }
-    }
-    return SCAPE_OK;
+    return stream_part(x, a, in, out, 0, x->a->p->nwords, 0, x->a->p->n);
 }
 
 /* The selection's keys: SCAPE's statistic of the owned coordinates. */
