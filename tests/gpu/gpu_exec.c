@@ -12,6 +12,11 @@
  * factor must agree bit for bit too).
  * Then checkpoints cross executors: a job saved halfway on one executor and
  * resumed on the other must end where the uninterrupted host run ends.
+ * Last, bucketed hand-over: the run under test gets each step's gradients
+ * in random buckets posted early (eng_pack_early) in a random order, some
+ * first packed from wrong gradients and undone (eng_pack_early_undo), while
+ * the host run steps plainly; the ends must be equal as above, and the
+ * tensors each call packed those of its bucket.
  * The gradients depend on the parameters, so any difference grows instead of
  * hiding.  One line per case, a PASS/FAIL line last; "SKIP: <reason>" and
  * exit 77 without a GPU or NCCL.  With --sim the run under test is the sim
@@ -33,6 +38,7 @@
 
 #include "comm_nccl.h"
 #include "engine.h"
+#include "try.h"
 
 #define MAX_TR 3
 #define GC_SKIP 77
@@ -59,6 +65,7 @@ typedef struct kase {
     double rho_start; /* density schedule (0: none), over 40 masked steps */
     uint32_t dense_below; /* tensors of at most this many coordinates go whole */
     eng_gather gather;    /* gather_values */
+    uint32_t split_above; /* tensors longer than this go in pieces (0: whole) */
 } kase;
 
 /* One job's buffers and engine. */
@@ -67,7 +74,13 @@ typedef struct job {
     int device;      /* the buffers are GPU-side (cuda run, not --sim) */
     int pinned;
     void *g[MAX_TR], *p[MAX_TR];
-    void *gh;        /* host staging of one trainer's gradient */
+    void *gh[MAX_TR]; /* host staging of the trainers' gradients */
+    /* bucketed hand-over (eng_pack_early), on the job under test only */
+    int early;
+    void *poison;    /* host bytes 0xff (NaN): a gradient not yet produced */
+    size_t pieces[NT]; /* comm-order pieces of each registered tensor */
+    unsigned char written[NT]; /* step t's gradient is in the buffers */
+    unsigned char done[NT];    /* packed early since the step or the undo */
 } job;
 
 static eng_tensor s_layout[NT];
@@ -134,6 +147,7 @@ static eng_config config_of(const kase *k, int under_test)
     c.rho_steps = 40;
     c.dense_below = k->dense_below;
     c.gather = k->gather;
+    c.split_above = k->split_above;
     return c;
 }
 
@@ -226,7 +240,8 @@ static void job_open(job *j, const kase *k, int under_test, comm_t *comm)
         j->p[q] = buffer(j, pb);
         put(j, j->p[q], init, pb); /* trainer 0's are broadcast to the others */
     }
-    j->gh = malloc(gb);
+    for (int q = 0; q < k->tr; q++)
+        j->gh[q] = calloc(1, gb + 8); /* + 8: write_tensor's wrong bytes */
     free(init);
     eng_config cfg = config_of(k, under_test);
     eng_layout lay = { s_layout, NT, k->pdt, k->gdt, NULL, 0 };
@@ -243,8 +258,125 @@ static void job_close(job *j, const kase *k)
     for (int q = 0; q < k->tr; q++) {
         release(j, j->g[q]);
         release(j, j->p[q]);
+        free(j->gh[q]);
     }
-    free(j->gh);
+    free(j->poison);
+}
+
+/* ---- bucketed hand-over (eng_pack_early) ------------------------------- */
+
+/* The job under test hands its gradients over in buckets; each registered
+ * tensor is so many comm-order pieces (split_above: ceil(len / split_above)
+ * when longer, as docs/algorithm.md cuts them). */
+static void early_open(job *j, const kase *k)
+{
+    size_t gb = s_n * kern_dtype_size(k->gdt);
+    j->early = 1;
+    if ((j->poison = malloc(gb)) == NULL) {
+        printf("FAIL: out of memory\n");
+        exit(1);
+    }
+    memset(j->poison, 0xff, gb); /* NaN in f32 and in bf16 */
+    for (size_t l = 0; l < NT; l++) {
+        size_t len = s_layout[l].length, cut = k->split_above;
+        j->pieces[l] = cut == 0 || len <= cut ? 1 : (len + cut - 1) / cut;
+    }
+}
+
+/* Registered tensor l's gradient into every trainer's buffer: step t's, or
+ * (wrong) bytes of no step, which an undo must take back. */
+static void write_tensor(job *j, const kase *k, size_t l, int wrong)
+{
+    size_t es = kern_dtype_size(k->gdt), off = s_layout[l].offset * es;
+    for (int q = 0; q < k->tr; q++) {
+        const char *src = wrong ? (const char *)j->gh[(q + 1) % k->tr] + es
+                                : (const char *)j->gh[q];
+        put(j, (char *)j->g[q] + off, src + off, s_layout[l].length * es);
+    }
+    j->written[l] = !wrong;
+}
+
+/* One bucket's gradients written, then the bucket posted; the pieces the
+ * engine says it packed must be those of its tensors not packed yet (none
+ * for an optimizer that reads the whole gradient first). */
+static scape_rc post(job *j, const kase *k, uint64_t t, const unsigned char *bucket, int wrong,
+                     size_t *total)
+{
+    size_t packed = SIZE_MAX, want = 0;
+    for (size_t l = 0; l < NT; l++) {
+        if (!bucket[l])
+            continue;
+        if (wrong || !j->written[l])
+            write_tensor(j, k, l, wrong);
+        want += j->done[l] ? 0 : j->pieces[l];
+    }
+    TRY(eng_pack_early(j->e, t, (const void *const *)j->g, bucket, &packed));
+    if (eng_opt_get(k->opt)->intake)
+        want = 0;
+    if (packed != want)
+        return scape_set_error(SCAPE_INVALID, "step %llu: a bucket packed %zu comm-order "
+                               "tensors early, expected %zu", (unsigned long long)t, packed, want);
+    for (size_t l = 0; l < NT; l++)
+        j->done[l] |= bucket[l];
+    *total += packed;
+    return SCAPE_OK;
+}
+
+/* nb buckets drawn from h: each tensor in one of them, and an order. */
+static void draw_buckets(uint64_t h, size_t nb, unsigned char (*bucket)[NT], size_t *order)
+{
+    memset(bucket, 0, nb * sizeof *bucket);
+    for (size_t l = 0; l < NT; l++)
+        bucket[mix(h ^ (l * 77)) % nb][l] = 1;
+    for (size_t b = 0; b < nb; b++)
+        order[b] = b;
+    for (size_t b = nb - 1; b > 0; b--) {
+        size_t q = (size_t)(mix(h + b) % (b + 1)), s = order[b];
+        order[b] = order[q];
+        order[q] = s;
+    }
+}
+
+/* Step t with buckets: the trainers' buffers start as NaN (nothing produced
+ * yet); on one step in four some buckets are first packed from wrong
+ * gradients and undone; then a random subset of the buckets is posted in a
+ * random order, each written just before, one sometimes twice; the rest is
+ * written and the step packs it.  The step's count must be the calls'. */
+static scape_rc step_early(job *j, const kase *k, uint64_t t)
+{
+    uint64_t h = mix(t ^ ((uint64_t)s_cases << 32) ^ 0x5eedb0c4e7ull);
+    size_t nb = 1 + (size_t)(h % 6), order[6], total = 0, gb = s_n * kern_dtype_size(k->gdt);
+    unsigned char bucket[6][NT];
+    eng_step_stats st;
+    draw_buckets(h, nb, bucket, order);
+    for (int q = 0; q < k->tr; q++)
+        put(j, j->g[q], j->poison, gb);
+    memset(j->written, 0, sizeof j->written);
+    memset(j->done, 0, sizeof j->done);
+    if ((h >> 8) % 4 == 0) {
+        for (size_t b = 0; b < nb; b++)
+            if (mix(h ^ b ^ 0x77) & 1)
+                TRY(post(j, k, t, bucket[order[b]], 1, &total));
+        TRY(eng_pack_early_undo(j->e));
+        memset(j->done, 0, sizeof j->done);
+        total = 0;
+    }
+    for (size_t b = 0; b < nb; b++) {
+        if (mix(h ^ b) & 3)
+            TRY(post(j, k, t, bucket[order[b]], 0, &total));
+        if ((mix(h ^ b ^ 0xabc) & 7) == 0) /* posted again: nothing new */
+            TRY(post(j, k, t, bucket[order[b]], 0, &total));
+    }
+    for (size_t l = 0; l < NT; l++)
+        if (!j->written[l])
+            write_tensor(j, k, l, 0);
+    TRY(eng_step(j->e, t, 1e-3f, (const void *const *)j->g, j->p));
+    TRY(eng_last_stats(j->e, &st));
+    if (st.early_tensors != total)
+        return scape_set_error(SCAPE_INVALID, "step %llu: the step counts %zu tensors packed "
+                               "early, the calls %zu", (unsigned long long)t, st.early_tensors,
+                               total);
+    return SCAPE_OK;
 }
 
 /* Steps [from, to]: every trainer's gradient from its own parameters. */
@@ -257,10 +389,14 @@ static scape_rc run_steps(job *j, const kase *k, uint64_t from, uint64_t to)
         for (int q = 0; q < k->tr; q++) {
             put(j, ph, j->p[q], pb);
             for (size_t i = 0; i < s_n; i++)
-                store(j->gh, k->gdt, i, grad_of(q, t, i, as_f32(ph, k->pdt, i)));
-            put(j, j->g[q], j->gh, gb);
+                store(j->gh[q], k->gdt, i, grad_of(q, t, i, as_f32(ph, k->pdt, i)));
+            if (!j->early)
+                put(j, j->g[q], j->gh[q], gb);
         }
-        rc = eng_step(j->e, t, 1e-3f, (const void *const *)j->g, j->p);
+        if (j->early)
+            rc = step_early(j, k, t);
+        else
+            rc = eng_step(j->e, t, 1e-3f, (const void *const *)j->g, j->p);
         if (rc == SCAPE_OK && k->defer && t % 2)
             rc = eng_step_finish(j->e);
     }
@@ -366,17 +502,19 @@ static const char *dt_name(kern_dtype d) { return d == KERN_F32 ? "f32" : "bf16"
 
 static void describe(const kase *k, char *buf, size_t len)
 {
-    char small[32] = "";
+    char small[32] = "", split[32] = "";
     if (k->dense_below)
         snprintf(small, sizeof small, " whole<=%u", (unsigned)k->dense_below);
-    snprintf(buf, len, "%-10s %-10s rho %-5g grads %-4s params %-4s T_r %d%s%s%s%s%s%s%s%s%s%s",
+    if (k->split_above)
+        snprintf(split, sizeof split, " split>%u", (unsigned)k->split_above);
+    snprintf(buf, len, "%-10s %-10s rho %-5g grads %-4s params %-4s T_r %d%s%s%s%s%s%s%s%s%s%s%s",
              eng_optimizer_name(k->opt), eng_mode_name(k->mode), k->rho, dt_name(k->gdt),
              dt_name(k->pdt), k->tr, k->pinned ? " pinned-buffers" : "",
              k->resident ? " residual-on-device" : "", k->defer ? " deferred" : "",
              k->chunk < 100000 ? " small-chunks" : "", k->clip_at > 0 ? " clipped" : "",
              k->wire_bf16 ? " bf16-values" : "", k->deltas ? " mask-deltas" : "",
              k->rho_start > 0 ? " schedule" : "", small,
-             k->gather == ENG_GATHER_DELTA ? " gather-delta" : "");
+             k->gather == ENG_GATHER_DELTA ? " gather-delta" : "", split);
 }
 
 static void report(const kase *k, const char *what, int ok, const char *why, double secs)
@@ -397,13 +535,16 @@ static double now_s(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* The same job on both executors, compared at the end. */
-static void same_bits(const kase *k, comm_t *local, comm_t *dev_comm, int steps)
+/* The same job on both executors, compared at the end; with early, the run
+ * under test hands its gradients over in buckets (step_early). */
+static void same_bits(const kase *k, comm_t *local, comm_t *dev_comm, int steps, int early)
 {
     double t0 = now_s();
     job h, c;
     job_open(&h, k, 0, local);
     job_open(&c, k, 1, dev_comm);
+    if (early)
+        early_open(&c, k);
     char why[300] = "";
     int ok = eng_init_params(h.e, h.p) == SCAPE_OK && eng_init_params(c.e, c.p) == SCAPE_OK;
     if (!ok)
@@ -420,7 +561,7 @@ static void same_bits(const kase *k, comm_t *local, comm_t *dev_comm, int steps)
         ok = compare(&h, &c, k, why, sizeof why);
     job_close(&h, k);
     job_close(&c, k);
-    report(k, "steps", ok, why, now_s() - t0);
+    report(k, early ? "buckets" : "steps", ok, why, now_s() - t0);
 }
 
 /* The sections a checkpoint of e would write, copied out (a checkpoint in
@@ -502,6 +643,37 @@ static void resume_across(const kase *k, comm_t *ref_comm, comm_t *local, comm_t
     report(k, from_test ? "dev>host" : "host>dev", ok, why, now_s() - t0);
 }
 
+/* Bucketed hand-over: every optimizer in both modes with f32 gradients,
+ * some with bf16 ones, 1 and 3 trainers, the residual streamed in small
+ * chunks or kept on the device, and (scape) tensors split in pieces. */
+static void bucketed(comm_t *local, comm_t *dev_comm, int steps)
+{
+    const kase eb[] = {
+        { ENG_OPT_SCAPE, ENG_MODE_REPLICATED, 0.01, KERN_F32, KERN_F32, 1, 0, 0, 0, 5000,
+          0.0f, 0, 0, 0.0, 0, ENG_GATHER_PARAMS, 0 },
+        { ENG_OPT_SCAPE, ENG_MODE_SHARDED, 0.01, KERN_BF16, KERN_F32, 3, 0, 1, 1, 4u << 20,
+          0.01f, 0, 0, 0.0, 0, ENG_GATHER_PARAMS, 0 },
+        { ENG_OPT_ADAMS, ENG_MODE_REPLICATED, 1.0, KERN_F32, KERN_F32, 3, 1, 0, 0, 5000,
+          0.0f, 0, 0, 0.0, 0, ENG_GATHER_PARAMS, 0 },
+        { ENG_OPT_ADAMS, ENG_MODE_SHARDED, 1.0, KERN_F32, KERN_F32, 1, 0, 0, 1, 4u << 20,
+          0.0f, 0, 0, 0.0, 0, ENG_GATHER_PARAMS, 0 },
+        { ENG_OPT_ADAMW, ENG_MODE_REPLICATED, 1.0, KERN_F32, KERN_F32, 1, 0, 1, 0, 4u << 20,
+          0.01f, 0, 0, 0.0, 0, ENG_GATHER_PARAMS, 0 },
+        { ENG_OPT_ADAMW, ENG_MODE_SHARDED, 1.0, KERN_F32, KERN_F32, 3, 0, 0, 1, 5000,
+          0.0f, 0, 0, 0.0, 0, ENG_GATHER_PARAMS, 0 },
+        { ENG_OPT_TOPK_ADAMW, ENG_MODE_REPLICATED, 0.05, KERN_F32, KERN_F32, 3, 0, 0, 0,
+          4u << 20, 0.0f, 0, 0, 0.0, 0, ENG_GATHER_PARAMS, 0 },
+        { ENG_OPT_TOPK_ADAMW, ENG_MODE_SHARDED, 0.05, KERN_BF16, KERN_F32, 1, 1, 0, 0,
+          4u << 20, 0.0f, 1, 0, 0.0, 0, ENG_GATHER_PARAMS, 0 },
+        { ENG_OPT_SCAPE, ENG_MODE_SHARDED, 0.01, KERN_F32, KERN_F32, 3, 1, 0, 0, 5000,
+          0.0f, 1, 1, 0.0, 0, ENG_GATHER_DELTA, 10000 },
+        { ENG_OPT_SCAPE, ENG_MODE_REPLICATED, 0.01, KERN_BF16, KERN_BF16, 1, 0, 0, 1, 4u << 20,
+          0.0f, 1, 2, 0.2, 5000, ENG_GATHER_PARAMS, 8192 },
+    };
+    for (size_t i = 0; i < sizeof eb / sizeof eb[0]; i++)
+        same_bits(&eb[i], local, dev_comm, steps, 1);
+}
+
 /* 1 when the run under test can run here; else why not, printed. */
 static int ready(void)
 {
@@ -556,18 +728,18 @@ int main(int argc, char **argv)
                         k.pdt = KERN_BF16; /* bf16 parameters too, on some */
                     if (quick && variant % 4)
                         continue;
-                    same_bits(&k, local, dev_comm, steps);
+                    same_bits(&k, local, dev_comm, steps, 0);
                 }
     /* fewer bytes: bf16 values, bf16 gathers, mask deltas, a schedule */
     const kase fb[] = {
         { ENG_OPT_SCAPE, ENG_MODE_SHARDED, 0.01, KERN_F32, KERN_F32, 1, 0, 0, 0, 4u << 20,
-          0.0f, 1, 0, 0.0, 0, ENG_GATHER_PARAMS },
+          0.0f, 1, 0, 0.0, 0, ENG_GATHER_PARAMS, 0 },
         { ENG_OPT_SCAPE, ENG_MODE_SHARDED, 0.01, KERN_BF16, KERN_BF16, 3, 0, 1, 1, 5000,
-          0.0f, 1, 1, 0.0, 0, ENG_GATHER_PARAMS },
+          0.0f, 1, 1, 0.0, 0, ENG_GATHER_PARAMS, 0 },
         { ENG_OPT_SCAPE, ENG_MODE_REPLICATED, 0.01, KERN_F32, KERN_F32, 1, 0, 0, 1, 4u << 20,
-          0.0f, 1, 2, 0.2, 0, ENG_GATHER_PARAMS },
+          0.0f, 1, 2, 0.2, 0, ENG_GATHER_PARAMS, 0 },
         { ENG_OPT_TOPK_ADAMW, ENG_MODE_SHARDED, 0.05, KERN_F32, KERN_F32, 1, 0, 0, 0,
-          4u << 20, 0.0f, 1, 0, 0.0, 0, ENG_GATHER_PARAMS },
+          4u << 20, 0.0f, 1, 0, 0.0, 0, ENG_GATHER_PARAMS, 0 },
         /* changes on the wire (fp32 trainers): device and pinned trainers,
          * sharded and replicated, several trainers */
         { ENG_OPT_SCAPE, ENG_MODE_SHARDED, 0.01, KERN_F32, KERN_F32, 3, 0, 0, 1, 4u << 20,
@@ -585,17 +757,17 @@ int main(int argc, char **argv)
           0.0f, 1, 2, 0.0, .dense_below = 10000 },
     };
     for (size_t i = 0; i < sizeof fb / sizeof fb[0]; i++)
-        same_bits(&fb[i], local, dev_comm, steps);
+        same_bits(&fb[i], local, dev_comm, steps, 0);
     const kase rs[] = {
         { ENG_OPT_SCAPE, ENG_MODE_REPLICATED, 0.01, KERN_F32, KERN_F32, 3, 0, 0, 1, 5000, 0.0f,
-          0, 0, 0.0, 0, ENG_GATHER_PARAMS },
+          0, 0, 0.0, 0, ENG_GATHER_PARAMS, 0 },
         { ENG_OPT_SCAPE, ENG_MODE_SHARDED, 0.01, KERN_BF16, KERN_F32, 1, 0, 1, 0, 4u << 20,
-          0.01f, 0, 0, 0.0, 0, ENG_GATHER_PARAMS },
+          0.01f, 0, 0, 0.0, 0, ENG_GATHER_PARAMS, 0 },
         { ENG_OPT_TOPK_ADAMW, ENG_MODE_REPLICATED, 0.05, KERN_F32, KERN_F32, 1, 0, 0, 0,
-          4u << 20, 0.0f, 0, 0, 0.0, 0, ENG_GATHER_PARAMS },
+          4u << 20, 0.0f, 0, 0, 0.0, 0, ENG_GATHER_PARAMS, 0 },
         /* a checkpoint between deltas, under the schedule, bf16 values */
         { ENG_OPT_SCAPE, ENG_MODE_SHARDED, 0.01, KERN_F32, KERN_F32, 1, 0, 0, 0, 4u << 20,
-          0.0f, 1, 2, 0.2, 0, ENG_GATHER_PARAMS },
+          0.0f, 1, 2, 0.2, 0, ENG_GATHER_PARAMS, 0 },
         /* and with changes on the wire and the small tensors whole */
         { ENG_OPT_SCAPE, ENG_MODE_SHARDED, 0.01, KERN_F32, KERN_F32, 3, 0, 0, 1, 4u << 20,
           0.0f, 1, 1, 0.0, .dense_below = 5000, .gather = ENG_GATHER_DELTA },
@@ -604,6 +776,7 @@ int main(int argc, char **argv)
         resume_across(&rs[i], ref_comm, local, dev_comm, steps, 1);
         resume_across(&rs[i], ref_comm, local, dev_comm, steps, 0);
     }
+    bucketed(local, dev_comm, steps);
     comm_destroy(&dev_comm);
     comm_destroy(&ref_comm);
     comm_destroy(&local);

@@ -324,7 +324,8 @@ run_bench() {
 }
 
 # The cuda executor against the host executor, bitwise, over every optimizer,
-# mode, dtype and trainer count, and checkpoints across executors (gpu_exec).
+# mode, dtype and trainer count, checkpoints across executors, and gradients
+# handed over in buckets (gpu_exec).
 run_exec() {
     EXEC_STATUS="not run" EXEC_RC=0
     local t
