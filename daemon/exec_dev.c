@@ -571,14 +571,23 @@ static void count_pack(exec_t *x, const kseg_args *a, uint64_t k)
     exec_count(x, (a->mask ? 8 * w : 0) + (a->out ? 4 * (a->mask ? k : n) : 0) + 8 * keys, 0);
 }
 
+/* The pack's arguments: the gradient source, and the keys when a selection
+ * is due. */
+static scape_rc pack_args(exec_t *x, const void *const *grads, int select_due, kseg_args *a)
+{
+    *a = args_for(x->a, impl(x));
+    TRY(grad_source(x, grads, a));
+    if (select_due)
+        want_keys(x->a, impl(x), a);
+    return SCAPE_OK;
+}
+
 static scape_rc dev_pack(exec_t *x, const void *const *grads, int select_due)
 {
     exec_args *xa = x->a;
     dev_x *h = impl(x);
-    kseg_args a = args_for(xa, h);
-    TRY(grad_source(x, grads, &a));
-    if (select_due)
-        want_keys(xa, h, &a);
+    kseg_args a;
+    TRY(pack_args(x, grads, select_due, &a));
     count_pack(x, &a, xa->toff[xa->p->ntensors]);
     count_residual(x, 4 * xa->p->n * (uint64_t)(!xa->e_stale + (xa->mask_cur != NULL)));
     int stale = xa->e_stale;
@@ -656,10 +665,8 @@ static scape_rc dev_pack_part(exec_t *x, const void *const *grads, const unsigne
 {
     exec_args *xa = x->a;
     dev_x *h = impl(x);
-    kseg_args a = args_for(xa, h);
-    TRY(grad_source(x, grads, &a));
-    if (select_due)
-        want_keys(xa, h, &a);
+    kseg_args a;
+    TRY(pack_args(x, grads, select_due, &a));
     int stale = xa->e_stale, sparse = xa->mask_cur != NULL;
     a.e_zero = stale;
     a.out = sparse ? xa->send : xa->dense;
