@@ -232,6 +232,7 @@ def main():
         sum(p.numel() for p in model.parameters()), vocab, first, a.steps, a.device))
     t0 = time.time()
     last = min(a.steps, a.stop_at) if a.stop_at else a.steps
+    loss = None  # a run resumed after its last step (a late requeue) has none to take
     for t in range(first, last + 1):
         gen = torch.Generator().manual_seed(a.seed * 1000003 + t)  # resumable
         x, y = batch(train, a.batch, a.ctx, gen, a.device)
@@ -268,7 +269,10 @@ def main():
         with torch.no_grad():
             flat = torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
         flat.numpy().tofile(a.out)
-    print("torch_train: steps %d..%d done, loss %.4f" % (first, last, float(loss)))
+    if loss is None:
+        print("torch_train: steps %d..%d done: nothing was left to do" % (first, last))
+    else:
+        print("torch_train: steps %d..%d done, loss %.4f" % (first, last, float(loss)))
     opt.detach()
 
 

@@ -5,7 +5,8 @@ on the matrices only), the daemon clipping at 1.0 and bf16 autocast; the
 validation loss falls, the daemon reports the gradient norm and clips, and
 both trainers end with the same parameters, bit for bit; saved after 30
 steps through state_dict and resumed in a new launch, the run ends where
-the uninterrupted one does, bit for bit.  Needs PyTorch in
+the uninterrupted one does, bit for bit, and resumed after its last step it
+says there was nothing left to do.  Needs PyTorch in
 the interpreter running the tests (deploy/setup.sh installs Debian's)."""
 import os
 import re
@@ -55,8 +56,18 @@ def test_torch_trainer_through_the_launcher(tmp_path, corpus):  # noqa: F811
     ck, save = str(tmp_path / "ck"), str(tmp_path / "ckpt.pt")
     launch(tmp_path, corpus, 60, str(tmp_path / "a"),
            ["--save", save, "--save-every", "30", "--stop-at", "30"], ck)
-    out = launch(tmp_path, corpus, 60, str(tmp_path / "b"), ["--save", save], ck)
+    out = launch(tmp_path, corpus, 60, str(tmp_path / "b"), ["--save", save, "--save-every", "30"],
+                 ck)
     assert "resumed from %s (step 30)" % save in out and "steps 31..60 done" in out, out
     for i in (0, 1):
         b = np.fromfile(str(tmp_path / ("b%d" % i)), dtype=np.float32)
         assert np.array_equal(b, p0), "trainer %d: the resumed run differs" % i
+
+    # resumed after its last step (a job requeued as it ended): nothing left
+    # to do, said, and the parameters are the finished run's
+    out = launch(tmp_path, corpus, 60, str(tmp_path / "c"), ["--save", save], ck)
+    assert "resumed from %s (step 60)" % save in out, out
+    assert out.count("steps 61..60 done: nothing was left to do") == 2, out
+    for i in (0, 1):
+        c = np.fromfile(str(tmp_path / ("c%d" % i)), dtype=np.float32)
+        assert np.array_equal(c, p0), "trainer %d: the run resumed at its end differs" % i
