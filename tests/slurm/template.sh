@@ -234,14 +234,29 @@ while :; do
   env -u SCAPE_CHECKPOINT_DIR -u SCAPE_RESUME "$build/daemon/scaped" --runtime_dir "$stray_dir" \
     --world 1 --trainers 1 --log_level warn >>"$DIR/stray.log" 2>&1 &
   stray=$!
-  sleep 0.5
-  kill -0 "$stray" 2>/dev/null && break
+  # it holds the dir once its pid is in scaped.pid and its control socket
+  # (bound last) is there; a stray still starting after 0.5 s may yet fail
+  # on the first run's lock, so alive alone is not enough
+  for _ in $(seq 50); do
+    kill -0 "$stray" 2>/dev/null || break
+    [ "$(head -n 1 "$stray_dir/scaped.pid" 2>/dev/null)" = "$stray" ] &&
+      [ -S "$stray_dir/control" ] && break 2
+    sleep 0.1
+  done
+  kill "$stray" 2>/dev/null || true
+  wait "$stray" 2>/dev/null || true
   stray=""
-  [ "$SECONDS" -lt "$deadline" ] || fail "the first run's daemon on n3 kept its runtime dir for 30 s"
+  [ "$SECONDS" -lt "$deadline" ] || fail "the first run's daemon on n3 kept its runtime dir for 30 s" \
+    "($(tail -n 3 "$DIR/stray.log" | tr '\n' ' '))"
 done
 grep_wait "run 1 of job $job could not start its daemons" 120
-grep -q "another scaped (pid $stray) is serving '$stray_dir'" "$DIR/requeue.out" ||
-  fail "n3's daemon did not name the stray scaped (pid $stray) that held its runtime dir"
+# srun forwards the daemon's stderr on its own; give it a few seconds
+named="another scaped (pid $stray) is serving '$stray_dir'"
+for _ in $(seq 50); do grep -qF "$named" "$DIR/requeue.out" && break; sleep 0.2; done
+grep -qF "$named" "$DIR/requeue.out" ||
+  fail "n3's daemon did not name the stray scaped (pid $stray) that held its runtime dir;" \
+    "the job said: $(grep -E "error|refused|another scaped|could not" "$DIR/requeue.out" |
+                     tail -n 6 | tr '\n' '|')"
 kill "$stray" 2>/dev/null
 wait "$stray" 2>/dev/null || true
 stray=""
