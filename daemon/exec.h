@@ -125,7 +125,8 @@ typedef struct exec_ops {
      * for pack() (the step's, known before it runs). */
     scape_rc (*pack_part)(exec_t *x, const void *const *grads, const unsigned char *take,
                           int select_due);
-    /* defer_select: keep what the selection needs before update changes m. */
+    /* defer_select: keep what the selection needs before update changes m
+     * (an executor may have kept it already, part by part, in pack_part). */
     scape_rc (*keep_stats)(exec_t *x);
     /* ENG_MASK_LAGGED_M: exact top-k of the owned tensors into x->a->mask_next. */
     scape_rc (*select)(exec_t *x);

@@ -36,6 +36,8 @@ typedef struct host_x {
     size_t topk_scratch_bytes;
     float *sstat;        /* defer_select: the statistic at M_t's coordinates of
                             the owned tensors, packed like `send` (K_cap) */
+    int stats_parted;    /* this step's packs were partial and each kept the
+                            statistic of the owned tensors it packed */
     double begun[ENG_PH_COUNT], spent[ENG_PH_COUNT];
     double *sq;          /* max_grad_norm: the chunks' sums of squares */
     size_t sq_cap;
@@ -269,20 +271,31 @@ static scape_rc pack_run(exec_t *x, const void *const *grads, const unsigned cha
     return pool_run(h->pool, nitems, pack_item, &pc);
 }
 
+static scape_rc keep_stats_taken(exec_t *x, const unsigned char *take);
+
 static scape_rc host_pack(exec_t *x, const void *const *grads, int select_due)
 {
     (void)select_due; /* the selection reads a back from e and send */
+    impl(x)->stats_parted = 0; /* keep_stats takes every owned tensor's */
     TRY(pack_run(x, grads, NULL));
     /* dense: e now holds a, and after the reduction the sums */
     x->a->e_stale = x->a->mask_cur == NULL;
     return SCAPE_OK;
 }
 
+/* A deferred selection's statistic needs only the tensor's own pack and m
+ * (unchanged until the update): a partial pack keeps it for the owned
+ * tensors it packed, so early packs take it off the step's path too. */
 static scape_rc host_pack_part(exec_t *x, const void *const *grads, const unsigned char *take,
                                int select_due)
 {
-    (void)select_due;
-    return pack_run(x, grads, take);
+    exec_args *xa = x->a;
+    TRY(pack_run(x, grads, take));
+    if (!select_due || xa->mask_cur == NULL || !xa->cfg->defer_select ||
+        xa->opt->mask != ENG_MASK_LAGGED_M)
+        return SCAPE_OK;
+    impl(x)->stats_parted = 1;
+    return keep_stats_taken(x, take);
 }
 
 /* ---- offsets ---------------------------------------------------------------- */
@@ -387,14 +400,42 @@ static scape_rc keep_stat_tensor(void *ctx, size_t i, int w)
                                  impl(x)->sstat + xa->toff[j]);
 }
 
-static scape_rc host_keep_stats(exec_t *x)
+typedef struct stat_ctx {
+    exec_t *x;
+    const unsigned char *take; /* comm order; NULL: every owned tensor */
+} stat_ctx;
+
+static scape_rc keep_stat_taken(void *ctx, size_t i, int w)
+{
+    stat_ctx *sc = ctx;
+    const exec_args *xa = sc->x->a;
+    size_t j = xa->p->shard[xa->rank].first + i;
+    return sc->take && !sc->take[j] ? SCAPE_OK : keep_stat_tensor(sc->x, i, w);
+}
+
+/* The statistic of the owned tensors j with take[j] (NULL: all). */
+static scape_rc keep_stats_taken(exec_t *x, const unsigned char *take)
 {
     exec_args *xa = x->a;
     const plan_shard *me = &xa->p->shard[xa->rank];
-    uint64_t n, k, w;
-    range_sizes(xa, me->first, me->count, &n, &k, &w);
-    count(x, k * LINE + 8 * k + 4 * w); /* m at the mask, a read, the statistic kept */
-    return pool_run(impl(x)->pool, me->count, keep_stat_tensor, x);
+    for (size_t j = me->first; j < me->first + me->count; j++)
+        if (take == NULL || take[j]) {
+            uint64_t n, k, w;
+            range_sizes(xa, j, 1, &n, &k, &w);
+            count(x, k * LINE + 8 * k + 4 * w); /* m at the mask, a read, the statistic */
+        }
+    stat_ctx sc = { x, take };
+    return pool_run(impl(x)->pool, me->count, keep_stat_taken, &sc);
+}
+
+static scape_rc host_keep_stats(exec_t *x)
+{
+    host_x *h = impl(x);
+    if (h->stats_parted) { /* every partial pack of the step kept its part */
+        h->stats_parted = 0;
+        return SCAPE_OK;
+    }
+    return keep_stats_taken(x, NULL);
 }
 
 /* topk-adamw: each rank's top-k of |a_r| per tensor into the spare buffer. */
