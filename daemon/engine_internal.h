@@ -121,6 +121,8 @@ struct eng {
     double early_s;      /* seconds spent in eng_pack_early */
     int early_waited;     /* an early pack completed the lagged all-gather, */
     double early_overlap; /* whose mask_overlap then counts to the step */
+    int early_churned;    /* the churn of early_mask against a.mask_cur is */
+    double early_churn;   /* measured: the step takes it instead */
 };
 
 /* mask_deltas: the word before each rank's code says its form. */

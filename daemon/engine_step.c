@@ -254,7 +254,9 @@ static scape_rc scape_mask(eng_t *e, uint64_t t)
         e->last.mask_bytes = e->used_iag[1];
     }
     memset(e->next_iag, 0, sizeof e->next_iag);
-    if (prev && e->a.mask_cur)
+    if (prev && e->a.mask_cur && e->early_churned && e->early_mask == e->a.mask_cur)
+        e->last.mask_churn = e->early_churn; /* measured by the first early pack */
+    else if (prev && e->a.mask_cur)
         TRY(e->x->ops->churn(e->x, e->a.mask_cur, prev));
     return SCAPE_OK;
 }
@@ -576,6 +578,17 @@ static scape_rc early_begin(eng_t *e, uint64_t t)
     e->early_mask = eng_scape_masks(e) && t > e->cfg.warmup ? e->a.mask_next : NULL;
     e->early_stale0 = e->a.e_stale;
     e->early_step = t;
+    /* the churn of the step's mask, a statistic, off the step's path too;
+     * the last step's figure in e->last stays what status shows till then */
+    if (e->opt->mask == ENG_MASK_LAGGED_M && e->early_mask && e->a.mask_cur) {
+        double shown = e->last.mask_churn;
+        TRY(e->x->ops->churn(e->x, e->early_mask, e->a.mask_cur));
+        scape_rc rc = e->x->ops->sync(e->x);
+        e->early_churn = e->last.mask_churn;
+        e->last.mask_churn = shown;
+        TRY(rc);
+        e->early_churned = 1;
+    }
     return SCAPE_OK;
 }
 
@@ -660,6 +673,7 @@ void eng_early_clear(eng_t *e)
     e->early_step = 0;
     e->early_count = 0;
     e->early_s = 0.0;
+    e->early_churned = 0;
 }
 
 scape_rc eng_early_undo(eng_t *e)

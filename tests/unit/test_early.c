@@ -49,6 +49,7 @@ typedef struct ctx {
     size_t n;
     int early;                   /* this run posts buckets early */
     float *snap[MAX_R][SNAPS + 1][NVEC]; /* plain run's; the last: params */
+    double churn[MAX_R][STEPS + 1];      /* plain run's mask churn per step */
     char fail[512];
     int failed;
     pthread_mutex_t mu;
@@ -243,6 +244,11 @@ static scape_rc train(rank_arg *a, eng_t *e, void **grads, void **params)
         if (st.early_tensors != total)
             note_fail(c, "rank %d step %llu: stats say %zu tensors packed early, the calls "
                       "%zu", a->rank, (unsigned long long)t, st.early_tensors, total);
+        if (!c->early)
+            c->churn[a->rank][t] = st.mask_churn;
+        else if (memcmp(&st.mask_churn, &c->churn[a->rank][t], sizeof(double)))
+            note_fail(c, "rank %d step %llu: mask churn %.17g with early packs, %.17g without",
+                      a->rank, (unsigned long long)t, st.mask_churn, c->churn[a->rank][t]);
         if (t % EVERY == 0)
             TRY(snapshot(c, a->rank, (int)(t / EVERY) - 1, e));
     }

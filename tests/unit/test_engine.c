@@ -84,6 +84,8 @@ typedef struct ctx {
     /* reference accumulators (rank 0 only) */
     double *sum_g, *sum_sent, *sum_abs, *stat_prev;
     int have_stat_prev;
+    unsigned char *mask_prev; /* the last step's mask, when it was sparse */
+    int have_mask_prev;
     float *final_params;     /* rank 0 trainer 0 after the run */
     size_t *k_hist;          /* K per step */
     int clipped, unclipped;  /* max_grad_norm: steps that did and did not clip */
@@ -630,6 +632,28 @@ static void check_clipping(ctx *c, uint64_t t, eng_t *e0)
         c->unclipped++;
 }
 
+/* SCAPE: the mask churn, M_t's coordinates not in M_{t-1} over M_t's, when
+ * both are sparse. */
+static void check_churn(ctx *c, uint64_t t)
+{
+    const spec *sp = c->sp;
+    int sparse = sp->cfg.optimizer == ENG_OPT_SCAPE && !dense_at(sp, t);
+    if (sparse && c->have_mask_prev) {
+        uint64_t fresh = 0, total = 0;
+        for (size_t i = 0; i < c->n; i++) {
+            fresh += c->pub[0].mask[i] && !c->mask_prev[i];
+            total += c->pub[0].mask[i] != 0;
+        }
+        double want = total ? (double)fresh / (double)total : 0.0;
+        if (c->pub[0].st.mask_churn != want)
+            note_fail(c, "step %llu: mask churn %.9g, want %.9g (%llu new of %llu)",
+                      (unsigned long long)t, c->pub[0].st.mask_churn, want,
+                      (unsigned long long)fresh, (unsigned long long)total);
+    }
+    c->have_mask_prev = sparse;
+    memcpy(c->mask_prev, c->pub[0].mask, c->n);
+}
+
 static void check_step(ctx *c, uint64_t t, eng_t *e0)
 {
     const spec *sp = c->sp;
@@ -662,6 +686,7 @@ static void check_step(ctx *c, uint64_t t, eng_t *e0)
              k_sum, (size_t)sp->R * k_sum);
     check_collectives(c, t, K, e0);
     check_clipping(c, t, e0);
+    check_churn(c, t);
     for (size_t i = 0; i < c->n && !c->failed; i++) {
         int owner = eng_tensor_owner(e0, piece_of(c, i));
         int holder = holder_of(c, i, owner);
@@ -829,6 +854,7 @@ static void ctx_init(ctx *c, const spec *sp)
     c->sum_sent = calloc(c->n, sizeof(double));
     c->sum_abs = calloc(c->n, sizeof(double));
     c->stat_prev = calloc(c->n, sizeof(double));
+    c->mask_prev = calloc(c->n, 1);
     c->final_params = fvec(c->n);
     c->k_hist = calloc((size_t)sp->steps, sizeof(size_t));
     pthread_barrier_init(&c->bar, NULL, (unsigned)sp->R);
@@ -850,6 +876,7 @@ static void ctx_free(ctx *c)
     free(c->sum_sent);
     free(c->sum_abs);
     free(c->stat_prev);
+    free(c->mask_prev);
     free(c->final_params);
     free(c->k_hist);
     pthread_barrier_destroy(&c->bar);
