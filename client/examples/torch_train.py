@@ -185,7 +185,7 @@ def main():
     ap.add_argument("--bucket-mb", type=float, default=None,
                     help="hand the gradients over in buckets of about this many MB as "
                          "backward() produces them (0: all at step(); default: "
-                         "$SCAPE_BUCKET_MB, else 0)")
+                         "$SCAPE_BUCKET_MB, else ScapeOptimizer's measured default)")
     ap.add_argument("--autocast", choices=("none", "bf16"), default="none",
                     help="run the forward pass under bf16 autocast")
     ap.add_argument("--eval-windows", type=int, default=32)

@@ -7,7 +7,11 @@ on one daemon; a small model with an unused parameter, with two trainers on
 one daemon and with two daemons of one trainer each, however the gradients
 are zeroed, and with gradient accumulation under no_post().  A second
 backward() into gradients already handed over is refused before it changes
-them, and the step then takes the first backward's gradients.  Under torch
+them, and the step then takes the first backward's gradients; a posted
+gradient changed in place before step() (a local clip) is refused at
+step().  The default size (bucket_mb unset) watches the first step and
+stays off, with one warning, for a loop that accumulates without no_post()
+or changes gradients before step().  Under torch
 2.x (the venv of test_torch2.py) the in-process tests run again, through
 register_post_accumulate_grad_hook instead of the AccumulateGrad node's
 hook."""
@@ -15,6 +19,7 @@ import os
 import subprocess
 import sys
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -138,10 +143,11 @@ def final(model):
 
 
 def train(daemon_factory, bucket_mb, how="optimizer", steps=4, micro=1, no_post=False,
-          second_at=None):
+          second_at=None, clip=False):
     """Net trained for `steps` steps of `micro` backward()s each, the earlier
     ones inside no_post() when asked; at step second_at a second backward()
-    after the first, which must be refused.  The final parameters and the
+    after the first, which must be refused; with clip, a local
+    clip_grad_norm_ before each step.  The final parameters and the
     daemon's count of early-packed tensors (of the last step)."""
     d = daemon_factory(*ENGINE, "--trainers", "1")
     model = Net()
@@ -164,6 +170,8 @@ def train(daemon_factory, bucket_mb, how="optimizer", steps=4, micro=1, no_post=
                 assert opt.session.grads.tobytes() == g, "the refused backward changed gradients"
                 with pytest.raises(RuntimeError, match="must not change until step"):
                     opt.zero_grad()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
             opt.step()
         early = early_tensors(d)
         out = final(model)
@@ -256,8 +264,58 @@ def test_gradient_accumulation_with_no_post(daemon_factory):
     assert refused == one, "the step after a refused backward took other gradients"
 
 
+def default_size(monkeypatch):
+    """bucket_mb and SCAPE_BUCKET_MB unset: the default size, here 512 bytes
+    so that Net's tensors make three buckets."""
+    monkeypatch.delenv("SCAPE_BUCKET_MB", raising=False)
+    monkeypatch.setattr(scape.torch, "DEFAULT_BUCKET_MB", 1 / 2048)
+
+
+def test_default_size_watches_the_first_step_then_posts(daemon_factory, monkeypatch):
+    """The default bucket size, asked for by nobody: the first step hands
+    everything over at step() (nothing packed early), a plain loop posts from
+    the second step on, with no warning, bitwise as bucket_mb=0."""
+    ref, _ = train(daemon_factory, 0)
+    default_size(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, first = train(daemon_factory, None, steps=1)
+        got, early = train(daemon_factory, None)
+    assert first == 0 and early > 0, (first, early)
+    assert got == ref, "the default bucket size changed the parameters"
+
+
+@pytest.mark.parametrize("loop", ["accumulation", "local-clip"])
+def test_default_size_turns_itself_off_where_the_loop_does_not_fit(daemon_factory, monkeypatch,
+                                                                   loop):
+    """The default bucket size with two backward() passes a step and no
+    no_post() (gradient accumulation), or with a local clip_grad_norm_
+    between backward() and step(): the first step sees it, warns once,
+    and the hand-over is off from then on (nothing packed early, nothing
+    refused): bitwise as bucket_mb=0 with the same loop."""
+    kw = {"micro": 2} if loop == "accumulation" else {"clip": True}
+    ref, _ = train(daemon_factory, 0, **kw)
+    default_size(monkeypatch)
+    with pytest.warns(UserWarning) as seen:
+        got, early = train(daemon_factory, None, **kw)
+    said = [str(w.message) for w in seen if "ScapeOptimizer" in str(w.message)]
+    assert len(said) == 1, said
+    assert ("gradient accumulation" if loop == "accumulation" else "clip_grad_norm_") in \
+        said[0] and "no_post()" in said[0], said[0]
+    assert early == 0 and got == ref, (early, "the parameters differ")
+
+
+def test_posted_gradient_changed_in_place_is_refused(daemon_factory):
+    """bucket_mb asked for, and a local clip_grad_norm_ after backward()
+    changes gradients already handed over: step() refuses, naming the
+    tensor and the fixes, instead of stepping on what the daemon packed."""
+    with pytest.raises(RuntimeError, match=r"gradients changed after backward\(\) handed them "
+                                           r".*tensor \d, \w+\.\w+\).*max_grad_norm"):
+        train(daemon_factory, 1 / 2048, clip=True)
+
+
 def test_bucket_mb_settings(daemon_factory, monkeypatch):
-    """bucket_mb None reads SCAPE_BUCKET_MB (unset: 0); a bad value is refused
+    """bucket_mb None reads SCAPE_BUCKET_MB (unset: the default); a bad value is refused
     naming where it came from; an optimizer that takes the session over
     (bucket_mb 0) leaves no hook of the old one behind."""
     d = daemon_factory(*ENGINE, "--trainers", "1")
@@ -280,7 +338,8 @@ def test_bucket_mb_settings(daemon_factory, monkeypatch):
     assert opt.last_info.step == 1
     opt.detach()
     monkeypatch.delenv("SCAPE_BUCKET_MB")
-    assert scape.torch._bucket_mb(None) == 0.0
+    assert scape.torch._bucket_mb(None) == (scape.torch.DEFAULT_BUCKET_MB, False)
+    assert scape.torch._bucket_mb(0) == (0.0, True)
     assert scape.torch._buckets([4, 4, 4, 4, 4], 8) == [(3, 2), (1, 2), (0, 1)]
 
 

@@ -7,6 +7,7 @@ reads, and the daemon's update lands in the parameters with no copy.
 import contextlib
 import math
 import os
+import warnings
 import weakref
 
 import torch
@@ -68,15 +69,21 @@ def _host_tensor(array, dtype):
 
 _DEFAULTS = {}  # attach_defaults()'s, for the ScapeOptimizers made inside it
 
+# bucket_mb when neither the argument nor $SCAPE_BUCKET_MB sets it: the
+# size with the shortest iteration in tests/bench/buckets.py --torch
+# (docs/benchmarks.md, "Bucket size")
+DEFAULT_BUCKET_MB = 4.0
+
 
 def _bucket_mb(value):
-    """bucket_mb as given, or $SCAPE_BUCKET_MB when None (unset or empty: 0,
-    off); ValueError naming where a bad value came from."""
+    """(size, chosen): bucket_mb as given, or $SCAPE_BUCKET_MB when None, or
+    when that is unset or empty DEFAULT_BUCKET_MB (chosen False: nobody
+    asked for it); ValueError naming where a bad value came from."""
     where = "bucket_mb=%r" % (value,)
     if value is None:
         raw = os.environ.get("SCAPE_BUCKET_MB", "").strip()
         if not raw:
-            return 0.0
+            return DEFAULT_BUCKET_MB, False
         where = "SCAPE_BUCKET_MB=%r" % raw
         try:
             value = float(raw)
@@ -87,7 +94,7 @@ def _bucket_mb(value):
         raise ValueError("ScapeOptimizer: %s: the size of a gradient bucket in MB (2**20 "
                          "bytes) handed to the daemon as backward() fills it, or 0 to hand "
                          "every gradient over at step()" % where)
-    return float(value)
+    return float(value), True
 
 
 def _buckets(sizes, cap):
@@ -105,6 +112,18 @@ def _buckets(sizes, cap):
     return out
 
 
+def _stamp(g):
+    """What says whether a .grad changed: the tensor's memory and its version
+    counter, which every in-place operation on it (or on a view or a
+    detach() of it) advances.  The views of the shared gradient buffer share
+    one counter, the buffer's: their stamp is FLAT, checked against the
+    buffer's counter as the last hook left it."""
+    return None if g is None else (g.data_ptr(), g._version)
+
+
+FLAT = "flat"
+
+
 class _Handover:
     """Bucketed hand-over of one ScapeOptimizer: gradient hooks on every
     parameter post a bucket (Session.post_tensors) once this backward has
@@ -113,8 +132,13 @@ class _Handover:
     gradient is the daemon's until step() returns: a tensor hook, which runs
     before the gradient is accumulated, refuses a second backward into it."""
 
-    def __init__(self, opt, names, cap):
+    def __init__(self, opt, names, cap, probe=False):
         self._opt = weakref.ref(opt)  # the model's hooks must not keep it alive
+        # probe (the default size, not asked for): the first step posts
+        # nothing and only watches for a second backward() into a gradient
+        # (accumulation without no_post()) or a gradient changed before
+        # step() (a local clip, GradScaler.unscale_), which turn it off
+        self.probing, self.accumulated = probe, False
         views = opt._views
         self.names = names
         self.buckets = _buckets([gv.numel() * gv.element_size() for _, _, gv in views], cap)
@@ -147,8 +171,27 @@ class _Handover:
         """A new step: nothing posted, no gradient produced."""
         self.posted = [False] * len(self.of)
         self.fired = [False] * len(self.of)
+        self.seen = [None] * len(self.of)  # .grad's stamp when produced (probe) or posted
+        self.flat_seen = None  # the buffer's version counter after the last hook
         self.left = list(self.need)
         self.nposted = 0
+
+    def changed(self, opt, which):
+        """The first tensor i with which[i] whose .grad is no longer the one
+        stamped when backward produced it (probe) or it was posted, or None;
+        one in the shared buffer counts as changed when anything in the
+        buffer changed after the last hook."""
+        moved = opt._flat_grads._version != self.flat_seen
+        for i, (p, _, gv) in enumerate(opt._views):
+            if not which[i]:
+                continue
+            g = p.grad
+            if self.seen[i] == FLAT:
+                if g is None or g.data_ptr() != gv.data_ptr() or moved:
+                    return i
+            elif _stamp(g) != self.seen[i]:
+                return i
+        return None
 
     def remove(self):
         for h in self.handles:
@@ -159,6 +202,9 @@ class _Handover:
         """A gradient is about to be accumulated into tensor i (any backward,
         no_post() too): refused when the daemon may be reading what it would
         change."""
+        if self.probing:
+            self.accumulated |= self.fired[i] and not self.paused
+            return
         if self.posted[i] or (self.fired[i] and self.nposted):
             opt = self._opt()
             what = ("the gradient of tensor %d (%s) was" % (i, self.names[i]) if self.posted[i]
@@ -177,6 +223,14 @@ class _Handover:
         if self.paused or self.fired[i]:
             return
         self.fired[i] = True
+        if self.probing:
+            opt = self._opt()
+            if opt is not None:
+                p, _, gv = opt._views[i]
+                self.seen[i] = FLAT if p.grad is not None and \
+                    p.grad.data_ptr() == gv.data_ptr() else _stamp(p.grad)
+                self.flat_seen = opt._flat_grads._version
+            return
         b = self.of[i]
         self.left[b] -= 1
         opt = self._opt()
@@ -195,6 +249,8 @@ class _Handover:
                 elif g.data_ptr() != gv.data_ptr():
                     gv.copy_(g)
                 p.grad = gv
+        self.seen[first:first + count] = [FLAT] * count
+        self.flat_seen = opt._flat_grads._version
         opt._follow_stream()  # on CUDA the daemon waits for those copies
         opt.session.post_tensors(first, count)
         self.posted[first:first + count] = [True] * count
@@ -245,16 +301,20 @@ class ScapeOptimizer(torch.optim.Optimizer):
     None takes the daemon's.  last_info.grad_norm is the norm before
     clipping, last_info.clip the factor applied.
 
-    bucket_mb (None: $SCAPE_BUCKET_MB, else 0) > 0 hands the gradients over
-    in buckets of about that many MB (2**20 bytes) of consecutive tensors,
-    formed from the last tensor back, as DDP's: a bucket goes to the daemon
-    as soon as backward() has produced all its gradients, and the daemon
-    packs it while backward computes the rest; step() hands over what is
-    left.  Every backward() outside no_post() hands its gradients over for
-    the next step, and they must not change until step() returns: a second
-    backward() into them raises (gradient accumulation: no_post() around
-    the earlier micro-batches).  0 (the default for now) hands everything
-    over at step()."""
+    bucket_mb > 0 hands the gradients over in buckets of about that many MB
+    (2**20 bytes) of consecutive tensors, formed from the last tensor back,
+    as DDP's: a bucket goes to the daemon as soon as backward() has
+    produced all its gradients, and the daemon packs it while backward
+    computes the rest; step() hands over what is left.  Every backward()
+    outside no_post() hands its gradients over for the next step, and they
+    must not change until step() returns: a second backward() into them
+    raises (gradient accumulation: no_post() around the earlier
+    micro-batches).  0 hands everything over at step().  None takes
+    $SCAPE_BUCKET_MB, or when that is unset DEFAULT_BUCKET_MB (measured,
+    as DDP's 25 MB was): then the first step hands everything over and
+    only watches; when it saw a second backward() into a gradient (gradient
+    accumulation without no_post()), the hand-over stays off, with a
+    warning, instead of refusing the loop."""
 
     def __init__(self, params, endpoint=None, lr=1e-3, weight_decay=None, index=-1,
                  timeout_ms=None, start_wait_ms=None, max_grad_norm=None, bucket_mb=None):
@@ -265,7 +325,7 @@ class ScapeOptimizer(torch.optim.Optimizer):
         if max_grad_norm is None:
             max_grad_norm = _DEFAULTS.get("max_grad_norm")
         self.max_grad_norm = max_grad_norm  # the bound stated at attach (None: the daemon's)
-        self.bucket_mb = _bucket_mb(bucket_mb)
+        self.bucket_mb, self._bucket_chosen = _bucket_mb(bucket_mb)
         self._handover = None  # bucketed hand-over's hooks (None: bucket_mb 0)
         named, tgroup, torch_groups = _groups(params)
         super().__init__(torch_groups, dict(lr=lr, weight_decay=weight_decay))
@@ -331,7 +391,8 @@ class ScapeOptimizer(torch.optim.Optimizer):
     def _hand_over(self):
         """With bucket_mb > 0: the gradient hooks of bucketed hand-over."""
         if self.bucket_mb > 0:
-            self._handover = _Handover(self, self._registered[-1], self.bucket_mb * 2 ** 20)
+            self._handover = _Handover(self, self._registered[-1], self.bucket_mb * 2 ** 20,
+                                       probe=not self._bucket_chosen)
 
     @contextlib.contextmanager
     def no_post(self):
@@ -467,6 +528,7 @@ class ScapeOptimizer(torch.optim.Optimizer):
                                  "changed from %r to %r; the daemon keeps each group's weight "
                                  "decay as registered at attach (only 'lr' may change between "
                                  "steps)" % (i, wd, g["weight_decay"]))
+        self._check_handover()
         self._own_grads()
         self._follow_stream()
         self.session.step_begin(lr if self._grouped else lr[0],
@@ -476,6 +538,43 @@ class ScapeOptimizer(torch.optim.Optimizer):
             self._handover.reset()
         self.last_info = self.session.step_wait()
         return loss
+
+    def _check_handover(self):
+        """Before step() hands over the rest: after the first step of the
+        default bucket size (probe), keep the hand-over on only when the loop
+        fits it; with a bucket size asked for, refuse a posted gradient that
+        changed since it was posted (the daemon packed the posted one)."""
+        h = self._handover
+        if h is None:
+            return
+        if not h.probing:
+            i = h.changed(self, h.posted)
+            if i is not None:
+                raise RuntimeError(
+                    "ScapeOptimizer.step: gradients changed after backward() handed them to "
+                    "the daemon for step %d (bucketed hand-over, bucket_mb=%g; the first of "
+                    "them: tensor %d, %s), which packed them as they were: something changed "
+                    ".grad in place or replaced it before step() (a local clip_grad_norm_, "
+                    "GradScaler.unscale_). Let the daemon clip (max_grad_norm) and drop the "
+                    "local change, or use bucket_mb=0"
+                    % (self.session.next_step, self.bucket_mb, i, h.names[i]))
+            return
+        h.probing = False
+        i = h.changed(self, h.fired)
+        if not h.accumulated and i is None:
+            return  # posting from the next step on
+        self._unhook()
+        self.bucket_mb = 0.0
+        why = ("several backward() passes before step() (gradient accumulation)"
+               if h.accumulated else "gradients changed between backward() and step() "
+               "(a local clip_grad_norm_ or GradScaler.unscale_; the first of them: tensor "
+               "%d, %s)" % (i, h.names[i]))
+        warnings.warn(
+            "ScapeOptimizer: %s: bucketed hand-over, on by default (bucket_mb=%g), is off "
+            "for this optimizer, which hands every gradient over at step(). To keep it: "
+            "run the earlier micro-batches' backward() inside `with optimizer.no_post():`, "
+            "let the daemon clip (max_grad_norm), and pass bucket_mb (or set "
+            "SCAPE_BUCKET_MB)" % (why, DEFAULT_BUCKET_MB), stacklevel=3)
 
     def _own_grads(self):
         """The daemon reads the gradients from its buffer, which each .grad is
