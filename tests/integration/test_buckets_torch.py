@@ -115,6 +115,27 @@ class Net(torch.nn.Module):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
+class NetUnusedFirst(Net):
+    """Net with one more parameter that gets no gradient, given between
+    a.weight and a.bias: in buckets of 512 bytes the first layer's tensors,
+    whose gradients backward makes last, share a bucket with it that never
+    fills, and so does b's: the last post is c's bucket, and backward goes
+    on adding to b's and a's gradients after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.extra = torch.nn.Parameter(torch.zeros(4))
+
+    def named_parameters(self, *a, **k):
+        own = dict(super().named_parameters(*a, **k))
+        extra = own.pop("extra")
+        items = list(own.items())
+        return iter(items[:1] + [("extra", extra)] + items[1:])
+
+    def parameters(self, *a, **k):
+        return (p for _, p in self.named_parameters())
+
+
 def batch(step, micro):
     g = torch.Generator().manual_seed(100 * step + micro)
     x = torch.randn(16, 8, generator=g)
@@ -143,14 +164,14 @@ def final(model):
 
 
 def train(daemon_factory, bucket_mb, how="optimizer", steps=4, micro=1, no_post=False,
-          second_at=None, clip=False):
+          second_at=None, clip=False, net=Net):
     """Net trained for `steps` steps of `micro` backward()s each, the earlier
     ones inside no_post() when asked; at step second_at a second backward()
     after the first, which must be refused; with clip, a local
     clip_grad_norm_ before each step.  The final parameters and the
     daemon's count of early-packed tensors (of the last step)."""
     d = daemon_factory(*ENGINE, "--trainers", "1")
-    model = Net()
+    model = net()
     opt = scape.torch.ScapeOptimizer(model.named_parameters(), endpoint=d.endpoint, lr=0.05,
                                      bucket_mb=bucket_mb, start_wait_ms=WAIT_MS)
     try:
@@ -303,6 +324,17 @@ def test_default_size_turns_itself_off_where_the_loop_does_not_fit(daemon_factor
     assert ("gradient accumulation" if loop == "accumulation" else "clip_grad_norm_") in \
         said[0] and "no_post()" in said[0], said[0]
     assert early == 0 and got == ref, (early, "the parameters differ")
+
+
+@pytest.mark.parametrize("how", ["optimizer", "none"])
+def test_gradients_after_the_last_post_are_no_change(daemon_factory, how):
+    """The first layers' gradients, which backward makes last, in buckets
+    that never fill: their accumulation after the last post changes the
+    shared buffer, but not what was posted: nothing refused, bitwise as
+    unbucketed."""
+    ref, _ = train(daemon_factory, 0, how, net=NetUnusedFirst)
+    got, early = train(daemon_factory, 1 / 2048, how, net=NetUnusedFirst)
+    assert early > 0 and got == ref, (early, "the parameters differ")
 
 
 def test_posted_gradient_changed_in_place_is_refused(daemon_factory):

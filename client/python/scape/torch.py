@@ -223,18 +223,18 @@ class _Handover:
         if self.paused or self.fired[i]:
             return
         self.fired[i] = True
+        opt = self._opt()
+        if opt is None or opt._flat_grads is None:
+            return
+        self.flat_seen = opt._flat_grads._version  # after this accumulation
         if self.probing:
-            opt = self._opt()
-            if opt is not None:
-                p, _, gv = opt._views[i]
-                self.seen[i] = FLAT if p.grad is not None and \
-                    p.grad.data_ptr() == gv.data_ptr() else _stamp(p.grad)
-                self.flat_seen = opt._flat_grads._version
+            p, _, gv = opt._views[i]
+            self.seen[i] = FLAT if p.grad is not None and \
+                p.grad.data_ptr() == gv.data_ptr() else _stamp(p.grad)
             return
         b = self.of[i]
         self.left[b] -= 1
-        opt = self._opt()
-        if self.left[b] == 0 and opt is not None and opt.attached:
+        if self.left[b] == 0 and opt.attached:
             self._post(opt, *self.buckets[b])
 
     def _post(self, opt, first, count):
