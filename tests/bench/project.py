@@ -81,8 +81,9 @@ INPUTS = {
     "megatron_bucket": (40e6, "params", "Megatron-LM's default DDP bucket, "
                         "max(40M, 1M x DP) parameters (Megatron-LM, "
                         "megatron/core/distributed/distributed_data_parallel.py)"),
-    "scape_buckets": (8, "", "buckets of SCAPE's planned hand-over (not built; the size is "
-                      "still to be measured, issue 34 part 1)"),
+    "scape_buckets": (8, "", "buckets of SCAPE's bucketed hand-over as backward makes them "
+                      "(more buckets only shrink the last one's share; each costs its own "
+                      "reduction calls in the planned early reduction)"),
     "residual_chunk": (4 << 20, "coords", "the residual_chunk default (daemon/engine.c)"),
 }
 PAPER = {"dense_eff_64": 0.1758, "scape_eff_64": 0.5504, "speedup_64": 3.26}
@@ -242,18 +243,24 @@ def step_terms(c, n_full, R, rho, lens, balanced=False):
     return t
 
 
-def bucketed(t, compute_s):
-    """SCAPE's planned bucketed hand-over (not built): each of B buckets
-    streams its part of the residual and starts its part of the reduction
-    (2(R-1) calls each) as backward produces it; all but the last bucket's
-    run behind backward.  The pack's device-memory work competes with
-    backward for HBM and stays on the path (beside the last bucket's
-    streaming and reduction); so do the update and gather."""
+def bucketed(t, compute_s, reduction=True):
+    """SCAPE's bucketed hand-over on the cuda executor: each of B buckets
+    streams its part of the residual (its early pack) and, with reduction,
+    starts its part of the reduction (2(R-1) calls each) as backward
+    produces it; all but the last bucket's run behind backward.  The pack's
+    device-memory work competes with backward for HBM and stays on the path
+    (beside the last bucket's streaming and reduction); so do the update and
+    gather.  Both are planned on a GPU: early packs are built for gradients
+    in host memory, but a CUDA IPC trainer's gradients are packed at the step
+    until each bucket has its own ready event; the early reduction is built
+    nowhere."""
     B = v("scape_buckets")
-    hideable = t["residual"] + t["reduce_wire"] + B * t["latency_reduce"]
+    hideable = t["residual"] + (t["reduce_wire"] + B * t["latency_reduce"] if reduction else 0.0)
     exposed = hideable / B + max(0.0, hideable * (B - 1) / B - v("bwd_share") * compute_s)
-    return (t["reply"] - t["pack"] - t["reduce_wire"] - t["latency_reduce"]
-            + max(t["pack_hbm"], exposed))
+    on_path = t["reply"] - t["pack"]
+    if reduction:
+        on_path -= t["reduce_wire"] + t["latency_reduce"]
+    return on_path + max(t["pack_hbm"], exposed)
 
 
 def megatron_dense(n_full, R, compute_s, update_s):
@@ -302,7 +309,8 @@ def project(get, ranks, n_full, lens):
                    "owner_bal": sb["owner_max_over_mean"], "compute": comp,
                    "dense": dense_step, "mega": mega_step, "terms": s}
             for tag, tt in (("", s), ("_bal", sb)):
-                for ov, reply in (("", tt["reply"]), ("_ov", bucketed(tt, comp))):
+                for ov, reply in (("", tt["reply"]), ("_pk", bucketed(tt, comp, False)),
+                                  ("_ov", bucketed(tt, comp))):
                     step = comp + reply + tt["select_after"]
                     row["reply" + tag + ov] = reply
                     row["step" + tag + ov] = step
@@ -347,22 +355,28 @@ def render(rows, facts, n_full, scale, n_run):
                                ms(t["pack_enqueue"]), r["owner"], ms(t["select_after"]),
                                ms(r["reply"])))
     out += ["", "Step time, strong-scaling efficiency E = T1 / (R T_R) and speedup against "
-            "dense AdamS (fp32, not overlapped) at the fitted compute; 'bucketed' is a "
-            "projection of a PLANNED feature (issue 34 part 1, not built), 'balanced owners' "
-            "is split_above = N / (4 R) (part 2, built, off by default). Paper at R = 64: SCAPE 55.04%, 3.26x.", "",
+            "dense AdamS (fp32, not overlapped) at the fitted compute; 'early packs' (the "
+            "buckets' residual streamed behind backward: built for host-memory gradients, "
+            "PLANNED for CUDA IPC ones, which need a ready event per bucket) and 'bucketed' "
+            "(early packs and each bucket's reduction started early: PLANNED, built nowhere) "
+            "are projections of features a GPU run does not have yet, 'balanced owners' "
+            "is split_above = N / (4 R) (part 2, built, off by default). Paper at R = 64: "
+            "SCAPE 55.04%, 3.26x.", "",
             "| rho | R | compute ms | dense AdamS fp32 step ms (E) | dense bf16 overlapped "
-            "(Megatron) step ms (E) | SCAPE as built: reply / step ms, E, speedup | bucketed: "
+            "(Megatron) step ms (E) | SCAPE as built: reply / step ms, E, speedup | early "
+            "packs: reply / step, E, speedup | bucketed: "
             "reply / step, E, speedup | balanced owners: reply / step, E, speedup | both: "
             "reply / step, E, speedup, vs Megatron |",
-            "|---|---:|---:|---:|---:|---|---|---|---|"]
+            "|---|---:|---:|---:|---:|---|---|---|---|---|"]
     for r in rows:
         def cell(tag):
             return "%s / %s, %.1f%%, %.2fx" % (ms(r["reply" + tag]), ms(r["step" + tag]),
                                               100 * r["eff" + tag], r["speedup" + tag])
-        out.append("| %g | %d | %s | %s (%.1f%%) | %s (%.1f%%) | %s | %s | %s | %s, %.2fx |"
+        out.append("| %g | %d | %s | %s (%.1f%%) | %s (%.1f%%) | %s | %s | %s | %s | %s, %.2fx |"
                    % (r["rho"], r["R"], ms(r["compute"]), ms(r["dense"]),
                       100 * r["eff_dense"], ms(r["mega"]), 100 * r["eff_mega"], cell(""),
-                      cell("_ov"), cell("_bal"), cell("_bal_ov"), r["vs_mega_bal_ov"]))
+                      cell("_pk"), cell("_ov"), cell("_bal"), cell("_bal_ov"),
+                      r["vs_mega_bal_ov"]))
     out += ["", "Targets of issue 34 at R = 64, rho 0.01 (E >= %.0f%% and >= %.1fx against fp32 "
             "dense AdamS; stretch: reply <= %.0f ms):" % (100 * TARGET["eff"],
                                                          TARGET["speedup"], TARGET["reply_ms"]),
@@ -379,7 +393,8 @@ def met(ok):
 
 def target_lines(r):
     out = []
-    for tag, what in (("", "as built"), ("_ov", "with bucketed overlap"),
+    for tag, what in (("", "as built"), ("_pk", "with early packs (planned on a GPU)"),
+                      ("_ov", "with bucketed overlap (planned)"),
                       ("_bal", "with balanced owners"), ("_bal_ov", "with both")):
         out.append("- %s: E %.1f%% (%s), %.2fx (%s); reply %s ms (stretch %s)" % (
             what, 100 * r["eff" + tag], met(r["eff" + tag] >= TARGET["eff"]),
@@ -460,6 +475,13 @@ def check():
         want(0 < r <= t["reply"] + t["latency_reduce"] * (v("scape_buckets") - 1),
              "bucketed reply within bounds at compute %g" % comp)
     want(bucketed(t, 10.0) <= t["reply"], "a long backward hides what it can")
+    for comp in (0.0, 0.01, 1.0, 10.0):
+        pk = bucketed(t, comp, False)
+        want(pk <= t["reply"] + 1e-15, "early packs never lengthen the reply (compute %g)" % comp)
+        want(pk >= t["reply"] - t["pack"] + t["pack_hbm"] - 1e-15,
+             "early packs hide no more than the residual's streaming (compute %g)" % comp)
+    want(abs(bucketed(t, 0.0, False) - t["reply"]) < 1e-12 or t["pack"] > t["residual"],
+         "without backward to hide behind, early packs change nothing")
     # the reply is the sum of its terms
     parts = (t["pack"] + t["reduce_wire"] + t["gather_wire"] + t["latency"] + t["launches"]
              + t["hbm_other"])
