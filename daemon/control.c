@@ -659,7 +659,14 @@ static void pack_early(server *s)
     for (int i = 0; i < n; i++)
         parts[i] = (job_part){ .params = &ts[i]->params, .grads = &ts[i]->grads,
                                .pid = ts[i]->pid, .index = ts[i]->index };
-    scape_rc rc = job_pack_early(&s->job, parts, n, s->take);
+    int dead = -1;
+    scape_rc rc = job_pack_early(&s->job, parts, n, s->take, s->cfg.comm_timeout_ms, &dead);
+    if (rc == SCAPE_OK && dead >= 0) {
+        LOG_INFO(SUB_ENGINE, "step %llu: trainer %d died before its posted gradients were "
+                 "ready: nothing packed early; its step finds it gone",
+                 (unsigned long long)s->job.next_step, ts[dead]->index);
+        return;
+    }
     if (rc != SCAPE_OK) {
         job_mark_broken(&s->job);
         LOG_ERROR(SUB_ENGINE, "step %llu: packing a bucket early failed: %s",

@@ -198,17 +198,22 @@ scape_rc job_step_run(job *j, const float *lr, job_part *p, int n, size_t grad_b
     return SCAPE_OK;
 }
 
-scape_rc job_pack_early(job *j, job_part *p, int n, const unsigned char *take)
+scape_rc job_pack_early(job *j, job_part *p, int n, const unsigned char *take, int timeout_ms,
+                        int *dead)
 {
     const void *grads[JOB_MAX_PARTS];
+    *dead = -1;
     if (n > JOB_MAX_PARTS)
         return scape_set_error(SCAPE_INVALID, "step: %d trainers (at most %d)", n,
                                JOB_MAX_PARTS);
     for (int i = 0; i < n; i++) {
-        if (p[i].grads->dev || p[i].grads->event)
-            return SCAPE_OK; /* device memory: the step takes it all */
+        if (p[i].grads->dev && p[i].grads->addr)
+            return SCAPE_OK; /* a pinned host copy: the step pulls it whole */
         grads[i] = shm_map_engine(p[i].grads);
     }
+    TRY(job_await_grads(p, n, timeout_ms, dead));
+    if (*dead >= 0)
+        return SCAPE_OK;
     size_t packed = 0;
     return eng_pack_early(j->eng, j->next_step, grads, take, &packed);
 }

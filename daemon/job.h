@@ -119,10 +119,16 @@ scape_rc job_step_run(job *j, const float *lr, job_part *p, int n, size_t grad_b
  * are out of step: the caller marks the job broken. */
 scape_rc job_step_finish(job *j, int defer_select);
 /* Bucketed hand-over: pack registered tensors with take[i] of the next step
- * now, from the parts' gradients (eng_pack_early).  Left to the step (no
- * error) where a part's gradients are in device memory (CUDA IPC: they
- * would need their event and a copy first). */
-scape_rc job_pack_early(job *j, job_part *p, int n, const unsigned char *take);
+ * now, from the parts' gradients (eng_pack_early).  CUDA IPC gradients that
+ * the engine reads in place (the cuda executor) are packed once each
+ * part's gradient-ready event, which libscape records at every post, has
+ * completed (job_await_grads, timeout_ms): its latest record covers every
+ * tensor the trainer has posted.  Left to the step (no error) where a part's
+ * gradients go through a pinned host copy (the host executor: the step
+ * pulls them whole), and where a part died waiting (*dead: its index; the
+ * step finds the death). */
+scape_rc job_pack_early(job *j, job_part *p, int n, const unsigned char *take, int timeout_ms,
+                        int *dead);
 /* Undo what job_pack_early packed (eng_pack_early_undo). */
 scape_rc job_pack_undo(job *j);
 /* What the engine holds and sends, for status (0 and "f32" before the start). */

@@ -18,6 +18,12 @@
  * before step T until F exists: so a replacement joins while its survivor
  * still trains, and the run's history (who stepped when) is known.
  *
+ * --buckets 1 hands each tensor's gradients over as its own bucket, the
+ * last tensor first (as backward makes them): copied into the device
+ * buffer, then posted (scape_post_tensors records the gradient-ready event
+ * after the copy); the daemon packs each once the event has completed, and
+ * the step posts nothing more.  The parameters must not change by a bit.
+ *
  * --bench times the hand-over instead (issue 16's benchmark): the gradients
  * are set once on the device, nothing is computed on the host, and each
  * step's call (post to parameters ready) is timed against the daemon's own
@@ -26,7 +32,7 @@
  * of medians over the steps after the dense warm-up (--warmup W, default 3).
  *
  * usage: gpu_trainer --endpoint EP --index I --n N --steps S [--seed X]
- *                    [--lr LR] [--device D] [--stream 0|1] [--die-after-post T]
+ *                    [--lr LR] [--device D] [--stream 0|1] [--die-after-post T] [--buckets 1]
  *                    [--bench 1 [--warmup W]] --out FILE
  */
 #define _POSIX_C_SOURCE 200809L
@@ -112,7 +118,7 @@ static int bench_handover(scape_session *s, cudaStream_t st, size_t n, uint64_t 
 int main(int argc, char **argv)
 {
     const char *endpoint = NULL, *out = NULL, *ready_file = NULL, *hold_file = NULL;
-    int index = -1, device = 0, use_stream = 0, bench = 0, warmup = 3;
+    int index = -1, device = 0, use_stream = 0, bench = 0, warmup = 3, buckets = 0;
     size_t n = 1000;
     uint64_t steps = 10, seed = 1, die_at = 0, hold_at = 0;
     float lr = 1e-2f;
@@ -132,6 +138,7 @@ int main(int argc, char **argv)
         else if (!strcmp(k, "--device")) device = atoi(v);
         else if (!strcmp(k, "--stream")) use_stream = atoi(v);
         else if (!strcmp(k, "--bench")) bench = atoi(v);
+        else if (!strcmp(k, "--buckets")) buckets = atoi(v);
         else if (!strcmp(k, "--warmup")) warmup = atoi(v);
         else if (!strcmp(k, "--die-after-post")) die_at = strtoull(v, NULL, 0);
         else if (!strcmp(k, "--ready-file")) ready_file = v;
@@ -204,8 +211,15 @@ int main(int argc, char **argv)
         for (size_t l = 0; l < nt; l++)
             for (size_t i = off[l]; i < off[l] + len[l]; i++)
                 g[i] = synth_grad(seed, index, t, i, p[i], synth_scale(l));
-        if (cudaMemcpyAsync(scape_grads(s), g, n * sizeof *g, cudaMemcpyHostToDevice, st) !=
-            cudaSuccess)
+        for (size_t b = nt; buckets && b-- > 0;) { /* the last tensor first */
+            if (cudaMemcpyAsync((float *)scape_grads(s) + off[b], g + off[b],
+                                len[b] * sizeof *g, cudaMemcpyHostToDevice, st) != cudaSuccess)
+                return fail("cudaMemcpyAsync", "a bucket's grads in");
+            if (scape_post_tensors(s, b, 1) != SCAPE_OK)
+                return fail("post", scape_last_error());
+        }
+        if (!buckets && cudaMemcpyAsync(scape_grads(s), g, n * sizeof *g, cudaMemcpyHostToDevice,
+                                        st) != cudaSuccess)
             return fail("cudaMemcpyAsync", "grads in");
         scape_step_info info;
         if (t == die_at) {

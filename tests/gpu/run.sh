@@ -444,7 +444,10 @@ run_nccl() {
 # two CUDA IPC trainers, one blocking on the default stream and one ordered
 # only by events on its own stream, against the in-process reference bit for
 # bit, at N = 1e5 (400 KB buffers, under the 2 MiB the allocator may carve
-# one block into) and N = 3e7 (120 MB); then a trainer killed right after
+# one block into) and N = 3e7 (120 MB), and at N = 1e5 again with each
+# tensor's gradients posted as a bucket of its own (gpu_trainer --buckets 1:
+# the daemon packs them early, each once the trainer's event has completed,
+# which its status must show); then a trainer killed right after
 # posting a step, its buffers and events open in the daemon, a replacement
 # that joins, and the survivor and the replacement equal at the end.
 run_handover() {
@@ -458,7 +461,10 @@ run_handover() {
     rt=$(mktemp -d /tmp/scape-hand.XXXXXX)
     local big=30000000
     [ -n "$EMU" ] && big=3000000
-    for n in 100000 "$big"; do
+    local bk early
+    for n in 100000 "$big" 100000:buckets; do
+        bk="" early=""
+        case $n in *:buckets) n=${n%:buckets} bk=1 ;; esac
         steps=$([ "$n" -gt 1000000 ] && echo 12 || echo 60)
         t=$(tmo 150)
         [ "$t" = 0 ] && { HANDOVER_STATUS="$HANDOVER_STATUS; N=$n: not run (out of time)"; not_run "hand-over at N=$n"; continue; }
@@ -468,12 +474,18 @@ run_handover() {
             ok=0 why="scaped did not start"
         else
             timeout "$t" "$BIN/gpu_trainer" --endpoint "ipc://$rt/rt/control" --index 0 \
-                --n "$n" --steps "$steps" --out "$rt/a" >"$LOGS/hand_a_$n.txt" 2>&1 &
+                --n "$n" --steps "$steps" ${bk:+--buckets 1} --out "$rt/a" \
+                >"$LOGS/hand_a_$n$bk.txt" 2>&1 &
             local pa=$!
             timeout "$t" "$BIN/gpu_trainer" --endpoint "ipc://$rt/rt/control" --index 1 \
-                --n "$n" --steps "$steps" --stream 1 --out "$rt/b" >"$LOGS/hand_b_$n.txt" 2>&1 ||
-                { ok=0 why="trainer 1 failed"; }
+                --n "$n" --steps "$steps" --stream 1 ${bk:+--buckets 1} --out "$rt/b" \
+                >"$LOGS/hand_b_$n$bk.txt" 2>&1 || { ok=0 why="trainer 1 failed"; }
             wait "$pa" || { ok=0 why="trainer 0 failed"; }
+            if [ -n "$bk" ]; then # the last step's tensors packed before its Steps came
+                early=$("${SCAPECTL:-scapectl}" --runtime-dir "$rt/rt" status --json 2>/dev/null |
+                        grep -o '"early_tensors":[0-9]*' | head -n 1 | cut -d: -f2) || early=""
+                [ "${early:-0}" -gt 0 ] || { ok=0 why="${why:-nothing was packed early (status: ${early:-none})}"; }
+            fi
             timeout "$t" "$ti/reference" --trainers 2 --n "$n" --steps "$steps" --rho 0.01 \
                 --warmup 3 --out "$rt/ref" >"$LOGS/hand_ref_$n.txt" 2>&1 ||
                 { ok=0 why="${why:-the reference failed}"; }
@@ -481,9 +493,9 @@ run_handover() {
         kill "$DPID" 2>/dev/null; wait "$DPID" 2>/dev/null
         DPID=""
         if [ "$ok" = 1 ] && cmp -s "$rt/a" "$rt/ref" && cmp -s "$rt/b" "$rt/ref"; then
-            HANDOVER_STATUS="$HANDOVER_STATUS; N=$n, two CUDA trainers (blocking, by events) == reference: ok"
+            HANDOVER_STATUS="$HANDOVER_STATUS; N=$n, two CUDA trainers (blocking, by events)${bk:+, a bucket per tensor ($early tensors packed early)} == reference: ok"
         else
-            HANDOVER_STATUS="$HANDOVER_STATUS; N=$n vs reference: FAIL (${why:-parameters differ}; see $LOGS)"
+            HANDOVER_STATUS="$HANDOVER_STATUS; N=$n${bk:+ in buckets} vs reference: FAIL (${why:-parameters differ}; see $LOGS)"
             HANDOVER_RC=1
         fi
     done
