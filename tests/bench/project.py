@@ -250,10 +250,9 @@ def bucketed(t, compute_s, reduction=True):
     produces it; all but the last bucket's run behind backward.  The pack's
     device-memory work competes with backward for HBM and stays on the path
     (beside the last bucket's streaming and reduction); so do the update and
-    gather.  Both are planned on a GPU: early packs are built for gradients
-    in host memory, but a CUDA IPC trainer's gradients are packed at the step
-    until each bucket has its own ready event; the early reduction is built
-    nowhere."""
+    gather.  Early packs are built (a CUDA IPC trainer records its
+    gradient-ready event at every post; the daemon waits for it), unverified
+    on a GPU; the early reduction is built nowhere."""
     B = v("scape_buckets")
     hideable = t["residual"] + (t["reduce_wire"] + B * t["latency_reduce"] if reduction else 0.0)
     exposed = hideable / B + max(0.0, hideable * (B - 1) / B - v("bwd_share") * compute_s)
@@ -356,14 +355,13 @@ def render(rows, facts, n_full, scale, n_run):
                                ms(r["reply"])))
     out += ["", "Step time, strong-scaling efficiency E = T1 / (R T_R) and speedup against "
             "dense AdamS (fp32, not overlapped) at the fitted compute; 'early packs' (the "
-            "buckets' residual streamed behind backward: built for host-memory gradients, "
-            "PLANNED for CUDA IPC ones, which need a ready event per bucket) and 'bucketed' "
-            "(early packs and each bucket's reduction started early: PLANNED, built nowhere) "
-            "are projections of features a GPU run does not have yet, 'balanced owners' "
+            "buckets' residual streamed behind backward: built, UNVERIFIED on a GPU) and "
+            "'bucketed' (early packs and each bucket's reduction started early: PLANNED, "
+            "built nowhere) project what no GPU has run, 'balanced owners' "
             "is split_above = N / (4 R) (part 2, built, off by default). Paper at R = 64: "
             "SCAPE 55.04%, 3.26x.", "",
             "| rho | R | compute ms | dense AdamS fp32 step ms (E) | dense bf16 overlapped "
-            "(Megatron) step ms (E) | SCAPE as built: reply / step ms, E, speedup | early "
+            "(Megatron) step ms (E) | SCAPE, whole hand-over: reply / step ms, E, speedup | early "
             "packs: reply / step, E, speedup | bucketed: "
             "reply / step, E, speedup | balanced owners: reply / step, E, speedup | both: "
             "reply / step, E, speedup, vs Megatron |",
@@ -393,7 +391,7 @@ def met(ok):
 
 def target_lines(r):
     out = []
-    for tag, what in (("", "as built"), ("_pk", "with early packs (planned on a GPU)"),
+    for tag, what in (("", "whole hand-over"), ("_pk", "with early packs (unverified on a GPU)"),
                       ("_ov", "with bucketed overlap (planned)"),
                       ("_bal", "with balanced owners"), ("_bal_ov", "with both")):
         out.append("- %s: E %.1f%% (%s), %.2fx (%s); reply %s ms (stretch %s)" % (
