@@ -87,6 +87,9 @@ def launch(py, layout, tag, tmp, extra=()):
         text, _ = p.communicate(timeout=400)
         (out / ("launch%d.log" % i)).write_text(text)
         assert p.returncode == 0, "launch %s failed:\n%s" % (tag, text[-6000:])
+        # the Trainer's loop fits bucketed hand-over (the daemon clips): the
+        # default size stays on
+        assert "is off for this optimizer" not in text, text[-6000:]
     return [json.loads((out / ("r%d.json" % r)).read_text()) for r in range(nodes * per)], out
 
 

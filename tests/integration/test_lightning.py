@@ -37,6 +37,9 @@ def launch(py, args, ck_daemon, nproc=2, max_grad_norm=CLIP, ok=True):
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     out = r.stdout + r.stderr
     assert (r.returncode == 0) == ok, out[-20000:]
+    # Lightning's loop fits bucketed hand-over (the daemon clips): the
+    # default size stays on
+    assert "is off for this optimizer" not in out, out[-20000:]
     return out
 
 
