@@ -313,8 +313,11 @@ class ScapeOptimizer(torch.optim.Optimizer):
     $SCAPE_BUCKET_MB, or when that is unset DEFAULT_BUCKET_MB (measured,
     as DDP's 25 MB was): then the first step hands everything over and
     only watches; when it saw a second backward() into a gradient (gradient
-    accumulation without no_post()), the hand-over stays off, with a
-    warning, instead of refusing the loop."""
+    accumulation without no_post()) or a gradient changed between
+    backward() and step() (a local clip, GradScaler.unscale_), the
+    hand-over stays off, with a warning, instead of refusing the loop.  With
+    a size asked for, a posted gradient changed before step() makes step()
+    raise RuntimeError."""
 
     def __init__(self, params, endpoint=None, lr=1e-3, weight_decay=None, index=-1,
                  timeout_ms=None, start_wait_ms=None, max_grad_norm=None, bucket_mb=None):
