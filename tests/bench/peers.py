@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""peers.py - the example GPT trained by 4 trainers on 4 test hosts, side by
+"""peers.py - the example GPT trained by 4 trainers on 4 test hosts (--world), side by
 side with what a user would otherwise pick: PyTorch DDP (gloo) with dense
 AdamW, DDP with the PowerSGD hook (ranks 1 and 4) with AdamW, and scaped
 (dense AdamS, SCAPE at rho 0.1 and 0.01) through scape.torch.ScapeOptimizer.
@@ -57,7 +57,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 HOSTS_SH = os.path.join(ROOT, "deploy", "hosts.sh")
-WORLD = 4
+WORLD = 4  # hosts, a trainer on each: --world
 PORT = 29600
 
 RUNS = {  # name: (family, settings)
@@ -114,7 +114,7 @@ def worker(a):
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel as DDP
         dist.init_process_group("gloo", init_method="tcp://%s" % a.master, rank=a.rank,
-                                world_size=WORLD)
+                                world_size=a.world)
         net = DDP(model)
         if a.powersgd:
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
@@ -189,7 +189,7 @@ def calibrate(a, work, key, port):
     one at which those bytes take SHARE / (1 - SHARE) of that compute, as the
     SCAPE paper's dense AdamS spends 82% of its step communicating at 64
     GPUs.  Returns the rate in tc's units and the derivation."""
-    hosts(a.hosts, "up", str(WORLD), "--rate", "none")
+    hosts(a.hosts, "up", str(a.world), "--rate", "none")
     try:
         res = one_run(a, "adams", "unlimited", a.lrs[0], work, key, port, a.calibrate_steps)
     finally:
@@ -224,7 +224,7 @@ def one_run(a, name, rate, lr, work, key, port, steps=None):
     family, settings = RUNS[name]
     steps = steps or a.steps
     out = os.path.join(work, "%s-%s-%g-%d.json" % (name, rate, lr, steps))
-    common = ["--corpus", a.corpus, "--steps", str(steps), "--lr", str(lr),
+    common = ["--corpus", a.corpus, "--steps", str(steps), "--lr", str(lr), "--world", str(a.world),
               "--eval-every", str(a.eval_every if steps == a.steps else steps),
               "--family", family, "--out", out, "--max-grad-norm", str(a.max_grad_norm)]
     settings = dict(settings)
@@ -233,10 +233,10 @@ def one_run(a, name, rate, lr, work, key, port, steps=None):
     if "bucket_mb" in settings:  # the trainer's, not the daemon's
         common += ["--bucket-mb", settings.pop("bucket_mb")]
     procs, logs = [], []
-    before = [tx_bytes("%s-h%d" % (a.hosts, r)) for r in range(WORLD)]
+    before = [tx_bytes("%s-h%d" % (a.hosts, r)) for r in range(a.world)]
     env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1",
                PYTHONPATH=os.path.join(ROOT, "client", "python"), SCAPE_BUILD_DIR=a.build)
-    for r in range(WORLD):
+    for r in range(a.world):
         me = [sys.executable, os.path.abspath(__file__), "--worker", "--rank", str(r),
               "--master", "10.231.0.1:%d" % port, *common]
         if family == "scaped":
@@ -246,7 +246,7 @@ def one_run(a, name, rate, lr, work, key, port, steps=None):
                     "--set", "max_grad_norm=%g" % a.max_grad_norm]
             for k, v in settings.items():
                 sets += ["--set", "%s=%s" % (k, v)]
-            me = [sys.executable, "-m", "scape.run", "--nnodes", str(WORLD), "--node-rank",
+            me = [sys.executable, "-m", "scape.run", "--nnodes", str(a.world), "--node-rank",
                   str(r), "--master-addr", "10.231.0.1", "--master-port", str(port),
                   "--listen-host", "10.231.0.%d" % (r + 1), "--nproc-per-node", "1",
                   "--scaped", os.path.join(a.build, "daemon", "scaped"), *sets, "--", *me]
@@ -278,10 +278,10 @@ def one_run(a, name, rate, lr, work, key, port, steps=None):
         text = open(os.path.join(work, "%s-%s-%g-r%d.log" % (name, rate, lr, bad[0]))).read()
         sys.exit("peers: %s at %s, lr %g: trainer %d failed:\n%s" % (
             name, rate, lr, bad[0], text[-3000:]))
-    after = [tx_bytes("%s-h%d" % (a.hosts, r)) for r in range(WORLD)]
+    after = [tx_bytes("%s-h%d" % (a.hosts, r)) for r in range(a.world)]
     with open(out) as f:
         res = json.load(f)
-    res["tx_per_step"] = sum(b - c for b, c in zip(after, before)) / WORLD / steps
+    res["tx_per_step"] = sum(b - c for b, c in zip(after, before)) / a.world / steps
     res["step_ms"] = 1e3 * res["train_s"] / steps
     res["final"] = res["curve"][-1][2]
     return res
@@ -322,8 +322,8 @@ def report(a, best, rates):
         levels = levels_of(a, best, rate)
         lines.append("")
         fixed = getattr(a, "lr_for", {})
-        lines.append("Links of %s, 4 hosts, %d steps, each run at its best learning rate of %s%s:"
-                     % (rate, a.steps, ", ".join("%g" % x for x in a.lrs),
+        lines.append("Links of %s, %d hosts, %d steps, each run at its best learning rate of %s%s:"
+                     % (rate, a.world, a.steps, ", ".join("%g" % x for x in a.lrs),
                         "; at one fixed rate: " + ", ".join(
                             "%s %g" % (LABEL[n], v) for n, v in fixed.items()) if fixed else ""))
         lines.append("")
@@ -466,6 +466,7 @@ def save_results(a, best, timed, rates, path):
     out = {"steps": a.steps, "lrs": a.lrs, "lr_for": a.lr_for, "runs": done, "rates": rates,
            "time_rates": timed_rates, "time_steps": a.time_steps, "eval_windows": a.eval_windows,
            "model": [a.d, a.layers, a.ctx, a.batch], "max_grad_norm": a.max_grad_norm,
+           "world": a.world, "calibration": getattr(a, "calibration", None),
            "best": {"%s|%s" % k: v for k, v in best.items()},
            "timed": {"%s|%s" % k: v for k, v in timed.items()}}
     with open(path, "w") as f:
@@ -480,14 +481,15 @@ def load_results(a, path):
     a.time_rates, a.time_steps, a.eval_windows = r["time_rates"], r["time_steps"], r["eval_windows"]
     a.d, a.layers, a.ctx, a.batch = r["model"]
     a.max_grad_norm = r.get("max_grad_norm", 0.0)
+    a.world, a.calibration = r.get("world", WORLD), r.get("calibration")
     split = lambda d: {tuple(k.split("|", 1)): v for k, v in d.items()}  # noqa: E731
     return split(r["best"]), split(r["timed"]), r["rates"]
 
 
 def write_report(a, best, timed, rates, command):
-    lines = ["peers.py: 4 trainers on 4 test hosts, torch_train.py's GPT (d %d, %d layers, "
+    lines = ["peers.py: %d trainers on %d test hosts, torch_train.py's GPT (d %d, %d layers, "
              "ctx %d, batch %d per trainer), %d steps, eval on %d fixed windows, %s; "
-             "command: %s" % (a.d, a.layers, a.ctx, a.batch, a.steps, a.eval_windows,
+             "command: %s" % (a.world, a.world, a.d, a.layers, a.ctx, a.batch, a.steps, a.eval_windows,
                               "gradients clipped to a global norm of %g" % a.max_grad_norm
                               if a.max_grad_norm else "no gradient clipping",
                               command)] + report(a, best, rates)
@@ -512,6 +514,8 @@ def main():
                          "its step communicating, from its compute measured first")
     ap.add_argument("--calibrate-steps", type=int, default=40)
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--world", type=int, default=WORLD,
+                    help="test hosts, one trainer (and under scaped one daemon) on each")
     ap.add_argument("--lrs", default="1e-3,3e-3")
     ap.add_argument("--lr-for", default="",
                     help="RUN=LR,...: these runs at this one rate instead of the grid "
@@ -590,7 +594,7 @@ def main():
         rates = [rate if r == "calibrated" else r for r in rates]
     try:
         for rate in rates:
-            hosts(a.hosts, "up", str(WORLD), "--rate", rate)
+            hosts(a.hosts, "up", str(a.world), "--rate", rate)
             for name in a.runs:
                 for lr in ([a.lr_for[name]] if name in a.lr_for else a.lrs):
                     port += 1
@@ -606,7 +610,7 @@ def main():
                         save_results(a, best, timed, rates, a.results)
             hosts(a.hosts, "down")
         for rate in a.time_rates:  # step times only, at each run's best lr
-            hosts(a.hosts, "up", str(WORLD), "--rate", rate)
+            hosts(a.hosts, "up", str(a.world), "--rate", rate)
             for name in a.runs:
                 port += 1
                 lr = best[rates[0], name]["lr"]
