@@ -42,6 +42,15 @@ cleanup() {
     for f in "$DIR"/log/slurmctld.log "$DIR"/log/slurmd-*.log; do
       [ -f "$f" ] && { echo "----- tail $f" >&2; tail -n 30 "$f" >&2; }
     done
+    # a node that stopped answering (seen once: n2 DOWN after a requeue):
+    # what Slurm says of each node, whether its slurmd still lives, its link
+    echo "----- nodes, slurmd processes, links" >&2
+    timeout 10 scontrol show nodes 2>&1 | grep -E "NodeName=|State=|Reason=" >&2
+    ps -eo pid,stat,etime,args | grep "[s]lurmd -N" >&2
+    for i in 0 1 2 3; do
+      [ -n "${hname:-}" ] || break
+      ip -br -n "$hname-h$i" link show 2>&1 | sed "s/^/$hname-h$i: /" >&2
+    done
   fi
   bash "$cluster" stop "$DIR" >/dev/null
   rm -rf "$DIR"
