@@ -793,6 +793,7 @@ scape_rc eng_step_groups(eng_t *e, uint64_t t, const float *lrs, const void *con
         e->last.mask_overlap = e->early_overlap;
     scape_rc rc = eng_step_body(e, t, grads, params);
     eng_early_clear(e);
+    e->kept_norm_ok = 0;
     e->early_waited = 0;
     if (rc != SCAPE_OK) {
         e->broken = 1;

@@ -366,7 +366,7 @@ int eng_total_trainers(const eng_t *e);
 size_t eng_tensor_k(const eng_t *e, size_t l);
 int eng_tensor_owner(const eng_t *e, size_t l);
 /* L2 norm of this rank's residual. */
-double eng_residual_norm(const eng_t *e);
+double eng_residual_norm(const eng_t *e);  /* the last step's, also while early packs run */
 /* This rank's residual, coordinate order (N floats). */
 scape_rc eng_get_residual(const eng_t *e, float *out);
 

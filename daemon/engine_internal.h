@@ -123,6 +123,11 @@ struct eng {
     double early_overlap; /* whose mask_overlap then counts to the step */
     int early_churned;    /* the churn of early_mask against a.mask_cur is */
     double early_churn;   /* measured: the step takes it instead */
+    /* The last step's residual norm, kept by the next step's first early
+     * pack until that step ends (exec_ops.norm_kept): its parts, undone or
+     * not, overwrite the executor's figure. */
+    double kept_norm;
+    int kept_norm_ok;
 };
 
 /* mask_deltas: the word before each rank's code says its form. */

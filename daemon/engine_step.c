@@ -578,6 +578,10 @@ static scape_rc early_begin(eng_t *e, uint64_t t)
     e->early_mask = eng_scape_masks(e) && t > e->cfg.warmup ? e->a.mask_next : NULL;
     e->early_stale0 = e->a.e_stale;
     e->early_step = t;
+    if (e->x->ops->norm_kept && !e->kept_norm_ok) { /* before a part overwrites it */
+        e->kept_norm = e->x->ops->residual_norm(e->x);
+        e->kept_norm_ok = 1;
+    }
     /* the churn of the step's mask, a statistic, off the step's path too;
      * the last step's figure in e->last stays what status shows till then */
     if (e->opt->mask == ENG_MASK_LAGGED_M && e->early_mask && e->a.mask_cur) {

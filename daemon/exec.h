@@ -189,6 +189,10 @@ typedef struct exec_ops {
     void (*times)(exec_t *x, double *phase_s);
     /* L2 norm of the residual after the last step. */
     double (*residual_norm)(exec_t *x);
+    /* 1: residual_norm returns a figure the last step kept (no pass over the
+     * residual), which early packs may overwrite with a partial one; 0: it
+     * sums the residual in host memory, in comm order, when asked. */
+    int norm_kept;
     /* Bytes of device memory and of pinned host memory held. */
     uint64_t (*device_bytes)(const exec_t *x);
     uint64_t (*pinned_bytes)(const exec_t *x);

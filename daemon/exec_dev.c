@@ -1181,6 +1181,7 @@ const exec_ops exec_dev_ops = {
     .mark = dev_mark,
     .times = dev_times,
     .residual_norm = dev_residual_norm,
+    .norm_kept = 1,
     .device_bytes = dev_device_bytes,
     .pinned_bytes = dev_pinned_bytes,
     .stuck = dev_stuck,

@@ -158,7 +158,7 @@ static scape_rc snapshot(ctx *c, int r, int slot, eng_t *e)
 
 /* One bucket posted early; checks what it says it packed. */
 static scape_rc post(ctx *c, eng_t *e, uint64_t t, void **grads, const unsigned char *bucket,
-                     unsigned char *posted, const size_t *pieces, size_t *total)
+                     unsigned char *posted, const size_t *pieces, size_t *total, double norm0)
 {
     size_t packed = 99, want = 0;
     for (size_t l = 0; l < NT; l++)
@@ -173,6 +173,12 @@ static scape_rc post(ctx *c, eng_t *e, uint64_t t, void **grads, const unsigned 
     for (size_t l = 0; l < NT; l++)
         posted[l] |= bucket[l];
     *total += packed;
+    /* status between buckets shows the last step's residual norm, not one
+     * of a residual half packed */
+    double norm = eng_residual_norm(e);
+    if (memcmp(&norm, &norm0, sizeof norm))
+        note_fail(c, "step %llu: the residual norm between buckets is %.17g, the last "
+                  "step's %.17g", (unsigned long long)t, norm, norm0);
     return SCAPE_OK;
 }
 
@@ -199,6 +205,7 @@ static scape_rc post_buckets(ctx *c, int r, eng_t *e, uint64_t t, void **grads,
         bucket[mix(h ^ (l * 77)) % nb][perm[l]] = 1;
     /* after that many buckets (0 or 1: there is at least one) */
     size_t ckpt_at = t % 9 == 4 ? (size_t)(t % 2) : SIZE_MAX;
+    double norm0 = eng_residual_norm(e);
     *total = 0;
     for (size_t b = 0; b <= nb; b++) {
         if (b == ckpt_at) {
@@ -213,9 +220,9 @@ static scape_rc post_buckets(ctx *c, int r, eng_t *e, uint64_t t, void **grads,
             break;
         size_t which = (b + (h >> 8)) % nb;
         if ((mix(h ^ b) & 3) != 0)
-            TRY(post(c, e, t, grads, bucket[which], posted, pieces, total));
+            TRY(post(c, e, t, grads, bucket[which], posted, pieces, total, norm0));
         if ((mix(h ^ b ^ 0xabc) & 7) == 0) /* the same bucket again: nothing new */
-            TRY(post(c, e, t, grads, bucket[which], posted, pieces, total));
+            TRY(post(c, e, t, grads, bucket[which], posted, pieces, total, norm0));
     }
     if ((h & 0xff) < 64) {
         TRY(eng_pack_early_undo(e));
@@ -223,7 +230,7 @@ static scape_rc post_buckets(ctx *c, int r, eng_t *e, uint64_t t, void **grads,
         *total = 0;
         for (size_t b = 0; b < nb; b++)
             if (mix(h ^ (b << 4)) & 1)
-                TRY(post(c, e, t, grads, bucket[b], posted, pieces, total));
+                TRY(post(c, e, t, grads, bucket[b], posted, pieces, total, norm0));
     }
     return SCAPE_OK;
 }
