@@ -1,10 +1,12 @@
 /* main.c - the scaped command line: configuration (defaults < YAML file <
  * SCAPE_* environment < flags), logging, signals, and the server. */
 #define _POSIX_C_SOURCE 200809L
+#include <errno.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "auth.h"
 #include "comm_nccl.h"
@@ -221,6 +223,22 @@ static int keygen(int argc, char **argv)
     return 0;
 }
 
+/* A daemon that fails, as a task of a Slurm step: srun ends the step when
+ * the task exits (--kill-on-bad-exit) and can then drop the task's last
+ * output lines, the reason among them (seen: a corrupted checkpoint's
+ * refusal missing from the job's output).  Waiting a second before the exit
+ * lets srun forward them first. */
+static int failed(int rc)
+{
+    if (rc != 0 && getenv("SLURM_STEP_ID") != NULL) {
+        fflush(NULL);
+        struct timespec ts = { 1, 0 };
+        while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
+            ;
+    }
+    return rc;
+}
+
 int main(int argc, char **argv)
 {
     if (argc >= 2 && strcmp(argv[1], "keygen") == 0)
@@ -253,12 +271,12 @@ int main(int argc, char **argv)
     server *s = NULL;
     if (srv_create(&s, &cfg) != SCAPE_OK) {
         LOG_ERROR(SUB_MAIN, "%s", scape_last_error());
-        return 1;
+        return failed(1);
     }
     scape_rc rc = srv_run(s);
     if (rc != SCAPE_OK)
         LOG_ERROR(SUB_MAIN, "%s", scape_last_error());
     srv_destroy(&s);
     LOG_INFO(SUB_MAIN, "stopped");
-    return rc == SCAPE_OK ? 0 : 1;
+    return failed(rc == SCAPE_OK ? 0 : 1);
 }
