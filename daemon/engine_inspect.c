@@ -65,7 +65,7 @@ double eng_residual_norm(const eng_t *e)
      * overwritten, one that sums finds it in early_undo for the packed
      * tensors (host memory, comm order). */
     if (e->kept_norm_ok)
-        return e->a.e_stale ? 0.0 : e->kept_norm;
+        return e->kept_norm; /* 0 for a stale residual, as the executor said */
     if (e->early_step == 0)
         return e->x->ops->residual_norm(e->x);
     if (e->early_stale0)

@@ -223,11 +223,11 @@ static int keygen(int argc, char **argv)
     return 0;
 }
 
-/* A daemon that fails, as a task of a Slurm step: srun ends the step when
- * the task exits (--kill-on-bad-exit) and can then drop the task's last
- * output lines, the reason among them (seen: a corrupted checkpoint's
- * refusal missing from the job's output).  Waiting a second before the exit
- * lets srun forward them first. */
+/* A daemon that fails (any exit status but 0) as a task of a Slurm step:
+ * srun ends the step when the task exits (--kill-on-bad-exit) and can then
+ * drop the task's last output lines, the reason among them (seen: a
+ * corrupted checkpoint's refusal missing from the job's output).  Waiting a
+ * second before the exit lets srun forward them first. */
 static int failed(int rc)
 {
     if (rc != 0 && getenv("SLURM_STEP_ID") != NULL) {
@@ -239,7 +239,7 @@ static int failed(int rc)
     return rc;
 }
 
-int main(int argc, char **argv)
+static int run(int argc, char **argv)
 {
     if (argc >= 2 && strcmp(argv[1], "keygen") == 0)
         return keygen(argc, argv);
@@ -271,12 +271,14 @@ int main(int argc, char **argv)
     server *s = NULL;
     if (srv_create(&s, &cfg) != SCAPE_OK) {
         LOG_ERROR(SUB_MAIN, "%s", scape_last_error());
-        return failed(1);
+        return 1;
     }
     scape_rc rc = srv_run(s);
     if (rc != SCAPE_OK)
         LOG_ERROR(SUB_MAIN, "%s", scape_last_error());
     srv_destroy(&s);
     LOG_INFO(SUB_MAIN, "stopped");
-    return failed(rc == SCAPE_OK ? 0 : 1);
+    return rc == SCAPE_OK ? 0 : 1;
 }
+
+int main(int argc, char **argv) { return failed(run(argc, argv)); }

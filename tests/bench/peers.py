@@ -224,8 +224,8 @@ def one_run(a, name, rate, lr, work, key, port, steps=None):
     family, settings = RUNS[name]
     steps = steps or a.steps
     out = os.path.join(work, "%s-%s-%g-%d.json" % (name, rate, lr, steps))
-    common = ["--corpus", a.corpus, "--steps", str(steps), "--lr", str(lr), "--world", str(a.world),
-              "--eval-every", str(a.eval_every if steps == a.steps else steps),
+    common = ["--corpus", a.corpus, "--steps", str(steps), "--lr", str(lr),
+              "--world", str(a.world), "--eval-every", str(a.eval_every if steps == a.steps else steps),
               "--family", family, "--out", out, "--max-grad-norm", str(a.max_grad_norm)]
     settings = dict(settings)
     if family == "ddp":
@@ -489,7 +489,8 @@ def load_results(a, path):
 def write_report(a, best, timed, rates, command):
     lines = ["peers.py: %d trainers on %d test hosts, torch_train.py's GPT (d %d, %d layers, "
              "ctx %d, batch %d per trainer), %d steps, eval on %d fixed windows, %s; "
-             "command: %s" % (a.world, a.world, a.d, a.layers, a.ctx, a.batch, a.steps, a.eval_windows,
+             "command: %s" % (a.world, a.world, a.d, a.layers, a.ctx, a.batch, a.steps,
+                              a.eval_windows,
                               "gradients clipped to a global norm of %g" % a.max_grad_norm
                               if a.max_grad_norm else "no gradient clipping",
                               command)] + report(a, best, rates)
