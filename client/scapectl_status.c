@@ -111,6 +111,15 @@ static void print_phases(printer *p, const Scape__Phases *ph)
         pr_uint(p, "early_tensors", "packed early", ph->early_tensors, NULL);
     else
         pr_null(p, "early_tensors", "packed early");
+    if (ph->has_chunks) {
+        char c[48];
+        snprintf(c, sizeof c, "%u of %u chunks", ph->early_chunks, ph->chunks);
+        pr_uint(p, "early_chunks", "reduced early", ph->early_chunks, c);
+        pr_uint(p, "chunks", "chunks", ph->chunks, NULL);
+    } else {
+        pr_null(p, "early_chunks", "reduced early");
+        pr_null(p, "chunks", "chunks");
+    }
     pr_close(p);
 }
 

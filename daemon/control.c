@@ -635,6 +635,11 @@ static void early_restart(server *s)
              "trainers changed, or a post was refused): the step packs them",
              (unsigned long long)s->job.next_step, any);
     early_forget(s, 1);
+    size_t kept = job_early_kept(&s->job);
+    if (kept)
+        LOG_INFO(SUB_ENGINE, "step %llu: kept %zu tensor(s) (comm order) packed: their chunks "
+                 "were reduced already, with every daemon (reduce_chunk); the step packs "
+                 "only the rest", (unsigned long long)s->job.next_step, kept);
 }
 
 /* Tensors that every trainer of the step has posted go to the engine now,

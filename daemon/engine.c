@@ -139,6 +139,12 @@ static const eng_key s_keys[] = {
       .names = eng_bool_names,
       .doc = "select the next mask after the trainers have their parameters, behind their "
              "compute (results do not depend on it; alike on every daemon)" },
+    { "reduce_chunk", EOFF(reduce_chunk), ENG_KT_U32, 0, ENG_KEY_AGREE | SHOWN, 19, .min = 0,
+      .max = UINT32_MAX,
+      .doc = "with several daemons, reduce in chunks of about this many coordinates (whole "
+             "tensors, the last layers first), each as soon as the trainers posted all of it "
+             "(0: one reduction in the step; results do not depend on it; alike on every "
+             "daemon)" },
 };
 
 #define NKEYS (sizeof s_keys / sizeof s_keys[0])
@@ -514,15 +520,19 @@ static size_t handshake_words(const eng_t *e, uint64_t *w)
     return n;
 }
 
-static const char *agree_name(const eng_key *k, uint64_t v)
+static const char *agree_name(const eng_key *k, uint64_t v, char *buf, size_t len)
 {
-    return k->names ? eng_enum_name(k->names, v > INT32_MAX ? -1 : (int)v) : "?";
+    if (k->names)
+        return eng_enum_name(k->names, v > INT32_MAX ? -1 : (int)v);
+    snprintf(buf, len, "%llu", (unsigned long long)v);
+    return buf;
 }
 
 /* The ENG_KEY_AGREE* keys of rank r (its words a) against this rank's. */
 static scape_rc agree_keys(const eng_t *e, int r, const uint64_t *a, const uint64_t *mine)
 {
     size_t n = HS_FIXED;
+    char theirs[24], ours[24];
     for (size_t i = 0; i < s_nseq && n < HS_MAX; i++) {
         const eng_key *k = s_seq[i];
         if (!k || !(k->flags & (ENG_KEY_AGREE | ENG_KEY_AGREE_LAGGED)))
@@ -531,7 +541,8 @@ static scape_rc agree_keys(const eng_t *e, int r, const uint64_t *a, const uint6
         if (a[n] != mine[n] && applies)
             return scape_set_error(SCAPE_INVALID, "engine: rank %d has %s %s and rank %d %s: "
                                    "set it alike on every daemon", r, k->name,
-                                   agree_name(k, a[n]), e->rank, agree_name(k, mine[n]));
+                                   agree_name(k, a[n], theirs, sizeof theirs), e->rank,
+                                   agree_name(k, mine[n], ours, sizeof ours));
         n++;
     }
     return SCAPE_OK;
@@ -637,7 +648,7 @@ void eng_destroy(eng_t **ep)
     void *bufs[] = { e->code_bytes, e->a.toff, e->counts, e->ghat, e->ghave, e->bounce,
                      e->mbounce, e->sq, e->gsq, e->a.gn_part, e->a.gn_buf, e->dcounts,
                      e->dsizes, e->dhost, e->dmax, e->early_done, e->early_take,
-                     e->early_undo };
+                     e->early_undo, e->chunk_run, e->chunk_of, e->cstage };
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         free(bufs[i]);
     free(e);
@@ -755,6 +766,15 @@ scape_rc eng_pack_early(eng_t *e, uint64_t t, const void *const *grads,
     return eng_early_pack(e, t, grads, take, packed);
 }
 
+size_t eng_early_kept(const eng_t *e, size_t reg)
+{
+    size_t n = 0;
+    for (size_t j = 0; e && e->chunk_of && j < e->p->ntensors; j++)
+        n += (reg == SIZE_MAX || eng_tensor_at(e, j)->parent == reg) &&
+             e->chunk_of[j] < e->chunks_done;
+    return n;
+}
+
 scape_rc eng_pack_early_undo(eng_t *e)
 {
     if (e == NULL)
@@ -789,9 +809,11 @@ scape_rc eng_step_groups(eng_t *e, uint64_t t, const float *lrs, const void *con
     memset(e->used_iag, 0, sizeof e->used_iag);
     e->last.early_tensors = e->early_count;
     e->last.early_pack_s = e->early_s;
+    e->last.early_chunks = e->chunks_done;
     if (e->early_waited)
         e->last.mask_overlap = e->early_overlap;
     scape_rc rc = eng_step_body(e, t, grads, params);
+    comm_stats early = e->chunk_cs; /* the chunks early packs reduced */
     eng_early_clear(e);
     e->kept_norm_ok = 0;
     e->early_waited = 0;
@@ -804,9 +826,10 @@ scape_rc eng_step_groups(eng_t *e, uint64_t t, const float *lrs, const void *con
     e->last.n = e->p->n;
     e->last.density = (double)e->last.k / (double)e->p->n;
     for (int op = 0; op < COMM_OP_COUNT; op++) {
-        e->last.comm.calls[op] = e->comm->stats.calls[op] - before.calls[op];
-        e->last.comm.bytes[op] = e->comm->stats.bytes[op] - before.bytes[op];
-        e->last.comm.wire_bytes[op] = e->comm->stats.wire_bytes[op] - before.wire_bytes[op];
+        e->last.comm.calls[op] = e->comm->stats.calls[op] - before.calls[op] + early.calls[op];
+        e->last.comm.bytes[op] = e->comm->stats.bytes[op] - before.bytes[op] + early.bytes[op];
+        e->last.comm.wire_bytes[op] =
+            e->comm->stats.wire_bytes[op] - before.wire_bytes[op] + early.wire_bytes[op];
     }
     /* the mask all-gather counts to the step whose mask it brought, not to
      * the one that started it (which may be before or after this window) */

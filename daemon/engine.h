@@ -127,6 +127,12 @@ typedef struct eng_config {
                                 split into ranges of at most this many, each
                                 with its own owner and top-k (plan.h); 0
                                 (default): whole tensors.  Hashed when set. */
+    uint32_t reduce_chunk;   /* with several ranks, the reduction in chunks of
+                                about this many coordinates (whole tensors, in
+                                backward's order), so that early packs start
+                                theirs before the step; 0 (default): one
+                                reduction.  Results do not depend on it; every
+                                rank must set it alike. */
 } eng_config;
 
 typedef struct eng_tensor {
@@ -205,6 +211,9 @@ typedef struct eng_step_stats {
     size_t early_tensors; /* comm-order tensors packed before the step by
                              eng_pack_early (bucketed hand-over) */
     double early_pack_s;  /* seconds spent in eng_pack_early for this step */
+    size_t early_chunks;  /* reduce_chunk: chunks early packs reduced before the
+                             step (of chunks, the step's in all) */
+    size_t chunks;
 } eng_step_stats;
 
 typedef struct eng eng_t;
@@ -315,8 +324,15 @@ scape_rc eng_pack_early(eng_t *e, uint64_t t, const void *const *grads,
                         const unsigned char *take, size_t *packed);
 /* Undo every early pack of the step in flight: the engine is back to the state
  * after the last completed step (a trainer died or the trainers changed before
- * the step ran).  Nothing to do (SCAPE_OK) when none is in flight. */
+ * the step ran).  Nothing to do (SCAPE_OK) when none is in flight.  With
+ * reduce_chunk, the tensors of chunks already reduced (collectives every rank
+ * takes part in) stay packed and reduced with the gradients they had; the step
+ * packs only the rest (eng_early_kept), and a checkpoint still saves the last
+ * step's state. */
 scape_rc eng_pack_early_undo(eng_t *e);
+/* Comm-order pieces of registered tensor reg (SIZE_MAX: of every one) that
+ * early packs reduced (reduce_chunk), which an undo keeps. */
+size_t eng_early_kept(const eng_t *e, size_t reg);
 /* Parameter groups of the layout, 1 without (eng_layout.ngroups or 1). */
 size_t eng_groups(const eng_t *e);
 /* With cfg.defer_select: select the next mask and start its all-gather,

@@ -47,6 +47,8 @@ void eng_ckpt_unstage(eng_t *e)
 {
     free(e->stage);
     e->stage = NULL;
+    free(e->ckpt_res);
+    e->ckpt_res = NULL;
     e->nstaged = 0;
 }
 
@@ -92,6 +94,35 @@ static scape_rc unstage_up(eng_t *e, int residual)
         if ((e->staged[i].id == ENG_SEC_RESIDUAL) == residual)
             TRY(e->x->ops->copy(e->x, e->staged[i].vec, e->staged[i].host, e->staged[i].bytes));
     return e->x->ops->sync(e->x);
+}
+
+/* Chunks reduced early (reduce_chunk) keep their tensors packed through
+ * eng_early_undo; the saved residual is the last step's all the same: the
+ * staged copy, or a copy of the live one, takes those tensors' from
+ * early_undo. */
+static scape_rc residual_before_step(eng_t *e, eng_ckpt_sec *secs, int nsecs)
+{
+    if (e->chunks_done == 0 || e->early_stale0)
+        return SCAPE_OK;
+    for (int i = 0; i < nsecs; i++) {
+        if (secs[i].id != ENG_SEC_RESIDUAL)
+            continue;
+        float *r = secs[i].ptr;
+        if (secs[i].ptr == (void *)e->a.e) {
+            if ((e->ckpt_res = malloc(secs[i].bytes ? secs[i].bytes : 1)) == NULL)
+                return scape_set_error(SCAPE_NOMEM, "checkpoint: cannot allocate %zu bytes "
+                                       "for the residual", secs[i].bytes);
+            memcpy(e->ckpt_res, secs[i].ptr, secs[i].bytes);
+            r = e->ckpt_res;
+            secs[i].ptr = r;
+        }
+        for (size_t j = 0; j < e->p->ntensors; j++) {
+            const plan_tensor *pt = eng_tensor_at(e, j);
+            if (e->chunk_of[j] < e->chunks_done)
+                memcpy(r + pt->pos, e->early_undo + pt->pos, pt->len * sizeof(float));
+        }
+    }
+    return SCAPE_OK;
 }
 
 /* The layout, pointing into this engine's buffers. */
@@ -158,7 +189,8 @@ scape_rc eng_ckpt_save(eng_t *e, eng_ckpt_meta *meta, eng_ckpt_sec *secs, int *n
     if (next_mask_due(e, e->last_step))
         meta->flags |= ENG_CKF_MASK_NEXT;
     describe(e, meta->flags, secs, nsecs);
-    return stage(e, secs, *nsecs, 1);
+    TRY(stage(e, secs, *nsecs, 1));
+    return residual_before_step(e, secs, *nsecs);
 }
 
 scape_rc eng_ckpt_load_begin(eng_t *e, const eng_ckpt_meta *meta, eng_ckpt_sec *secs,

@@ -128,6 +128,24 @@ struct eng {
      * not, overwrite the executor's figure. */
     double kept_norm;
     int kept_norm_ok;
+
+    /* reduce_chunk: the step's reduction in chunks (engine_step.c,
+     * "Chunked reductions").  Chunk c covers a range of layout order, chunk
+     * 0 the last one (backward's first); chunk_run[2 (R c + s)] is the run
+     * [a, b) of comm order that shard s holds of it (a run per shard: each
+     * shard lays its tensors out by offset).  A step issues the chunks in
+     * the order 0, 1, ...; early packs issue those whose every tensor is
+     * packed, a prefix (chunks_done of them), whose tensors are then
+     * committed: an undo keeps them packed and reduced, so every rank issues
+     * the same collectives.  chunk_cs: their comm counts, the step's. */
+    size_t nchunks;
+    size_t *chunk_run;   /* 2 R nchunks */
+    size_t *chunk_of;    /* comm order: the tensor's chunk */
+    size_t chunks_done;
+    float *cstage;       /* host staging of one chunk */
+    size_t cstage_cap;
+    comm_stats chunk_cs;
+    float *ckpt_res;     /* a checkpoint's residual, when chunks_done */
 };
 
 /* mask_deltas: the word before each rank's code says its form. */

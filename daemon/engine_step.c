@@ -385,11 +385,184 @@ static void shard_counts(eng_t *e, size_t elem)
     }
 }
 
+/* ---- chunked reductions (reduce_chunk) -------------------------------------- */
+
+/* An early pack's select_due, as step_phases will set it. */
+static int early_select_due(const eng_t *e)
+{
+    return eng_scape_masks(e) && e->early_step + 1 > e->cfg.warmup;
+}
+
+/* The reduction goes in chunks of about cfg.reduce_chunk coordinates, whole
+ * tensors by offset, the last first (backward makes their gradients first),
+ * each one collective on a host staging buffer that holds its run of every
+ * shard in rank order.  The backends sum each value in rank order whatever
+ * the segments, so the sums are the bits of the one reduction.  Every rank
+ * issues the chunks in the same order: early packs the prefix whose tensors
+ * are all packed (early_chunks), the step the rest.  Not where a selection
+ * in the step reads the pack that the reduction overwrites (a dense step
+ * that selects, a sparse one without defer_select), nor on a comm that
+ * reduces device memory itself; the condition is the same on every rank. */
+static int chunked(const eng_t *e, const uint32_t *mask, int select_due)
+{
+    if (e->cfg.reduce_chunk == 0 || e->comm->size < 2 || comm_device_stream(e->comm) != NULL)
+        return 0;
+    return !select_due || (e->cfg.defer_select && mask != NULL);
+}
+
+typedef struct by_off_key {
+    size_t off, i;
+} by_off_key;
+
+static int by_off_desc(const void *a, const void *b)
+{
+    const by_off_key *x = a, *y = b;
+    return x->off < y->off ? 1 : x->off > y->off ? -1 : 0;
+}
+
+/* chunk_of, chunk_run and nchunks from the plan, once. */
+static scape_rc chunks_build(eng_t *e)
+{
+    const plan *p = e->p;
+    size_t nt = p->ntensors, R = (size_t)e->comm->size;
+    if (e->chunk_of != NULL)
+        return SCAPE_OK;
+    by_off_key *k = malloc((nt ? nt : 1) * sizeof *k);
+    size_t *lchunk = malloc((nt ? nt : 1) * sizeof *lchunk);
+    size_t *of = malloc((nt ? nt : 1) * sizeof *of);
+    if (k == NULL || lchunk == NULL || of == NULL) {
+        free(k);
+        free(lchunk);
+        free(of);
+        return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
+    }
+    for (size_t i = 0; i < nt; i++)
+        k[i] = (by_off_key){ p->t[i].off, i };
+    qsort(k, nt, sizeof *k, by_off_desc);
+    size_t c = 0, acc = 0;
+    for (size_t q = 0; q < nt; q++) {
+        if (acc >= e->cfg.reduce_chunk) {
+            c++;
+            acc = 0;
+        }
+        lchunk[k[q].i] = c;
+        acc += p->t[k[q].i].len;
+    }
+    free(k);
+    size_t nc = nt ? c + 1 : 0;
+    size_t nrun = 2 * R * nc;
+    size_t *run = malloc((nrun ? nrun : 1) * sizeof *run);
+    scape_rc rc = run ? SCAPE_OK : scape_set_error(SCAPE_NOMEM, "engine: out of memory");
+    for (size_t s = 0; rc == SCAPE_OK && s < R; s++) {
+        const plan_shard *sh = &p->shard[s];
+        for (size_t q = 0; q < nc; q++)
+            run[2 * (R * q + s)] = run[2 * (R * q + s) + 1] = SIZE_MAX;
+        for (size_t j = sh->first; rc == SCAPE_OK && j < sh->first + sh->count; j++) {
+            size_t *r = &run[2 * (R * lchunk[p->order[j]] + s)];
+            of[j] = lchunk[p->order[j]];
+            if (r[0] == SIZE_MAX)
+                r[0] = j;
+            else if (r[1] != j) /* plan.c lays a shard out by offset */
+                rc = scape_set_error(SCAPE_INVALID, "engine: chunk %zu is not one run of "
+                                     "shard %zu's tensors", of[j], s);
+            r[1] = j + 1;
+        }
+        for (size_t q = 0; q < nc; q++)
+            if (run[2 * (R * q + s)] == SIZE_MAX)
+                run[2 * (R * q + s)] = run[2 * (R * q + s) + 1] = sh->first;
+    }
+    free(lchunk);
+    if (rc != SCAPE_OK) {
+        free(run);
+        free(of);
+        return rc;
+    }
+    e->chunk_run = run;
+    e->chunk_of = of;
+    e->nchunks = nc;
+    return SCAPE_OK;
+}
+
+/* Chunk c of buf (toff's offsets) reduced: its runs staged in rank order,
+ * one collective, the sums back (sharded: this rank's run only). */
+static scape_rc reduce_chunk(eng_t *e, float *buf, size_t c, int bf16)
+{
+    int R = e->comm->size;
+    const size_t *run = e->chunk_run + 2 * (size_t)R * c;
+    size_t total = 0, own = 0, at = 0;
+    for (int s = 0; s < R; s++) {
+        e->counts[s] = e->a.toff[run[2 * s + 1]] - e->a.toff[run[2 * s]];
+        own += s < e->rank ? e->counts[s] : 0;
+        total += e->counts[s];
+    }
+    TRY(bounce_buf((void **)&e->cstage, &e->cstage_cap, (total ? total : 1) * sizeof(float)));
+    for (int s = 0; s < R; at += e->counts[s], s++)
+        if (e->counts[s])
+            TRY(e->x->ops->copy(e->x, e->cstage + at, buf + e->a.toff[run[2 * s]],
+                                e->counts[s] * sizeof(float)));
+    TRY(e->x->ops->sync(e->x));
+    if (e->cfg.mode == ENG_MODE_REPLICATED) {
+        TRY(comm_allreduce_sum_wire(e->comm, e->cstage, total, bf16));
+        at = 0;
+        for (int s = 0; s < R; at += e->counts[s], s++)
+            if (e->counts[s])
+                TRY(e->x->ops->copy(e->x, buf + e->a.toff[run[2 * s]], e->cstage + at,
+                                    e->counts[s] * sizeof(float)));
+    } else {
+        TRY(comm_reduce_scatter_sum_wire(e->comm, e->cstage, e->cstage + own, e->counts,
+                                         bf16));
+        if (e->counts[e->rank])
+            TRY(e->x->ops->copy(e->x, buf + e->a.toff[run[2 * e->rank]], e->cstage + own,
+                                e->counts[e->rank] * sizeof(float)));
+    }
+    return e->x->ops->sync(e->x);
+}
+
+/* Early packs: reduce the chunks next in line whose every tensor is packed;
+ * their comm counts go to the step. */
+static scape_rc early_chunks(eng_t *e)
+{
+    if (!chunked(e, e->early_mask, early_select_due(e)))
+        return SCAPE_OK;
+    TRY(chunks_build(e));
+    size_t R = (size_t)e->comm->size;
+    float *buf = e->early_mask ? e->a.send : e->a.dense;
+    int bf16 = e->cfg.wire_bf16 && e->early_mask != NULL;
+    while (e->chunks_done < e->nchunks) {
+        const size_t *run = e->chunk_run + 2 * R * e->chunks_done;
+        for (size_t s = 0; s < R; s++)
+            for (size_t j = run[2 * s]; j < run[2 * s + 1]; j++)
+                if (!e->early_done[j])
+                    return SCAPE_OK;
+        comm_stats before = e->comm->stats;
+        scape_rc rc = reduce_chunk(e, buf, e->chunks_done, bf16);
+        for (int op = 0; op < COMM_OP_COUNT; op++) {
+            e->chunk_cs.calls[op] += e->comm->stats.calls[op] - before.calls[op];
+            e->chunk_cs.bytes[op] += e->comm->stats.bytes[op] - before.bytes[op];
+            e->chunk_cs.wire_bytes[op] += e->comm->stats.wire_bytes[op] - before.wire_bytes[op];
+        }
+        if (rc != SCAPE_OK) {
+            e->broken = 1; /* the ranks no longer agree on what is reduced */
+            return rc;
+        }
+        e->chunks_done++;
+    }
+    return SCAPE_OK;
+}
+
 /* The one reduction collective, in place; sharded ranks keep their segment.
- * The values go in bf16 when the pack rounded them so (wire_now). */
+ * The values go in bf16 when the pack rounded them so (wire_now).  Chunked:
+ * the chunks early packs did not reduce, in order. */
 static scape_rc reduce(eng_t *e, float *buf, size_t k)
 {
     e->a.sum = buf;
+    if (chunked(e, e->a.mask_cur, e->select_due)) {
+        TRY(chunks_build(e));
+        for (; e->chunks_done < e->nchunks; e->chunks_done++)
+            TRY(reduce_chunk(e, buf, e->chunks_done, e->a.wire_now));
+        e->last.chunks = e->nchunks;
+        return SCAPE_OK;
+    }
     if (e->cfg.mode == ENG_MODE_REPLICATED)
         return x_allreduce(e, buf, k, e->a.wire_now);
     shard_counts(e, 1);
@@ -613,12 +786,6 @@ static scape_rc early_copy(eng_t *e, const unsigned char *which, int keep)
     return e->x->ops->sync(e->x);
 }
 
-/* The step's select_due, as step_phases will set it. */
-static int early_select_due(const eng_t *e)
-{
-    return eng_scape_masks(e) && e->early_step + 1 > e->cfg.warmup;
-}
-
 /* Pack the comm tensors early_take marks, with the mask (and its offsets)
  * step early_step will have; a.mask_cur stays the last step's. */
 static scape_rc early_run(eng_t *e, const void *const *grads)
@@ -665,9 +832,10 @@ scape_rc eng_early_pack(eng_t *e, uint64_t t, const void *const *grads,
     for (size_t j = 0; j < e->p->ntensors; j++)
         e->early_done[j] |= e->early_take[j];
     e->early_count += n;
+    scape_rc rc = n ? early_chunks(e) : SCAPE_OK;
     e->early_s += now_s() - t0;
     *packed = n;
-    return SCAPE_OK;
+    return rc;
 }
 
 void eng_early_clear(eng_t *e)
@@ -678,12 +846,36 @@ void eng_early_clear(eng_t *e)
     e->early_count = 0;
     e->early_s = 0.0;
     e->early_churned = 0;
+    e->chunks_done = 0;
+    memset(&e->chunk_cs, 0, sizeof e->chunk_cs);
+}
+
+/* With chunks reduced early (on every rank, or waited for by them), their
+ * tensors stay packed and reduced: only the others are undone, and the
+ * step packs them again (their new gradients; the reduced ones keep the
+ * gradients they were reduced with). */
+static scape_rc undo_uncommitted(eng_t *e)
+{
+    size_t kept = 0;
+    for (size_t j = 0; j < e->p->ntensors; j++) {
+        int committed = e->chunk_of[j] < e->chunks_done;
+        e->early_take[j] = e->early_done[j] && !committed;
+        e->early_done[j] = (unsigned char)committed;
+        kept += (size_t)committed;
+    }
+    scape_rc rc = e->early_stale0 ? SCAPE_OK : early_copy(e, e->early_take, 0);
+    if (rc != SCAPE_OK)
+        e->broken = 1;
+    e->early_count = kept;
+    return rc;
 }
 
 scape_rc eng_early_undo(eng_t *e)
 {
     if (e->early_step == 0)
         return SCAPE_OK;
+    if (e->chunks_done > 0)
+        return undo_uncommitted(e);
     scape_rc rc = e->early_stale0 ? SCAPE_OK : early_copy(e, e->early_done, 0);
     if (rc != SCAPE_OK)
         e->broken = 1;

@@ -220,6 +220,8 @@ scape_rc job_pack_early(job *j, job_part *p, int n, const unsigned char *take, i
 
 scape_rc job_pack_undo(job *j) { return eng_pack_early_undo(j->eng); }
 
+size_t job_early_kept(const job *j) { return j->eng ? eng_early_kept(j->eng, SIZE_MAX) : 0; }
+
 scape_rc job_step_finish(job *j, int defer_select)
 {
     j->last.has_after_reply = defer_select;

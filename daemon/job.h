@@ -131,6 +131,9 @@ scape_rc job_pack_early(job *j, job_part *p, int n, const unsigned char *take, i
                         int *dead);
 /* Undo what job_pack_early packed (eng_pack_early_undo). */
 scape_rc job_pack_undo(job *j);
+/* Tensors (comm order) of chunks that early packs reduced, which an undo
+ * keeps (reduce_chunk). */
+size_t job_early_kept(const job *j);
 /* What the engine holds and sends, for status (0 and "f32" before the start). */
 typedef struct job_footprint {
     uint64_t state_bytes;       /* the optimizer's state (m, theta, v) */

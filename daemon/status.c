@@ -363,6 +363,9 @@ void status_step_done(const job *j, step_done_msg *m)
     ph->has_early_pack = ph->has_early_tensors = st->early_tensors > 0;
     ph->early_pack = st->early_pack_s;
     ph->early_tensors = (uint32_t)st->early_tensors;
+    ph->has_early_chunks = ph->has_chunks = st->chunks > 0;
+    ph->early_chunks = (uint32_t)st->early_chunks;
+    ph->chunks = (uint32_t)st->chunks;
     double v[] = { l->wait, st->phase_s[ENG_PH_INTAKE], st->phase_s[ENG_PH_MASK_WAIT],
                    st->phase_s[ENG_PH_SELECT], st->phase_s[ENG_PH_PACK],
                    st->phase_s[ENG_PH_REDUCE], st->phase_s[ENG_PH_UPDATE],

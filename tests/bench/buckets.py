@@ -10,7 +10,9 @@ inside scape_step: from the step posted (the last gradients with it) to the
 parameters in place, of the trainer that posted last (the shorter of the
 two: the other one's includes its wait for that post), median over steps
 3..S;
-the ratio bucketed / whole is the issue's target (at most 0.25).  Both
+the ratio bucketed / whole is the issue's target (at most 0.25).  A third
+run adds --chunk (the daemons' reduce_chunk): the reduction in chunks,
+each sent as soon as its layers' buckets are in.  Both
 runs must end with bitwise equal parameters.  With --link RATE (root) the
 daemons run on test hosts (deploy/hosts.sh) joined by links of that rate.
 Prints figures; it does not pass or fail on them.
@@ -21,7 +23,7 @@ per size the backward, the step() of the last poster and the whole
 iteration (medians over steps 3..S); the shortest iteration is the
 measured choice of the default bucket size, as DDP's 25 MB was chosen.
 
-Usage: buckets.py BUILD_DIR [--d 256] [--layers 12] [--steps 12] [--link RATE]
+Usage: buckets.py BUILD_DIR [--d 256] [--layers 12] [--steps 12] [--link RATE] [--chunk C]
                   [--repeat 1] [--markdown FILE] [--torch [--sizes 0,0.25,1,4,16]]
 """
 import argparse
@@ -58,7 +60,7 @@ def status(build, rt):
     return json.loads(res.stdout).get("last") or {}
 
 
-def daemons_up(build, work, tag, link):
+def daemons_up(build, work, tag, link, extra=()):
     """Two daemons (host backend, sharded, scape rho 0.01), one trainer each:
     the processes and their runtime dirs once both serve."""
     if link:
@@ -76,7 +78,7 @@ def daemons_up(build, work, tag, link):
                   "--log-level", "warn", "--optimizer", "scape", "--rho", "0.01",
                   "--warmup", "1", "--mode", "sharded", "--world", "2", "--rank", str(r),
                   "--coordinator", eps[0], "--listen", eps[r + 1], "--job", "4243",
-                  "--trainers", "1", "--comm-timeout-ms", "600000", "--auth", "none"],
+                  "--trainers", "1", "--comm-timeout-ms", "600000", "--auth", "none", *extra],
                  stdout=log, stderr=log))
     deadline = time.time() + 30
     for rt, d in zip(rts, daemons):
@@ -87,11 +89,11 @@ def daemons_up(build, work, tag, link):
     return daemons, rts
 
 
-def run(build, work, tag, link, trainer):
+def run(build, work, tag, link, trainer, extra=()):
     """One training run: trainer(r, endpoint, log, out) is rank r's command
     line; it writes a CSV log with step_ms per step and its parameters to
     out.  The per-step figures of both trainers and rank 0's last step."""
-    daemons, rts = daemons_up(build, work, tag, link)
+    daemons, rts = daemons_up(build, work, tag, link, extra)
     logs = [os.path.join(work, "%s-log%d.csv" % (tag, r)) for r in range(2)]
     outs = [os.path.join(work, "%s-out%d" % (tag, r)) for r in range(2)]
     try:
@@ -122,6 +124,7 @@ def run(build, work, tag, link, trainer):
             "said": said,
             "early_pack_ms": 1e3 * (phases.get("early_pack") or 0.0),
             "early_tensors": phases.get("early_tensors") or 0,
+            "early_chunks": "%s of %s" % (phases.get("early_chunks"), phases.get("chunks")),
             "pack_ms": 1e3 * (phases.get("pack") or 0.0)}
 
 
@@ -132,12 +135,13 @@ def last_poster(rows, key="step_ms"):
     return [min(float(rows[r][k][key]) for r in range(2)) for k in range(2, len(rows[0]))]
 
 
-def gpt_run(build, work, tag, corpus, model, link, bucketed):
+def gpt_run(build, work, tag, corpus, model, link, bucketed, chunk=0):
     def trainer(r, endpoint, log, out):
         return [os.path.join(build, "client", "examples", "gpt_train"), "--endpoint", endpoint,
                 "--corpus", corpus, "--seed", str(1 + 1000 * r), *model, "--log", log,
                 "--out", out] + (["--buckets"] if bucketed else [])
-    res = run(build, work, tag, link, trainer)
+    res = run(build, work, tag, link, trainer,
+              ["--reduce-chunk", str(chunk)] if chunk else [])
     res["step_ms"] = statistics.median(last_poster(res["rows"]))
     return res
 
@@ -255,6 +259,8 @@ def main():
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--repeat", type=int, default=1, help="rounds of (whole, bucketed)")
     ap.add_argument("--link", help="run the daemons on test hosts with links of this rate")
+    ap.add_argument("--chunk", type=int, default=1 << 20,
+                    help="the third run's reduce_chunk, coordinates (0: no third run)")
     ap.add_argument("--markdown")
     a = ap.parse_args()
     if a.steps < 4:
@@ -282,33 +288,40 @@ def gpt_compare(a, work, corpus):
     model = ["--d", str(a.d), "--layers", str(a.layers), "--heads", str(a.heads), "--ctx",
              str(a.seq), "--seq", str(a.seq), "--batch", str(a.batch), "--steps",
              str(a.steps), "--lr", "1e-3", "--lr-warmup", "2"]
-    res = {False: [], True: []}
+    runs = [("whole", False, 0), ("bucketed", True, 0)]
+    if a.chunk:
+        runs.append(("chunked", True, a.chunk))
+    res = {name: [] for name, _, _ in runs}
     for k in range(a.repeat):
-        for bucketed in (False, True):
-            print("buckets: round %d, %s hand-over ..." % (k + 1, "bucketed" if bucketed
-                                                             else "whole"), file=sys.stderr)
-            res[bucketed].append(gpt_run(a.build, work, "r%d-%d" % (k, bucketed), corpus,
-                                         model, a.link, bucketed))
+        for name, bucketed, chunk in runs:
+            print("buckets: round %d, %s hand-over ..." % (k + 1, name), file=sys.stderr)
+            res[name].append(gpt_run(a.build, work, "r%d-%s" % (k, name), corpus, model, a.link,
+                                     bucketed, chunk))
     for k in range(a.repeat):
-        if res[True][k]["params"] != res[False][k]["params"] or \
-                res[True][k]["params"][0] != res[True][k]["params"][1]:
-            sys.exit("buckets: bucketed parameters differ from the whole hand-over's")
-    whole = statistics.median(r["step_ms"] for r in res[False])
-    buck = statistics.median(r["step_ms"] for r in res[True])
+        for name, _, _ in runs:
+            if res[name][k]["params"] != res["whole"][k]["params"] or \
+                    res[name][k]["params"][0] != res[name][k]["params"][1]:
+                sys.exit("buckets: %s parameters differ from the whole hand-over's" % name)
+    whole = statistics.median(r["step_ms"] for r in res["whole"])
     lines = [
         "| hand-over | step posted to parameters ready, ms (median) | ratio to whole | "
-        "packed early (last step, rank 0) | early pack ms | pack at the step ms |",
-        "|---|---|---|---|---|---|",
-        "| whole (all gradients with the step) | %.1f | 1.000 | 0 | - | %.1f |"
-        % (whole, statistics.median(r["pack_ms"] for r in res[False])),
-        "| bucketed (--buckets: a layer at a time) | %.1f | %.3f | %d tensors | %.1f | %.1f |"
-        % (buck, buck / whole, res[True][-1]["early_tensors"],
-           statistics.median(r["early_pack_ms"] for r in res[True]),
-           statistics.median(r["pack_ms"] for r in res[True])),
+        "packed early (last step, rank 0) | chunks reduced early (last step, rank 0) | "
+        "early pack ms | pack at the step ms |",
+        "|---|---|---|---|---|---|---|",
     ]
+    label = {"whole": "whole (all gradients with the step)",
+             "bucketed": "bucketed (--buckets: a layer at a time)",
+             "chunked": "bucketed, reduce_chunk %d" % a.chunk}
+    for name, bucketed, chunk in runs:
+        ms = statistics.median(r["step_ms"] for r in res[name])
+        lines.append("| %s | %.1f | %.3f | %d tensors | %s | %s | %.1f |" % (
+            label[name], ms, ms / whole, res[name][-1]["early_tensors"],
+            res[name][-1]["early_chunks"] if chunk else "-",
+            "%.1f" % statistics.median(r["early_pack_ms"] for r in res[name]) if bucketed
+            else "-", statistics.median(r["pack_ms"] for r in res[name])))
     print("2 daemons (host backend, sharded, scape rho 0.01), 1 gpt_train each, N = %d "
           "(d %d, %d layers), batch %d x %d, %s, steps 3..%d, %d round(s)"
-          % (res[True][0]["n"], a.d, a.layers, a.batch, a.seq, "test hosts, links of %s" % a.link if a.link
+          % (res["whole"][0]["n"], a.d, a.layers, a.batch, a.seq, "test hosts, links of %s" % a.link if a.link
              else "127.0.0.1", a.steps, a.repeat))
     print("\n".join(lines))
     return lines

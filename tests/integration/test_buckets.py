@@ -6,6 +6,7 @@ named and its step abandoned; posts a daemon cannot take fail the step,
 naming why."""
 import os
 import subprocess
+import time
 
 import pytest
 import zmq
@@ -30,11 +31,23 @@ def trainer(endpoint, index, n, steps, out, seed, *extra):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def early_tensors(d):
-    """Tensors the daemon packed before its last step's Steps came (Phases 14)."""
+def phases(d):
+    """The daemon's last step's Phases."""
     status, msg, _, done = pbwire.query_status(d.status_endpoint)
     assert status == 0, msg
-    return pbwire.parse(done[2][0]).get(14, [0])[0]
+    return pbwire.parse(done[2][0])
+
+
+def early_tensors(d):
+    """Tensors the daemon packed before its last step's Steps came (Phases 14)."""
+    return phases(d).get(14, [0])[0]
+
+
+def early_chunks(d):
+    """reduce_chunk: (chunks reduced before the Steps came, chunks) of the
+    daemon's last step (Phases 15, 16)."""
+    ph = phases(d)
+    return ph.get(15, [0])[0], ph.get(16, [0])[0]
 
 
 def group(daemon_factory, trainers, extra):
@@ -47,24 +60,28 @@ def group(daemon_factory, trainers, extra):
             for r, t in enumerate(trainers)]
 
 
-# (optimizer, mode, trainers per daemon, buckets, orders): every trainer of a
-# rank posts in an order of its own (mix: shuffled per trainer and step)
+# (optimizer, mode, trainers per daemon, buckets, orders, executor,
+# reduce_chunk): every trainer of a rank posts in an order of its own (mix:
+# shuffled per trainer and step)
 CASES = [
-    ("scape", "sharded", [1, 3, 1], 3, ["mix", "rev", "fwd"], "host"),
-    ("scape", "replicated", [3], 7, ["fwd", "mix", "rev"], "host"),
-    ("adamw", "replicated", [1, 1, 1, 1], 4, ["mix"], "host"),
-    ("adams", "sharded", [2, 1, 1], 2, ["rev", "mix"], "host"),
+    ("scape", "sharded", [1, 3, 1], 3, ["mix", "rev", "fwd"], "host", 0),
+    ("scape", "replicated", [3], 7, ["fwd", "mix", "rev"], "host", 0),
+    ("adamw", "replicated", [1, 1, 1, 1], 4, ["mix"], "host", 0),
+    ("adams", "sharded", [2, 1, 1], 2, ["rev", "mix"], "host", 0),
     # the cuda executor's code on the CPU, the residual streamed in chunks
-    ("scape", "sharded", [2, 1], 3, ["mix"], "sim"),
+    ("scape", "sharded", [2, 1], 3, ["mix"], "sim", 0),
+    # the reduction in chunks, each sent once its buckets are in
+    ("scape", "sharded", [1, 3, 1], 3, ["rev", "mix", "fwd"], "host", 1000),
+    ("adamw", "replicated", [1, 2], 4, ["mix", "rev"], "host", 700),
 ]
 
 
-@pytest.mark.parametrize("optimizer,mode,trainers,buckets,orders,executor", CASES)
+@pytest.mark.parametrize("optimizer,mode,trainers,buckets,orders,executor,chunk", CASES)
 def test_buckets_equal_the_engine_bitwise(daemon_factory, tmp_path, optimizer, mode, trainers,
-                                          buckets, orders, executor):
+                                          buckets, orders, executor, chunk):
     n, steps = 6000, 50
     extra = ["--optimizer", optimizer, "--mode", mode, "--executor", executor,
-             "--residual-chunk", "1000"]
+             "--residual-chunk", "1000", "--reduce-chunk", str(chunk)]
     daemons = group(daemon_factory, trainers, extra)
     procs, outs = [], []
     for r, (d, t) in enumerate(zip(daemons, trainers)):
@@ -77,6 +94,10 @@ def test_buckets_equal_the_engine_bitwise(daemon_factory, tmp_path, optimizer, m
         assert p.returncode == 0, o + e
     for d in daemons:
         assert early_tensors(d) > 0, "nothing was packed before the step"
+        if chunk:
+            went, chunks = early_chunks(d)
+            assert chunks > 1 and went > 0, "no chunk reduced before the step: %d of %d" % (
+                went, chunks)
     run_reference(str(tmp_path / "ref"), ",".join(map(str, trainers)), n, steps, *ENGINE,
                   "--optimizer", optimizer, "--mode", mode)
     ref = read(tmp_path / "ref")
@@ -108,6 +129,41 @@ def test_trainer_dying_between_buckets_is_named_and_its_step_abandoned(daemon_fa
                   "1:2,%d:1" % steps)
     assert read(tmp_path / "t0") == read(tmp_path / "ref"), "trainer 0 differs"
     assert d.stop() == 0
+
+
+def test_chunks_reduced_before_a_trainer_dies_are_kept(daemon_factory, tmp_path):
+    """Two daemons reducing in chunks: rank 1's trainer posts two buckets of
+    the last step, the last layers first (their chunks are reduced with
+    rank 0 at once), and exits.  Rank 1 names it, keeps the reduced chunks
+    (undoing only the rest), and a replacement trainer's step completes the
+    others; rank 0, which waited in the next chunk, finishes; both ranks
+    end with the same parameters."""
+    n, steps = 6000, 12
+    coord = free_endpoints(1)[0]
+    daemons = [daemon_factory(*ENGINE, "--mode", "sharded", "--reduce-chunk", "1000",
+                              "--world", "2", "--rank", str(r), "--coordinator", coord,
+                              "--listen", "tcp://127.0.0.1:*", "--job", "7", "--trainers", "1",
+                              "--comm-timeout-ms", "60000") for r in range(2)]
+    t0 = trainer(daemons[0].endpoint, 0, n, steps, str(tmp_path / "t0"), 1, "--buckets", 3,
+                 "--bucket-order", "rev")
+    t1 = trainer(daemons[1].endpoint, 0, n, steps, str(tmp_path / "dead"), 1001, "--buckets", 3,
+                 "--bucket-order", "rev", "--die-after-buckets", 2, "--sleep-ms", 150)
+    o1, e1 = t1.communicate(timeout=300)
+    assert t1.returncode == 3, o1 + e1
+    deadline = time.time() + 60
+    while daemons[1].trainers():  # its slot is free again
+        assert time.time() < deadline, "rank 1 never noticed its trainer's death"
+        time.sleep(0.01)
+    t2 = trainer(daemons[1].endpoint, 0, n, steps, str(tmp_path / "t2"), 1001, "--buckets", 3)
+    for p in (t0, t2):
+        o, e = p.communicate(timeout=300)
+        assert p.returncode == 0, o + e
+    log = daemons[1].output()
+    assert "died" in log, log
+    assert "were reduced already" in log, log
+    assert read(tmp_path / "t0") == read(tmp_path / "t2"), "the ranks' parameters differ"
+    for d in daemons:
+        assert d.stop() == 0, d.output()
 
 
 def test_posts_the_daemon_refuses_fail_the_step_naming_them(daemon_factory):

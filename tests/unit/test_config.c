@@ -16,7 +16,7 @@
 #include "check_run.h"
 #include "rank_threads.h"
 
-#define NKEYS 44
+#define NKEYS 45
 
 /* Every key with a valid value other than its default. */
 static const struct {
@@ -46,6 +46,7 @@ static const struct {
     { "residual_on_device", "true" },
     { "residual_chunk", "65536" },
     { "defer_select", "false" },
+    { "reduce_chunk", "65536" },
     { "max_trainers", "8" },
     { "max_message_bytes", "4096" },
     { "liveness_ms", "50" },
@@ -88,6 +89,7 @@ static void check_full(const scaped_config *c)
     ck_assert_int_eq(c->executor, CFG_EXEC_SIM);
     ck_assert_int_eq(c->engine.residual_on_device, 1);
     ck_assert_uint_eq(c->engine.residual_chunk, 65536);
+    ck_assert_uint_eq(c->engine.reduce_chunk, 65536);
     ck_assert_int_eq(c->max_trainers, 8);
     ck_assert_uint_eq(c->max_message_bytes, 4096);
     ck_assert_int_eq(c->liveness_ms, 50);
@@ -544,7 +546,7 @@ START_TEST(print_format)
         "engine_threads: 1",
         "executor: auto",
         "residual_on_device: false",                   "residual_chunk: 4194304",
-        "defer_select: true",
+        "defer_select: true", "reduce_chunk: 0",
         "max_trainers: 64",
         "max_message_bytes: 1048576",
         "liveness_ms: 200",   "trainers: 0",           "world: 1",
@@ -871,6 +873,7 @@ START_TEST(hash_as_before)
     b.gather = ENG_GATHER_DELTA;
     b.threads = 7;
     b.residual_chunk = 64;
+    b.reduce_chunk = 4096;
     b.residual_on_device = 1;
     b.rho_steps = 5; /* without a schedule */
     b.clip_norm = ENG_CLIP_GRAD; /* without clipping */
@@ -924,7 +927,7 @@ START_TEST(engine_key_order)
     static const char *const want[] = {
         "optimizer", "mode", "rho", "warmup", "beta1", "beta2", "eps", "weight_decay",
         "max_grad_norm", "wire_values", "rho_start", "rho_steps", "mask_deltas", "clip_norm",
-        "dense_below", "defer_select", "gather_values", "split_above",
+        "dense_below", "defer_select", "gather_values", "split_above", "reduce_chunk",
     };
     enum { NWANT = sizeof want / sizeof want[0] };
     const unsigned agree = ENG_KEY_AGREE | ENG_KEY_AGREE_LAGGED;
@@ -939,7 +942,8 @@ START_TEST(engine_key_order)
         with_seq++;
         ck_assert_uint_le(k[i].seq, NWANT);
         ck_assert_str_eq(k[i].name, want[k[i].seq - 1]);
-        ck_assert_int_eq((k[i].flags & agree) != 0, k[i].seq == 16 || k[i].seq == 17);
+        ck_assert_int_eq((k[i].flags & agree) != 0, k[i].seq == 16 || k[i].seq == 17 ||
+                                                       k[i].seq == 19);
     }
     ck_assert_uint_eq(with_seq, NWANT);
     /* the restore refusals name the hashed keys but the mode, as the

@@ -7,7 +7,11 @@
  * early packs sometimes undone and posted again, and on some steps a
  * checkpoint taken between buckets; the step packs the rest.  theta, m, v,
  * the residual and the mask of every rank must be bitwise those of the
- * plain run every few steps, and the trainers' parameters at the end.
+ * plain run every few steps, and the trainers' parameters at the end; the
+ * checkpoints, byte for byte those the plain run saves before the same
+ * steps.  Some early runs reduce in chunks (reduce_chunk) against the plain
+ * run's one reduction: chunks that early packs reduced survive an undo and
+ * a checkpoint, and must be reduced early on some step.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <check.h>
@@ -41,7 +45,10 @@ static uint64_t s_seed;
 typedef struct spec {
     eng_config cfg;
     int R, tr;
+    uint32_t chunk;              /* the early run's reduce_chunk */
 } spec;
+
+#define SAVES 8                  /* checkpoints between buckets (t % 9 == 4) */
 
 typedef struct ctx {
     const spec *sp;
@@ -50,6 +57,11 @@ typedef struct ctx {
     int early;                   /* this run posts buckets early */
     float *snap[MAX_R][SNAPS + 1][NVEC]; /* plain run's; the last: params */
     double churn[MAX_R][STEPS + 1];      /* plain run's mask churn per step */
+    /* the plain run's checkpoint before each step the early run saves
+     * between buckets: every section, as saved */
+    void *saved[MAX_R][SAVES][ENG_CKPT_MAX_SECS];
+    size_t saved_bytes[MAX_R][SAVES][ENG_CKPT_MAX_SECS];
+    size_t early_chunks;         /* chunks the early run's packs reduced */
     char fail[512];
     int failed;
     pthread_mutex_t mu;
@@ -156,14 +168,15 @@ static scape_rc snapshot(ctx *c, int r, int slot, eng_t *e)
     return rc;
 }
 
-/* One bucket posted early; checks what it says it packed. */
+/* One bucket posted early; checks what it says it packed.  posted[l]:
+ * pieces of tensor l packed so far. */
 static scape_rc post(ctx *c, eng_t *e, uint64_t t, void **grads, const unsigned char *bucket,
-                     unsigned char *posted, const size_t *pieces, size_t *total, double norm0)
+                     size_t *posted, const size_t *pieces, size_t *total, double norm0)
 {
     size_t packed = 99, want = 0;
     for (size_t l = 0; l < NT; l++)
-        if (bucket[l] && !posted[l])
-            want += pieces[l];
+        if (bucket[l])
+            want += pieces[l] - posted[l];
     TRY(eng_pack_early(e, t, (const void *const *)grads, bucket, &packed));
     if (eng_opt_get(c->sp->cfg.optimizer)->intake)
         want = 0; /* topk-adamw leaves everything to the step */
@@ -171,7 +184,8 @@ static scape_rc post(ctx *c, eng_t *e, uint64_t t, void **grads, const unsigned 
         note_fail(c, "step %llu: a bucket packed %zu comm tensors, expected %zu",
                   (unsigned long long)t, packed, want);
     for (size_t l = 0; l < NT; l++)
-        posted[l] |= bucket[l];
+        if (bucket[l] && !eng_opt_get(c->sp->cfg.optimizer)->intake)
+            posted[l] = pieces[l];
     *total += packed;
     /* status between buckets shows the last step's residual norm, not one
      * of a residual half packed */
@@ -179,6 +193,39 @@ static scape_rc post(ctx *c, eng_t *e, uint64_t t, void **grads, const unsigned 
     if (memcmp(&norm, &norm0, sizeof norm))
         note_fail(c, "step %llu: the residual norm between buckets is %.17g, the last "
                   "step's %.17g", (unsigned long long)t, norm, norm0);
+    return SCAPE_OK;
+}
+
+/* After an undo: what stays packed (the chunks reduced early). */
+static void kept(eng_t *e, size_t *posted, size_t *total)
+{
+    *total = 0;
+    for (size_t l = 0; l < NT; l++)
+        *total += posted[l] = eng_early_kept(e, l);
+}
+
+/* A checkpoint before step t, which saves the state after step t - 1:
+ * the plain run keeps its sections, the early run (between buckets, with
+ * chunks reduced early or not) must save the same bytes. */
+static scape_rc save_between(ctx *c, int r, eng_t *e, uint64_t t)
+{
+    eng_ckpt_meta meta;
+    eng_ckpt_sec secs[ENG_CKPT_MAX_SECS];
+    int nsecs;
+    size_t w = (size_t)(t / 9);
+    TRY(eng_ckpt_save(e, &meta, secs, &nsecs));
+    for (int i = 0; i < nsecs && w < SAVES; i++) {
+        if (!c->early) {
+            c->saved[r][w][i] = malloc(secs[i].bytes ? secs[i].bytes : 1);
+            memcpy(c->saved[r][w][i], secs[i].ptr, secs[i].bytes);
+            c->saved_bytes[r][w][i] = secs[i].bytes;
+        } else if (secs[i].bytes != c->saved_bytes[r][w][i] ||
+                   memcmp(secs[i].ptr, c->saved[r][w][i], secs[i].bytes)) {
+            note_fail(c, "rank %d: the checkpoint saved between step %llu's buckets differs "
+                      "in section %d (%zu bytes) from the one before the plain step", r,
+                      (unsigned long long)t, i, secs[i].bytes);
+        }
+    }
     return SCAPE_OK;
 }
 
@@ -190,8 +237,8 @@ static scape_rc post_buckets(ctx *c, int r, eng_t *e, uint64_t t, void **grads,
                              const size_t *pieces, size_t *total)
 {
     uint64_t h = mix(s_seed ^ mix(((uint64_t)r << 32) ^ t ^ 0x5eedULL));
-    size_t perm[NT], nb = 1 + (h >> 60) % 4;
-    unsigned char bucket[4][NT], posted[NT];
+    size_t perm[NT], nb = 1 + (h >> 60) % 4, posted[NT];
+    unsigned char bucket[4][NT];
     memset(bucket, 0, sizeof bucket);
     memset(posted, 0, sizeof posted);
     for (size_t l = 0; l < NT; l++)
@@ -209,12 +256,8 @@ static scape_rc post_buckets(ctx *c, int r, eng_t *e, uint64_t t, void **grads,
     *total = 0;
     for (size_t b = 0; b <= nb; b++) {
         if (b == ckpt_at) {
-            eng_ckpt_meta meta;
-            eng_ckpt_sec secs[ENG_CKPT_MAX_SECS];
-            int nsecs;
-            TRY(eng_ckpt_save(e, &meta, secs, &nsecs));
-            memset(posted, 0, sizeof posted); /* the save undid them */
-            *total = 0;
+            TRY(save_between(c, r, e, t));
+            kept(e, posted, total); /* the save undid them */
         }
         if (b == nb)
             break;
@@ -226,8 +269,7 @@ static scape_rc post_buckets(ctx *c, int r, eng_t *e, uint64_t t, void **grads,
     }
     if ((h & 0xff) < 64) {
         TRY(eng_pack_early_undo(e));
-        memset(posted, 0, sizeof posted);
-        *total = 0;
+        kept(e, posted, total);
         for (size_t b = 0; b < nb; b++)
             if (mix(h ^ (b << 4)) & 1)
                 TRY(post(c, e, t, grads, bucket[b], posted, pieces, total, norm0));
@@ -245,9 +287,14 @@ static scape_rc train(rank_arg *a, eng_t *e, void **grads, void **params)
         size_t total = 0;
         if (c->early)
             TRY(post_buckets(c, a->rank, e, t, grads, pieces, &total));
+        else if (t % 9 == 4)
+            TRY(save_between(c, a->rank, e, t));
         TRY(eng_step(e, t, 1e-3f, (const void *const *)grads, params));
         eng_step_stats st;
         TRY(eng_last_stats(e, &st));
+        pthread_mutex_lock(&c->mu);
+        c->early_chunks += c->early ? st.early_chunks : 0;
+        pthread_mutex_unlock(&c->mu);
         if (st.early_tensors != total)
             note_fail(c, "rank %d step %llu: stats say %zu tensors packed early, the calls "
                       "%zu", a->rank, (unsigned long long)t, st.early_tensors, total);
@@ -275,7 +322,9 @@ static scape_rc rank_run(rank_arg *a)
     }
     eng_layout lay = { c->ts, NT, KERN_F32, KERN_F32, NULL, 0 };
     eng_t *e = NULL;
-    scape_rc rc = eng_create(&e, &c->sp->cfg, &lay, a->comm, tr);
+    eng_config cfg = c->sp->cfg;
+    cfg.reduce_chunk = c->early ? c->sp->chunk : 0; /* the plain run: one reduction */
+    scape_rc rc = eng_create(&e, &cfg, &lay, a->comm, tr);
     if (rc == SCAPE_OK)
         rc = eng_init_params(e, params);
     if (rc == SCAPE_OK)
@@ -314,15 +363,26 @@ static void run_spec(const spec *sp)
                           (unsigned)sp->cfg.split_above, c->early ? "early" : "plain", r,
                           args[r].err);
     }
-    ck_assert_msg(!c->failed, "%s %s %s%s R=%d T_r=%d split_above=%u defer_select=%d: %s",
-                  eng_optimizer_name(sp->cfg.optimizer), eng_mode_name(sp->cfg.mode),
-                  eng_executor_name(sp->cfg.executor),
+    ck_assert_msg(!c->failed, "%s %s %s%s R=%d T_r=%d split_above=%u defer_select=%d "
+                  "reduce_chunk=%u: %s", eng_optimizer_name(sp->cfg.optimizer),
+                  eng_mode_name(sp->cfg.mode), eng_executor_name(sp->cfg.executor),
                   sp->cfg.residual_on_device ? " (residual on device)" : "", sp->R,
-                  sp->tr, (unsigned)sp->cfg.split_above, sp->cfg.defer_select, c->fail);
-    for (int r = 0; r < MAX_R; r++)
+                  sp->tr, (unsigned)sp->cfg.split_above, sp->cfg.defer_select,
+                  (unsigned)sp->chunk, c->fail);
+    /* the chunks went early where they can: several ranks, an optimizer
+     * that packs early */
+    if (sp->chunk && sp->R > 1 && !eng_opt_get(sp->cfg.optimizer)->intake)
+        ck_assert_msg(c->early_chunks > 0, "%s %s R=%d reduce_chunk=%u: no chunk was reduced "
+                      "by an early pack in %d steps", eng_optimizer_name(sp->cfg.optimizer),
+                      eng_mode_name(sp->cfg.mode), sp->R, (unsigned)sp->chunk, STEPS);
+    for (int r = 0; r < MAX_R; r++) {
         for (int s = 0; s <= SNAPS; s++)
             for (int v = 0; v < NVEC; v++)
                 free(c->snap[r][s][v]);
+        for (int w = 0; w < SAVES; w++)
+            for (int i = 0; i < ENG_CKPT_MAX_SECS; i++)
+                free(c->saved[r][w][i]);
+    }
     pthread_mutex_destroy(&c->mu);
     free(c);
 }
@@ -353,6 +413,9 @@ START_TEST(early_packs_change_no_bit)
                     sp.cfg.split_above = split ? SPLIT_SMALL : 0;
                     sp.cfg.defer_select = (int)((ri + (size_t)split) % 2);
                     sp.cfg.wire_bf16 = tr == 3; /* bf16 values keep a remainder in e */
+                    /* none, a chunk per piece, chunks of several tensors */
+                    static const uint32_t chunks[] = { 0, 1, 150 };
+                    sp.chunk = chunks[(ri + (size_t)tr + (size_t)split) % 3];
                     run_spec(&sp);
                 }
 }
