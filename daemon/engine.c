@@ -825,12 +825,8 @@ scape_rc eng_step_groups(eng_t *e, uint64_t t, const float *lrs, const void *con
     e->last.step = t;
     e->last.n = e->p->n;
     e->last.density = (double)e->last.k / (double)e->p->n;
-    for (int op = 0; op < COMM_OP_COUNT; op++) {
-        e->last.comm.calls[op] = e->comm->stats.calls[op] - before.calls[op] + early.calls[op];
-        e->last.comm.bytes[op] = e->comm->stats.bytes[op] - before.bytes[op] + early.bytes[op];
-        e->last.comm.wire_bytes[op] =
-            e->comm->stats.wire_bytes[op] - before.wire_bytes[op] + early.wire_bytes[op];
-    }
+    e->last.comm = early;
+    eng_comm_since(&e->last.comm, &e->comm->stats, &before);
     /* the mask all-gather counts to the step whose mask it brought, not to
      * the one that started it (which may be before or after this window) */
     e->last.comm.calls[COMM_IALLGATHER] = e->used_iag[0];

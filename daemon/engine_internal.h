@@ -148,6 +148,17 @@ struct eng {
     float *ckpt_res;     /* a checkpoint's residual, when chunks_done */
 };
 
+/* *to += now - before, per op (the collectives run between two looks). */
+static inline void eng_comm_since(comm_stats *to, const comm_stats *now,
+                                  const comm_stats *before)
+{
+    for (int op = 0; op < COMM_OP_COUNT; op++) {
+        to->calls[op] += now->calls[op] - before->calls[op];
+        to->bytes[op] += now->bytes[op] - before->bytes[op];
+        to->wire_bytes[op] += now->wire_bytes[op] - before->wire_bytes[op];
+    }
+}
+
 /* mask_deltas: the word before each rank's code says its form. */
 #define ENG_MASK_FULL 0x4c4c5546u  /* "FULL": the fixed code of maskcode.h */
 #define ENG_MASK_DELTA 0x544c4544u /* "DELT": mdelta_encode's delta */

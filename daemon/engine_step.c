@@ -410,112 +410,47 @@ static int chunked(const eng_t *e, const uint32_t *mask, int select_due)
     return !select_due || (e->cfg.defer_select && mask != NULL);
 }
 
-typedef struct by_off_key {
-    size_t off, i;
-} by_off_key;
-
-static int by_off_desc(const void *a, const void *b)
-{
-    const by_off_key *x = a, *y = b;
-    return x->off < y->off ? 1 : x->off > y->off ? -1 : 0;
-}
-
-/* chunk_of, chunk_run and nchunks from the plan, once. */
+/* The plan's chunks, once. */
 static scape_rc chunks_build(eng_t *e)
 {
-    const plan *p = e->p;
-    size_t nt = p->ntensors, R = (size_t)e->comm->size;
     if (e->chunk_of != NULL)
         return SCAPE_OK;
-    by_off_key *k = malloc((nt ? nt : 1) * sizeof *k);
-    size_t *lchunk = malloc((nt ? nt : 1) * sizeof *lchunk);
-    size_t *of = malloc((nt ? nt : 1) * sizeof *of);
-    if (k == NULL || lchunk == NULL || of == NULL) {
-        free(k);
-        free(lchunk);
-        free(of);
-        return scape_set_error(SCAPE_NOMEM, "engine: out of memory");
-    }
-    for (size_t i = 0; i < nt; i++)
-        k[i] = (by_off_key){ p->t[i].off, i };
-    qsort(k, nt, sizeof *k, by_off_desc);
-    size_t c = 0, acc = 0;
-    for (size_t q = 0; q < nt; q++) {
-        if (acc >= e->cfg.reduce_chunk) {
-            c++;
-            acc = 0;
-        }
-        lchunk[k[q].i] = c;
-        acc += p->t[k[q].i].len;
-    }
-    free(k);
-    size_t nc = nt ? c + 1 : 0;
-    size_t nrun = 2 * R * nc;
-    size_t *run = malloc((nrun ? nrun : 1) * sizeof *run);
-    scape_rc rc = run ? SCAPE_OK : scape_set_error(SCAPE_NOMEM, "engine: out of memory");
-    for (size_t s = 0; rc == SCAPE_OK && s < R; s++) {
-        const plan_shard *sh = &p->shard[s];
-        for (size_t q = 0; q < nc; q++)
-            run[2 * (R * q + s)] = run[2 * (R * q + s) + 1] = SIZE_MAX;
-        for (size_t j = sh->first; rc == SCAPE_OK && j < sh->first + sh->count; j++) {
-            size_t *r = &run[2 * (R * lchunk[p->order[j]] + s)];
-            of[j] = lchunk[p->order[j]];
-            if (r[0] == SIZE_MAX)
-                r[0] = j;
-            else if (r[1] != j) /* plan.c lays a shard out by offset */
-                rc = scape_set_error(SCAPE_INVALID, "engine: chunk %zu is not one run of "
-                                     "shard %zu's tensors", of[j], s);
-            r[1] = j + 1;
-        }
-        for (size_t q = 0; q < nc; q++)
-            if (run[2 * (R * q + s)] == SIZE_MAX)
-                run[2 * (R * q + s)] = run[2 * (R * q + s) + 1] = sh->first;
-    }
-    free(lchunk);
-    if (rc != SCAPE_OK) {
-        free(run);
-        free(of);
-        return rc;
-    }
-    e->chunk_run = run;
-    e->chunk_of = of;
-    e->nchunks = nc;
-    return SCAPE_OK;
+    return plan_chunks(e->p, e->cfg.reduce_chunk, &e->chunk_of, &e->chunk_run, &e->nchunks);
 }
 
-/* Chunk c of buf (toff's offsets) reduced: its runs staged in rank order,
- * one collective, the sums back (sharded: this rank's run only). */
+/* Chunk c's runs of buf (toff's offsets), in rank order, into the staging
+ * buffer (down) or back from it: every run, or (own) this rank's alone. */
+static scape_rc stage_runs(eng_t *e, float *buf, const size_t *run, int down, int own)
+{
+    size_t at = 0;
+    for (int s = 0; s < e->comm->size; at += e->counts[s], s++) {
+        float *b = buf + e->a.toff[run[2 * s]], *h = e->cstage + at;
+        if (e->counts[s] && (!own || s == e->rank))
+            TRY(e->x->ops->copy(e->x, down ? (void *)h : (void *)b, down ? b : h,
+                                e->counts[s] * sizeof(float)));
+    }
+    return e->x->ops->sync(e->x);
+}
+
+/* Chunk c of buf reduced: its runs staged in rank order, one collective,
+ * the sums back (sharded: this rank's run only). */
 static scape_rc reduce_chunk(eng_t *e, float *buf, size_t c, int bf16)
 {
     int R = e->comm->size;
     const size_t *run = e->chunk_run + 2 * (size_t)R * c;
-    size_t total = 0, own = 0, at = 0;
+    size_t total = 0, own = 0;
     for (int s = 0; s < R; s++) {
         e->counts[s] = e->a.toff[run[2 * s + 1]] - e->a.toff[run[2 * s]];
         own += s < e->rank ? e->counts[s] : 0;
         total += e->counts[s];
     }
     TRY(bounce_buf((void **)&e->cstage, &e->cstage_cap, (total ? total : 1) * sizeof(float)));
-    for (int s = 0; s < R; at += e->counts[s], s++)
-        if (e->counts[s])
-            TRY(e->x->ops->copy(e->x, e->cstage + at, buf + e->a.toff[run[2 * s]],
-                                e->counts[s] * sizeof(float)));
-    TRY(e->x->ops->sync(e->x));
-    if (e->cfg.mode == ENG_MODE_REPLICATED) {
-        TRY(comm_allreduce_sum_wire(e->comm, e->cstage, total, bf16));
-        at = 0;
-        for (int s = 0; s < R; at += e->counts[s], s++)
-            if (e->counts[s])
-                TRY(e->x->ops->copy(e->x, buf + e->a.toff[run[2 * s]], e->cstage + at,
-                                    e->counts[s] * sizeof(float)));
-    } else {
-        TRY(comm_reduce_scatter_sum_wire(e->comm, e->cstage, e->cstage + own, e->counts,
-                                         bf16));
-        if (e->counts[e->rank])
-            TRY(e->x->ops->copy(e->x, buf + e->a.toff[run[2 * e->rank]], e->cstage + own,
-                                e->counts[e->rank] * sizeof(float)));
-    }
-    return e->x->ops->sync(e->x);
+    TRY(stage_runs(e, buf, run, 1, 0));
+    int sharded = e->cfg.mode != ENG_MODE_REPLICATED;
+    TRY(sharded ? comm_reduce_scatter_sum_wire(e->comm, e->cstage, e->cstage + own, e->counts,
+                                               bf16)
+                : comm_allreduce_sum_wire(e->comm, e->cstage, total, bf16));
+    return stage_runs(e, buf, run, 0, sharded);
 }
 
 /* Early packs: reduce the chunks next in line whose every tensor is packed;
@@ -536,11 +471,7 @@ static scape_rc early_chunks(eng_t *e)
                     return SCAPE_OK;
         comm_stats before = e->comm->stats;
         scape_rc rc = reduce_chunk(e, buf, e->chunks_done, bf16);
-        for (int op = 0; op < COMM_OP_COUNT; op++) {
-            e->chunk_cs.calls[op] += e->comm->stats.calls[op] - before.calls[op];
-            e->chunk_cs.bytes[op] += e->comm->stats.bytes[op] - before.bytes[op];
-            e->chunk_cs.wire_bytes[op] += e->comm->stats.wire_bytes[op] - before.wire_bytes[op];
-        }
+        eng_comm_since(&e->chunk_cs, &e->comm->stats, &before);
         if (rc != SCAPE_OK) {
             e->broken = 1; /* the ranks no longer agree on what is reduced */
             return rc;

@@ -146,6 +146,59 @@ static uint64_t layout_hash(const eng_tensor *ts, size_t nt)
     return h;
 }
 
+scape_rc plan_chunks(const plan *p, size_t coords, size_t **of_out, size_t **run_out,
+                     size_t *nchunks)
+{
+    size_t nt = p->ntensors, R = (size_t)p->nranks;
+    keyed *k = malloc((nt ? nt : 1) * sizeof *k);
+    size_t *lchunk = malloc((nt ? nt : 1) * sizeof *lchunk);
+    size_t *of = malloc((nt ? nt : 1) * sizeof *of);
+    if (k == NULL || lchunk == NULL || of == NULL) {
+        free(k);
+        free(lchunk);
+        free(of);
+        return scape_set_error(SCAPE_NOMEM, "layout: out of memory (%zu tensors)", nt);
+    }
+    for (size_t i = 0; i < nt; i++)
+        k[i] = (keyed){ p->t[i].off, i };
+    qsort(k, nt, sizeof *k, by_key_desc);
+    size_t c = 0, acc = 0;
+    for (size_t q = 0; q < nt; q++) {
+        if (acc >= coords) {
+            c++;
+            acc = 0;
+        }
+        lchunk[k[q].idx] = c;
+        acc += p->t[k[q].idx].len;
+    }
+    free(k);
+    size_t nc = nt ? c + 1 : 0, nrun = 2 * R * nc;
+    size_t *run = malloc((nrun ? nrun : 1) * sizeof *run);
+    if (run == NULL) {
+        free(lchunk);
+        free(of);
+        return scape_set_error(SCAPE_NOMEM, "layout: out of memory (%zu chunks)", nc);
+    }
+    for (size_t s = 0; s < R; s++) {
+        const plan_shard *sh = &p->shard[s];
+        for (size_t q = 0; q < nc; q++)
+            run[2 * (R * q + s)] = run[2 * (R * q + s) + 1] = sh->first;
+        /* by offset in the shard, so a chunk's tensors follow each other */
+        for (size_t j = sh->first; j < sh->first + sh->count; j++) {
+            size_t *r = &run[2 * (R * lchunk[p->order[j]] + s)];
+            of[j] = lchunk[p->order[j]];
+            if (r[0] == r[1])
+                r[0] = j;
+            r[1] = j + 1;
+        }
+    }
+    free(lchunk);
+    *of_out = of;
+    *run_out = run;
+    *nchunks = nc;
+    return SCAPE_OK;
+}
+
 void plan_destroy(plan **pp)
 {
     if (pp == NULL || *pp == NULL)

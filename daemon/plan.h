@@ -80,6 +80,14 @@ void plan_set_dense(plan *p, size_t dense_below, double rho);
  * at equal intervals over rho_steps masked steps, never below rho.  Only
  * exact operations, so every rank derives the same value from t alone. */
 double plan_rho_at(const eng_config *c, uint64_t t);
+/* The reduction's chunks (reduce_chunk, docs/design.md "Chunked
+ * reductions"): whole tensors by offset from the end, a chunk closed once it
+ * holds at least `coords` coordinates; chunk 0 is the last one.  *of (comm
+ * order) gets each tensor's chunk, *run (2 nranks *nchunks) the run [a, b)
+ * of comm order that shard s holds of chunk c at [2 (nranks c + s)] (one run:
+ * a shard lays its tensors out by offset; an empty one where it holds
+ * none).  The caller frees *of and *run. */
+scape_rc plan_chunks(const plan *p, size_t coords, size_t **of, size_t **run, size_t *nchunks);
 /* Free; sets *p to NULL. */
 void plan_destroy(plan **p);
 
